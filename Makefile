@@ -1,0 +1,36 @@
+# specdec: `make run` (set up + one generation on the default model pair), `make test` (set up + tests).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PROTOS := $(wildcard protos/specdec/proto/*.proto)
+GEN    := specdec/proto/.generated-stamp
+# Torch first, pinned: this machine's local CPU wheel. A looser pin pulls GBs of CUDA packages.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup proto run test bench clean
+
+setup: $(STAMP) $(GEN)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+proto: $(GEN)
+
+$(GEN): $(PROTOS) $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch $@
+
+# One generation through target, draft and coordinator processes on loopback, with statistics.
+run: setup
+	$(PY) -m specdec.cli run-local --max-new-tokens $${MAX_NEW_TOKENS:-128}
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info

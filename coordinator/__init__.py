@@ -1,0 +1,1 @@
+"""The coordinator: owns every session's committed tokens and runs the speculative round loop."""

@@ -1,0 +1,222 @@
+"""Generation service: validates requests, builds prompts, runs Generations, reports info."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.generation import Generation, GenerationParams
+from coordinator.tiers import DraftClient, TargetClient, TierError
+from specdec.models import load_tokenizer, tokenizer_fingerprint
+from specdec.proto import common_pb2, generate_pb2, generate_pb2_grpc
+from specdec.sampling import SamplingParams
+from specdec.server import RequestError, Service, ServerConfig, create_server, handle_errors, invalid_argument
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "specdec.v1.Generation"
+CHAT_ROLES = {"system", "user", "assistant"}
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+# Tier failures the client sees with their own code; anything else is our bug -> INTERNAL.
+_PASS_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    target_address: str  # host:port of the target service
+    draft_address: str | None  # host:port of the draft service; None = target-only decoding
+    tokenizer: str  # model path / hub id whose tokenizer the coordinator uses (same as the tiers')
+    server: ServerConfig = ServerConfig()
+    default_max_new_tokens: int = 128  # when a request leaves max_new_tokens unset
+    max_new_tokens_cap: int = 4096  # larger requests are rejected
+    max_prompt_tokens: int = 8192  # longer prompts are rejected
+    default_num_speculative_tokens: int = 4  # K when a request leaves it unset
+    max_num_speculative_tokens: int = 16  # larger K is rejected
+    rpc_timeout_s: float = 60.0  # deadline of each internal rpc
+    connect_timeout_s: float = 300.0  # how long to wait at start-up for the tiers to answer
+
+
+class PipelineMismatch(RuntimeError):
+    """The draft and target (or the coordinator's tokenizer) do not belong together."""
+
+
+class Pipeline:
+    """Connections to the tiers plus what was learnt from them at start-up."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        opts = [("grpc.max_receive_message_length", config.server.max_message_bytes),
+                ("grpc.max_send_message_length", config.server.max_message_bytes)]
+        self._channels = [grpc.aio.insecure_channel(config.target_address, options=opts)]
+        self.target = TargetClient(self._channels[0], config.target_address, config.rpc_timeout_s)
+        self.draft = None
+        if config.draft_address:
+            self._channels.append(grpc.aio.insecure_channel(config.draft_address, options=opts))
+            self.draft = DraftClient(self._channels[1], config.draft_address, config.rpc_timeout_s)
+        self.tokenizer = None
+        self.target_info: common_pb2.ModelInfo | None = None
+        self.draft_info: common_pb2.ModelInfo | None = None
+
+    async def connect(self) -> None:
+        """Wait for the tiers, load the tokenizer, and refuse mismatched models."""
+        loop = asyncio.get_running_loop()
+        tokenizer_task = loop.run_in_executor(None, load_tokenizer, self.config.tokenizer)
+        self.target_info = await self._wait_info(self.target, "target")
+        if self.draft is not None:
+            self.draft_info = await self._wait_info(self.draft, "draft")
+        self.tokenizer = await tokenizer_task
+        fingerprint = await loop.run_in_executor(None, tokenizer_fingerprint, self.tokenizer)
+        if self.target_info.tokenizer_fingerprint != fingerprint:
+            raise PipelineMismatch(f"the target's tokenizer ({self.target_info.model}) differs from the coordinator's ({self.config.tokenizer})")
+        if self.draft_info is not None and self.draft_info.tokenizer_fingerprint != self.target_info.tokenizer_fingerprint:
+            raise PipelineMismatch(f"draft tokenizer ({self.draft_info.model}) differs from target tokenizer ({self.target_info.model}); refusing to start")
+        log.info("pipeline: target %s at %s, draft %s", self.target_info.model, self.config.target_address,
+                 f"{self.draft_info.model} at {self.config.draft_address}" if self.draft_info else "none (target-only)")
+
+    async def _wait_info(self, client, name: str) -> common_pb2.ModelInfo:
+        deadline = asyncio.get_running_loop().time() + self.config.connect_timeout_s
+        while True:
+            try:
+                return await client.model_info()
+            except grpc.aio.AioRpcError as e:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ConnectionError(f"{name} service at {client.address} did not answer: {e.details()}") from None
+                await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        for ch in self._channels:
+            await ch.close()
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.config = pipeline.config
+        self._cleanup: set[asyncio.Task] = set()
+
+    async def Generate(self, request, context):
+        try:
+            params = self._validate(request)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        pl = self.pipeline
+        generation = Generation(params, pl.draft, pl.target, pl.tokenizer,
+                                set(pl.target_info.eos_token_ids), pl.target_info.max_context)
+        try:
+            async for event in generation.run():
+                yield event
+        except TierError as e:
+            code = e.code if e.code in _PASS_THROUGH else grpc.StatusCode.INTERNAL
+            await context.abort(code, str(e))
+        finally:
+            # Runs on completion, error and client cancellation alike; shielded from the cancellation.
+            task = asyncio.ensure_future(generation.close())
+            self._cleanup.add(task)
+            task.add_done_callback(self._cleanup.discard)
+
+    @handle_errors
+    async def GetInfo(self, request, context):
+        pl, c = self.pipeline, self.config
+
+        def summary(info, address):
+            if info is None:
+                return None
+            return generate_pb2.ModelSummary(model=info.model, address=address, device=info.device, dtype=info.dtype)
+
+        return generate_pb2.GetInfoResponse(
+            draft=summary(pl.draft_info, c.draft_address), target=summary(pl.target_info, c.target_address),
+            default_max_new_tokens=c.default_max_new_tokens, default_num_speculative_tokens=c.default_num_speculative_tokens,
+            max_new_tokens_cap=c.max_new_tokens_cap, max_prompt_tokens=c.max_prompt_tokens,
+            max_num_speculative_tokens=self._max_k(),
+        )
+
+    def _max_k(self) -> int:
+        caps = [self.config.max_num_speculative_tokens]
+        for info in (self.pipeline.draft_info, self.pipeline.target_info):
+            if info is not None:
+                caps.append(info.max_draft_tokens)
+        return min(caps)
+
+    # --- validation ---------------------------------------------------------------------------------
+
+    def _validate(self, r: generate_pb2.GenerateRequest) -> GenerationParams:
+        c = self.config
+        prompt_ids = self._prompt_ids(r)
+        if len(prompt_ids) > c.max_prompt_tokens:
+            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={c.max_prompt_tokens}")
+        max_new = r.max_new_tokens if r.HasField("max_new_tokens") else c.default_max_new_tokens
+        if not 1 <= max_new <= c.max_new_tokens_cap:
+            raise invalid_argument(f"max_new_tokens must be in [1, {c.max_new_tokens_cap}], got {max_new}")
+        sampling = SamplingParams(
+            temperature=r.temperature if r.HasField("temperature") else 0.0,
+            top_k=r.top_k if r.HasField("top_k") else 0,
+            top_p=r.top_p if r.HasField("top_p") else 1.0,
+        )
+        try:
+            sampling.validate()
+        except ValueError as e:
+            raise invalid_argument(str(e)) from None
+        k = r.num_speculative_tokens if r.HasField("num_speculative_tokens") else min(c.default_num_speculative_tokens, self._max_k())
+        if not 0 <= k <= self._max_k():
+            raise invalid_argument(f"num_speculative_tokens must be in [0, {self._max_k()}], got {k}")
+        if len(r.stop) > MAX_STOP_STRINGS:
+            raise invalid_argument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(r.stop)}")
+        for s in r.stop:
+            if not s or len(s) > MAX_STOP_LEN:
+                raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters")
+        seed = r.seed if r.HasField("seed") else secrets.randbits(63)
+        return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
+                                num_speculative_tokens=k, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
+
+    def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
+        tok = self.pipeline.tokenizer
+        which = r.WhichOneof("prompt")
+        if which is None:
+            raise invalid_argument("prompt is required: set text, chat or token_ids")
+        if which == "text":
+            if not r.text:
+                raise invalid_argument("prompt text is empty")
+            ids = tok(r.text)["input_ids"]
+        elif which == "chat":
+            if not r.chat.messages:
+                raise invalid_argument("prompt chat.messages is empty")
+            for i, m in enumerate(r.chat.messages):
+                if m.role not in CHAT_ROLES:
+                    raise invalid_argument(f"chat.messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}")
+            if not tok.chat_template:
+                raise invalid_argument("the model's tokenizer has no chat template; send text or token_ids")
+            messages = [{"role": m.role, "content": m.content} for m in r.chat.messages]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # BatchEncoding in newer transformers
+                ids = ids["input_ids"]
+        else:
+            ids = list(r.token_ids.ids)
+            if not ids:
+                raise invalid_argument("prompt token_ids is empty")
+            vocab = self.pipeline.target_info.vocab_size
+            for t in ids:
+                if not 0 <= t < vocab:
+                    raise invalid_argument(f"prompt token_ids: token id {t} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise invalid_argument("prompt tokenizes to no tokens")
+        return list(ids)
+
+
+async def build(config: CoordinatorConfig):
+    """(server, port, health, pipeline): connects to the tiers first (raises PipelineMismatch)."""
+    pipeline = Pipeline(config)
+    try:
+        await pipeline.connect()
+    except BaseException:
+        await pipeline.close()
+        raise
+    server, port, health = create_server(
+        [Service(GenerationServicer(pipeline), generate_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME)], config.server
+    )
+    return server, port, health, pipeline

@@ -1,0 +1,46 @@
+"""Incremental detokenization and stop strings for streaming."""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas, never splitting a multi-byte character.
+
+    Decodes a short window (a few tokens of context + the new ones) per step, as vLLM and TGI do, so
+    cost does not grow with the length of the generation.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], context: int = 5) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-context:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return delta
+        return ""
+
+
+class StopMatcher:
+    """Finds the first stop string in a growing text and says how much text is safe to stream."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1  # chars that may start a stop
+
+    def find(self, text: str, new_from: int) -> int:
+        """Index where a stop string begins, searching only matches that end after `new_from`; -1 if none."""
+        start = max(0, new_from - self.hold)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else -1
+
+    def safe_len(self, text: str) -> int:
+        """Length of the prefix of `text` that cannot be part of a future stop string."""
+        return len(text) - self.hold if self.stops else len(text)

@@ -1,0 +1,151 @@
+"""The `specdec` command: generate through a running coordinator, inspect it, or run all locally.
+
+    specdec generate "Write a haiku" --chat --max-new-tokens 64 --json --address 127.0.0.1:50051
+    specdec info --address 127.0.0.1:50051
+    specdec run-local --prompt "Explain KV caches" --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import grpc
+
+from specdec.client import Client, finish_reason_name
+from specdec.models import default_draft, default_target
+
+STAT_ROWS = [
+    ("generated tokens", "generated_tokens", "{:d}"),
+    ("prompt tokens", "prompt_tokens", "{:d}"),
+    ("rounds (target forwards)", "rounds", "{:d}"),
+    ("K (draft tokens per round)", "num_speculative_tokens", "{:d}"),
+    ("draft tokens proposed", "draft_tokens", "{:d}"),
+    ("draft tokens accepted", "accepted_tokens", "{:d}"),
+    ("acceptance rate", "acceptance_rate", "{:.3f}"),
+    ("mean tokens per target forward", "mean_tokens_per_forward", "{:.3f}"),
+    ("tokens/s", "tokens_per_s", "{:.2f}"),
+    ("time to first token (s)", "time_to_first_token_s", "{:.3f}"),
+    ("elapsed (s)", "elapsed_s", "{:.3f}"),
+    ("draft compute (ms)", "draft_ms", "{:.1f}"),
+    ("target compute (ms)", "verify_ms", "{:.1f}"),
+    ("network + gRPC (ms)", "network_ms", "{:.1f}"),
+    ("coordinator (ms)", "coordinator_ms", "{:.1f}"),
+]
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="send the prompt as one user chat message (default) or as raw text (--no-chat)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="K; 0 = target-only decoding")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, stats")
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              seed=args.seed, stop=args.stop, num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos)
+    if args.chat:
+        kw["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        kw["prompt"] = args.prompt
+    return kw
+
+
+def format_stats(stats: dict) -> str:
+    width = max(len(label) for label, _, _ in STAT_ROWS)
+    return "\n".join(f"  {label:<{width}}  {fmt.format(stats.get(key, 0))}" for label, key, fmt in STAT_ROWS)
+
+
+def run_generation(address: str, args: argparse.Namespace) -> int:
+    with Client(address) as client:
+        try:
+            if args.json:
+                out = client.generate(**generation_kwargs(args))
+                print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                                  "stats": out.stats}, indent=2))
+                return 0
+            result = None
+            for event in client.stream(**generation_kwargs(args)):
+                if event.HasField("chunk"):
+                    sys.stdout.write(event.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    result = event.result
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    from google.protobuf.json_format import MessageToDict
+
+    stats = MessageToDict(result.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    print(f"\n\n[finish: {finish_reason_name(result.finish_reason)}]")
+    print(format_stats(stats))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return run_generation(args.address, args)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with Client(args.address) as client:
+        print(json.dumps(client.info(), indent=2))
+    return 0
+
+
+def cmd_run_local(args: argparse.Namespace) -> int:
+    from specdec.local import LocalPipeline, LocalPipelineConfig
+
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    config = LocalPipelineConfig(
+        target_model=args.target_model, draft_model=args.draft_model or None,
+        target_args=["--device", args.device, *threads], draft_args=["--device", args.device, *threads],
+    )
+    print(f"starting target ({config.target_model}), draft ({config.draft_model}) and coordinator on loopback...", file=sys.stderr)
+    t0 = time.perf_counter()
+    with LocalPipeline(config) as pipeline:
+        print(f"ready in {time.perf_counter() - t0:.1f}s; coordinator at {pipeline.address}\n", file=sys.stderr)
+        if not args.json:
+            print(f">>> {args.prompt}\n")
+        code = run_generation(pipeline.address, args)
+    print("all services stopped", file=sys.stderr)
+    return code
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Distributed speculative decoding: client and local runner.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate through a running coordinator")
+    g.add_argument("prompt")
+    g.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
+    add_generation_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="show the pipeline's models, defaults and limits")
+    i.add_argument("--address", default="127.0.0.1:50051")
+    i.set_defaults(func=cmd_info)
+
+    r = sub.add_parser("run-local", help="start target, draft and coordinator locally, generate once, stop")
+    r.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
+    r.add_argument("--target-model", default=default_target())
+    r.add_argument("--draft-model", default=default_draft(), help="'' for target-only decoding")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--threads", type=int, default=0, help="torch threads per tier (0 = default)")
+    add_generation_args(r)
+    r.set_defaults(func=cmd_run_local)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

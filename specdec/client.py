@@ -1,0 +1,99 @@
+"""A small synchronous Python client for the coordinator's Generation API.
+
+    from specdec.client import Client
+    with Client("127.0.0.1:50051") as c:
+        out = c.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=32)
+        print(out.text, out.stats["tokens_per_s"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from specdec.proto import generate_pb2, generate_pb2_grpc
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "length" | "eos" | "stop" | "context"
+    stats: dict = field(default_factory=dict)
+
+
+def finish_reason_name(value: int) -> str:
+    return generate_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[dict] | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    num_speculative_tokens: int | None = None,
+    ignore_eos: bool = False,
+) -> generate_pb2.GenerateRequest:
+    """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default."""
+    if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
+        raise ValueError("give exactly one of prompt, messages, token_ids")
+    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos)
+    if prompt is not None:
+        req.text = prompt
+    elif messages is not None:
+        req.chat.messages.extend(generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    else:
+        req.token_ids.ids.extend(token_ids)
+        if not token_ids:
+            req.token_ids.SetInParent()
+    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
+                        ("top_p", top_p), ("seed", seed), ("num_speculative_tokens", num_speculative_tokens)):
+        if value is not None:
+            setattr(req, name, value)
+    return req
+
+
+class Client:
+    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def stream(self, prompt: str | None = None, **kwargs) -> Iterator[generate_pb2.GenerateResponse]:
+        """The raw response stream: TokenChunk events, then one GenerationResult. Cancel with .cancel()."""
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:
+        text, ids, result = [], [], None
+        for event in self.stream(prompt, **kwargs):
+            if event.HasField("chunk"):
+                ids.extend(event.chunk.token_ids)
+                text.append(event.chunk.text)
+            else:
+                result = event.result
+        if result is None:
+            raise RuntimeError("stream ended without a result")
+        stats = MessageToDict(result.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        return GenerationOutput("".join(text), ids, finish_reason_name(result.finish_reason), stats)
+
+    def info(self) -> dict:
+        resp = self.stub.GetInfo(generate_pb2.GetInfoRequest(), timeout=self.timeout_s)
+        return MessageToDict(resp, preserving_proto_field_name=True)

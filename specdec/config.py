@@ -1,0 +1,80 @@
+"""Command-line flags with environment-variable defaults, shared by the three entry points.
+
+Every flag --some-flag of a service can also be set as SPECDEC_<SERVICE>_SOME_FLAG (e.g.
+SPECDEC_DRAFT_MODEL, SPECDEC_TARGET_ADDRESS); a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from specdec.models import ModelConfig
+from specdec.server import ServerConfig
+from specdec.sessions import SessionStoreConfig
+from specdec.tier import TierConfig
+
+
+class EnvArgs:
+    """argparse wrapper: each option's default comes from SPECDEC_<SERVICE>_<FLAG> if set."""
+
+    def __init__(self, service: str, description: str) -> None:
+        self.service = service.upper()
+        self.parser = argparse.ArgumentParser(prog=f"python -m {service.lower()}_service" if service != "coordinator" else "python -m coordinator", description=description)
+
+    def add(self, flag: str, *, type=str, default=None, help: str = "", **kw) -> None:
+        env = f"SPECDEC_{self.service}_{flag.lstrip('-').replace('-', '_').upper()}"
+        value = os.environ.get(env)
+        if value is not None:
+            default = type(value) if type is not bool else value.lower() in ("1", "true", "yes")
+        if type is bool:
+            self.parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f"{help} [env {env}]")
+        else:
+            self.parser.add_argument(flag, type=type, default=default, help=f"{help} [env {env}; default {default}]", **kw)
+
+    def parse(self, argv=None) -> argparse.Namespace:
+        args = self.parser.parse_args(argv)
+        logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=f"%(asctime)s {self.service.lower()} %(levelname)s %(name)s: %(message)s")
+        return args
+
+
+def add_server_args(a: EnvArgs, default_port: int) -> None:
+    a.add("--address", default=f"127.0.0.1:{default_port}", help="host:port to listen on (port 0 = any free port)")
+    a.add("--max-message-bytes", type=int, default=ServerConfig.max_message_bytes, help="largest gRPC message accepted")
+    a.add("--grace", type=float, default=ServerConfig.grace_s, help="seconds to drain in-flight rpcs on SIGTERM")
+    a.add("--port-file", default=None, help="write the bound port to this file once serving (for port 0)")
+    a.add("--log-level", default="info", help="debug | info | warning | error")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(address=args.address, max_message_bytes=args.max_message_bytes, grace_s=args.grace)
+
+
+def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
+    add_server_args(a, default_port)
+    a.add("--model", default=default_model, help="model: HF directory, .gguf file (or a directory holding one), or hub id")
+    a.add("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    a.add("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    a.add("--max-sessions", type=int, default=SessionStoreConfig.max_sessions, help="live sessions before LRU eviction")
+    a.add("--max-cached-tokens", type=int, default=SessionStoreConfig.max_cached_tokens, help="tokens cached across sessions before LRU eviction")
+    a.add("--idle-ttl", type=float, default=SessionStoreConfig.idle_ttl_s, help="seconds before an unused session is evicted")
+    a.add("--max-draft-tokens", type=int, default=TierConfig.max_draft_tokens, help="largest K a request may ask for")
+    a.add("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
+
+
+def tier_config(args: argparse.Namespace) -> TierConfig:
+    return TierConfig(
+        model=ModelConfig(path=args.model, device=args.device, dtype=args.dtype),
+        sessions=SessionStoreConfig(max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens, idle_ttl_s=args.idle_ttl),
+        max_draft_tokens=args.max_draft_tokens,
+        torch_threads=args.threads,
+    )
+
+
+def write_port_file(path: str | None, port: int) -> None:
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, path)

@@ -1,0 +1,163 @@
+"""Model and tokenizer loading for every tier.
+
+A model source is one of:
+  * a local Hugging Face directory (config.json + weights),
+  * a GGUF file, or a directory holding exactly one .gguf file and no config.json
+    (transformers dequantises it; we keep a converted copy in the cache directory, because
+    converting takes ~15 s and loading the copy well under 1 s),
+  * a hub id such as "HuggingFaceTB/SmolLM2-135M-Instruct" (needs network access or a warm hub cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TARGET_SUBDIR = "smollm2-135m-instruct"
+DEFAULT_DRAFT_SUBDIR = "smollm2-135m-draft"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def models_dir() -> Path:
+    """$SPECDEC_MODELS_DIR, default ../shared/models beside the repository."""
+    return Path(os.environ.get("SPECDEC_MODELS_DIR", REPO_ROOT.parent / "shared" / "models"))
+
+
+def default_target() -> str:
+    return str(models_dir() / DEFAULT_TARGET_SUBDIR)
+
+
+def default_draft() -> str:
+    return str(models_dir() / DEFAULT_DRAFT_SUBDIR)
+
+
+def cache_dir() -> Path:
+    """$SPECDEC_CACHE_DIR, default ~/.cache/specdec: converted GGUF copies live here."""
+    return Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # local directory, .gguf file, or hub id
+    device: str = "cpu"  # torch device: "cpu", "cuda", "cuda:1", ...
+    dtype: str = "float32"  # float32 | bfloat16 | float16; float32 is what exactness tests use
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return _DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class _Source:
+    location: str  # directory or hub id handed to from_pretrained
+    gguf_file: str | None  # file name inside `location`, for GGUF sources
+
+
+def _resolve(path: str) -> _Source:
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return _Source(str(p.parent), p.name)
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return _Source(str(p), None)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _Source(str(p), ggufs[0].name)
+        if len(ggufs) > 1:
+            raise ValueError(f"{path} holds several .gguf files; name one: {[g.name for g in ggufs]}")
+        raise ValueError(f"{path} has neither config.json nor a .gguf file")
+    if p.exists() or path.startswith((".", "/")):
+        raise ValueError(f"model path {path!r} is not a model directory or .gguf file")
+    return _Source(path, None)  # hub id
+
+
+def _converted_dir(src: _Source) -> Path:
+    f = Path(src.location) / src.gguf_file
+    st = f.stat()
+    key = hashlib.sha256(f"{f.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / f"gguf-{f.stem}-{key}"
+
+
+def _ensure_converted(src: _Source) -> Path:
+    """Dequantise a GGUF once into a plain float32 HF directory (model + tokenizer) and reuse it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = _converted_dir(src)
+    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    log.info("converting %s/%s once into %s", src.location, src.gguf_file, out)
+    model = AutoModelForCausalLM.from_pretrained(src.location, gguf_file=src.gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file)
+    # The dequantised weights are plain float32; drop the GGUF quantizer so save_pretrained accepts it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def _local_source(cfg: ModelConfig) -> str:
+    src = _resolve(cfg.path)
+    return str(_ensure_converted(src)) if src.gguf_file else src.location
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_local_source(ModelConfig(path)))
+
+
+def load_model(cfg: ModelConfig):
+    """The causal LM in eval mode on cfg.device / cfg.dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_local_source(cfg), dtype=cfg.torch_dtype)
+    return model.to(cfg.device).eval()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the vocabulary (with added tokens) and special tokens: equal iff two tokenizers map
+    text to the same ids for our purposes."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items()),
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+    }
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def max_context(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)

@@ -1,0 +1,45 @@
+"""Rolling fingerprints of committed token prefixes.
+
+hashes[i] fingerprints tokens[: i + 1]. A tier compares the coordinator's hash at prefix_len with its
+own to prove that the cache it holds is the prefix the coordinator means (DESIGN.md, sessions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(h: int, token: int) -> int:
+    # splitmix64 finaliser over (h, token): cheap, well spread, order sensitive.
+    x = (h ^ ((token + 0x9E3779B97F4A7C15) & _MASK64)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) or 1
+
+
+class PrefixHashes:
+    """Fingerprints of every prefix of a growing, croppable token sequence."""
+
+    __slots__ = ("_hashes",)
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self._hashes: list[int] = []
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        h = self._hashes[-1] if self._hashes else 0
+        for t in tokens:
+            h = _mix(h, t)
+            self._hashes.append(h)
+
+    def crop(self, length: int) -> None:
+        del self._hashes[length:]
+
+    def at(self, length: int) -> int:
+        """Fingerprint of the first `length` tokens (0 for the empty prefix)."""
+        return self._hashes[length - 1] if length > 0 else 0

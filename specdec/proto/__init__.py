@@ -1,0 +1,1 @@
+"""Generated gRPC code (`make proto`); sources in protos/specdec/proto/."""

@@ -1,0 +1,1 @@
+"""The target tier: the large model that verifies K draft tokens per round in one forward pass."""

@@ -1,0 +1,120 @@
+"""Test helpers: tiny random-init models saved like real ones, and an in-process cluster of the three
+real gRPC servers (bound to port 0) running on a background event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import grpc
+import torch
+
+from coordinator.service import CoordinatorConfig
+from coordinator.service import build as build_coordinator
+from draft_service.service import DraftConfig
+from draft_service.service import build as build_draft
+from specdec.models import ModelConfig, default_draft, load_model
+from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from specdec.server import ServerConfig
+from specdec.sessions import SessionStoreConfig
+from specdec.tier import ModelTier, TierConfig
+from target_service.service import TargetConfig
+from target_service.service import build as build_target
+
+TOKENIZER_DIR = default_draft()  # the real SmolLM2 tokenizer (shared by the real pair)
+
+
+def make_tiny_model(out_dir: Path, seed: int, eos_token_ids: list[int] | None = None, tokenizer=None) -> str:
+    """A 2-layer random-init Llama with the SmolLM2 tokenizer, saved as a HF directory."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer or AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=eos_token_ids or [2], pad_token_id=2, initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = eos_token_ids or [2]
+    model.generation_config.pad_token_id = 2
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int] | None) -> list[int]:
+    """The target's own greedy output via transformers' generate()."""
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_ids, pad_token_id=2,
+        )
+    ids = out[0, len(prompt_ids):].tolist()
+    if eos_token_ids:
+        for i, t in enumerate(ids):
+            if t in eos_token_ids:
+                return ids[: i + 1]
+    return ids
+
+
+class Cluster:
+    """Target + (optional) draft + coordinator servers on loopback port 0, in a background loop."""
+
+    def __init__(self, target_model: str, draft_model: str | None, *, coordinator_overrides: dict | None = None,
+                 sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        sessions = sessions or SessionStoreConfig()
+        self.target_tier = ModelTier.load(TierConfig(ModelConfig(target_model), sessions, max_draft_tokens))
+        self.draft_tier = ModelTier.load(TierConfig(ModelConfig(draft_model), sessions, max_draft_tokens)) if draft_model else None
+        self._servers = []
+        self.target_port = self._call(self._start_tier(build_target, TargetConfig(self.target_tier.config), self.target_tier))
+        self.draft_port = None
+        if self.draft_tier is not None:
+            self.draft_port = self._call(self._start_tier(
+                build_draft, DraftConfig(self.draft_tier.config, draft_top_n=draft_top_n), self.draft_tier))
+        config = CoordinatorConfig(
+            target_address=f"127.0.0.1:{self.target_port}",
+            draft_address=f"127.0.0.1:{self.draft_port}" if self.draft_port else None,
+            tokenizer=target_model, connect_timeout_s=30, **(coordinator_overrides or {}),
+        )
+        self.port = self._call(self._start_coordinator(config))
+        self.address = f"127.0.0.1:{self.port}"
+
+    def _call(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start_tier(self, build, config, tier) -> int:
+        server, port, health, _ = build(config, tier)
+        await server.start()
+        self._servers.append(server)
+        return port
+
+    async def _start_coordinator(self, config) -> int:
+        server, port, health, pipeline = await build_coordinator(config)
+        await server.start()
+        self._servers.insert(0, server)
+        self.pipeline = pipeline
+        return port
+
+    def status(self, tier: str) -> common_pb2.StatusResponse:
+        port = self.target_port if tier == "target" else self.draft_port
+        stub_cls = target_pb2_grpc.TargetServiceStub if tier == "target" else draft_pb2_grpc.DraftServiceStub
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            return stub_cls(ch).GetStatus(common_pb2.StatusRequest(), timeout=10)
+
+    def close(self) -> None:
+        async def stop():
+            for s in self._servers:
+                await s.stop(0)
+            await self.pipeline.close()
+
+        self._call(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        for tier in (self.target_tier, self.draft_tier):
+            if tier is not None:
+                tier.close()

@@ -1,0 +1,38 @@
+"""Greedy output through the real servers equals the target's own generate(), token for token."""
+
+import pytest
+
+from specdec.client import Client
+from tests.helpers import reference_greedy
+
+PROMPTS = [[1, 9038, 2115, 253, 1345], [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]]
+MAX_NEW = 40
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+@pytest.mark.parametrize("cluster_name", ["self_draft_cluster", "random_draft_cluster"])
+def test_greedy_equals_target_generate(request, tiny_target_model, cluster_name, k):
+    cluster = request.getfixturevalue(cluster_name)
+    with Client(cluster.address) as client:
+        for prompt in PROMPTS:
+            expected = reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+            out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+            assert out.token_ids == expected
+            st = out.stats
+            assert st["generated_tokens"] == len(expected)
+            assert st["num_speculative_tokens"] == k
+            if cluster_name == "self_draft_cluster":
+                assert st["accepted_tokens"] == st["draft_tokens"], "the target as its own draft must be accepted always"
+                # every round but the clamped last ones commits K + 1 tokens
+                assert st["rounds"] <= -(-MAX_NEW // (k + 1)) + 1
+            else:
+                assert st["acceptance_rate"] < 0.1
+                assert st["rounds"] >= MAX_NEW * 0.9
+
+
+def test_target_only_k0_equals_generate(random_draft_cluster, tiny_target_model):
+    prompt = PROMPTS[1]
+    with Client(random_draft_cluster.address) as client:
+        out = client.generate(token_ids=prompt, max_new_tokens=20, num_speculative_tokens=0)
+    assert out.token_ids == reference_greedy(tiny_target_model, prompt, 20, [2])
+    assert out.stats["rounds"] == 20 and out.stats["draft_tokens"] == 0
