@@ -71,6 +71,14 @@ class Cluster:
         self.target_tier = ModelTier.load(TierConfig(ModelConfig(target_model), sessions, max_draft_tokens))
         self.draft_tier = ModelTier.load(TierConfig(ModelConfig(draft_model), sessions, max_draft_tokens)) if draft_model else None
         self._servers = []
+        self.pipeline = None
+        try:
+            self._start(target_model, draft_model, coordinator_overrides, draft_top_n)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, target_model, draft_model, coordinator_overrides, draft_top_n) -> None:
         self.target_port = self._call(self._start_tier(build_target, TargetConfig(self.target_tier.config), self.target_tier))
         self.draft_port = None
         if self.draft_tier is not None:
@@ -110,7 +118,8 @@ class Cluster:
         async def stop():
             for s in self._servers:
                 await s.stop(0)
-            await self.pipeline.close()
+            if self.pipeline is not None:
+                await self.pipeline.close()
 
         self._call(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)

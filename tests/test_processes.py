@@ -1,0 +1,41 @@
+"""The entry points as a user runs them: three processes (python -m target_service / draft_service /
+coordinator) on loopback, the `specdec` CLI against them, and a clean SIGTERM shutdown."""
+
+import json
+import subprocess
+import sys
+
+from specdec.local import LocalPipeline, LocalPipelineConfig
+from tests.helpers import reference_greedy
+
+PROMPT = [1, 504, 3937, 282, 4193, 314, 30]
+
+
+def test_processes_and_cli(tiny_target, tiny_random_draft, tiny_target_model):
+    config = LocalPipelineConfig(target_model=tiny_target, draft_model=tiny_random_draft,
+                                 coordinator_args=["--default-k", "3"], start_timeout_s=180)
+    with LocalPipeline(config) as pipeline:
+        cli = [sys.executable, "-m", "specdec.cli"]
+        info = json.loads(subprocess.run([*cli, "info", "--address", pipeline.address], check=True,
+                                         capture_output=True, text=True, timeout=60).stdout)
+        assert info["target"]["model"] == tiny_target and info["draft"]["model"] == tiny_random_draft
+        assert info["default_num_speculative_tokens"] == 3
+
+        from transformers import AutoTokenizer
+
+        prompt_text = AutoTokenizer.from_pretrained(tiny_target).decode(PROMPT[1:])
+        run = subprocess.run([*cli, "generate", prompt_text, "--no-chat", "--max-new-tokens", "16", "--json",
+                              "--address", pipeline.address], check=True, capture_output=True, text=True, timeout=120)
+        out = json.loads(run.stdout)
+        tok = AutoTokenizer.from_pretrained(tiny_target)
+        prompt_ids = tok(prompt_text)["input_ids"]
+        assert out["token_ids"] == reference_greedy(tiny_target_model, prompt_ids, 16, [2])
+        assert out["finish_reason"] in ("length", "eos")
+        assert out["stats"]["num_speculative_tokens"] == 3
+        assert out["stats"]["rounds"] >= 1 and out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
+
+        bad = subprocess.run([*cli, "generate", "x", "--max-new-tokens", "0", "--address", pipeline.address],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_new_tokens" in bad.stderr
+        codes = pipeline.stop()
+    assert codes == {"target": 0, "draft": 0, "coordinator": 0}, {n: pipeline.log_tail(n) for n in codes}
