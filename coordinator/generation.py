@@ -69,13 +69,15 @@ class Generation:
         tokenizer,
         eos_token_ids: set[int],
         max_context: int,
+        draft_max_context: int = 0,
     ) -> None:
         self.params = params
         self.draft = draft
         self.target = target
         self.tokenizer = tokenizer
         self.eos = set() if params.ignore_eos else eos_token_ids
-        self.max_context = max_context
+        self.max_context = max_context  # the target's: generation ends here
+        self.draft_max_context = draft_max_context  # the draft's: past it, rounds go target-only
         self.session_id = uuid.uuid4().hex
         self.stats = RoundStats()
         self._sampling = common_pb2.SamplingParams(
@@ -106,6 +108,8 @@ class Generation:
                 break
             # K larger than the budget is clamped: the round also yields one token of its own.
             k = max(0, min(p.num_speculative_tokens, remaining - 1, room - 1)) if self.draft else 0
+            if len(committed) + k > self.draft_max_context:
+                k = 0
             drafts: list[int] = []
             q_rows = ()
             if k > 0:

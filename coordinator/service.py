@@ -15,7 +15,7 @@ from coordinator.tiers import DraftClient, TargetClient, TierError
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, generate_pb2, generate_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server import RequestError, Service, ServerConfig, create_server, handle_errors, invalid_argument
+from specdec.server import RequestError, Service, ServerConfig, as_request_error, create_server, handle_errors, invalid_argument
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
         pl = self.pipeline
-        generation = Generation(params, pl.draft, pl.target, pl.tokenizer,
-                                set(pl.target_info.eos_token_ids), pl.target_info.max_context)
+        generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids),
+                                max_context=pl.target_info.max_context,
+                                draft_max_context=pl.draft_info.max_context if pl.draft_info else 0)
         try:
             async for event in generation.run():
                 yield event
         except TierError as e:
             code = e.code if e.code in _PASS_THROUGH else grpc.StatusCode.INTERNAL
             await context.abort(code, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            err = as_request_error(e)
+            await context.abort(err.code, err.message)
         finally:
             # Runs on completion, error and client cancellation alike; shielded from the cancellation.
             task = asyncio.ensure_future(generation.close())
@@ -148,8 +154,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def _validate(self, r: generate_pb2.GenerateRequest) -> GenerationParams:
         c = self.config
         prompt_ids = self._prompt_ids(r)
+        context = self.pipeline.target_info.max_context
         if len(prompt_ids) > c.max_prompt_tokens:
             raise invalid_argument(f"prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={c.max_prompt_tokens}")
+        if len(prompt_ids) >= context:
+            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens; the target's context is {context}, leaving no room to generate")
         max_new = r.max_new_tokens if r.HasField("max_new_tokens") else c.default_max_new_tokens
         if not 1 <= max_new <= c.max_new_tokens_cap:
             raise invalid_argument(f"max_new_tokens must be in [1, {c.max_new_tokens_cap}], got {max_new}")

@@ -10,7 +10,7 @@ import torch
 
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.sampling import SamplingParams, make_generator, process_logits, sample, truncate_top_n
-from specdec.server import RequestError, Service, ServerConfig, create_server, handle_errors, invalid_argument
+from specdec.server import Service, ServerConfig, as_request_error, create_server, handle_errors
 from specdec.tier import ModelTier, TierConfig
 
 SERVICE_NAME = "specdec.v1.DraftService"
@@ -43,8 +43,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 sessions.add(request.context.session_id)
                 try:
                     response = await self._propose(request)
-                except RequestError as e:
-                    await context.abort(e.code, e.message)
+                except Exception as e:
+                    err = as_request_error(e)
+                    await context.abort(err.code, err.message)
                 yield response
         finally:
             # The stream pins its sessions: when it ends (done, cancelled, coordinator gone) they go.

@@ -14,17 +14,19 @@ from dataclasses import dataclass
 import torch
 
 _MASK64 = (1 << 64) - 1
+# Temperatures below this are greedy (as in vLLM): logits / T would overflow float32 to inf / NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy: p and q become one-hot on their argmax
+    temperature: float = 0.0  # 0 (or < GREEDY_TEMPERATURE) = greedy: p and q one-hot on their argmax
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1.0 = no nucleus filter
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""

@@ -43,15 +43,27 @@ def invalid_argument(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def as_request_error(e: Exception) -> RequestError:
+    """RequestError as is; anything else is our bug: INTERNAL, logged with its traceback."""
+    if isinstance(e, RequestError):
+        return e
+    log.exception("internal error")
+    return RequestError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+
 def handle_errors(method: Callable) -> Callable:
-    """Wrap a unary-response handler: RequestError -> abort(code, message)."""
+    """Wrap a unary-response handler: RequestError -> abort(code, message); other exceptions ->
+    INTERNAL (never a bare UNKNOWN with a Python traceback)."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
-        except RequestError as e:
-            await context.abort(e.code, e.message)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            err = as_request_error(e)
+            await context.abort(err.code, err.message)
 
     return wrapper
 

@@ -56,7 +56,8 @@ class ModelTier:
         self.max_context = max_context(model)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
-        self.store = SessionStore(config.sessions, new_cache=lambda: DynamicCache(config=model.config), crop_cache=crop_cache)
+        self.new_cache = lambda: DynamicCache(config=model.config)
+        self.store = SessionStore(config.sessions, new_cache=self.new_cache, crop_cache=crop_cache)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     @classmethod
@@ -66,8 +67,20 @@ class ModelTier:
         t0 = time.perf_counter()
         model = load_model(config.model)
         tokenizer = load_tokenizer(config.model.path)
+        tier = cls(config, model, tokenizer)
+        tier.warm_up()
         log.info("loaded %s in %.1fs on %s/%s", config.model.path, time.perf_counter() - t0, config.model.device, config.model.dtype)
-        return cls(config, model, tokenizer)
+        return tier
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One prefill and a few decode-sized forwards, so the first request does not pay for lazy
+        initialisation (kernels, allocator, thread pools)."""
+        cache = self.new_cache()
+        ids = torch.zeros(1, 16, dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for n in (1, 5):
+            self.model(input_ids=ids[:, :n], past_key_values=cache, use_cache=True, logits_to_keep=n)
 
     async def run(self, fn, *args) -> Any:
         """Run a blocking model job on the worker thread."""
