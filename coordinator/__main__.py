@@ -6,6 +6,9 @@ import asyncio
 import logging
 import sys
 
+from coordinator.adaptive import AdaptiveConfig
+from coordinator.lookup import LookupConfig
+from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
 from coordinator.service import SERVICE_NAME, CoordinatorConfig, PipelineMismatch, build
 from specdec.config import EnvArgs, add_server_args, server_config, write_port_file
 from specdec.models import default_target
@@ -24,8 +27,13 @@ def main(argv=None) -> None:
     a.add("--default-max-new-tokens", type=int, default=D.default_max_new_tokens, help="max_new_tokens when unset")
     a.add("--max-new-tokens-cap", type=int, default=D.max_new_tokens_cap, help="largest max_new_tokens accepted")
     a.add("--max-prompt-tokens", type=int, default=D.max_prompt_tokens, help="longest prompt accepted")
-    a.add("--default-k", type=int, default=D.default_num_speculative_tokens, help="K when a request leaves it unset")
+    a.add("--default-k", default="auto", help="K when a request leaves it unset: a number, or 'auto' for adaptive K")
     a.add("--max-k", type=int, default=D.max_num_speculative_tokens, help="largest K accepted")
+    a.add("--adaptive-max-k", type=int, default=AdaptiveConfig.max_k, help="largest K adaptive K tries")
+    a.add("--default-proposer", default=D.default_proposer, choices=[DRAFT_MODEL, PROMPT_LOOKUP, HYBRID],
+          help="proposer when a request leaves it unset")
+    a.add("--lookup-min-ngram", type=int, default=LookupConfig.min_ngram, help="prompt lookup: shortest suffix matched")
+    a.add("--lookup-max-ngram", type=int, default=LookupConfig.max_ngram, help="prompt lookup: longest suffix matched")
     a.add("--rpc-timeout", type=float, default=D.rpc_timeout_s, help="deadline of each internal rpc, seconds")
     a.add("--connect-timeout", type=float, default=D.connect_timeout_s, help="seconds to wait for the tiers at start-up")
     args = a.parse(argv)
@@ -33,7 +41,10 @@ def main(argv=None) -> None:
         target_address=args.target, draft_address=args.draft or None, tokenizer=args.tokenizer,
         server=server_config(args), default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
-        default_num_speculative_tokens=args.default_k, max_num_speculative_tokens=args.max_k,
+        default_num_speculative_tokens=None if args.default_k == "auto" else int(args.default_k),
+        max_num_speculative_tokens=args.max_k, default_proposer=args.default_proposer,
+        adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
+        lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram),
         rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout,
     )
 

@@ -1,9 +1,9 @@
-"""One generation: the speculative round loop over the draft and target tiers.
+"""One generation: the speculative round loop.
 
-Per round: the draft proposes K tokens (with q), the target verifies them in one forward pass and
-returns (n_accepted, next_token); the coordinator commits d_1..d_n + next_token, truncated at EOS, a
-stop string or the token budget, and streams them. The committed sequence lives here only; tiers are
-told, each request, which prefix of it they already cache (TierCursor).
+Per round: a proposer offers up to K draft tokens (with q), the target verifies them in one forward
+pass and returns (n_accepted, next_token); the coordinator commits d_1..d_n + next_token, truncated at
+EOS, a stop string or the token budget, and streams them. The committed sequence lives here only;
+each tier is told, per request, which prefix of it it already caches (TierCursor).
 """
 
 from __future__ import annotations
@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from coordinator.adaptive import AdaptiveConfig, AdaptiveK
+from coordinator.lookup import LookupConfig
+from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, DraftModelProposer, PromptLookupProposer, Proposal
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tiers import DraftClient, TargetClient, TierCursor, TierError
 from specdec.prefix import PrefixHashes
-from specdec.proto import common_pb2, draft_pb2, generate_pb2, target_pb2
-from specdec.sampling import DRAFT_STREAM, TARGET_STREAM, SamplingParams, derive_seed
+from specdec.proto import common_pb2, generate_pb2, target_pb2
+from specdec.sampling import TARGET_STREAM, SamplingParams, derive_seed
 
 FinishReason = generate_pb2.FinishReason
+UNFINISHED = FinishReason.FINISH_REASON_UNSPECIFIED
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,8 @@ class GenerationParams:
     max_new_tokens: int
     sampling: SamplingParams
     seed: int
-    num_speculative_tokens: int  # K
+    num_speculative_tokens: int | None  # K; None = adaptive
+    proposer: str = HYBRID  # DRAFT_MODEL | PROMPT_LOOKUP | HYBRID
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
@@ -49,7 +54,6 @@ class RoundStats:
     verify_ms: float = 0.0
     network_ms: float = 0.0
     rpc_wall_ms: float = 0.0
-    per_round_accepted: list[int] = field(default_factory=list)
 
     def observe_rpc(self, wall_ms: float, compute_ms: float, is_draft: bool) -> None:
         self.rpc_wall_ms += wall_ms
@@ -60,32 +64,64 @@ class RoundStats:
             self.verify_ms += compute_ms
 
 
+@dataclass
+class Limits:
+    max_context: int  # the target's: generation ends here
+    draft_max_context: int = 0  # the draft's: beyond it the draft model is not asked
+    max_k: int = 16  # cap on K (server and tiers)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+
+
 class Generation:
-    def __init__(
-        self,
-        params: GenerationParams,
-        draft: DraftClient | None,
-        target: TargetClient,
-        tokenizer,
-        eos_token_ids: set[int],
-        max_context: int,
-        draft_max_context: int = 0,
-    ) -> None:
+    def __init__(self, params: GenerationParams, draft: DraftClient | None, target: TargetClient, tokenizer,
+                 eos_token_ids: set[int], limits: Limits) -> None:
         self.params = params
-        self.draft = draft
         self.target = target
         self.tokenizer = tokenizer
         self.eos = set() if params.ignore_eos else eos_token_ids
-        self.max_context = max_context  # the target's: generation ends here
-        self.draft_max_context = draft_max_context  # the draft's: past it, rounds go target-only
+        self.limits = limits
         self.session_id = uuid.uuid4().hex
         self.stats = RoundStats()
         self._sampling = common_pb2.SamplingParams(
-            temperature=params.sampling.temperature, top_k=params.sampling.top_k, top_p=params.sampling.top_p
-        )
-        self._draft_cursor = TierCursor()
+            temperature=params.sampling.temperature, top_k=params.sampling.top_k, top_p=params.sampling.top_p)
         self._target_cursor = TierCursor()
-        self._draft_stream = draft.stream() if draft is not None else None
+        # Prompt lookup is always ready: it is the proposer of the lookup/hybrid modes and the fallback
+        # whenever the draft tier is unreachable.
+        self.lookup = PromptLookupProposer(limits.lookup, params.prompt_ids)
+        self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, params.seed)
+                      if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID) else None)
+        adaptive_k = min(limits.adaptive.max_k, limits.max_k)
+        cfg = AdaptiveConfig(**{**limits.adaptive.__dict__, "max_k": adaptive_k})
+        self._controllers = {DRAFT_MODEL: AdaptiveK(cfg, local_proposer=False), PROMPT_LOOKUP: AdaptiveK(cfg, local_proposer=True)}
+
+    def _k_for(self, source: str) -> int:
+        if self.params.num_speculative_tokens is not None:
+            return self.params.num_speculative_tokens
+        return self._controllers[source].choose()
+
+    async def _propose(self, committed: list[int], hashes: PrefixHashes, budget: int) -> Proposal:
+        """Pick a proposer for this round and ask it for up to min(K, budget) tokens."""
+        p = self.params
+        if budget <= 0 or (p.num_speculative_tokens == 0):
+            return Proposal(DRAFT_MODEL if self.draft else PROMPT_LOOKUP, [])
+        if p.proposer in (PROMPT_LOOKUP, HYBRID) or self.draft is None:
+            proposal = self.lookup.propose(min(self._k_for(PROMPT_LOOKUP), budget))
+            if proposal.tokens or p.proposer == PROMPT_LOOKUP or self.draft is None:
+                return proposal
+        draft_ok = (self.draft is not None and self.draft.available
+                    and len(committed) + budget <= self.limits.draft_max_context)
+        if draft_ok:
+            k = min(self._k_for(DRAFT_MODEL), budget)
+            if k <= 0:
+                return Proposal(DRAFT_MODEL, [])
+            try:
+                proposal = await self.draft.propose(committed, hashes, k)
+                self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, is_draft=True)
+                return proposal
+            except TierError:
+                pass  # the draft is down: fall back to prompt lookup below
+        return self.lookup.propose(min(self._k_for(PROMPT_LOOKUP), budget))
 
     async def run(self) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Yield one chunk per round, then the result. The caller must call close() afterwards."""
@@ -98,24 +134,19 @@ class Generation:
         stop = StopMatcher(list(p.stop))
         text, streamed = "", 0
         n_generated = 0
-        finish = FinishReason.FINISH_REASON_UNSPECIFIED
+        finish = UNFINISHED
 
-        while finish == FinishReason.FINISH_REASON_UNSPECIFIED:
+        while finish == UNFINISHED:
             remaining = p.max_new_tokens - n_generated
-            room = self.max_context - len(committed)
+            room = self.limits.max_context - len(committed)
             if room <= 0:
                 finish = FinishReason.FINISH_REASON_CONTEXT
                 break
             # K larger than the budget is clamped: the round also yields one token of its own.
-            k = max(0, min(p.num_speculative_tokens, remaining - 1, room - 1)) if self.draft else 0
-            if len(committed) + k > self.draft_max_context:
-                k = 0
-            drafts: list[int] = []
-            q_rows = ()
-            if k > 0:
-                proposal = await self._propose(committed, hashes, k)
-                drafts, q_rows = list(proposal.tokens), proposal.q
-            verdict = await self._verify(committed, hashes, drafts, q_rows)
+            budget = min(self.limits.max_k, remaining - 1, room - 1)
+            proposal = await self._propose(committed, hashes, budget)
+            drafts = proposal.tokens[: max(budget, 0)]
+            verdict = await self._verify(committed, hashes, drafts, proposal.q[: len(drafts)])
             n = verdict.num_accepted
             new = drafts[:n] + [verdict.next_token]
             st = self.stats
@@ -123,7 +154,7 @@ class Generation:
             st.draft_tokens += len(drafts)
             st.accepted_tokens += n
             st.committed_before_truncation += len(new)
-            st.per_round_accepted.append(n)
+            self._controllers[proposal.source].observe(len(drafts), n, proposal.wall_ms, verdict.wall_ms)
 
             chunk: list[int] = []
             for tok in new:
@@ -145,7 +176,8 @@ class Generation:
                     finish = FinishReason.FINISH_REASON_LENGTH
                     break
             hashes.extend(chunk)
-            upto = len(text) if finish != FinishReason.FINISH_REASON_UNSPECIFIED else stop.safe_len(text)
+            self.lookup.commit(chunk)
+            upto = len(text) if finish != UNFINISHED else stop.safe_len(text)
             delta = text[streamed:upto] if upto > streamed else ""
             streamed = max(streamed, upto)
             if first_token_at is None:
@@ -160,6 +192,7 @@ class Generation:
 
     def _final_stats(self, n_generated: int, elapsed: float, first_token_at: float | None, t_start: float) -> generate_pb2.GenerationStats:
         st = self.stats
+        k = self.params.num_speculative_tokens
         return generate_pb2.GenerationStats(
             prompt_tokens=len(self.params.prompt_ids),
             generated_tokens=n_generated,
@@ -175,28 +208,12 @@ class Generation:
             verify_ms=st.verify_ms,
             network_ms=st.network_ms,
             coordinator_ms=max(0.0, elapsed * 1e3 - st.rpc_wall_ms),
-            num_speculative_tokens=self.params.num_speculative_tokens,
+            num_speculative_tokens=-1 if k is None else k,
+            mean_num_speculative_tokens=st.draft_tokens / st.rounds if st.rounds else 0.0,
+            proposer=self.params.proposer,
         )
 
-    async def _propose(self, committed: list[int], hashes: PrefixHashes, k: int) -> draft_pb2.ProposeResponse:
-        seed = derive_seed(self.params.seed, len(committed), DRAFT_STREAM)
-        for attempt in range(2):
-            ctx = self._draft_cursor.context(self.session_id, committed, hashes)
-            request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self._sampling, seed=seed)
-            t0 = time.perf_counter()
-            try:
-                response = await self._draft_stream.propose(request)
-            except TierError as e:
-                if e.code == grpc.StatusCode.FAILED_PRECONDITION and attempt == 0:
-                    self._draft_cursor.reset()  # the draft lost the session: resend everything
-                    continue
-                raise
-            self.stats.observe_rpc((time.perf_counter() - t0) * 1e3, response.compute_ms, is_draft=True)
-            self._draft_cursor.update(ctx, list(response.tokens), response.cached_len)
-            return response
-        raise AssertionError("unreachable")
-
-    async def _verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], q_rows) -> target_pb2.VerifyResponse:
+    async def _verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], q_rows) -> "Verdict":
         seed = derive_seed(self.params.seed, len(committed), TARGET_STREAM)
         for attempt in range(2):
             ctx = self._target_cursor.context(self.session_id, committed, hashes)
@@ -206,23 +223,27 @@ class Generation:
                 response = await self.target.verify(request)
             except TierError as e:
                 if e.code == grpc.StatusCode.FAILED_PRECONDITION and attempt == 0:
-                    self._target_cursor.reset()
+                    self._target_cursor.reset()  # the target lost the session: resend everything
                     continue
                 raise
-            self.stats.observe_rpc((time.perf_counter() - t0) * 1e3, response.compute_ms, is_draft=False)
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            self.stats.observe_rpc(wall_ms, response.compute_ms, is_draft=False)
             self._target_cursor.update(ctx, drafts, response.cached_len)
-            return response
+            return Verdict(response.num_accepted, response.next_token, wall_ms)
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
         """Free the session on both tiers (best effort: a tier may already have evicted it)."""
-        if self._draft_stream is not None:
-            self._draft_stream.close()
-        calls = [self.target.end_session(self.session_id)]
         if self.draft is not None:
-            calls.append(self.draft.end_session(self.session_id))
-        for call in calls:
-            try:
-                await call
-            except grpc.aio.AioRpcError:
-                pass
+            await self.draft.close()
+        try:
+            await self.target.end_session(self.session_id)
+        except grpc.aio.AioRpcError:
+            pass
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: int
+    next_token: int
+    wall_ms: float

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.generation import Generation, GenerationParams
+from coordinator.adaptive import AdaptiveConfig
+from coordinator.generation import Generation, GenerationParams, Limits
+from coordinator.lookup import LookupConfig
+from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
 from coordinator.tiers import DraftClient, TargetClient, TierError
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, generate_pb2, generate_pb2_grpc
@@ -24,6 +27,11 @@ CHAT_ROLES = {"system", "user", "assistant"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 # Tier failures the client sees with their own code; anything else is our bug -> INTERNAL.
+PROPOSER_NAMES = {
+    generate_pb2.PROPOSER_DRAFT_MODEL: DRAFT_MODEL,
+    generate_pb2.PROPOSER_PROMPT_LOOKUP: PROMPT_LOOKUP,
+    generate_pb2.PROPOSER_HYBRID: HYBRID,
+}
 _PASS_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
@@ -36,8 +44,11 @@ class CoordinatorConfig:
     default_max_new_tokens: int = 128  # when a request leaves max_new_tokens unset
     max_new_tokens_cap: int = 4096  # larger requests are rejected
     max_prompt_tokens: int = 8192  # longer prompts are rejected
-    default_num_speculative_tokens: int = 4  # K when a request leaves it unset
+    default_num_speculative_tokens: int | None = None  # K when a request leaves it unset; None = adaptive
     max_num_speculative_tokens: int = 16  # larger K is rejected
+    default_proposer: str = HYBRID  # draft_model | prompt_lookup | hybrid, when a request leaves it unset
+    adaptive: AdaptiveConfig = AdaptiveConfig()  # adaptive-K controller settings
+    lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc
     connect_timeout_s: float = 300.0  # how long to wait at start-up for the tiers to answer
 
@@ -106,9 +117,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
         pl = self.pipeline
-        generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids),
-                                max_context=pl.target_info.max_context,
-                                draft_max_context=pl.draft_info.max_context if pl.draft_info else 0)
+        limits = Limits(max_context=pl.target_info.max_context,
+                        draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
+                        max_k=self._max_k(), adaptive=self.config.adaptive, lookup=self.config.lookup)
+        generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids), limits)
         try:
             async for event in generation.run():
                 yield event
@@ -137,7 +149,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
         return generate_pb2.GetInfoResponse(
             draft=summary(pl.draft_info, c.draft_address), target=summary(pl.target_info, c.target_address),
-            default_max_new_tokens=c.default_max_new_tokens, default_num_speculative_tokens=c.default_num_speculative_tokens,
+            default_max_new_tokens=c.default_max_new_tokens,
+            default_num_speculative_tokens=-1 if c.default_num_speculative_tokens is None else c.default_num_speculative_tokens,
             max_new_tokens_cap=c.max_new_tokens_cap, max_prompt_tokens=c.max_prompt_tokens,
             max_num_speculative_tokens=self._max_k(),
         )
@@ -171,9 +184,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             sampling.validate()
         except ValueError as e:
             raise invalid_argument(str(e)) from None
-        k = r.num_speculative_tokens if r.HasField("num_speculative_tokens") else min(c.default_num_speculative_tokens, self._max_k())
-        if not 0 <= k <= self._max_k():
-            raise invalid_argument(f"num_speculative_tokens must be in [0, {self._max_k()}], got {k}")
+        if r.HasField("num_speculative_tokens"):
+            k = r.num_speculative_tokens
+            if not 0 <= k <= self._max_k():
+                raise invalid_argument(f"num_speculative_tokens must be in [0, {self._max_k()}], got {k}")
+        else:
+            k = c.default_num_speculative_tokens
+            k = None if k is None else min(k, self._max_k())
+        if r.proposer == generate_pb2.PROPOSER_UNSPECIFIED:
+            proposer = c.default_proposer
+        elif r.proposer in PROPOSER_NAMES:
+            proposer = PROPOSER_NAMES[r.proposer]
+        else:
+            raise invalid_argument(f"proposer: unknown value {r.proposer}")
         if len(r.stop) > MAX_STOP_STRINGS:
             raise invalid_argument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(r.stop)}")
         for s in r.stop:
@@ -181,7 +204,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters")
         seed = r.seed if r.HasField("seed") else secrets.randbits(63)
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
-                                num_speculative_tokens=k, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
+                                num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
 
     def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
         tok = self.pipeline.tokenizer

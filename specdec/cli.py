@@ -21,7 +21,9 @@ STAT_ROWS = [
     ("generated tokens", "generated_tokens", "{:d}"),
     ("prompt tokens", "prompt_tokens", "{:d}"),
     ("rounds (target forwards)", "rounds", "{:d}"),
-    ("K (draft tokens per round)", "num_speculative_tokens", "{:d}"),
+    ("proposer", "proposer", "{}"),
+    ("K requested (-1 = adaptive)", "num_speculative_tokens", "{:d}"),
+    ("mean K per round", "mean_num_speculative_tokens", "{:.2f}"),
     ("draft tokens proposed", "draft_tokens", "{:d}"),
     ("draft tokens accepted", "accepted_tokens", "{:d}"),
     ("acceptance rate", "acceptance_rate", "{:.3f}"),
@@ -47,12 +49,15 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="K; 0 = target-only decoding")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--proposer", choices=["draft", "lookup", "hybrid"], default=None,
+                   help="draft model, prompt lookup, or lookup with the draft model as fallback (default: server's)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, stats")
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              seed=args.seed, stop=args.stop, num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos)
+              seed=args.seed, stop=args.stop, num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos,
+              proposer=args.proposer)
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
     else:

@@ -29,6 +29,15 @@ def finish_reason_name(value: int) -> str:
     return generate_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
+PROPOSERS = {
+    "draft": generate_pb2.PROPOSER_DRAFT_MODEL,
+    "draft_model": generate_pb2.PROPOSER_DRAFT_MODEL,
+    "lookup": generate_pb2.PROPOSER_PROMPT_LOOKUP,
+    "prompt_lookup": generate_pb2.PROPOSER_PROMPT_LOOKUP,
+    "hybrid": generate_pb2.PROPOSER_HYBRID,
+}
+
+
 def build_request(
     prompt: str | None = None,
     *,
@@ -42,11 +51,15 @@ def build_request(
     stop: Sequence[str] = (),
     num_speculative_tokens: int | None = None,
     ignore_eos: bool = False,
+    proposer: str | None = None,
 ) -> generate_pb2.GenerateRequest:
-    """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default."""
+    """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
+    proposer: "draft" | "lookup" | "hybrid" (or the long names "draft_model", "prompt_lookup")."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
-    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos)
+    if proposer is not None and proposer not in PROPOSERS:
+        raise ValueError(f"proposer must be one of {sorted(PROPOSERS)}, got {proposer!r}")
+    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos, proposer=PROPOSERS.get(proposer, 0))
     if prompt is not None:
         req.text = prompt
     elif messages is not None:

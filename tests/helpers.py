@@ -99,7 +99,13 @@ class Cluster:
         server, port, health, _ = build(config, tier)
         await server.start()
         self._servers.append(server)
+        if build is build_draft:
+            self.draft_server = server
         return port
+
+    def stop_draft(self) -> None:
+        """Take the draft tier down (its port stops answering)."""
+        self._call(self.draft_server.stop(0))
 
     async def _start_coordinator(self, config) -> int:
         server, port, health, pipeline = await build_coordinator(config)

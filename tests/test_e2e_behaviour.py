@@ -26,7 +26,7 @@ def wait_for(predicate, timeout_s: float = 10.0) -> bool:
 def test_seeded_sampling_is_reproducible(random_draft_cluster, self_draft_cluster):
     for cluster in (random_draft_cluster, self_draft_cluster):
         with Client(cluster.address) as c:
-            kw = dict(token_ids=PROMPT, max_new_tokens=30, temperature=1.0, top_p=0.95, num_speculative_tokens=3)
+            kw = dict(token_ids=PROMPT, max_new_tokens=30, temperature=1.0, top_p=0.95, num_speculative_tokens=3, proposer="draft")
             a = c.generate(seed=1234, **kw)
             b = c.generate(seed=1234, **kw)
             other = c.generate(seed=99, **kw)
@@ -42,8 +42,9 @@ def test_self_draft_sampling_accepts_everything(self_draft_cluster):
     model's nearly flat distribution loses most of its mass to the truncation, and acceptance
     equals the kept mass (~0.2): correct, but not a test of p == q."""
     with Client(self_draft_cluster.address) as c:
-        out = c.generate(token_ids=PROMPT, max_new_tokens=40, temperature=0.8, top_k=20, seed=7, num_speculative_tokens=4)
-        flat = c.generate(token_ids=PROMPT, max_new_tokens=40, temperature=0.8, seed=7, num_speculative_tokens=4)
+        kw = dict(token_ids=PROMPT, max_new_tokens=40, temperature=0.8, seed=7, num_speculative_tokens=4, proposer="draft")
+        out = c.generate(top_k=20, **kw)
+        flat = c.generate(**kw)
     assert out.stats["acceptance_rate"] > 0.95
     assert flat.stats["acceptance_rate"] < 0.6
 
@@ -58,7 +59,7 @@ def test_eos_inside_an_accepted_block(tiny_dir, tiny_target_model):
     cluster = Cluster(path, path)
     try:
         with Client(cluster.address) as c:
-            out = c.generate(token_ids=PROMPT, max_new_tokens=24, num_speculative_tokens=5)
+            out = c.generate(token_ids=PROMPT, max_new_tokens=24, num_speculative_tokens=5, proposer="draft")
     finally:
         cluster.close()
     assert out.token_ids == ref[: idx + 1]
@@ -96,7 +97,7 @@ def test_streamed_text_never_contains_the_stop_string(self_draft_cluster):
 
 def test_max_new_tokens_reached_mid_block(self_draft_cluster, tiny_target_model):
     with Client(self_draft_cluster.address) as c:
-        out = c.generate(token_ids=PROMPT, max_new_tokens=7, num_speculative_tokens=5)
+        out = c.generate(token_ids=PROMPT, max_new_tokens=7, num_speculative_tokens=5, proposer="draft")
     assert out.token_ids == reference_greedy(tiny_target_model, PROMPT, 7, [2])
     assert out.finish_reason == "length"
     # round 1: K=5 -> 6 tokens; round 2: K clamped to remaining - 1 = 0 -> 1 token
@@ -111,7 +112,7 @@ def test_client_cancellation_frees_sessions_on_both_tiers(random_draft_cluster):
         from specdec.proto import generate_pb2_grpc
 
         call = generate_pb2_grpc.GenerationStub(channel).Generate(
-            build_request(token_ids=PROMPT, max_new_tokens=1000, ignore_eos=True, num_speculative_tokens=2))
+            build_request(token_ids=PROMPT, max_new_tokens=1000, ignore_eos=True, num_speculative_tokens=2, proposer="draft"))
         first = next(call)
         assert first.HasField("chunk")
         assert cluster.status("target").num_sessions == 1 and cluster.status("draft").num_sessions == 1

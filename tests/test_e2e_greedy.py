@@ -16,7 +16,7 @@ def test_greedy_equals_target_generate(request, tiny_target_model, cluster_name,
     with Client(cluster.address) as client:
         for prompt in PROMPTS:
             expected = reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
-            out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+            out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=k, proposer="draft")
             assert out.token_ids == expected
             st = out.stats
             assert st["generated_tokens"] == len(expected)
@@ -36,3 +36,29 @@ def test_target_only_k0_equals_generate(random_draft_cluster, tiny_target_model)
         out = client.generate(token_ids=prompt, max_new_tokens=20, num_speculative_tokens=0)
     assert out.token_ids == reference_greedy(tiny_target_model, prompt, 20, [2])
     assert out.stats["rounds"] == 20 and out.stats["draft_tokens"] == 0
+
+
+# A prompt that repeats itself, so prompt lookup finds matches (random models rarely copy, so most
+# lookup proposals are rejected: the point is exactness on both outcomes).
+REPETITIVE = [1, 504, 3937, 282, 4193, 314, 30, 504, 3937, 282, 4193, 314, 30, 504, 3937, 282]
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "hybrid"])
+@pytest.mark.parametrize("k", [1, 3, 8, None])
+def test_greedy_equals_target_generate_with_lookup_proposers(self_draft_cluster, tiny_target_model, proposer, k):
+    with Client(self_draft_cluster.address) as client:
+        for prompt in (REPETITIVE, PROMPTS[0]):
+            expected = reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+            out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=k, proposer=proposer)
+            assert out.token_ids == expected
+            assert out.stats["proposer"] == {"lookup": "prompt_lookup", "hybrid": "hybrid"}[proposer]
+
+
+def test_adaptive_k_greedy_equals_target_generate(self_draft_cluster, random_draft_cluster, tiny_target_model):
+    prompt = PROMPTS[1]
+    expected = reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+    for cluster in (self_draft_cluster, random_draft_cluster):
+        with Client(cluster.address) as client:
+            out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, proposer="draft")  # K unset: adaptive
+        assert out.token_ids == expected
+        assert out.stats["num_speculative_tokens"] == -1

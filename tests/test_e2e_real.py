@@ -38,13 +38,22 @@ def test_real_pair_greedy_equals_target_generate(real_cluster, real_references, 
     accepted = proposed = 0
     with Client(real_cluster.address) as c:
         for question, prompt_ids, expected in real_references:
-            out = c.generate(messages=[{"role": "user", "content": question}], max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+            out = c.generate(messages=[{"role": "user", "content": question}], max_new_tokens=MAX_NEW,
+                             num_speculative_tokens=k, proposer="draft")
             assert out.stats["prompt_tokens"] == len(prompt_ids)  # chat template rendered like the reference
             assert out.token_ids == expected, f"K={k}: {question!r}"
             accepted += out.stats["accepted_tokens"]
             proposed += out.stats["draft_tokens"]
     # the distilled draft agrees with the target on ~30% of tokens: some, not all, drafts survive
     assert 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "hybrid"])
+def test_real_pair_greedy_with_lookup_proposers(real_cluster, real_references, proposer):
+    with Client(real_cluster.address) as c:
+        for question, _, expected in real_references:
+            out = c.generate(messages=[{"role": "user", "content": question}], max_new_tokens=MAX_NEW, proposer=proposer)
+            assert out.token_ids == expected, f"{proposer}: {question!r}"
 
 
 def test_real_pair_seeded_sampling_is_reproducible(real_cluster):
