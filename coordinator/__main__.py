@@ -36,6 +36,7 @@ def main(argv=None) -> None:
     a.add("--lookup-max-ngram", type=int, default=LookupConfig.max_ngram, help="prompt lookup: longest suffix matched")
     a.add("--rpc-timeout", type=float, default=D.rpc_timeout_s, help="deadline of each internal rpc, seconds")
     a.add("--connect-timeout", type=float, default=D.connect_timeout_s, help="seconds to wait for the tiers at start-up")
+    a.add("--overlap", type=bool, default=D.overlap, help="pre-draft the next round while the target verifies")
     args = a.parse(argv)
     config = CoordinatorConfig(
         target_address=args.target, draft_address=args.draft or None, tokenizer=args.tokenizer,
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
         default_num_speculative_tokens=None if args.default_k == "auto" else int(args.default_k),
         max_num_speculative_tokens=args.max_k, default_proposer=args.default_proposer,
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
-        lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram),
+        lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
         rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout,
     )
 

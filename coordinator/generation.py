@@ -8,6 +8,7 @@ each tier is told, per request, which prefix of it it already caches (TierCursor
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tiers import DraftClient, TargetClient, TierCursor, TierError
 from specdec.prefix import PrefixHashes
 from specdec.proto import common_pb2, generate_pb2, target_pb2
-from specdec.sampling import TARGET_STREAM, SamplingParams, derive_seed
+from specdec.sampling import DRAFT_STREAM, TARGET_STREAM, SamplingParams, derive_seed
 
 FinishReason = generate_pb2.FinishReason
 UNFINISHED = FinishReason.FINISH_REASON_UNSPECIFIED
@@ -50,6 +51,7 @@ class RoundStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     committed_before_truncation: int = 0
+    overlapped_rounds: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     network_ms: float = 0.0
@@ -69,6 +71,7 @@ class Limits:
     max_context: int  # the target's: generation ends here
     draft_max_context: int = 0  # the draft's: beyond it the draft model is not asked
     max_k: int = 16  # cap on K (server and tiers)
+    overlap: bool = False  # draft round r+1 while the target verifies round r
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
 
@@ -89,7 +92,7 @@ class Generation:
         # Prompt lookup is always ready: it is the proposer of the lookup/hybrid modes and the fallback
         # whenever the draft tier is unreachable.
         self.lookup = PromptLookupProposer(limits.lookup, params.prompt_ids)
-        self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, params.seed)
+        self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
                       if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID) else None)
         adaptive_k = min(limits.adaptive.max_k, limits.max_k)
         cfg = AdaptiveConfig(**{**limits.adaptive.__dict__, "max_k": adaptive_k})
@@ -135,6 +138,7 @@ class Generation:
         text, streamed = "", 0
         n_generated = 0
         finish = UNFINISHED
+        pending: Proposal | None = None  # next round's drafts, pre-drafted during this round's verify
 
         while finish == UNFINISHED:
             remaining = p.max_new_tokens - n_generated
@@ -144,10 +148,27 @@ class Generation:
                 break
             # K larger than the budget is clamped: the round also yields one token of its own.
             budget = min(self.limits.max_k, remaining - 1, room - 1)
-            proposal = await self._propose(committed, hashes, budget)
+            if pending is not None:
+                proposal, pending = pending, None
+                self.stats.overlapped_rounds += 1
+                self.stats.draft_ms += proposal.compute_ms
+            else:
+                proposal = await self._propose(committed, hashes, budget)
             drafts = proposal.tokens[: max(budget, 0)]
-            verdict = await self._verify(committed, hashes, drafts, proposal.q[: len(drafts)])
+            verify = asyncio.ensure_future(self._verify(committed, hashes, drafts, proposal.q[: len(drafts)]))
+            speculating = False
+            if self.limits.overlap and drafts and proposal.source == DRAFT_MODEL and self.draft.available:
+                k_next = min(self._k_for(DRAFT_MODEL), remaining - len(drafts) - 2, room - len(drafts) - 2)
+                if k_next > 0 and len(committed) + len(drafts) + k_next + 1 <= self.limits.draft_max_context:
+                    speculating = await self.draft.speculate(committed, hashes, drafts, k_next)
+            try:
+                verdict = await verify
+            except BaseException:
+                verify.cancel()
+                raise
             n = verdict.num_accepted
+            if speculating:
+                pending = await self.draft.collect(n == len(drafts), verdict.next_token)
             new = drafts[:n] + [verdict.next_token]
             st = self.stats
             st.rounds += 1
@@ -211,6 +232,7 @@ class Generation:
             num_speculative_tokens=-1 if k is None else k,
             mean_num_speculative_tokens=st.draft_tokens / st.rounds if st.rounds else 0.0,
             proposer=self.params.proposer,
+            overlapped_rounds=st.overlapped_rounds,
         )
 
     async def _verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], q_rows) -> "Verdict":
@@ -228,7 +250,7 @@ class Generation:
                 raise
             wall_ms = (time.perf_counter() - t0) * 1e3
             self.stats.observe_rpc(wall_ms, response.compute_ms, is_draft=False)
-            self._target_cursor.update(ctx, drafts, response.cached_len)
+            self._target_cursor.update(ctx, drafts, response.cached_len, committed_len=len(committed))
             return Verdict(response.num_accepted, response.next_token, wall_ms)
         raise AssertionError("unreachable")
 

@@ -19,7 +19,6 @@ from coordinator.lookup import LookupConfig, NgramIndex
 from coordinator.tiers import DraftClient, TierCursor, TierError
 from specdec.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
-from specdec.sampling import DRAFT_STREAM, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +30,9 @@ class Proposal:
     source: str  # DRAFT_MODEL or PROMPT_LOOKUP
     tokens: list[int]  # d_1..d_K (possibly fewer than asked, or none)
     q: list[common_pb2.DraftDistribution] = field(default_factory=list)  # empty = one-hot on tokens
-    wall_ms: float = 0.0  # time the proposal took, as seen here
-    compute_ms: float = 0.0  # of which model compute on the draft tier
+    wall_ms: float = 0.0  # time the proposal kept the round waiting, as seen here
+    compute_ms: float = 0.0  # model compute on the draft tier
+    overlapped: bool = False  # drafted during the previous round's verification
 
 
 class PromptLookupProposer:
@@ -65,6 +65,7 @@ class DraftModelProposer:
         self.stream = client.stream()
         self._failures = 0
         self._down_until = 0.0
+        self._speculation: tuple[common_pb2.SessionContext, int] | None = None  # (context, committed length)
 
     @property
     def available(self) -> bool:
@@ -72,10 +73,9 @@ class DraftModelProposer:
 
     async def propose(self, committed: list[int], hashes: PrefixHashes, k: int) -> Proposal:
         """Raises TierError if the draft is unreachable (the caller falls back)."""
-        seed = derive_seed(self.seed, len(committed), DRAFT_STREAM)
         for attempt in range(2):
             ctx = self.cursor.context(self.session_id, committed, hashes)
-            request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=seed)
+            request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed)
             t0 = time.perf_counter()
             try:
                 response = await self.stream.propose(request)
@@ -86,10 +86,49 @@ class DraftModelProposer:
                 self._mark_down(e)
                 raise
             self._failures = 0
-            self.cursor.update(ctx, list(response.tokens), response.cached_len)
+            self.cursor.update(ctx, list(response.tokens), response.cached_len, committed_len=len(committed))
             return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q),
                             wall_ms=(time.perf_counter() - t0) * 1e3, compute_ms=response.compute_ms)
         raise AssertionError("unreachable")
+
+    # --- overlap: draft round r+1 while the target verifies round r ---------------------------------
+
+    async def speculate(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], k: int) -> bool:
+        """Ask for the next block assuming every draft is accepted: K + 1 tokens after
+        committed + drafts, the first being the draft's guess of the target's bonus token. Only sends;
+        collect() reads the reply. Returns False if the request could not be sent."""
+        hypothetical = committed + drafts
+        ctx = self.cursor.context(self.session_id, hypothetical, hashes.extended(drafts))
+        request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k + 1, sampling=self.sampling, seed=self.seed)
+        try:
+            await self.stream.send(request)
+        except TierError as e:
+            self.cursor.reset()
+            self._mark_down(e)
+            return False
+        self._speculation = (ctx, len(committed))
+        return True
+
+    async def collect(self, all_accepted: bool, next_token: int) -> Proposal | None:
+        """After verification: the pre-drafted block if the guess held (all drafts accepted and the
+        bonus equal to the draft's guess), else None. Draws are keyed by position, so the block equals
+        what a fresh Propose would return now."""
+        if self._speculation is None:
+            return None
+        ctx, committed_len = self._speculation
+        self._speculation = None
+        try:
+            response = await self.stream.recv()
+        except TierError as e:
+            self.cursor.reset()
+            if e.code != grpc.StatusCode.FAILED_PRECONDITION:
+                self._mark_down(e)
+            return None
+        self.cursor.update(ctx, list(response.tokens), response.cached_len, committed_len=committed_len)
+        if all_accepted and response.tokens and response.tokens[0] == next_token:
+            return Proposal(DRAFT_MODEL, list(response.tokens[1:]), list(response.q[1:]), wall_ms=0.0,
+                            compute_ms=response.compute_ms, overlapped=True)
+        return None
 
     def _mark_down(self, e: TierError) -> None:
         delay = self.BACKOFF_S[min(self._failures, len(self.BACKOFF_S) - 1)]

@@ -49,6 +49,7 @@ class CoordinatorConfig:
     default_proposer: str = HYBRID  # draft_model | prompt_lookup | hybrid, when a request leaves it unset
     adaptive: AdaptiveConfig = AdaptiveConfig()  # adaptive-K controller settings
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
+    overlap: bool = False  # pre-draft round r+1 while the target verifies round r
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc
     connect_timeout_s: float = 300.0  # how long to wait at start-up for the tiers to answer
 
@@ -119,7 +120,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         pl = self.pipeline
         limits = Limits(max_context=pl.target_info.max_context,
                         draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
-                        max_k=self._max_k(), adaptive=self.config.adaptive, lookup=self.config.lookup)
+                        max_k=self._max_k(), overlap=self.config.overlap, adaptive=self.config.adaptive,
+                        lookup=self.config.lookup)
         generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids), limits)
         try:
             async for event in generation.run():

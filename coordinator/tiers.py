@@ -21,38 +21,41 @@ class TierError(Exception):
 
 
 class TierCursor:
-    """Which committed tokens one tier caches for a session, as far as the coordinator knows.
+    """Which tokens one tier caches for a session, as far as the coordinator knows.
 
-    After a request the tier caches committed[:valid] plus `spec`: tokens it fed that were not yet
-    committed when sent (the draft's own proposals, the target's accepted drafts). Once the round is
-    committed, the leading spec tokens that match the committed sequence are reusable.
+    The tier caches committed[:base] followed by `tail`: tokens it fed that were not known to be
+    committed when sent (the draft's own proposals, the target's accepted drafts, a speculative
+    context). Once rounds are committed, the leading tail tokens that match are reusable.
     """
 
-    __slots__ = ("valid", "spec")
+    __slots__ = ("base", "tail")
 
     def __init__(self) -> None:
-        self.valid = 0
-        self.spec: list[int] = []
+        self.base = 0
+        self.tail: list[int] = []
 
     def reset(self) -> None:
-        self.valid, self.spec = 0, []
+        self.base, self.tail = 0, []
 
-    def context(self, session_id: str, committed: list[int], hashes: PrefixHashes) -> common_pb2.SessionContext:
-        n = self.valid
-        for tok in self.spec:
-            if n >= len(committed) or committed[n] != tok:
+    def context(self, session_id: str, sequence: list[int], hashes: PrefixHashes) -> common_pb2.SessionContext:
+        """The context for a request over `sequence` (the committed tokens, or a hypothetical
+        extension of them); `hashes` must cover `sequence`."""
+        n = self.base
+        for tok in self.tail:
+            if n >= len(sequence) or sequence[n] != tok:
                 break
             n += 1
-        prefix = min(n, len(committed) - 1)  # always send >= 1 token: the tier needs the last logits
+        prefix = min(n, len(sequence) - 1)  # always send >= 1 token: the tier needs the last logits
         return common_pb2.SessionContext(
-            session_id=session_id, prefix_len=prefix, prefix_hash=hashes.at(prefix), new_tokens=committed[prefix:]
+            session_id=session_id, prefix_len=prefix, prefix_hash=hashes.at(prefix), new_tokens=sequence[prefix:]
         )
 
-    def update(self, ctx: common_pb2.SessionContext, extra: list[int], cached_len: int) -> None:
-        """Record a reply: the tier caches cached_len tokens of committed[:sent] + extra."""
-        sent = ctx.prefix_len + len(ctx.new_tokens)
-        self.valid = min(cached_len, sent)
-        self.spec = extra[: max(0, cached_len - sent)]
+    def update(self, ctx: common_pb2.SessionContext, extra: list[int], cached_len: int, committed_len: int) -> None:
+        """Record a reply: the tier caches cached_len tokens of (context sequence + extra), of which
+        only the first committed_len are known to be committed."""
+        self.base = min(cached_len, committed_len, ctx.prefix_len + len(ctx.new_tokens))
+        after_prefix = list(ctx.new_tokens) + list(extra)
+        self.tail = after_prefix[self.base - ctx.prefix_len : cached_len - ctx.prefix_len]
 
 
 def _tier_error(tier: str, e: grpc.aio.AioRpcError) -> TierError:
@@ -60,35 +63,62 @@ def _tier_error(tier: str, e: grpc.aio.AioRpcError) -> TierError:
 
 
 class DraftStream:
-    """One session's bidirectional Propose stream (pins the session to one draft replica)."""
+    """One session's bidirectional Propose stream (pins the session to one draft replica).
+
+    Requests may be pipelined: send() a speculative request, then later recv() its reply; replies
+    come back in request order.
+    """
 
     def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, timeout_s: float) -> None:
         self._stub = stub
         self._timeout_s = timeout_s
         self._call = None
+        self.pending = 0  # requests sent whose replies were not read yet
 
-    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+    async def send(self, request: draft_pb2.ProposeRequest) -> None:
         if self._call is None:
             self._call = self._stub.ProposeStream()
-        call = self._call
         try:
-            await asyncio.wait_for(call.write(request), self._timeout_s)
+            await asyncio.wait_for(self._call.write(request), self._timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self.close()
+            raise _tier_error("draft", e) from None
+        except asyncio.TimeoutError:
+            self.close()
+            raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._timeout_s}s") from None
+        self.pending += 1
+
+    async def recv(self) -> draft_pb2.ProposeResponse:
+        call = self._call
+        if call is None or self.pending == 0:
+            raise TierError("draft", grpc.StatusCode.INTERNAL, "no request in flight on the draft stream")
+        try:
             response = await asyncio.wait_for(call.read(), self._timeout_s)
         except grpc.aio.AioRpcError as e:
-            self._call = None
+            self.close()
             raise _tier_error("draft", e) from None
         except asyncio.TimeoutError:
             self.close()
             raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._timeout_s}s") from None
         if response is grpc.aio.EOF:
-            self._call = None
-            raise TierError("draft", await call.code(), await call.details() or "stream ended")
+            code, details = await call.code(), await call.details()
+            self.close()
+            raise TierError("draft", code, details or "stream ended")
+        self.pending -= 1
         return response
+
+    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        """Drain replies nobody wants any more, then one request / reply."""
+        while self.pending:
+            await self.recv()
+        await self.send(request)
+        return await self.recv()
 
     def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
             self._call = None
+        self.pending = 0
 
 
 class DraftClient:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.sampling import SamplingParams, make_generator, process_logits, sample, truncate_top_n
+from specdec.sampling import DRAFT_STREAM, SamplingParams, derive_seed, make_generator, process_logits, sample, truncate_top_n
 from specdec.server import Service, ServerConfig, as_request_error, create_server, handle_errors
 from specdec.tier import ModelTier, TierConfig
 
@@ -84,7 +84,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         tier = self.tier
         session = tier.acquire(request.context)
         try:
-            generator = None if params.greedy else make_generator(request.seed, tier.device)
             logits = tier.forward(session, list(request.context.new_tokens), logits_to_keep=1)  # [1, V]
             tokens: list[int] = []
             q_rows: list[common_pb2.DraftDistribution] = []
@@ -95,6 +94,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 else:
                     probs = process_logits(logits[-1:], params)[0]  # [V]
                     ids, q = truncate_top_n(probs, self.draft_top_n)  # the q we sample from and send
+                    # Draws keyed by absolute position: independent of how requests split the work.
+                    generator = make_generator(derive_seed(request.seed, len(session), DRAFT_STREAM), tier.device)
                     d = int(ids[sample(q, generator)])
                     q_rows.append(common_pb2.DraftDistribution(token_ids=ids.tolist(), probs=q.tolist()))
                 tokens.append(d)

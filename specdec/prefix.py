@@ -37,6 +37,13 @@ class PrefixHashes:
             h = _mix(h, t)
             self._hashes.append(h)
 
+    def extended(self, tokens: Iterable[int]) -> "PrefixHashes":
+        """A copy that also covers `tokens` (for hypothetical continuations)."""
+        other = PrefixHashes()
+        other._hashes = self._hashes.copy()
+        other.extend(tokens)
+        return other
+
     def crop(self, length: int) -> None:
         del self._hashes[length:]
 

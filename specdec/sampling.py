@@ -72,6 +72,7 @@ def truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch
     vals, ids = torch.topk(probs, n)
     keep = vals > 0
     vals, ids = vals[keep], ids[keep]
+    vals = vals.float()
     return ids, vals / vals.sum()
 
 

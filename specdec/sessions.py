@@ -82,6 +82,8 @@ class SessionStore:
         prefix_len == 0 starts the session afresh (creating it if needed). Otherwise the session must
         exist, hold at least prefix_len tokens and match prefix_hash, or PrefixMismatch is raised.
         """
+        if prefix_len < 0:
+            raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
         self.evict_idle()
         session = self._sessions.get(session_id)
         if prefix_len > 0:

@@ -39,6 +39,14 @@ def self_draft_cluster(tiny_target):
 
 
 @pytest.fixture(scope="session")
+def self_draft_overlap_cluster(tiny_target):
+    """Target as its own draft, with overlapped drafting on."""
+    cluster = Cluster(tiny_target, tiny_target, coordinator_overrides={"overlap": True})
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
 def random_draft_cluster(tiny_target, tiny_random_draft):
     """An unrelated random draft: almost nothing is accepted."""
     cluster = Cluster(tiny_target, tiny_random_draft)
