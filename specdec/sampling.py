@@ -53,13 +53,31 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         x = x.masked_fill(x < kth, -math.inf)
     if params.top_p < 1.0:
-        sorted_x, sorted_idx = torch.sort(x, dim=-1, descending=False)
-        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cum <= (1.0 - params.top_p)
-        remove_sorted[..., -1] = False  # always keep the most likely token
-        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-        x = x.masked_fill(remove, -math.inf)
+        x = x.masked_fill(_top_p_remove(x, params.top_p), -math.inf)
     return x.softmax(dim=-1)
+
+
+TOP_P_CANDIDATES = 1024  # the nucleus is searched among this many most likely tokens first
+
+
+def _top_p_remove(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask [N, V] of tokens outside the nucleus: a token is kept iff the probability of the tokens
+    ranked strictly above it is < top_p (Hugging Face's rule: drop it if the cumulative mass up to and
+    including it, in ascending order, is <= 1 - top_p). The most likely token is always kept.
+
+    Sorting all V logits per row costs ~1 ms on a CPU; the nucleus almost always lies within the top
+    TOP_P_CANDIDATES, so those are sorted first and the full sort is the fallback."""
+    probs = x.softmax(dim=-1)
+    vocab = x.shape[-1]
+    m = min(TOP_P_CANDIDATES, vocab)
+    while True:
+        top_probs, top_idx = torch.topk(probs, m, dim=-1)  # [N, m], descending
+        if m == vocab or bool((top_probs.sum(dim=-1) >= top_p).all()):
+            break
+        m = vocab  # some row's nucleus is wider than the candidates: sort everything
+    above = top_probs.cumsum(dim=-1) - top_probs  # mass ranked strictly above each candidate
+    remove = torch.ones_like(x, dtype=torch.bool)
+    return remove.scatter(-1, top_idx, above >= top_p)
 
 
 def truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +130,20 @@ def rejection_sample(
         dist = residual if residual.sum() > 0 else p[n_accepted]
     next_token = int(torch.multinomial(dist, 1, generator=generator)[0])
     return n_accepted, next_token
+
+
+def verify_greedy(
+    target_logits: torch.Tensor,  # [K+1, V] target logits at the K draft positions plus the bonus position
+    draft_tokens: torch.Tensor,  # [K] int64
+) -> tuple[int, int]:
+    """rejection_sample's temperature-0 limit without materialising one-hot p and q: accept d_i while
+    it equals argmax p_i; the next token is argmax p at the stop position (the recovered token, or the
+    bonus). tests/test_sampling.py pins it to rejection_sample on one-hot inputs."""
+    target_argmax = target_logits.argmax(dim=-1)  # [K+1]
+    k = draft_tokens.shape[0]
+    mismatch = (target_argmax[:k] != draft_tokens).nonzero()
+    n_accepted = int(mismatch[0, 0]) if mismatch.numel() > 0 else k
+    return n_accepted, int(target_argmax[n_accepted])
 
 
 def dense_q(

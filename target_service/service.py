@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
-from specdec.sampling import SamplingParams, dense_q, make_generator, process_logits, rejection_sample
+from specdec.sampling import SamplingParams, dense_q, make_generator, process_logits, rejection_sample, verify_greedy
 from specdec.server import Service, ServerConfig, create_server, handle_errors, invalid_argument
 from specdec.tier import ModelTier, TierConfig
 
@@ -84,11 +84,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             drafts = list(request.draft_tokens)
             k = len(drafts)
             logits = tier.forward(session, list(ctx.new_tokens) + drafts, logits_to_keep=k + 1)  # [K+1, V]
-            p = process_logits(logits, params)  # [K+1, V]
             d = torch.tensor(drafts, dtype=torch.long, device=tier.device)  # [K]
-            q = dense_q(q_rows, d, tier.vocab_size, tier.device)  # [K, V]
-            generator = make_generator(request.seed, tier.device)
-            n_accepted, next_token = rejection_sample(p, q, d, generator)
+            if params.greedy and q_rows is None:
+                n_accepted, next_token = verify_greedy(logits, d)
+            else:
+                p = process_logits(logits, params)  # [K+1, V]
+                q = dense_q(q_rows, d, tier.vocab_size, tier.device)  # [K, V]
+                generator = make_generator(request.seed, tier.device)
+                n_accepted, next_token = rejection_sample(p, q, d, generator)
             # Keep the KV entries of the committed prefix plus the accepted drafts only.
             tier.store.crop(session, ctx.prefix_len + len(ctx.new_tokens) + n_accepted)
         except Exception:
