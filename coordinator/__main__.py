@@ -9,10 +9,10 @@ import sys
 from coordinator.adaptive import AdaptiveConfig
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
-from coordinator.service import SERVICE_NAME, CoordinatorConfig, PipelineMismatch, build
-from specdec.config import EnvArgs, add_server_args, server_config, write_port_file
+from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
+from specdec.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
 from specdec.models import default_target
-from specdec.server import serve
+from specdec.server import check_token, serve
 
 log = logging.getLogger("coordinator")
 D = CoordinatorConfig
@@ -37,7 +37,15 @@ def main(argv=None) -> None:
     a.add("--rpc-timeout", type=float, default=D.rpc_timeout_s, help="deadline of each internal rpc, seconds")
     a.add("--connect-timeout", type=float, default=D.connect_timeout_s, help="seconds to wait for the tiers at start-up")
     a.add("--overlap", type=bool, default=D.overlap, help="pre-draft the next round while the target verifies")
+    a.add("--tier-ca", default=None, help="PEM CA that signed the tiers' certificates: connect to the tiers over TLS")
+    a.add("--tier-client-cert", default=None, help="PEM client certificate presented to the tiers (mutual TLS)")
+    a.add("--tier-client-key", default=None, help="PEM private key of --tier-client-cert")
+    a.add("--tier-server-name", default=None, help="name to verify in the tiers' certificates (default: the address's host)")
+    a.add("--auth-token", default=None, secret=True,
+          help="require 'authorization: Bearer <token>' on the public API (health and reflection stay open)")
+    a.add("--auth-token-file", default=None, help="read the bearer token from this file (alternative to --auth-token)")
     args = a.parse(argv)
+    auth_token = auth_token_from(args)
     config = CoordinatorConfig(
         target_address=args.target, draft_address=args.draft or None, tokenizer=args.tokenizer,
         server=server_config(args), default_max_new_tokens=args.default_max_new_tokens,
@@ -47,7 +55,17 @@ def main(argv=None) -> None:
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
         rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout,
+        tier_ca=args.tier_ca or None, tier_client_cert=args.tier_client_cert or None,
+        tier_client_key=args.tier_client_key or None, tier_server_name=args.tier_server_name or None,
+        auth_token=auth_token,
     )
+    check_server_tls(config.server)
+    try:
+        Pipeline._tier_credentials(config)  # unusable TLS settings / files: fail now, not after connect_timeout
+    except (OSError, ValueError) as e:
+        config_error(str(e), ("tier_ca", "tier_client_cert", "tier_client_key", "tier_server_name"))
+    if auth_token and not config.server.tls_cert:
+        log.warning("--auth-token without --tls-cert: the token crosses the network in plaintext unless a proxy terminates TLS")
 
     async def run() -> None:
         try:
@@ -60,6 +78,27 @@ def main(argv=None) -> None:
                     on_started=lambda: write_port_file(args.port_file, port), on_stop=pipeline.close)
 
     asyncio.run(run())
+
+
+def auth_token_from(args) -> str | None:
+    """--auth-token or the first line of --auth-token-file (not both); None = no token check."""
+    if args.auth_token and args.auth_token_file:
+        config_error("give --auth-token or --auth-token-file, not both")
+    token = args.auth_token
+    if args.auth_token_file:
+        try:
+            with open(args.auth_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            config_error(f"cannot read --auth-token-file {args.auth_token_file!r}: {e}")
+        if not token:
+            config_error(f"--auth-token-file {args.auth_token_file!r} is empty")
+    if not token:
+        return None
+    try:
+        return check_token(token)
+    except ValueError as e:
+        config_error(str(e))
 
 
 if __name__ == "__main__":

@@ -72,14 +72,17 @@ class Limits:
     draft_max_context: int = 0  # the draft's: beyond it the draft model is not asked
     max_k: int = 16  # cap on K (server and tiers)
     overlap: bool = False  # draft round r+1 while the target verifies round r
+    tier_retry_s: float = 30.0  # without a client deadline, how long to retry an unreachable target
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
 
 
 class Generation:
     def __init__(self, params: GenerationParams, draft: DraftClient | None, target: TargetClient, tokenizer,
-                 eos_token_ids: set[int], limits: Limits) -> None:
+                 eos_token_ids: set[int], limits: Limits, deadline: float | None = None) -> None:
+        """deadline: time.monotonic() by which the client must have its answer (None: no deadline)."""
         self.params = params
+        self.deadline = deadline
         self.target = target
         self.tokenizer = tokenizer
         self.eos = set() if params.ignore_eos else eos_token_ids
@@ -119,7 +122,7 @@ class Generation:
             if k <= 0:
                 return Proposal(DRAFT_MODEL, [])
             try:
-                proposal = await self.draft.propose(committed, hashes, k)
+                proposal = await self.draft.propose(committed, hashes, k, self._time_left())
                 self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, is_draft=True)
                 return proposal
             except TierError:
@@ -235,24 +238,51 @@ class Generation:
             overlapped_rounds=st.overlapped_rounds,
         )
 
+    def _time_left(self) -> float | None:
+        """Seconds until we must answer the client, keeping a margin to report an error in time."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        return left - min(0.5, 0.1 * max(left, 0.0))
+
     async def _verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], q_rows) -> "Verdict":
+        """Verify on the target. An unreachable or restarted target is retried with back-off (and
+        re-prefilled) until the client's deadline, or tier_retry_s without one; then UNAVAILABLE."""
         seed = derive_seed(self.params.seed, len(committed), TARGET_STREAM)
-        for attempt in range(2):
+        backoff, give_up_at, last_error = 0.05, None, None
+        while True:
             ctx = self._target_cursor.context(self.session_id, committed, hashes)
             request = target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q_rows, sampling=self._sampling, seed=seed)
+            left = self._time_left()
+            if left is not None and left <= 0:
+                raise TierError("target", grpc.StatusCode.UNAVAILABLE if last_error else grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no answer before the request's deadline; last error: {last_error or 'none'}")
             t0 = time.perf_counter()
             try:
-                response = await self.target.verify(request)
+                response = await self.target.verify(request, left)
             except TierError as e:
-                if e.code == grpc.StatusCode.FAILED_PRECONDITION and attempt == 0:
+                if e.code == grpc.StatusCode.FAILED_PRECONDITION and ctx.prefix_len > 0:
                     self._target_cursor.reset()  # the target lost the session: resend everything
                     continue
-                raise
+                if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                # Unreachable, restarting or stalled: it may come back without our session.
+                self._target_cursor.reset()
+                last_error = e
+                now = time.monotonic()
+                if give_up_at is None:
+                    give_up_at = now + self.limits.tier_retry_s if self.deadline is None else float("inf")
+                left = self._time_left()
+                if now >= give_up_at or (left is not None and left <= backoff):
+                    raise TierError("target", grpc.StatusCode.UNAVAILABLE,
+                                    f"unreachable, gave up retrying: {e.details}") from None
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
             wall_ms = (time.perf_counter() - t0) * 1e3
             self.stats.observe_rpc(wall_ms, response.compute_ms, is_draft=False)
             self._target_cursor.update(ctx, drafts, response.cached_len, committed_len=len(committed))
             return Verdict(response.num_accepted, response.next_token, wall_ms)
-        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         """Free the session on both tiers (best effort: a tier may already have evicted it)."""

@@ -54,7 +54,7 @@ class DraftModelProposer:
     """The draft tier, with the coordinator's view of its cache and a back-off when it is down."""
 
     source = DRAFT_MODEL
-    BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # retry delays after consecutive failures
+    BACKOFF_S = (0.25, 0.5, 1.0, 2.0)  # retry delays after consecutive failures
 
     def __init__(self, client: DraftClient, session_id: str, sampling: common_pb2.SamplingParams, seed: int) -> None:
         self.client = client
@@ -71,14 +71,14 @@ class DraftModelProposer:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    async def propose(self, committed: list[int], hashes: PrefixHashes, k: int) -> Proposal:
-        """Raises TierError if the draft is unreachable (the caller falls back)."""
+    async def propose(self, committed: list[int], hashes: PrefixHashes, k: int, limit_s: float | None = None) -> Proposal:
+        """Raises TierError if the draft is unreachable (the caller falls back). limit_s caps the wait."""
         for attempt in range(2):
             ctx = self.cursor.context(self.session_id, committed, hashes)
             request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed)
             t0 = time.perf_counter()
             try:
-                response = await self.stream.propose(request)
+                response = await self.stream.propose(request, limit_s)
             except TierError as e:
                 self.cursor.reset()
                 if e.code == grpc.StatusCode.FAILED_PRECONDITION and attempt == 0:

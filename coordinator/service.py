@@ -6,7 +6,8 @@ import asyncio
 import logging
 import math
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -18,7 +19,8 @@ from coordinator.tiers import DraftClient, TargetClient, TierError
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, generate_pb2, generate_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server import RequestError, Service, ServerConfig, as_request_error, create_server, handle_errors, invalid_argument
+from specdec.server import (BearerTokenInterceptor, RequestError, Service, ServerConfig, as_request_error, create_server,
+                            handle_errors, invalid_argument, read_pem)
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,15 @@ class CoordinatorConfig:
     adaptive: AdaptiveConfig = AdaptiveConfig()  # adaptive-K controller settings
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
     overlap: bool = False  # pre-draft round r+1 while the target verifies round r
+    tier_retry_s: float = 30.0  # retry an unreachable target this long when the client set no deadline
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc
     connect_timeout_s: float = 300.0  # how long to wait at start-up for the tiers to answer
+    # --- security (README, Security) ---
+    tier_ca: str | None = None  # PEM CA that signed the tiers' certs; set = TLS to the tiers (else plaintext)
+    tier_client_cert: str | None = None  # PEM client cert chain presented to the tiers (mutual TLS); needs tier_ca
+    tier_client_key: str | None = None  # PEM private key of tier_client_cert
+    tier_server_name: str | None = None  # name to verify in the tiers' certs instead of the address's host
+    auth_token: str | None = field(default=None, repr=False)  # set = public API needs 'authorization: Bearer <it>'
 
 
 class PipelineMismatch(RuntimeError):
@@ -65,15 +74,40 @@ class Pipeline:
         self.config = config
         opts = [("grpc.max_receive_message_length", config.server.max_message_bytes),
                 ("grpc.max_send_message_length", config.server.max_message_bytes)]
-        self._channels = [grpc.aio.insecure_channel(config.target_address, options=opts)]
+        credentials = self._tier_credentials(config)  # raises on unusable settings, before any channel exists
+        if credentials is not None and config.tier_server_name:
+            opts.append(("grpc.ssl_target_name_override", config.tier_server_name))
+
+        def channel(address: str) -> grpc.aio.Channel:
+            if credentials is None:
+                return grpc.aio.insecure_channel(address, options=opts)
+            return grpc.aio.secure_channel(address, credentials, options=opts)
+
+        self._channels = [channel(config.target_address)]
         self.target = TargetClient(self._channels[0], config.target_address, config.rpc_timeout_s)
         self.draft = None
         if config.draft_address:
-            self._channels.append(grpc.aio.insecure_channel(config.draft_address, options=opts))
+            self._channels.append(channel(config.draft_address))
             self.draft = DraftClient(self._channels[1], config.draft_address, config.rpc_timeout_s)
+        self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
         self.tokenizer = None
         self.target_info: common_pb2.ModelInfo | None = None
         self.draft_info: common_pb2.ModelInfo | None = None
+
+    @staticmethod
+    def _tier_credentials(config: CoordinatorConfig) -> grpc.ChannelCredentials | None:
+        """TLS (mutual TLS with a client cert) credentials for the tier channels, or None for plaintext."""
+        if not config.tier_ca:
+            extra = [n for n in ("tier_client_cert", "tier_client_key", "tier_server_name") if getattr(config, n)]
+            if extra:
+                raise ValueError(f"{' and '.join(extra)} {'needs' if len(extra) == 1 else 'need'} tier_ca (TLS to the tiers)")
+            return None
+        if bool(config.tier_client_cert) != bool(config.tier_client_key):
+            raise ValueError("tier_client_cert and tier_client_key must be given together")
+        ca = read_pem(config.tier_ca, "tier CA")
+        cert = read_pem(config.tier_client_cert, "tier client certificate") if config.tier_client_cert else None
+        key = read_pem(config.tier_client_key, "tier client key") if config.tier_client_key else None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     async def connect(self) -> None:
         """Wait for the tiers, load the tokenizer, and refuse mismatched models."""
@@ -101,7 +135,16 @@ class Pipeline:
                     raise ConnectionError(f"{name} service at {client.address} did not answer: {e.details()}") from None
                 await asyncio.sleep(0.5)
 
-    async def close(self) -> None:
+    def run_cleanup(self, coro) -> None:
+        """Run a session clean-up in the background; close() waits for it."""
+        task = asyncio.ensure_future(coro)
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+    async def close(self, cleanup_timeout_s: float = 5.0) -> None:
+        """Finish pending session clean-ups (EndSession on the tiers), then close the channels."""
+        if self._cleanup:
+            await asyncio.wait(list(self._cleanup), timeout=cleanup_timeout_s)
         for ch in self._channels:
             await ch.close()
 
@@ -110,7 +153,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         self.config = pipeline.config
-        self._cleanup: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
         try:
@@ -121,8 +163,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         limits = Limits(max_context=pl.target_info.max_context,
                         draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
                         max_k=self._max_k(), overlap=self.config.overlap, adaptive=self.config.adaptive,
-                        lookup=self.config.lookup)
-        generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids), limits)
+                        lookup=self.config.lookup, tier_retry_s=self.config.tier_retry_s)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids), limits, deadline)
         try:
             async for event in generation.run():
                 yield event
@@ -135,10 +179,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             err = as_request_error(e)
             await context.abort(err.code, err.message)
         finally:
-            # Runs on completion, error and client cancellation alike; shielded from the cancellation.
-            task = asyncio.ensure_future(generation.close())
-            self._cleanup.add(task)
-            task.add_done_callback(self._cleanup.discard)
+            # Runs on completion, error and client cancellation alike; a separate task, so the
+            # handler's cancellation cannot interrupt it.
+            pl.run_cleanup(generation.close())
 
     @handle_errors
     async def GetInfo(self, request, context):
@@ -243,14 +286,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 
 async def build(config: CoordinatorConfig):
-    """(server, port, health, pipeline): connects to the tiers first (raises PipelineMismatch)."""
+    """(server, port, health, pipeline): connects to the tiers first (raises PipelineMismatch; ConnectionError
+    when a tier does not answer, TLS handshake failures included; ValueError / OSError for unusable TLS files)."""
+    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     pipeline = Pipeline(config)
     try:
         await pipeline.connect()
+        server, port, health = create_server(
+            [Service(GenerationServicer(pipeline), generate_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME)],
+            config.server, interceptors=interceptors,
+        )
     except BaseException:
         await pipeline.close()
         raise
-    server, port, health = create_server(
-        [Service(GenerationServicer(pipeline), generate_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME)], config.server
-    )
     return server, port, health, pipeline

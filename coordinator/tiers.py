@@ -75,11 +75,14 @@ class DraftStream:
         self._call = None
         self.pending = 0  # requests sent whose replies were not read yet
 
-    async def send(self, request: draft_pb2.ProposeRequest) -> None:
+    def timeout(self, limit_s: float | None) -> float:
+        return self._timeout_s if limit_s is None else max(0.001, min(self._timeout_s, limit_s))
+
+    async def send(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> None:
         if self._call is None:
             self._call = self._stub.ProposeStream()
         try:
-            await asyncio.wait_for(self._call.write(request), self._timeout_s)
+            await asyncio.wait_for(self._call.write(request), self.timeout(limit_s))
         except grpc.aio.AioRpcError as e:
             self.close()
             raise _tier_error("draft", e) from None
@@ -88,12 +91,12 @@ class DraftStream:
             raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._timeout_s}s") from None
         self.pending += 1
 
-    async def recv(self) -> draft_pb2.ProposeResponse:
+    async def recv(self, limit_s: float | None = None) -> draft_pb2.ProposeResponse:
         call = self._call
         if call is None or self.pending == 0:
             raise TierError("draft", grpc.StatusCode.INTERNAL, "no request in flight on the draft stream")
         try:
-            response = await asyncio.wait_for(call.read(), self._timeout_s)
+            response = await asyncio.wait_for(call.read(), self.timeout(limit_s))
         except grpc.aio.AioRpcError as e:
             self.close()
             raise _tier_error("draft", e) from None
@@ -107,12 +110,12 @@ class DraftStream:
         self.pending -= 1
         return response
 
-    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+    async def propose(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> draft_pb2.ProposeResponse:
         """Drain replies nobody wants any more, then one request / reply."""
         while self.pending:
-            await self.recv()
-        await self.send(request)
-        return await self.recv()
+            await self.recv(limit_s)
+        await self.send(request, limit_s)
+        return await self.recv(limit_s)
 
     def close(self) -> None:
         if self._call is not None:
@@ -143,9 +146,10 @@ class TargetClient:
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
         self.timeout_s = timeout_s
 
-    async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+    async def verify(self, request: target_pb2.VerifyRequest, limit_s: float | None = None) -> target_pb2.VerifyResponse:
+        timeout = self.timeout_s if limit_s is None else max(0.001, min(self.timeout_s, limit_s))
         try:
-            return await self.stub.Verify(request, timeout=self.timeout_s)
+            return await self.stub.Verify(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _tier_error("target", e) from None
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from draft_service.service import SERVICE_NAME, DraftConfig, build
-from specdec.config import EnvArgs, add_tier_args, server_config, tier_config, write_port_file
+from specdec.config import EnvArgs, add_tier_args, check_server_tls, server_config, tier_config, write_port_file
 from specdec.models import default_draft
 from specdec.server import serve
 
@@ -19,6 +19,7 @@ def main(argv=None) -> None:
     a.add("--draft-top-n", type=int, default=DraftConfig.draft_top_n, help="tokens kept in each q row on the wire")
     args = a.parse(argv)
     config = DraftConfig(tier=tier_config(args), server=server_config(args), draft_top_n=args.draft_top_n)
+    check_server_tls(config.server)  # unusable TLS files: exit 2 now, before the model loads
 
     async def run() -> None:
         server, port, health, tier = build(config)

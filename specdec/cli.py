@@ -3,12 +3,14 @@
     specdec generate "Write a haiku" --chat --max-new-tokens 64 --json --address 127.0.0.1:50051
     specdec info --address 127.0.0.1:50051
     specdec run-local --prompt "Explain KV caches" --max-new-tokens 128
+    SPECDEC_TOKEN=... specdec generate "Hi" --tls-ca ca.pem --address coordinator.example:50051
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -54,6 +56,31 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, stats")
 
 
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
+    p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA"),
+                   help="PEM CA that signed the coordinator's certificate: connect over TLS [env SPECDEC_TLS_CA]")
+    p.add_argument("--client-cert", default=os.environ.get("SPECDEC_CLIENT_CERT"),
+                   help="PEM client certificate, for a coordinator that requires one [env SPECDEC_CLIENT_CERT]")
+    p.add_argument("--client-key", default=os.environ.get("SPECDEC_CLIENT_KEY"),
+                   help="PEM private key of --client-cert [env SPECDEC_CLIENT_KEY]")
+    p.add_argument("--tls-server-name", default=None, help="name to verify in the coordinator's certificate")
+    p.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN"),
+                   help="bearer token for the coordinator [env SPECDEC_TOKEN, which keeps it out of `ps`]")
+
+
+def make_client(address: str, args: argparse.Namespace) -> Client:
+    """A Client from the connection flags (run-local has none: plaintext, no token); exits 2 on unusable TLS files."""
+    try:
+        return Client(address, tls_ca=getattr(args, "tls_ca", None) or None, token=getattr(args, "token", None) or None,
+                      client_cert=getattr(args, "client_cert", None) or None,
+                      client_key=getattr(args, "client_key", None) or None,
+                      tls_server_name=getattr(args, "tls_server_name", None) or None)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def generation_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               seed=args.seed, stop=args.stop, num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos,
@@ -71,7 +98,7 @@ def format_stats(stats: dict) -> str:
 
 
 def run_generation(address: str, args: argparse.Namespace) -> int:
-    with Client(address) as client:
+    with make_client(address, args) as client:
         try:
             if args.json:
                 out = client.generate(**generation_kwargs(args))
@@ -101,8 +128,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    with Client(args.address) as client:
-        print(json.dumps(client.info(), indent=2))
+    with make_client(args.address, args) as client:
+        try:
+            print(json.dumps(client.info(), indent=2))
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -131,12 +162,12 @@ def main(argv=None) -> int:
 
     g = sub.add_parser("generate", help="generate through a running coordinator")
     g.add_argument("prompt")
-    g.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
+    add_connection_args(g)
     add_generation_args(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="show the pipeline's models, defaults and limits")
-    i.add_argument("--address", default="127.0.0.1:50051")
+    add_connection_args(i)
     i.set_defaults(func=cmd_info)
 
     r = sub.add_parser("run-local", help="start target, draft and coordinator locally, generate once, stop")

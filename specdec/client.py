@@ -4,6 +4,9 @@
     with Client("127.0.0.1:50051") as c:
         out = c.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=32)
         print(out.text, out.stats["tokens_per_s"])
+
+    # TLS (the coordinator's CA) and the coordinator's bearer token, if it requires one:
+    Client("coordinator.example:50051", tls_ca="ca.pem", token=os.environ["SPECDEC_TOKEN"])
 """
 
 from __future__ import annotations
@@ -75,11 +78,40 @@ def build_request(
     return req
 
 
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise OSError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
+
+
 class Client:
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(address)
+    """tls_ca: PEM of the CA that signed the coordinator's certificate; set = TLS (else plaintext).
+    client_cert / client_key: PEM pair for a coordinator that requires client certificates (mutual TLS).
+    tls_server_name: name to verify in the coordinator's certificate instead of the address's host.
+    token: bearer token, sent as `authorization: Bearer <token>` metadata on every call."""
+
+    def __init__(self, address: str, timeout_s: float | None = None, *, tls_ca: str | None = None,
+                 token: str | None = None, client_cert: str | None = None, client_key: str | None = None,
+                 tls_server_name: str | None = None) -> None:
+        if bool(client_cert) != bool(client_key):
+            raise ValueError("client_cert and client_key must be given together")
+        if (client_cert or tls_server_name) and not tls_ca:
+            raise ValueError("client_cert / tls_server_name need tls_ca (TLS)")
+        if tls_ca:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca, "TLS CA"),
+                private_key=_read(client_key, "client key") if client_key else None,
+                certificate_chain=_read(client_cert, "client certificate") if client_cert else None,
+            )
+            options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def __enter__(self) -> "Client":
         return self
@@ -92,7 +124,7 @@ class Client:
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[generate_pb2.GenerateResponse]:
         """The raw response stream: TokenChunk events, then one GenerationResult. Cancel with .cancel()."""
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s, metadata=self.metadata)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:
         text, ids, result = [], [], None
@@ -108,5 +140,5 @@ class Client:
         return GenerationOutput("".join(text), ids, finish_reason_name(result.finish_reason), stats)
 
     def info(self) -> dict:
-        resp = self.stub.GetInfo(generate_pb2.GetInfoRequest(), timeout=self.timeout_s)
+        resp = self.stub.GetInfo(generate_pb2.GetInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
         return MessageToDict(resp, preserving_proto_field_name=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from specdec.models import ModelConfig
 from specdec.server import ServerConfig
@@ -23,7 +24,8 @@ class EnvArgs:
         self.service = service.upper()
         self.parser = argparse.ArgumentParser(prog=f"python -m {service.lower()}_service" if service != "coordinator" else "python -m coordinator", description=description)
 
-    def add(self, flag: str, *, type=str, default=None, help: str = "", **kw) -> None:
+    def add(self, flag: str, *, type=str, default=None, help: str = "", secret: bool = False, **kw) -> None:
+        """secret: never show the value (e.g. one taken from the environment) in --help."""
         env = f"SPECDEC_{self.service}_{flag.lstrip('-').replace('-', '_').upper()}"
         value = os.environ.get(env)
         if value is not None:
@@ -31,7 +33,8 @@ class EnvArgs:
         if type is bool:
             self.parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f"{help} [env {env}]")
         else:
-            self.parser.add_argument(flag, type=type, default=default, help=f"{help} [env {env}; default {default}]", **kw)
+            shown = ("set" if default else "unset") if secret else default
+            self.parser.add_argument(flag, type=type, default=default, help=f"{help} [env {env}; default {shown}]", **kw)
 
     def parse(self, argv=None) -> argparse.Namespace:
         args = self.parser.parse_args(argv)
@@ -45,10 +48,27 @@ def add_server_args(a: EnvArgs, default_port: int) -> None:
     a.add("--grace", type=float, default=ServerConfig.grace_s, help="seconds to drain in-flight rpcs on SIGTERM")
     a.add("--port-file", default=None, help="write the bound port to this file once serving (for port 0)")
     a.add("--log-level", default="info", help="debug | info | warning | error")
+    a.add("--tls-cert", default=None, help="PEM certificate chain: serve TLS instead of plaintext (needs --tls-key)")
+    a.add("--tls-key", default=None, help="PEM private key of --tls-cert")
+    a.add("--tls-client-ca", default=None, help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+
+
+def config_error(message: str, fields: tuple[str, ...] = ()) -> None:
+    """Exit 2 with a one-line error, like argparse does for a bad flag; config field names in `fields`
+    are shown as their flags (tls_cert -> --tls-cert)."""
+    for name in sorted(fields, key=len, reverse=True):
+        message = message.replace(name, "--" + name.replace("_", "-"))
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(address=args.address, max_message_bytes=args.max_message_bytes, grace_s=args.grace)
+    try:
+        return ServerConfig(address=args.address, max_message_bytes=args.max_message_bytes, grace_s=args.grace,
+                            tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
+                            tls_client_ca=args.tls_client_ca or None)
+    except ValueError as e:
+        config_error(str(e), ("tls_cert", "tls_key", "tls_client_ca"))
 
 
 def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
@@ -78,3 +98,13 @@ def write_port_file(path: str | None, port: int) -> None:
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, path)
+
+
+def check_server_tls(config: ServerConfig) -> None:
+    """Read the TLS files now (before a model loads for seconds), exiting 2 with a clear error if unusable."""
+    from specdec.server import server_credentials
+
+    try:
+        server_credentials(config)
+    except (OSError, ValueError) as e:
+        config_error(str(e))

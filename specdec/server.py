@@ -4,12 +4,17 @@ create_server() binds the services plus the standard health and reflection servi
 (server, port); serve() runs it until SIGINT/SIGTERM, then marks it NOT_SERVING and stops it
 gracefully. Handlers report bad requests by raising RequestError; @handle_errors turns that into
 context.abort(code, message), so every failure leaves the server healthy.
+
+Transport security is optional: with ServerConfig.tls_cert/tls_key the port is TLS, and with
+tls_client_ca too it is mutual TLS (clients must present a certificate that CA signed).
+BearerTokenInterceptor adds a shared-secret check on top (the coordinator's public API uses it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 import signal
 from collections.abc import Callable
@@ -28,6 +33,93 @@ class ServerConfig:
     address: str = "127.0.0.1:0"  # host:port to bind; port 0 picks a free one
     max_message_bytes: int = 8 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED
     grace_s: float = 5.0  # on shutdown, in-flight rpcs get this long to finish
+    tls_cert: str | None = None  # PEM certificate chain; set (with tls_key) = serve TLS instead of plaintext
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_client_ca: str | None = None  # PEM CA bundle; set = mutual TLS: clients must present a cert it signed
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """The bytes of a PEM file; a clear error if it is missing or is not PEM."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise OSError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what} {path!r} is not a PEM file")
+    return data
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS (or mutual TLS) credentials for config, or None for plaintext."""
+    if not config.tls_cert:
+        return None
+    cert = read_pem(config.tls_cert, "TLS certificate")
+    key = read_pem(config.tls_key, "TLS private key")
+    client_ca = read_pem(config.tls_client_ca, "TLS client CA") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+# Always reachable without a token: Kubernetes / load-balancer probes and service discovery.
+OPEN_METHOD_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+
+
+def check_token(token: str) -> str:
+    """A usable bearer token: non-empty printable ASCII without spaces (it travels as gRPC metadata)."""
+    if not token or not all(0x21 <= ord(c) <= 0x7E for c in token):
+        raise ValueError("the auth token must be non-empty printable ASCII without spaces")
+    return token
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without metadata `authorization: Bearer <token>` with UNAUTHENTICATED (a constant-time
+    comparison), except methods under OPEN_METHOD_PREFIXES (health and reflection)."""
+
+    def __init__(self, token: str, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
+        self._token = check_token(token).encode()
+        self._open = open_prefixes
+
+    def _failure(self, metadata) -> str | None:
+        values = [v for k, v in (metadata or ()) if k == "authorization"]
+        if not values:
+            return "missing credentials: send metadata 'authorization: Bearer <token>'"
+        value = values[0].decode("ascii", "replace") if isinstance(values[0], bytes) else str(values[0])
+        scheme, _, credential = value.strip().partition(" ")
+        if scheme.lower() != "bearer" or not credential.strip():
+            return "malformed authorization metadata: expected 'Bearer <token>'"
+        if not hmac.compare_digest(credential.strip().encode("utf-8", "replace"), self._token):
+            return "invalid bearer token"
+        return None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method or ""
+        if method.startswith(self._open):
+            return await continuation(handler_call_details)
+        message = self._failure(handler_call_details.invocation_metadata)
+        if message is None:
+            return await continuation(handler_call_details)
+        log.debug("rejected %s: %s", method, message)
+        return _abort_handler(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def _abort_handler(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that fails any call with (code, message) before reading a request. One kind fits all
+    four rpc shapes: nothing is sent before the status, and raw bytes are never deserialized."""
+
+    async def abort(request, context):
+        await context.abort(code, message)
+
+    return grpc.unary_unary_rpc_method_handler(abort)
 
 
 class RequestError(Exception):
@@ -76,21 +168,25 @@ class Service:
 
 
 def create_server(
-    services: list[Service], config: ServerConfig
+    services: list[Service], config: ServerConfig, interceptors: list[grpc.aio.ServerInterceptor] | None = None
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    credentials = server_credentials(config)  # before anything is bound: bad PEM files fail here
+    server = grpc.aio.server(options=options, interceptors=list(interceptors or ()))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in services:
         service.add_to_server(service.servicer, server)
     names = [s.name for s in services]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(config.address)
+    if credentials is None:
+        port = server.add_insecure_port(config.address)
+    else:
+        port = server.add_secure_port(config.address, credentials)
     if port == 0:
         raise OSError(f"could not bind {config.address}")
     return server, port, health_servicer

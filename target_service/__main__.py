@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from target_service.service import SERVICE_NAME, TargetConfig, build
-from specdec.config import EnvArgs, add_tier_args, server_config, tier_config, write_port_file
+from specdec.config import EnvArgs, add_tier_args, check_server_tls, server_config, tier_config, write_port_file
 from specdec.models import default_target
 from specdec.server import serve
 
@@ -18,6 +18,7 @@ def main(argv=None) -> None:
     add_tier_args(a, default_model=default_target(), default_port=50062)
     args = a.parse(argv)
     config = TargetConfig(tier=tier_config(args), server=server_config(args))
+    check_server_tls(config.server)  # unusable TLS files: exit 2 now, before the model loads
 
     async def run() -> None:
         server, port, health, tier = build(config)

@@ -63,7 +63,10 @@ class Cluster:
     """Target + (optional) draft + coordinator servers on loopback port 0, in a background loop."""
 
     def __init__(self, target_model: str, draft_model: str | None, *, coordinator_overrides: dict | None = None,
-                 sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64) -> None:
+                 sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64,
+                 tier_server: ServerConfig | None = None) -> None:
+        """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0."""
+        self.tier_server = tier_server or ServerConfig()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -79,11 +82,13 @@ class Cluster:
             raise
 
     def _start(self, target_model, draft_model, coordinator_overrides, draft_top_n) -> None:
-        self.target_port = self._call(self._start_tier(build_target, TargetConfig(self.target_tier.config), self.target_tier))
+        self.target_port = self._call(self._start_tier(
+            build_target, TargetConfig(self.target_tier.config, server=self.tier_server), self.target_tier))
         self.draft_port = None
         if self.draft_tier is not None:
             self.draft_port = self._call(self._start_tier(
-                build_draft, DraftConfig(self.draft_tier.config, draft_top_n=draft_top_n), self.draft_tier))
+                build_draft, DraftConfig(self.draft_tier.config, server=self.tier_server, draft_top_n=draft_top_n),
+                self.draft_tier))
         config = CoordinatorConfig(
             target_address=f"127.0.0.1:{self.target_port}",
             draft_address=f"127.0.0.1:{self.draft_port}" if self.draft_port else None,

@@ -1,0 +1,199 @@
+"""Faults with real processes (the real model pair, so a generation lasts long enough to restart a
+tier under it): a killed draft, a restarted target, a target that stays down past the client's
+deadline, and SIGTERM on the coordinator. Greedy output never changes."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specdec.client import Client
+from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
+
+QUESTION = "Write a long story about a lighthouse keeper and a storm."
+N = 300  # long enough (~20 s on 2 cores) for a tier to restart mid-generation
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One service process on a fixed port, restartable."""
+
+    def __init__(self, workdir: Path, name: str, module: str, port: int, args: list[str]) -> None:
+        self.workdir, self.name, self.module, self.port, self.args = workdir, name, module, port, args
+        self.proc = None
+
+    def start(self, wait: bool = True) -> None:
+        port_file = self.workdir / f"{self.name}.port"
+        port_file.unlink(missing_ok=True)
+        log = open(self.workdir / f"{self.name}.log", "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, "--address", f"127.0.0.1:{self.port}", "--port-file", str(port_file), *self.args],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+        if wait:
+            deadline = time.monotonic() + 120
+            while not port_file.exists():
+                assert self.proc.poll() is None, (self.workdir / f"{self.name}.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"{self.name} did not start"
+                time.sleep(0.1)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def services(real_pair):
+    target_model, draft_model = real_pair
+    workdir = Path(tempfile.mkdtemp(prefix="specdec-faults-"))
+    tp, dp, cp = free_port(), free_port(), free_port()
+    target = Proc(workdir, "target", "target_service", tp, ["--model", target_model, "--threads", "1"])
+    draft = Proc(workdir, "draft", "draft_service", dp, ["--model", draft_model, "--threads", "1"])
+    coordinator = Proc(workdir, "coordinator", "coordinator", cp, [
+        "--target", f"127.0.0.1:{tp}", "--draft", f"127.0.0.1:{dp}", "--tokenizer", target_model, "--rpc-timeout", "10",
+        "--grace", "30"])  # drain time on SIGTERM: generous, so a loaded CI machine finishes in time
+    target.start(wait=False)
+    draft.start()
+    target.start() if target.proc.poll() is not None else None
+    while not (workdir / "target.port").exists():
+        time.sleep(0.1)
+    coordinator.start()
+    procs = {"target": target, "draft": draft, "coordinator": coordinator}
+    yield procs
+    for p in procs.values():
+        if p.proc and p.proc.poll() is None:
+            p.kill()
+
+
+def generate(address, **kw):
+    with Client(address, timeout_s=kw.pop("timeout_s", 180)) as c:
+        return c.generate(messages=[{"role": "user", "content": QUESTION}], max_new_tokens=N, num_speculative_tokens=3,
+                          proposer="draft", ignore_eos=True, **kw)
+
+
+def stream_in_thread(address, chunks: list, result: dict):
+    def run():
+        try:
+            with Client(address, timeout_s=180) as c:
+                for e in c.stream(messages=[{"role": "user", "content": QUESTION}], max_new_tokens=N,
+                                  num_speculative_tokens=3, proposer="draft", ignore_eos=True):
+                    if e.HasField("chunk"):
+                        chunks.append(list(e.chunk.token_ids))
+                    else:
+                        result["result"] = e.result
+        except Exception as e:  # reported by the test
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def tier_sessions(port: int, tier: str) -> int:
+    stub_cls = draft_pb2_grpc.DraftServiceStub if tier == "draft" else target_pb2_grpc.TargetServiceStub
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return stub_cls(ch).GetStatus(common_pb2.StatusRequest(), timeout=5).num_sessions
+
+
+@pytest.fixture(scope="module")
+def reference(services):
+    return generate(f"127.0.0.1:{services['coordinator'].port}").token_ids
+
+
+def wait_chunks(chunks, n, timeout=60):
+    deadline = time.monotonic() + timeout
+    while len(chunks) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_draft_killed_mid_generation(services, reference):
+    draft = services["draft"]
+    chunks, result = [], {}
+    t = stream_in_thread(f"127.0.0.1:{services['coordinator'].port}", chunks, result)
+    wait_chunks(chunks, 5)
+    draft.kill()  # SIGKILL: no goodbye
+    killed_at = len(chunks)
+    time.sleep(1.0)
+    assert t.is_alive(), "the generation should still be running (make N larger on a fast machine)"
+    draft.start()
+    # Speculation resumes: the coordinator opens a session on the restarted draft mid-generation.
+    resumed = False
+    while t.is_alive() and not resumed:
+        resumed = tier_sessions(draft.port, "draft") > 0
+        time.sleep(0.05)
+    t.join(180)
+    assert "error" not in result, result.get("error")
+    tokens = [tok for c in chunks for tok in c]
+    assert tokens == reference  # greedy output unchanged
+    assert len(chunks) > killed_at
+    assert resumed, "no draft session was opened after the restart"
+
+
+def test_target_restarted_mid_generation(services, reference):
+    target = services["target"]
+    chunks, result = [], {}
+    t = stream_in_thread(f"127.0.0.1:{services['coordinator'].port}", chunks, result)
+    wait_chunks(chunks, 5)
+    target.kill()
+    target.start()  # a fresh process: no sessions; the coordinator re-prefills
+    t.join(180)
+    assert "error" not in result, result.get("error")
+    assert [tok for c in chunks for tok in c] == reference
+
+
+def test_target_down_past_deadline_gives_unavailable(services):
+    target = services["target"]
+    target.kill()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            generate(f"127.0.0.1:{services['coordinator'].port}", timeout_s=4.0)
+        assert time.monotonic() - t0 < 4.5  # an answer before the deadline, never a hang
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "target" in err.value.details()
+    finally:
+        target.start()
+
+
+def test_sigterm_on_coordinator_drains_in_flight_generation(services, reference):
+    coordinator = services["coordinator"]
+    chunks, result = [], {}
+    short = 24
+    def run():
+        try:
+            with Client(f"127.0.0.1:{coordinator.port}", timeout_s=60) as c:
+                result["out"] = c.generate(messages=[{"role": "user", "content": QUESTION}], max_new_tokens=short,
+                                           num_speculative_tokens=3, proposer="draft", ignore_eos=True)
+        except Exception as e:
+            result["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    code = coordinator.terminate()  # within the 30 s grace period the in-flight generation finishes
+    t.join(30)
+    assert code == 0
+    assert "error" not in result, result.get("error")
+    assert result["out"].token_ids == reference[:short]
+    # sessions freed on both tiers
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (tier_sessions(services["target"].port, "target") or tier_sessions(services["draft"].port, "draft")):
+        time.sleep(0.1)
+    assert tier_sessions(services["target"].port, "target") == 0
+    assert tier_sessions(services["draft"].port, "draft") == 0
