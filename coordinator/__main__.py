@@ -7,6 +7,7 @@ import logging
 import sys
 
 from coordinator.adaptive import AdaptiveConfig
+from coordinator.admission import AdmissionConfig
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
 from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
@@ -36,6 +37,14 @@ def main(argv=None) -> None:
     a.add("--lookup-max-ngram", type=int, default=LookupConfig.max_ngram, help="prompt lookup: longest suffix matched")
     a.add("--rpc-timeout", type=float, default=D.rpc_timeout_s, help="deadline of each internal rpc, seconds")
     a.add("--connect-timeout", type=float, default=D.connect_timeout_s, help="seconds to wait for the tiers at start-up")
+    a.add("--max-concurrency", type=int, default=AdmissionConfig.max_concurrency,
+          help="generations in flight before RESOURCE_EXHAUSTED (0 = unlimited)")
+    a.add("--max-rps", type=float, default=AdmissionConfig.max_requests_per_s,
+          help="new generations per second before RESOURCE_EXHAUSTED (0 = unlimited)")
+    a.add("--admission-wait", type=float, default=AdmissionConfig.max_queue_wait_s,
+          help="longest wait for a rate slot, seconds")
+    a.add("--tier-retry-timeout", type=float, default=D.tier_retry_s,
+          help="seconds to keep retrying an unreachable target when the client set no deadline")
     a.add("--overlap", type=bool, default=D.overlap, help="pre-draft the next round while the target verifies")
     a.add("--tier-ca", default=None, help="PEM CA that signed the tiers' certificates: connect to the tiers over TLS")
     a.add("--tier-client-cert", default=None, help="PEM client certificate presented to the tiers (mutual TLS)")
@@ -54,7 +63,9 @@ def main(argv=None) -> None:
         max_num_speculative_tokens=args.max_k, default_proposer=args.default_proposer,
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
-        rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout,
+        rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout, tier_retry_s=args.tier_retry_timeout,
+        admission=AdmissionConfig(max_concurrency=args.max_concurrency, max_requests_per_s=args.max_rps,
+                                  max_queue_wait_s=args.admission_wait),
         tier_ca=args.tier_ca or None, tier_client_cert=args.tier_client_cert or None,
         tier_client_key=args.tier_client_key or None, tier_server_name=args.tier_server_name or None,
         auth_token=auth_token,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.adaptive import AdaptiveConfig
+from coordinator.admission import Admission, AdmissionConfig
 from coordinator.generation import Generation, GenerationParams, Limits
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
@@ -53,6 +54,7 @@ class CoordinatorConfig:
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
     overlap: bool = False  # pre-draft round r+1 while the target verifies round r
     tier_retry_s: float = 30.0  # retry an unreachable target this long when the client set no deadline
+    admission: AdmissionConfig = AdmissionConfig()  # concurrency and request-rate limits
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc
     connect_timeout_s: float = 300.0  # how long to wait at start-up for the tiers to answer
     # --- security (README, Security) ---
@@ -72,7 +74,10 @@ class Pipeline:
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        opts = [("grpc.max_receive_message_length", config.server.max_message_bytes),
+        opts = [# Reconnect quickly to a tier that restarts (gRPC's default back-off grows to 120 s).
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+                ("grpc.max_receive_message_length", config.server.max_message_bytes),
                 ("grpc.max_send_message_length", config.server.max_message_bytes)]
         credentials = self._tier_credentials(config)  # raises on unusable settings, before any channel exists
         if credentials is not None and config.tier_server_name:
@@ -153,12 +158,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         self.config = pipeline.config
+        self.admission = Admission(pipeline.config.admission)
 
     async def Generate(self, request, context):
         try:
             params = self._validate(request)
+            async with self.admission.admit():
+                async for event in self._generate(params, context):
+                    yield event
         except RequestError as e:
             await context.abort(e.code, e.message)
+
+    async def _generate(self, params: GenerationParams, context):
         pl = self.pipeline
         limits = Limits(max_context=pl.target_info.max_context,
                         draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
