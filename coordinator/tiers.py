@@ -78,31 +78,29 @@ class DraftStream:
     def timeout(self, limit_s: float | None) -> float:
         return self._timeout_s if limit_s is None else max(0.001, min(self._timeout_s, limit_s))
 
-    async def send(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> None:
-        if self._call is None:
-            self._call = self._stub.ProposeStream()
+    async def _io(self, awaitable, limit_s: float | None):
+        """One stream operation under the per-call timeout; any failure closes the stream."""
+        timeout = self.timeout(limit_s)
         try:
-            await asyncio.wait_for(self._call.write(request), self.timeout(limit_s))
+            return await asyncio.wait_for(awaitable, timeout)
         except grpc.aio.AioRpcError as e:
             self.close()
             raise _tier_error("draft", e) from None
         except asyncio.TimeoutError:
             self.close()
-            raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._timeout_s}s") from None
+            raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:.3g}s") from None
+
+    async def send(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> None:
+        if self._call is None:
+            self._call = self._stub.ProposeStream()
+        await self._io(self._call.write(request), limit_s)
         self.pending += 1
 
     async def recv(self, limit_s: float | None = None) -> draft_pb2.ProposeResponse:
         call = self._call
         if call is None or self.pending == 0:
             raise TierError("draft", grpc.StatusCode.INTERNAL, "no request in flight on the draft stream")
-        try:
-            response = await asyncio.wait_for(call.read(), self.timeout(limit_s))
-        except grpc.aio.AioRpcError as e:
-            self.close()
-            raise _tier_error("draft", e) from None
-        except asyncio.TimeoutError:
-            self.close()
-            raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._timeout_s}s") from None
+        response = await self._io(call.read(), limit_s)
         if response is grpc.aio.EOF:
             code, details = await call.code(), await call.details()
             self.close()

@@ -11,7 +11,7 @@ import torch
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.sampling import DRAFT_STREAM, SamplingParams, derive_seed, make_generator, process_logits, sample, truncate_top_n
 from specdec.server import Service, ServerConfig, as_request_error, create_server, handle_errors
-from specdec.tier import ModelTier, TierConfig
+from specdec.tier import ModelTier, TierConfig, TierRpcs
 
 SERVICE_NAME = "specdec.v1.DraftService"
 
@@ -23,7 +23,7 @@ class DraftConfig:
     draft_top_n: int = 64  # q is truncated to this many tokens per position (DESIGN.md, q on the wire)
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, tier: ModelTier, draft_top_n: int) -> None:
         if draft_top_n < 1:
             raise ValueError(f"draft_top_n must be >= 1, got {draft_top_n}")
@@ -51,18 +51,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             # The stream pins its sessions: when it ends (done, cancelled, coordinator gone) they go.
             if sessions:
                 asyncio.ensure_future(self.tier.run(self._drop, sessions))
-
-    @handle_errors
-    async def EndSession(self, request, context):
-        return await self.tier.end_session(request)
-
-    @handle_errors
-    async def GetModelInfo(self, request, context):
-        return self.tier.model_info()
-
-    @handle_errors
-    async def GetStatus(self, request, context):
-        return await self.tier.status()
 
     # --- implementation -----------------------------------------------------------------------------
 

@@ -108,3 +108,20 @@ def check_server_tls(config: ServerConfig) -> None:
         server_credentials(config)
     except (OSError, ValueError) as e:
         config_error(str(e))
+
+
+def run_tier(label: str, service_name: str, build, config, port_file: str | None) -> None:
+    """Entry point body shared by the draft and target services: load, serve until SIGTERM, drain."""
+    import asyncio
+
+    from specdec.server import serve
+
+    log = logging.getLogger(f"{label}_service")
+
+    async def run() -> None:
+        server, port, health, tier = build(config)
+        log.info("%s service for %s on port %d", label, config.tier.model.path, port)
+        await serve(server, health, [service_name], config.server,
+                    on_started=lambda: write_port_file(port_file, port), on_stop=tier.close)
+
+    asyncio.run(run())

@@ -20,7 +20,7 @@ import torch
 from specdec.models import ModelConfig, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.proto import common_pb2
 from specdec.sampling import SamplingParams
-from specdec.server import RequestError, invalid_argument
+from specdec.server import RequestError, handle_errors, invalid_argument
 from specdec.sessions import PrefixMismatch, Session, SessionStore, SessionStoreConfig
 
 log = logging.getLogger(__name__)
@@ -171,3 +171,21 @@ class ModelTier:
             )
 
         return await self.run(snapshot)
+
+
+class TierRpcs:
+    """The rpcs every tier serves the same way; servicers mix this in and set self.tier."""
+
+    tier: ModelTier
+
+    @handle_errors
+    async def EndSession(self, request, context):
+        return await self.tier.end_session(request)
+
+    @handle_errors
+    async def GetModelInfo(self, request, context):
+        return self.tier.model_info()
+
+    @handle_errors
+    async def GetStatus(self, request, context):
+        return await self.tier.status()

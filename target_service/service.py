@@ -11,7 +11,7 @@ import torch
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
 from specdec.sampling import SamplingParams, dense_q, make_generator, process_logits, rejection_sample, verify_greedy
 from specdec.server import Service, ServerConfig, create_server, handle_errors, invalid_argument
-from specdec.tier import ModelTier, TierConfig
+from specdec.tier import ModelTier, TierConfig, TierRpcs
 
 SERVICE_NAME = "specdec.v1.TargetService"
 Q_SUM_TOLERANCE = 1e-3  # a q row must sum to 1 within this
@@ -23,7 +23,7 @@ class TargetConfig:
     server: ServerConfig = ServerConfig()
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, tier: ModelTier) -> None:
         self.tier = tier
 
@@ -37,18 +37,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         params = tier.sampling_params(request.sampling)
         q_rows = self._check_q(request, k)
         return await tier.run(self._verify_job, request, params, q_rows)
-
-    @handle_errors
-    async def EndSession(self, request, context):
-        return await self.tier.end_session(request)
-
-    @handle_errors
-    async def GetModelInfo(self, request, context):
-        return self.tier.model_info()
-
-    @handle_errors
-    async def GetStatus(self, request, context):
-        return await self.tier.status()
 
     def _check_q(self, request: target_pb2.VerifyRequest, k: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Sparse q rows as tensors, or None for one-hot q; INVALID_ARGUMENT on anything malformed."""
