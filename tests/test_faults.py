@@ -158,6 +158,25 @@ def test_target_restarted_mid_generation(services, reference):
     assert [tok for c in chunks for tok in c] == reference
 
 
+def test_stalled_target_answers_before_the_client_deadline_and_frees_sessions(services):
+    """SIGSTOP: the target accepts connections but never answers. Per-call deadlines bounded by the
+    client's own deadline turn that into an error before the client's deadline, never a hang."""
+    target = services["target"]
+    target.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            generate(f"127.0.0.1:{services['coordinator'].port}", timeout_s=3.0)
+        assert time.monotonic() - t0 < 3.5
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err.value
+    finally:
+        target.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (tier_sessions(target.port, "target") or tier_sessions(services["draft"].port, "draft")):
+        time.sleep(0.1)
+    assert tier_sessions(target.port, "target") == 0 and tier_sessions(services["draft"].port, "draft") == 0
+
+
 def test_target_down_past_deadline_gives_unavailable(services):
     target = services["target"]
     target.kill()
