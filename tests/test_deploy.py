@@ -1,0 +1,361 @@
+"""deploy/ checked offline: every overlay (and the optional components on top of them) is rendered
+with `kubectl kustomize`, every rendered object is validated against the Kubernetes JSON schemas
+(kubernetes-validate, strict: unknown fields fail), and the project's invariants are asserted:
+probes on the serving ports, resources, peer addresses that resolve to Services that select the
+right pods, PDB + HPA + NetworkPolicy per tier, env vars that are real flags, the GPU placement of
+the gpu-hetero overlay, and a Dockerfile consistent with pyproject.toml. No cluster, no network."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+
+# Oldest Kubernetes the manifests claim (gRPC probes GA in 1.27), and the newest schemas installed.
+SCHEMA_VERSIONS = ["1.27", kubernetes_validate.latest_version()]
+
+TIERS = {  # component -> (service module, port, full gRPC service name)
+    "target": ("target_service", 50062, "specdec.v1.TargetService"),
+    "draft": ("draft_service", 50061, "specdec.v1.DraftService"),
+    "coordinator": ("coordinator", 50051, "specdec.v1.Generation"),
+}
+ENV_PREFIX = {c: f"SPECDEC_{c.upper()}_" for c in TIERS}
+
+# name -> (overlay, components layered on top in a scratch kustomization)
+RENDERS = {
+    "cpu": ("overlays/cpu", []),
+    "gpu-hetero": ("overlays/gpu-hetero", []),
+    "cpu+tls+hostpath": ("overlays/cpu", ["components/tls", "components/models-hostpath"]),
+    "gpu-hetero+tls": ("overlays/gpu-hetero", ["components/tls"]),
+}
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail("kubectl not found on PATH: tests/test_deploy.py renders deploy/ with `kubectl kustomize`")
+    return path
+
+
+def kustomize(directory: Path) -> list[dict]:
+    run = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, f"kubectl kustomize {directory} failed:\n{run.stderr}"
+    return [doc for doc in yaml.safe_load_all(run.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def renders(tmp_path_factory) -> dict[str, list[dict]]:
+    out = {}
+    for name, (overlay, components) in RENDERS.items():
+        if not components:
+            out[name] = kustomize(DEPLOY / overlay)
+            continue
+        scratch = tmp_path_factory.mktemp(name.replace("+", "-"))
+        rel = lambda p: os.path.relpath(DEPLOY / p, scratch)  # kustomize refuses absolute paths
+        (scratch / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [rel(overlay)], "components": [rel(c) for c in components]}))
+        out[name] = kustomize(scratch)
+    out["models"] = kustomize(DEPLOY / "models")
+    return out
+
+
+@pytest.fixture(scope="module")
+def flag_envs() -> set[str]:
+    """Every SPECDEC_<SERVICE>_<FLAG> the three entry points accept, read from their --help."""
+    code = ("import contextlib, io\n"
+            "for m in ('target_service', 'draft_service', 'coordinator'):\n"
+            "    mod = __import__(m + '.__main__', fromlist=['main'])\n"
+            "    buf = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"
+            "        mod.main(['--help'])\n"
+            "    print(buf.getvalue())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    names = set(re.findall(r"\[env\s+(SPECDEC_[A-Z_]+)", run.stdout))
+    assert {"SPECDEC_TARGET_MODEL", "SPECDEC_COORDINATOR_DRAFT"} <= names
+    return names
+
+
+# ---- helpers over rendered objects ----
+
+def of_kind(objs: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def component(obj: dict) -> str:
+    return obj["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert not selector.get("matchExpressions"), "only matchLabels selectors are expected here"
+    match = selector.get("matchLabels", selector)
+    return bool(match) and all(labels.get(k) == v for k, v in match.items())
+
+
+def deployments(objs: list[dict]) -> dict[str, dict]:
+    """component -> Deployment"""
+    deps = {component(d): d for d in of_kind(objs, "Deployment").values()}
+    assert set(deps) == set(TIERS), f"one Deployment per service, got {sorted(deps)}"
+    return deps
+
+
+def container(dep: dict) -> dict:
+    containers = dep["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env_of(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def env_value(c: dict, name: str) -> str:
+    return env_of(c)[name]["value"]
+
+
+def quantity(q) -> float:
+    """Kubernetes quantity -> float (cores or bytes)."""
+    m = re.fullmatch(r"([0-9.]+)(m|k|Ki|M|Mi|G|Gi|T|Ti)?", str(q))
+    assert m, f"unparsed quantity {q!r}"
+    scale = {None: 1, "m": 1e-3, "k": 1e3, "Ki": 2**10, "M": 1e6, "Mi": 2**20, "G": 1e9, "Gi": 2**30,
+             "T": 1e12, "Ti": 2**40}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+# ---- tests ----
+
+@pytest.mark.parametrize("name", [*RENDERS, "models"])
+def test_schema_valid(renders, name):
+    objs = renders[name]
+    assert objs
+    for obj in objs:
+        for version in SCHEMA_VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version}: {e}")
+        assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "specdec"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_probes_ports_and_services(renders, name):
+    objs = renders[name]
+    services = of_kind(objs, "Service")
+    tls = "tls" in name
+    for comp, dep in deployments(objs).items():
+        module, port, grpc_service = TIERS[comp]
+        c = container(dep)
+        pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert selects(dep["spec"]["selector"], pod_labels)
+        assert c["args"] == [module]
+        assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", port)]
+        assert env_value(c, ENV_PREFIX[comp] + "ADDRESS") == f"0.0.0.0:{port}"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            handler = c[probe]
+            if tls:  # kubelet's gRPC probes cannot speak TLS: components/tls switches to TCP
+                assert "grpc" not in handler and handler["tcpSocket"]["port"] == port, (comp, probe)
+            else:
+                assert handler["grpc"]["port"] == port, (comp, probe)
+        if not tls:  # startup and readiness ask for the service by name; liveness for the server ("")
+            assert c["startupProbe"]["grpc"]["service"] == grpc_service
+            assert c["readinessProbe"]["grpc"]["service"] == grpc_service
+            assert c["livenessProbe"]["grpc"].get("service", "") == ""
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load needs a generous startupProbe"
+        # exactly one Service selects these pods, on the container's port
+        mine = [s for s in services.values() if selects(s["spec"]["selector"], pod_labels)]
+        assert len(mine) == 1, (comp, [s["metadata"]["name"] for s in mine])
+        svc = mine[0]["spec"]
+        assert [(p["port"], p["targetPort"]) for p in svc["ports"]] == [(port, "grpc")]
+        if comp == "coordinator":
+            assert svc.get("type", "ClusterIP") == "ClusterIP" and svc.get("clusterIP") != "None"
+        else:
+            assert svc["clusterIP"] == "None", "tier Services are headless (replica discovery by DNS)"
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_peer_addresses_resolve(renders, name):
+    objs = renders[name]
+    services = of_kind(objs, "Service")
+    deps = deployments(objs)
+    coord = container(deps["coordinator"])
+    for tier in ("target", "draft"):
+        host, _, port = env_value(coord, f"SPECDEC_COORDINATOR_{tier.upper()}").rpartition(":")
+        assert host in services, f"SPECDEC_COORDINATOR_{tier.upper()} names no Service: {host}"
+        svc = services[host]
+        assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
+        assert selects(svc["spec"]["selector"], deps[tier]["spec"]["template"]["metadata"]["labels"])
+        assert int(port) == TIERS[tier][1]
+    # the coordinator's tokenizer is the target's model
+    assert env_value(coord, "SPECDEC_COORDINATOR_TOKENIZER") == env_value(container(deps["target"]), "SPECDEC_TARGET_MODEL")
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_env_vars_are_real_flags(renders, name, flag_envs):
+    for comp, dep in deployments(renders[name]).items():
+        for var in env_of(container(dep)):
+            if var.startswith("SPECDEC_") and var != "SPECDEC_CACHE_DIR":
+                assert var.startswith(ENV_PREFIX[comp]), (comp, var)
+                assert var in flag_envs, f"{comp}: {var} is not a flag of python -m {TIERS[comp][0]}"
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_pod_hardening_volumes_and_resources(renders, name):
+    for comp, dep in deployments(renders[name]).items():
+        spec = dep["spec"]["template"]["spec"]
+        c = container(dep)
+        env = env_of(c)
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+        assert spec["automountServiceAccountToken"] is False
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for v in volumes.values():  # exactly one source per volume (patches that swap sources)
+            assert len(set(v) - {"name"}) == 1, v
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert set(mounts) >= {"/models", "/tmp", "/var/cache/specdec"}
+        assert mounts["/models"]["readOnly"] is True
+        assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+        assert "emptyDir" in volumes[mounts["/var/cache/specdec"]["name"]]
+        assert env["SPECDEC_CACHE_DIR"]["value"] == "/var/cache/specdec"
+        assert env["HF_HOME"]["value"].startswith("/var/cache/specdec/")
+        model_var = "SPECDEC_COORDINATOR_TOKENIZER" if comp == "coordinator" else ENV_PREFIX[comp] + "MODEL"
+        assert env[model_var]["value"].startswith("/models/")
+        models = volumes[mounts["/models"]["name"]]
+        if "hostpath" in name:
+            assert models["hostPath"]["path"] == "/models"
+        else:
+            assert models["persistentVolumeClaim"]["claimName"] in of_kind(renders["models"], "PersistentVolumeClaim")
+        # every file path in env lies on a mounted volume
+        for var, e in env.items():
+            path = e.get("value", "")
+            if var.startswith("SPECDEC_") and path.startswith("/etc/"):
+                assert any(path.startswith(m + "/") for m in mounts), (comp, var, path)
+        # SIGTERM: preStop sleep, then the drain; the kubelet must wait for both
+        grace = float(env[ENV_PREFIX[comp] + "GRACE"]["value"])
+        pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+        assert spec["terminationGracePeriodSeconds"] > grace + pre_stop
+        # resources: requests and limits for CPU and memory, requests <= limits
+        res = c["resources"]
+        for r in ("cpu", "memory"):
+            assert quantity(res["requests"][r]) <= quantity(res["limits"][r]), (comp, r)
+        if comp != "coordinator":  # torch threads follow the CPU limit
+            ref = env[ENV_PREFIX[comp] + "THREADS"]["valueFrom"]["resourceFieldRef"]
+            assert ref["resource"] == "limits.cpu" and ref["containerName"] == c["name"]
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_pdb_hpa_and_network_policy_per_tier(renders, name):
+    objs = renders[name]
+    deps = deployments(objs)
+    pdbs, hpas, policies = of_kind(objs, "PodDisruptionBudget"), of_kind(objs, "HorizontalPodAutoscaler"), of_kind(objs, "NetworkPolicy")
+    coord_labels = deps["coordinator"]["spec"]["template"]["metadata"]["labels"]
+    for comp, dep in deps.items():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert len([p for p in pdbs.values() if selects(p["spec"]["selector"], labels)]) == 1, comp
+        mine = [h for h in hpas.values() if h["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"]}]
+        assert len(mine) == 1, comp
+        hpa = mine[0]["spec"]
+        assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"] and hpa["metrics"]
+        if comp == "coordinator":
+            assert "replicas" not in dep["spec"], "the HPA owns the coordinator's replica count"
+        else:
+            # No replica discovery yet: the coordinator pins one address per tier, so a tier must stay
+            # at one replica (raise these once session-affine routing lands).
+            assert dep["spec"]["replicas"] == 1 and hpa["maxReplicas"] == 1, comp
+        port = TIERS[comp][1]
+        netpols = [n for n in policies.values() if selects(n["spec"]["podSelector"], labels)]
+        assert len(netpols) == 1, comp
+        (rule,) = netpols[0]["spec"]["ingress"]
+        assert [p["port"] for p in rule["ports"]] == [port]
+        if comp == "coordinator":
+            assert "from" not in rule, "the public port is open to all"
+        else:
+            (peer,) = rule["from"]
+            assert set(peer) == {"podSelector"} and selects(peer["podSelector"], coord_labels), \
+                f"only coordinator pods may reach the {comp} tier"
+            others = [l for c, d in deps.items() if c != "coordinator"
+                      for l in [d["spec"]["template"]["metadata"]["labels"]]]
+            assert not any(selects(peer["podSelector"], l) for l in others)
+
+
+def test_cpu_overlay_uses_no_gpu(renders):
+    for comp, dep in deployments(renders["cpu"]).items():
+        c = container(dep)
+        assert c["image"] == "specdec:cpu"
+        assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+        if comp != "coordinator":
+            assert env_value(c, ENV_PREFIX[comp] + "DEVICE") == "cpu"
+
+
+@pytest.mark.parametrize("name", ["gpu-hetero", "gpu-hetero+tls"])
+def test_gpu_hetero_places_tiers_on_different_gpu_kinds(renders, name):
+    deps = deployments(renders[name])
+    products = {}
+    for comp in ("draft", "target"):
+        spec = deps[comp]["spec"]["template"]["spec"]
+        c = container(deps[comp])
+        products[comp] = spec["nodeSelector"]["nvidia.com/gpu.product"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert env_value(c, ENV_PREFIX[comp] + "DEVICE") == "cuda"
+        assert any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in spec["tolerations"])
+        assert deps[comp]["spec"]["strategy"] == {"type": "Recreate"}
+        assert c["image"].endswith(":cuda")
+    assert products["draft"] != products["target"]
+    assert env_value(container(deps["target"]), "SPECDEC_TARGET_DTYPE") == "bfloat16"
+    coord = container(deps["coordinator"])
+    assert "nvidia.com/gpu" not in coord["resources"]["limits"]
+    assert "nodeSelector" not in deps["coordinator"]["spec"]["template"]["spec"]
+
+
+def test_tls_component_sets_every_tls_flag(renders):
+    deps = deployments(renders["cpu+tls+hostpath"])
+    expected = {
+        "target": {"TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA"},
+        "draft": {"TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA"},
+        "coordinator": {"TLS_CERT", "TLS_KEY", "TIER_CA", "TIER_CLIENT_CERT", "TIER_CLIENT_KEY", "AUTH_TOKEN_FILE"},
+    }
+    for comp, flags in expected.items():
+        c = container(deps[comp])
+        volumes = {v["name"]: v for v in deps[comp]["spec"]["template"]["spec"]["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        for flag in flags:
+            path = env_value(c, ENV_PREFIX[comp] + flag)
+            mount = next(m for m in mounts if path.startswith(m + "/"))
+            assert "secret" in volumes[mounts[mount]], (comp, flag)
+
+
+def test_dockerfile_matches_the_project():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim|^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
+    torch_spec = re.search(r'^ARG TORCH_SPEC="(.+)"$', text, re.M).group(1)
+    assert "download.pytorch.org/whl/cpu" in torch_spec
+    makefile_pin = re.search(r"^TORCH_PIN \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert torch_spec.endswith(makefile_pin), "the image's torch should be the Makefile's pin"
+    dev = re.search(r"^dev = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    tools_pin = re.search(r'"(grpcio-tools[^"]*)"', dev).group(1)
+    assert f'ARG GRPC_TOOLS_SPEC="{tools_pin}"' in text, "grpcio-tools in the image != the dev extra's pin"
+    assert "python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/specdec/proto/*.proto" in text
+    assert "pip install ." in text
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert re.search(r'^ENTRYPOINT \["python", "-m"\]$', text, re.M)
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", text, re.M).group(1).split()}
+    assert exposed == {port for _, port, _ in TIERS.values()}
+    for src in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
+        assert (ROOT / src).exists(), f"Dockerfile copies {src}, which does not exist"
