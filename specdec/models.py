@@ -122,9 +122,26 @@ def _local_source(cfg: ModelConfig) -> str:
 
 
 def load_tokenizer(path: str):
+    """The tokenizer alone. For a GGUF source this reuses the converted copy if one exists, and
+    otherwise caches just the tokenizer (the coordinator needs no weights)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_local_source(ModelConfig(path)))
+    src = _resolve(path)
+    if src.gguf_file is None:
+        return AutoTokenizer.from_pretrained(src.location)
+    converted = _converted_dir(src)
+    if (converted / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(converted)
+    tok_dir = converted.with_name(converted.name + "-tokenizer")
+    if not (tok_dir / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file)
+        tmp = tok_dir.with_name(tok_dir.name + f".tmp{os.getpid()}")
+        tokenizer.save_pretrained(tmp)
+        if tok_dir.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.rename(tok_dir)
+    return AutoTokenizer.from_pretrained(tok_dir)
 
 
 def load_model(cfg: ModelConfig):
