@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,12 @@ class LocalPipelineConfig:
     coordinator_args: list[str] = field(default_factory=list)  # extra flags for python -m coordinator
     start_timeout_s: float = 600.0  # the first GGUF conversion takes ~20 s; slow disks more
     env: dict[str, str] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class LocalPipeline:
@@ -44,11 +51,14 @@ class LocalPipeline:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+    def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> None:
         port_file = self.dir / f"{name}.port"
         log = open(self.dir / f"{name}.log", "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.env}
-        cmd = [sys.executable, "-m", module, "--address", "127.0.0.1:0", "--port-file", str(port_file), *args]
+        # Co-located tiers take turns on the same cores: OpenMP threads that spin while idle would
+        # steal the other tier's time, so they sleep (unless the caller says otherwise).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+               **self.config.env}
+        cmd = [sys.executable, "-m", module, "--address", f"127.0.0.1:{port}", "--port-file", str(port_file), *args]
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _wait_port(self, name: str, deadline: float) -> int:
@@ -70,14 +80,19 @@ class LocalPipeline:
         c = self.config
         deadline = time.monotonic() + c.start_timeout_s
         try:
-            self._spawn("target", "target_service", ["--model", c.target_model, *c.target_args])
+            # Tier ports are picked up front so all three processes start (and import) at once; the
+            # coordinator waits for the tiers to answer.
+            target_port = free_port()
+            self._spawn("target", "target_service", ["--model", c.target_model, *c.target_args], target_port)
+            draft = ""
             if c.draft_model:
-                self._spawn("draft", "draft_service", ["--model", c.draft_model, *c.draft_args])
-            target_port = self._wait_port("target", deadline)
-            draft = f"127.0.0.1:{self._wait_port('draft', deadline)}" if c.draft_model else ""
+                draft_port = free_port()
+                self._spawn("draft", "draft_service", ["--model", c.draft_model, *c.draft_args], draft_port)
+                draft = f"127.0.0.1:{draft_port}"
             self._spawn("coordinator", "coordinator", [
                 "--target", f"127.0.0.1:{target_port}", "--draft", draft, "--tokenizer", c.target_model, *c.coordinator_args])
-            self._wait_port("coordinator", deadline)
+            for name in self.procs:
+                self._wait_port(name, deadline)
         except BaseException:
             self.stop()
             raise
