@@ -255,8 +255,8 @@ class Generation:
             request = target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q_rows, sampling=self._sampling, seed=seed)
             left = self._time_left()
             if left is not None and left <= 0:
-                raise TierError("target", grpc.StatusCode.UNAVAILABLE if last_error else grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no answer before the request's deadline; last error: {last_error or 'none'}")
+                code = last_error.code if last_error else grpc.StatusCode.DEADLINE_EXCEEDED
+                raise TierError("target", code, f"no answer before the request's deadline; last error: {last_error or 'none'}")
             t0 = time.perf_counter()
             try:
                 response = await self.target.verify(request, left)
@@ -264,6 +264,9 @@ class Generation:
                 if e.code == grpc.StatusCode.FAILED_PRECONDITION and ctx.prefix_len > 0:
                     self._target_cursor.reset()  # the target lost the session: resend everything
                     continue
+                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and left is not None and left < self.target.timeout_s:
+                    # The client's own deadline ran out, not the tier: say so, and do not retry.
+                    raise TierError("target", e.code, "the request's deadline passed during verification") from None
                 if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 # Unreachable, restarting or stalled: it may come back without our session.

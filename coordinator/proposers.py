@@ -83,7 +83,10 @@ class DraftModelProposer:
                 self.cursor.reset()
                 if e.code == grpc.StatusCode.FAILED_PRECONDITION and attempt == 0:
                     continue  # the draft lost the session: resend everything
-                self._mark_down(e)
+                client_deadline = (e.code == grpc.StatusCode.DEADLINE_EXCEEDED and limit_s is not None
+                                   and limit_s < self.client.timeout_s)
+                if not client_deadline:  # the client's deadline running out says nothing about the draft
+                    self._mark_down(e)
                 raise
             self._failures = 0
             self.cursor.update(ctx, list(response.tokens), response.cached_len, committed_len=len(committed))
