@@ -1,0 +1,454 @@
+"""Aggregation, the analytical bound, the goal checks, markdown tables and plots."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+HEADER = """# Benchmarks
+
+Produced by `make bench` (`python -m bench.run`; `--long` for the full matrix, `--help` for the
+options). Each run appends one section below; the newest is last. The plots (`docs/bench_*.png`)
+show the newest run only.
+
+**What is measured.** Every method generates exactly `N` new tokens (`ignore_eos`; the in-process
+baselines use `min_new_tokens = max_new_tokens = N`) for the same fixed prompts
+(`bench/prompts.py`, one user chat message each, rendered with the tokenizer's chat template):
+
+- **target alone**: in-process `model.generate(do_sample=False)` with a KV cache: the baseline.
+- **peer**: Hugging Face assisted generation in-process with the same draft model
+  (`generate(assistant_model=draft)`), greedy and sampled, with the library's default schedule unless
+  a K is given; and HF prompt lookup (`generate(prompt_lookup_num_tokens=K)`, greedy).
+- **specdec**: coordinator, draft and target services as separate processes on loopback (gRPC),
+  through `specdec.client.Client`. `K = 0` is target-only decoding through the services (the
+  in-pipeline baseline); `adaptive` leaves K unset (the coordinator's default policy).
+
+Two placements: **shared** (every process may use both cores, default torch threads; the tiers and
+the in-process baselines run with `OMP_WAIT_POLICY=PASSIVE`, so an idle process's OpenMP threads do not
+spin on a core another process needs) and **separate** (target pinned to core 0 with 1 thread; draft and
+coordinator pinned to core 1, draft with 1 thread; the in-process baselines pinned to core 0 with 1
+thread).
+
+**Columns.**
+
+| column | meaning |
+|---|---|
+| tok/s | generated tokens / generation wall time, **median** over prompts x repeats (specdec: the coordinator's `elapsed_s`, request to last token; in-process: the `generate` call). Prompt prefill is included for every method. |
+| min-max | spread of tok/s over the same samples |
+| x target | median tok/s / median tok/s of *target alone* in the same placement and workload |
+| accept | accepted draft tokens / proposed draft tokens (summed over samples) |
+| tok/fwd | tokens committed per target forward pass, bonus/correction token included (`mean_tokens_per_forward`; peer: new tokens / target forward calls counted by a hook) |
+| mean K | draft tokens actually proposed per round (K is clamped near the token budget) |
+| draft, verify, net, coord ms/rd | per round (summed ms / summed rounds): draft-model compute, target compute, gRPC time on the wire and in the tiers' stacks (rpc round trip minus compute), coordinator time between rpcs |
+| n | samples (prompts x repeats) |
+| notes | "disturbed": other processes used more than 10% of the CPU during some of the row's samples (such a generation is measured again once after waiting for quiet, within a retry budget; the last measurement is kept); anything the server did differently from what was asked |
+
+**The bound.** For each greedy fixed-K specdec row: `a` solves `tok/fwd = (1 - a^(K+1)) / (1 - a)`;
+`T0` = target compute per token in the K = 0 pipeline run (its verify ms / rounds); `c` = draft ms per
+drafted token / `T0`; `v` = verify ms per round / `T0`; bound = `(1 - a^(K+1)) / ((1 - a)(K c + v))`,
+where the `K` of the cost term is the mean K actually drafted (K is clamped near the token budget, and
+prompt lookup proposes nothing when it finds no match); measured = tok/s / tok/s of the K = 0 row, both
+*pooled* (total tokens / total time over the row's samples, so that they match the pooled `a`, `c`,
+`v`; the tables' tok/s are medians). With `a` solved from the measured tok/fwd the bound equals
+`tok/fwd / (K c + v)`: the speed-up if a round cost nothing but its model compute, so measured / bound
+below 1 is time spent in gRPC, the coordinator and the client path (relative to the K = 0 run).
+
+**Goals** (recorded, never asserted): (a) specdec greedy at its best K at least as fast as the peer
+(greedy, default schedule); (b) measured speed-up >= 90% of the bound (at the best fixed K); (c) gRPC +
+coordinator overhead (`network_ms + coordinator_ms` per round) below 1 ms, median over specdec
+samples; (d) grounded workload: specdec with prompt lookup or hybrid proposer faster than target
+alone and at least as fast as the peer's prompt lookup.
+"""
+
+
+# --- aggregation ----------------------------------------------------------------------------------
+
+def _num(x, default=0.0) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return default
+
+
+def aggregate(row: dict) -> dict:
+    s = row.get("samples") or []
+    agg = {"n": len(s), "error": row.get("error")}
+    if not s:
+        return agg
+    tps = [x["tokens_per_s"] for x in s]
+    agg["tps"] = statistics.median(tps)
+    agg["tps_min"], agg["tps_max"] = min(tps), max(tps)
+    if len(tps) >= 4:
+        q = statistics.quantiles(tps, n=4)
+        agg["tps_iqr"] = (q[0], q[2])
+    agg["pooled_tps"] = sum(x["generated_tokens"] for x in s) / sum(x["seconds"] for x in s) if sum(x["seconds"] for x in s) > 0 else 0.0
+    agg["client_tps"] = statistics.median([x["generated_tokens"] / x["client_seconds"] for x in s if x.get("client_seconds")] or [0.0])
+    agg["tokens"] = statistics.median([x["generated_tokens"] for x in s])
+    bg = [x.get("background_cpu", 0.0) for x in s]
+    agg["bg_max"] = max(bg)
+    agg["bg_disturbed"] = sum(b > 0.10 for b in bg)
+    agg["prompt_tokens"] = statistics.mean([x["prompt_tokens"] for x in s])
+    if row["method"] == "specdec":
+        st = [x["stats"] for x in s]
+        rounds = sum(_num(t.get("rounds")) for t in st)
+        drafted = sum(_num(t.get("draft_tokens")) for t in st)
+        agg["rounds"] = rounds
+        agg["draft_tokens"] = drafted
+        agg["accept"] = sum(_num(t.get("accepted_tokens")) for t in st) / drafted if drafted else None
+        agg["tok_fwd"] = sum(_num(t.get("mean_tokens_per_forward")) * _num(t.get("rounds")) for t in st) / rounds if rounds else None
+        agg["mean_k"] = drafted / rounds if rounds else None
+        for f in ("draft_ms", "verify_ms", "network_ms", "coordinator_ms"):
+            agg[f + "_sum"] = sum(_num(t.get(f)) for t in st)
+            agg[f + "_rd"] = agg[f + "_sum"] / rounds if rounds else None
+        per_round_overhead = [(_num(t.get("network_ms")) + _num(t.get("coordinator_ms"))) / _num(t.get("rounds"))
+                              for t in st if _num(t.get("rounds")) > 0]
+        agg["overhead_rd_median"] = statistics.median(per_round_overhead) if per_round_overhead else None
+        agg["overhead_rd_samples"] = per_round_overhead
+        agg["overlapped_rounds"] = sum(_num(t.get("overlapped_rounds")) for t in st)
+        agg["reported_k"] = sorted({int(_num(t.get("num_speculative_tokens"), -99)) for t in st})
+        agg["reported_mean_k"] = [_num(t.get("mean_num_speculative_tokens")) for t in st]
+        agg["reported_proposer"] = sorted({str(t.get("proposer", "")) for t in st})
+        agg["finish"] = sorted({x.get("finish_reason", "") for x in s})
+    elif row["method"] in ("peer", "peer_lookup"):
+        fwd = sum(x.get("target_forwards", 0) for x in s)
+        agg["tok_fwd"] = sum(x["generated_tokens"] for x in s) / fwd if fwd else None
+        dfwd = sum(x.get("draft_forwards", 0) for x in s)
+        agg["draft_fwd_per_round"] = dfwd / fwd if fwd else None
+    else:
+        agg["tok_fwd"] = 1.0
+    return agg
+
+
+def row_notes(row: dict, agg: dict) -> list[str]:
+    """Things the server did that differ from what was asked, stated plainly."""
+    notes = []
+    if agg.get("bg_disturbed"):
+        notes.append(f"disturbed: other processes used up to {agg['bg_max']:.0%} of the CPU during "
+                     f"{agg['bg_disturbed']}/{agg['n']} samples")
+    if row["method"] != "specdec" or not agg.get("n"):
+        return notes
+    want = row["proposer"]
+    got = [p for p in agg.get("reported_proposer", []) if p]
+    aliases = {"draft": {"draft", "draft_model"}, "lookup": {"lookup", "prompt_lookup"}, "hybrid": {"hybrid"}}
+    if not got:
+        if want != "draft":
+            notes.append("server did not report a proposer: the field may have been ignored (draft model used?)")
+    elif any(g not in aliases.get(want, {want}) for g in got):
+        notes.append(f"asked for {want}, server reports {', '.join(got)}")
+    if row["k"] is None:
+        ks = agg.get("reported_k", [])
+        if ks and ks != [-1]:
+            notes.append(f"K unset, server reports fixed K={','.join(map(str, ks))} (adaptive not in effect)")
+    if agg.get("overlapped_rounds") and agg.get("rounds"):
+        notes.append(f"{agg['overlapped_rounds'] / agg['rounds']:.0%} of rounds drafted while the target verified (overlap): "
+                     "draft time is partly hidden, so the sequential bound understates what is possible")
+    finish = [f for f in agg.get("finish", []) if f != "length"]
+    if finish:
+        notes.append(f"finish reason {','.join(finish)} (expected length)")
+    return notes
+
+
+# --- the bound ------------------------------------------------------------------------------------
+
+def solve_acceptance(tok_fwd: float, k: int) -> float:
+    """a in [0, 1] with 1 + a + ... + a^K = tok_fwd (monotone in a), by bisection."""
+    if tok_fwd <= 1.0:
+        return 0.0
+    if tok_fwd >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(k + 1)) < tok_fwd:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def bound_speedup(a: float, k: int, c: float, v: float, k_cost: float | None = None) -> float:
+    """(1 - a^(K+1)) / ((1 - a)(K c + v)); k_cost replaces the K of the cost term when given (the mean
+    K actually drafted: K is clamped near the token budget, and lookup proposes nothing without a match)."""
+    gain = (k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    cost = (k if k_cost is None else k_cost) * c + v
+    return gain / cost if cost > 0 else float("nan")
+
+
+def bound_rows(rows: list[dict], aggs: dict) -> list[dict]:
+    """Bound vs measured for greedy fixed-K specdec rows, against the K = 0 row of the same cell."""
+    out = []
+    k0 = {}
+    for r in rows:
+        if r["method"] == "specdec" and r["k"] == 0 and aggs[r["key"]].get("n"):
+            k0[(r["placement"], r["workload"])] = aggs[r["key"]]
+    for r in rows:
+        a_ = aggs[r["key"]]
+        if r["method"] != "specdec" or r["temperature"] != 0 or not r["k"] or not a_.get("n"):
+            continue
+        base = k0.get((r["placement"], r["workload"]))
+        if not base or not base.get("rounds") or not a_.get("rounds"):
+            continue
+        t0 = base["verify_ms_sum"] / base["rounds"]
+        k = int(r["k"])
+        mean_k = a_.get("mean_k") or 0.0
+        acc = solve_acceptance(a_["tok_fwd"] or 1.0, k)
+        c = (a_["draft_ms_sum"] / a_["draft_tokens"] / t0) if a_.get("draft_tokens") else 0.0
+        v = a_["verify_ms_rd"] / t0
+        b = bound_speedup(acc, k, c, v, k_cost=mean_k)
+        measured = a_["pooled_tps"] / base["pooled_tps"] if base.get("pooled_tps") else float("nan")
+        out.append({"key": r["key"], "placement": r["placement"], "workload": r["workload"], "proposer": r["proposer"],
+                    "k": k, "mean_k": mean_k, "a": acc, "c": c, "v": v, "t0_ms": t0, "bound": b, "measured": measured,
+                    "ratio": measured / b if b and b == b else float("nan")})
+    return out
+
+
+# --- summary / goals ------------------------------------------------------------------------------
+
+def _find(rows, aggs, **kw):
+    out = []
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()) and aggs[r["key"]].get("n") and not aggs[r["key"]].get("error"):
+            out.append(r)
+    return out
+
+
+def _best(rows, aggs):
+    return max(rows, key=lambda r: aggs[r["key"]]["tps"]) if rows else None
+
+
+def summarise(rows: list[dict], aggs: dict, bounds: list[dict], placements, workloads) -> dict:
+    cells = []
+    goals = {"a": [], "b": [], "c": [], "d": []}
+    for pl in placements:
+        for wl in workloads:
+            tgt = _best(_find(rows, aggs, placement=pl, workload=wl, method="target"), aggs)
+            peer = _find(rows, aggs, placement=pl, workload=wl, method="peer", temperature=0.0, k=None)
+            peer = peer[0] if peer else None
+            k0 = _find(rows, aggs, placement=pl, workload=wl, method="specdec", k=0)
+            k0 = k0[0] if k0 else None
+            greedy = [r for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec", proposer="draft", temperature=0.0) if r["k"] != 0]
+            best = _best(greedy, aggs)
+            fixed = [r for r in greedy if r["k"] is not None]
+            best_fixed = _best(fixed, aggs)
+            adaptive = [r for r in greedy if r["k"] is None]
+            tps = lambda r: aggs[r["key"]]["tps"] if r else None  # noqa: E731
+            cell = {"placement": pl, "workload": wl, "target": tps(tgt), "peer": tps(peer), "k0": tps(k0),
+                    "best": tps(best), "best_k": _klabel(best["k"]) if best else None,
+                    "best_fixed": tps(best_fixed), "best_fixed_k": best_fixed["k"] if best_fixed else None,
+                    "adaptive": tps(adaptive[0]) if adaptive else None}
+            if wl == "grounded":
+                lk = [r for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec", temperature=0.0)
+                      if r["proposer"] in ("lookup", "hybrid") and r["k"] != 0]
+                best_lk = _best(lk, aggs)
+                peer_lk = _best(_find(rows, aggs, placement=pl, workload=wl, method="peer_lookup"), aggs)
+                cell.update(lookup=tps(best_lk), lookup_label=f"{best_lk['proposer']} K={_klabel(best_lk['k'])}" if best_lk else None,
+                            peer_lookup=tps(peer_lk), peer_lookup_k=peer_lk["k"] if peer_lk else None)
+                if best_lk and tgt and peer_lk:
+                    r1, r2 = cell["lookup"] / cell["target"], cell["lookup"] / cell["peer_lookup"]
+                    ok = r1 > 1.0 and r2 >= 1.0
+                    goals["d"].append((pl, wl, ok, f"{cell['lookup_label']}: {r1:.2f}x target alone, {r2:.2f}x peer prompt lookup (K={cell['peer_lookup_k']})"))
+                else:
+                    goals["d"].append((pl, wl, None, "not measured (no successful lookup/hybrid or peer-lookup row)"))
+            cells.append(cell)
+            if best and peer:
+                ratio = cell["best"] / cell["peer"]
+                text = f"best specdec greedy (K={cell['best_k']}) / peer greedy = {ratio:.2f}"
+                if best_fixed and best_fixed is not best:
+                    text += f"; at the best fixed K (K={cell['best_fixed_k']}): {cell['best_fixed'] / cell['peer']:.2f}"
+                goals["a"].append((pl, wl, ratio >= 1.0, text))
+            else:
+                goals["a"].append((pl, wl, None, "not measured"))
+            if best_fixed:
+                b = next((x for x in bounds if x["key"] == best_fixed["key"]), None)
+                if b:
+                    goals["b"].append((pl, wl, b["ratio"] >= 0.9, f"K={b['k']}: measured {b['measured']:.2f}x vs bound {b['bound']:.2f}x = {b['ratio']:.0%} of the bound"))
+                    continue
+            goals["b"].append((pl, wl, None, "not measured"))
+    for pl in placements:
+        samples = []
+        for r in _find(rows, aggs, placement=pl, method="specdec"):
+            if r["k"] != 0:
+                samples.extend(aggs[r["key"]].get("overhead_rd_samples") or [])
+        if samples:
+            med = statistics.median(samples)
+            goals["c"].append((pl, "all", med < 1.0, f"median network + coordinator = {med:.2f} ms/round over {len(samples)} specdec samples"))
+        else:
+            goals["c"].append((pl, "all", None, "not measured"))
+    return {"cells": cells, "goals": goals}
+
+
+def _klabel(k) -> str:
+    return "adaptive" if k is None else str(k)
+
+
+# --- formatting -----------------------------------------------------------------------------------
+
+def _f(x, fmt="{:.2f}", none="–") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return fmt.format(x)
+
+
+def method_label(r: dict) -> str:
+    m = r["method"]
+    if m == "target":
+        return "target alone (HF generate)"
+    if m == "peer":
+        return "peer: HF assisted" + (" (default schedule)" if r["k"] is None else f" (K={r['k']} fixed)")
+    if m == "peer_lookup":
+        return "peer: HF prompt lookup"
+    return f"specdec {r['proposer']}"
+
+
+def k_cell(r: dict) -> str:
+    if r["method"] == "target":
+        return "–"
+    if r["method"] == "peer":
+        return "default" if r["k"] is None else str(r["k"])
+    if r["method"] == "specdec" and r["k"] == 0:
+        return "0 (target only)"
+    return _klabel(r["k"])
+
+
+def results_table(rows: list[dict], aggs: dict, target_tps: float | None) -> list[str]:
+    lines = ["| method | T | K | tok/s | min-max | x target | accept | tok/fwd | mean K | draft ms/rd | verify ms/rd | net ms/rd | coord ms/rd | n | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = aggs[r["key"]]
+        t = _f(r.get("temperature") or 0.0, "{:g}")
+        if not a.get("n"):
+            err = (a.get("error") or "no samples").replace("|", "/").replace("\n", " ")[:160]
+            lines.append(f"| {method_label(r)} | {t} | {k_cell(r)} | n/a (error: {err}) | | | | | | | | | | 0 | |")
+            continue
+        notes = row_notes(r, a)
+        if a.get("error"):
+            notes.append(f"stopped early: {a['error'][:120]}")
+        if r["method"] == "peer" and a.get("draft_fwd_per_round") is not None:
+            notes.append(f"{a['draft_fwd_per_round']:.1f} draft forwards per target forward")
+        lines.append("| " + " | ".join([
+            method_label(r), t, k_cell(r), _f(a["tps"]), f"{a['tps_min']:.2f}-{a['tps_max']:.2f}",
+            _f(a["tps"] / target_tps if target_tps else None, "{:.2f}x"),
+            _f(a.get("accept")), _f(a.get("tok_fwd")), _f(a.get("mean_k")),
+            _f(a.get("draft_ms_rd"), "{:.1f}"), _f(a.get("verify_ms_rd"), "{:.1f}"),
+            _f(a.get("network_ms_rd"), "{:.2f}"), _f(a.get("coordinator_ms_rd"), "{:.2f}"),
+            str(a["n"]), "; ".join(notes).replace("|", "/")]) + " |")
+    return lines
+
+
+def bound_table(bounds: list[dict]) -> list[str]:
+    lines = ["| proposer | K | mean K | a (solved) | c | v | T0 ms | bound | measured | measured / bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for b in bounds:
+        lines.append(f"| {b['proposer']} | {b['k']} | {b['mean_k']:.2f} | {b['a']:.3f} | {b['c']:.3f} | {b['v']:.2f} | {b['t0_ms']:.1f} | "
+                     f"{b['bound']:.2f}x | {b['measured']:.2f}x | {_f(b['ratio'], '{:.0%}')} |")
+    return lines
+
+
+def goal_lines(goals: dict) -> list[str]:
+    names = {"a": "(a) specdec greedy at best K >= peer (ratio >= 1.0)",
+             "b": "(b) measured speed-up >= 90% of the analytical bound",
+             "c": "(c) gRPC + coordinator overhead < 1 ms per round (median)",
+             "d": "(d) grounded: specdec lookup/hybrid > target alone and >= peer prompt lookup"}
+    out = []
+    for g, title in names.items():
+        out.append(f"- **{title}**")
+        for pl, wl, ok, text in goals[g]:
+            verdict = "not measured" if ok is None else ("met" if ok else "missed")
+            where = pl if wl == "all" else f"{pl} / {wl}"
+            out.append(f"  - {where}: **{verdict}**" + (f" ({text})" if ok is not None else ""))
+    return out
+
+
+# --- plots ----------------------------------------------------------------------------------------
+
+def plot_speed_vs_k(rows, aggs, placements, workloads, path: Path, n_tokens: int, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    styles = {"shared": "-", "separate": "--"}
+    colors = {("draft", 0.0): "tab:blue", ("draft", 0.7): "tab:orange", ("draft", 1.0): "tab:red",
+              ("lookup", 0.0): "tab:green", ("hybrid", 0.0): "tab:purple"}
+    markers = {"shared": dict(marker="o"), "separate": dict(marker="D", markerfacecolor="white")}
+    star = {"shared": {}, "separate": dict(markerfacecolor="white")}
+    fig, axes = plt.subplots(1, len(workloads), figsize=(7.5 * len(workloads), 8.0), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        max_k = 1
+        for pl in placements:
+            ls = styles.get(pl, ":")
+            mk = markers.get(pl, dict(marker="o"))
+            for (prop, temp), color in colors.items():
+                pts = sorted((r["k"], aggs[r["key"]]["tps"]) for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec",
+                                                                              proposer=prop, temperature=temp) if r["k"])
+                if pts:
+                    max_k = max(max_k, pts[-1][0])
+                    label = f"specdec {prop} T={temp:g} ({pl})"
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, label=label, **mk)
+                for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec", proposer=prop, temperature=temp, k=None):
+                    a = aggs[r["key"]]
+                    ax.plot([a.get("mean_k") or 0], [a["tps"]], marker="*", markersize=14, color=color, linestyle="none",
+                            label=f"adaptive {prop} T={temp:g} ({pl})", **star.get(pl, {}))
+            for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec", k=0):
+                ax.plot([0], [aggs[r["key"]]["tps"]], marker="s", markersize=8, color="black", linestyle="none",
+                        markerfacecolor="black" if pl == "shared" else "white", label=f"specdec K=0 ({pl})")
+            hl = [("target", None, 0.0, "black", "target alone"), ("peer", None, 0.0, "gray", "HF assisted greedy"),
+                  ("peer", None, 0.7, "silver", "HF assisted T=0.7")]
+            for method, k, temp, color, label in hl:
+                for r in _find(rows, aggs, placement=pl, workload=wl, method=method, k=k, temperature=temp):
+                    ax.axhline(aggs[r["key"]]["tps"], color=color, linestyle=ls, linewidth=1.2, label=f"{label} ({pl})")
+            best_lk = _best(_find(rows, aggs, placement=pl, workload=wl, method="peer_lookup"), aggs)
+            if best_lk:
+                ax.axhline(aggs[best_lk["key"]]["tps"], color="olive", linestyle=ls, linewidth=1.2,
+                           label=f"HF prompt lookup K={best_lk['k']} ({pl})")
+        ax.set_title(f"{wl} workload")
+        ax.set_xlabel("K (draft tokens per round)\n* = adaptive, at its mean K; square = K=0 through the services")
+        ax.set_ylabel(f"tokens/s (median, {n_tokens} new tokens)")
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+        ax.set_xticks(range(0, max_k + 1))
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_bound(bounds, placements, workloads, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    if not bounds:
+        return False
+    from matplotlib.ticker import MaxNLocator
+    fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.5), squeeze=False)
+    styles = {"shared": "-", "separate": "--"}
+    for ax, wl in zip(axes[0], workloads):
+        for pl in placements:
+            for prop, color in (("draft", "tab:blue"), ("lookup", "tab:green"), ("hybrid", "tab:purple")):
+                pts = sorted((b["k"], b["measured"], b["bound"]) for b in bounds
+                             if b["placement"] == pl and b["workload"] == wl and b["proposer"] == prop)
+                if not pts:
+                    continue
+                ks = [p[0] for p in pts]
+                ax.plot(ks, [p[1] for p in pts], styles.get(pl, ":"), marker="o", color=color, label=f"measured {prop} ({pl})")
+                ax.plot(ks, [p[2] for p in pts], styles.get(pl, ":"), marker="x", color=color, alpha=0.45, label=f"bound {prop} ({pl})")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"{wl}: greedy speed-up over K=0 through the services")
+        ax.set_xlabel("K")
+        ax.set_ylabel("speed-up (x)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
