@@ -1,10 +1,12 @@
 import os
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from specdec.models import ModelConfig, default_draft, default_target, load_model
+from specdec.proto import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
 from tests.helpers import Cluster, make_tiny_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -59,3 +61,29 @@ def real_pair() -> tuple[str, str]:
     target, draft = default_target(), default_draft()
     assert Path(target).exists() and Path(draft).exists(), f"real models missing under {Path(target).parent} (set SPECDEC_MODELS_DIR)"
     return target, draft
+
+
+# Raw stubs on the random-draft cluster, for tests that send arbitrary (also invalid) messages.
+
+
+@pytest.fixture(scope="module")
+def cluster(random_draft_cluster):
+    return random_draft_cluster
+
+
+@pytest.fixture(scope="module")
+def generation_stub(cluster):
+    with grpc.insecure_channel(cluster.address) as ch:
+        yield generate_pb2_grpc.GenerationStub(ch)
+
+
+@pytest.fixture(scope="module")
+def draft_stub(cluster):
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.draft_port}") as ch:
+        yield draft_pb2_grpc.DraftServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def target_stub(cluster):
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.target_port}") as ch:
+        yield target_pb2_grpc.TargetServiceStub(ch)

@@ -43,27 +43,8 @@ def _sid(tag: str) -> str:
 # --- fixtures -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(random_draft_cluster):
-    return random_draft_cluster
 
 
-@pytest.fixture(scope="module")
-def generation_stub(cluster):
-    with grpc.insecure_channel(cluster.address) as ch:
-        yield generate_pb2_grpc.GenerationStub(ch)
-
-
-@pytest.fixture(scope="module")
-def draft_stub(cluster):
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.draft_port}") as ch:
-        yield draft_pb2_grpc.DraftServiceStub(ch)
-
-
-@pytest.fixture(scope="module")
-def target_stub(cluster):
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.target_port}") as ch:
-        yield target_pb2_grpc.TargetServiceStub(ch)
 
 
 # --- helpers --------------------------------------------------------------------------------------

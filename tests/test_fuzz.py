@@ -82,27 +82,8 @@ FUZZ_SETTINGS = dict(
 # --- fixtures -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(random_draft_cluster):
-    return random_draft_cluster
 
 
-@pytest.fixture(scope="module")
-def target_stub(cluster):
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.target_port}") as ch:
-        yield target_pb2_grpc.TargetServiceStub(ch)
-
-
-@pytest.fixture(scope="module")
-def draft_stub(cluster):
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.draft_port}") as ch:
-        yield draft_pb2_grpc.DraftServiceStub(ch)
-
-
-@pytest.fixture(scope="module")
-def generation_stub(cluster):
-    with grpc.insecure_channel(cluster.address) as ch:
-        yield generate_pb2_grpc.GenerationStub(ch)
 
 
 @pytest.fixture(scope="module")
@@ -473,6 +454,22 @@ def forget(shadow: dict, stub, sid: str) -> None:
 # --- 1. target Verify -----------------------------------------------------------------------------
 
 
+
+def expect_propose(sid, ctx, k, request, held):
+    """What the documented rules say a Propose must answer, and the committed sequence it implies."""
+    v = Verdict()
+    check_session_id(v, sid)
+    check_prefix(v, ctx, held)
+    if not ctx.new_tokens:
+        v.refuse.append("empty new_tokens")
+    check_ids(v, ctx.new_tokens, "new_tokens")
+    if not 1 <= k <= MAX_K:
+        v.refuse.append(f"num_tokens {k}")
+    check_sampling(v, request.sampling)
+    if 1 <= k <= MAX_K:
+        check_context_len(v, ctx, k - 1)
+    return v, (held or [])[: max(ctx.prefix_len, 0)] + list(ctx.new_tokens)
+
 def test_fuzz_verify(cluster, target_stub, tiny_target_model):
     pool = [f"fuzz-verify-{uuid.uuid4().hex[:6]}-{i}" for i in range(3)]
     shadow: dict[str, list[int]] = {}  # session id -> tokens the target caches
@@ -639,18 +636,7 @@ def test_fuzz_propose(cluster, draft_stub, draft_model, tiny_target_model):
         ctx = draw_context(data, sid, held, extra=max(0, min(k, MAX_K) - 1), clean=clean)
         request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=draw_sampling(data, clean),
                                            seed=data.draw(seeds, label="seed"))
-        v = Verdict()
-        check_session_id(v, sid)
-        check_prefix(v, ctx, held)
-        if not ctx.new_tokens:
-            v.refuse.append("empty new_tokens")
-        check_ids(v, ctx.new_tokens, "new_tokens")
-        if not 1 <= k <= MAX_K:
-            v.refuse.append(f"num_tokens {k}")
-        check_sampling(v, request.sampling)
-        if 1 <= k <= MAX_K:
-            check_context_len(v, ctx, k - 1)
-        committed = (held or [])[: max(ctx.prefix_len, 0)] + list(ctx.new_tokens)
+        v, committed = expect_propose(sid, ctx, k, request, held)
 
         if sid:
             tracked.add(sid)
@@ -712,18 +698,7 @@ def test_fuzz_propose_stream(cluster, draft_stub, draft_model, tiny_target_model
                           label="num_tokens")
             ctx = draw_context(data, sid, held, extra=max(0, min(k, MAX_K) - 1), clean=clean, mismatch=False)
             request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=draw_sampling(data, clean), seed=data.draw(seeds))
-            v = Verdict()
-            check_session_id(v, sid)
-            check_prefix(v, ctx, held)
-            if not ctx.new_tokens:
-                v.refuse.append("empty new_tokens")
-            check_ids(v, ctx.new_tokens, "new_tokens")
-            if not 1 <= k <= MAX_K:
-                v.refuse.append(f"num_tokens {k}")
-            check_sampling(v, request.sampling)
-            if 1 <= k <= MAX_K:
-                check_context_len(v, ctx, k - 1)
-            committed = (held or [])[: max(ctx.prefix_len, 0)] + list(ctx.new_tokens)
+            v, committed = expect_propose(sid, ctx, k, request, held)
             plans.append((request, v, committed))
             if v.allowed() != {OK}:
                 break  # the stream ends at the first request that may fail
