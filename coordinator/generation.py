@@ -9,6 +9,7 @@ each tier is told, per request, which prefix of it it already caches (TierCursor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -97,8 +98,7 @@ class Generation:
         self.lookup = PromptLookupProposer(limits.lookup, params.prompt_ids)
         self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
                       if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID) else None)
-        adaptive_k = min(limits.adaptive.max_k, limits.max_k)
-        cfg = AdaptiveConfig(**{**limits.adaptive.__dict__, "max_k": adaptive_k})
+        cfg = dataclasses.replace(limits.adaptive, max_k=min(limits.adaptive.max_k, limits.max_k))
         self._controllers = {DRAFT_MODEL: AdaptiveK(cfg, local_proposer=False), PROMPT_LOOKUP: AdaptiveK(cfg, local_proposer=True)}
 
     def _k_for(self, source: str) -> int:

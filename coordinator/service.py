@@ -21,7 +21,7 @@ from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, generate_pb2, generate_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import (BearerTokenInterceptor, RequestError, Service, ServerConfig, as_request_error, create_server,
-                            handle_errors, invalid_argument, read_pem)
+                            check_token_ids, handle_errors, invalid_argument, read_pem)
 
 log = logging.getLogger(__name__)
 
@@ -287,10 +287,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             ids = list(r.token_ids.ids)
             if not ids:
                 raise invalid_argument("prompt token_ids is empty")
-            vocab = self.pipeline.target_info.vocab_size
-            for t in ids:
-                if not 0 <= t < vocab:
-                    raise invalid_argument(f"prompt token_ids: token id {t} is outside the vocabulary [0, {vocab})")
+            check_token_ids(ids, self.pipeline.target_info.vocab_size, "prompt token_ids")
         if not ids:
             raise invalid_argument("prompt tokenizes to no tokens")
         return list(ids)

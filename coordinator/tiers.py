@@ -58,6 +58,11 @@ class TierCursor:
         self.tail = after_prefix[self.base - ctx.prefix_len : cached_len - ctx.prefix_len]
 
 
+def call_timeout(default_s: float, limit_s: float | None) -> float:
+    """The per-call timeout: the configured one, capped by the time the request has left."""
+    return default_s if limit_s is None else max(0.001, min(default_s, limit_s))
+
+
 def _tier_error(tier: str, e: grpc.aio.AioRpcError) -> TierError:
     return TierError(tier, e.code(), e.details() or "")
 
@@ -76,7 +81,7 @@ class DraftStream:
         self.pending = 0  # requests sent whose replies were not read yet
 
     def timeout(self, limit_s: float | None) -> float:
-        return self._timeout_s if limit_s is None else max(0.001, min(self._timeout_s, limit_s))
+        return call_timeout(self._timeout_s, limit_s)
 
     async def _io(self, awaitable, limit_s: float | None):
         """One stream operation under the per-call timeout; any failure closes the stream."""
@@ -145,9 +150,8 @@ class TargetClient:
         self.timeout_s = timeout_s
 
     async def verify(self, request: target_pb2.VerifyRequest, limit_s: float | None = None) -> target_pb2.VerifyResponse:
-        timeout = self.timeout_s if limit_s is None else max(0.001, min(self.timeout_s, limit_s))
         try:
-            return await self.stub.Verify(request, timeout=timeout)
+            return await self.stub.Verify(request, timeout=call_timeout(self.timeout_s, limit_s))
         except grpc.aio.AioRpcError as e:
             raise _tier_error("target", e) from None
 

@@ -11,12 +11,20 @@ from collections.abc import Iterable
 _MASK64 = (1 << 64) - 1
 
 
-def _mix(h: int, token: int) -> int:
-    # splitmix64 finaliser over (h, token): cheap, well spread, order sensitive.
-    x = (h ^ ((token + 0x9E3779B97F4A7C15) & _MASK64)) & _MASK64
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser: a cheap, well-spread bijection on 64-bit integers."""
+    x &= _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) or 1
+    return x ^ (x >> 31)
+
+
+def _mix(h: int, token: int) -> int:
+    # (h, token) -> next fingerprint: order sensitive; never 0, which stands for the empty prefix.
+    return mix64(h ^ ((token + GOLDEN_GAMMA) & _MASK64)) or 1
 
 
 class PrefixHashes:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.prefix import GOLDEN_GAMMA, mix64
+
 _MASK64 = (1 << 64) - 1
 # Temperatures below this are greedy (as in vLLM): logits / T would overflow float32 to inf / NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -178,10 +180,7 @@ TARGET_STREAM = 2
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+    return mix64(x + GOLDEN_GAMMA)
 
 
 def derive_seed(seed: int, position: int, stream: int) -> int:

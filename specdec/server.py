@@ -135,6 +135,13 @@ def invalid_argument(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def check_token_ids(ids, vocab_size: int, field_name: str) -> None:
+    """INVALID_ARGUMENT naming the field for the first id outside [0, vocab_size)."""
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise invalid_argument(f"{field_name}: token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
 def as_request_error(e: Exception) -> RequestError:
     """RequestError as is; anything else is our bug: INTERNAL, logged with its traceback."""
     if isinstance(e, RequestError):

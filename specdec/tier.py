@@ -20,7 +20,7 @@ import torch
 from specdec.models import ModelConfig, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.proto import common_pb2
 from specdec.sampling import SamplingParams
-from specdec.server import RequestError, handle_errors, invalid_argument
+from specdec.server import RequestError, check_token_ids, handle_errors, invalid_argument
 from specdec.sessions import PrefixMismatch, Session, SessionStore, SessionStoreConfig
 
 log = logging.getLogger(__name__)
@@ -130,9 +130,7 @@ class ModelTier:
             raise invalid_argument(f"context: {total} tokens exceed the model's context of {self.max_context}")
 
     def check_token_ids(self, ids, field_name: str) -> None:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise invalid_argument(f"{field_name}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size, field_name)
 
     def check_num_tokens(self, k: int, field_name: str, minimum: int) -> None:
         if not minimum <= k <= self.config.max_draft_tokens:
