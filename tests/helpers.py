@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 
 from coordinator.service import CoordinatorConfig
 from coordinator.service import build as build_coordinator
 from draft_service.service import DraftConfig
 from draft_service.service import build as build_draft
-from specdec.models import ModelConfig, default_draft, load_model
+from specdec.models import ModelConfig, default_draft
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.server import ServerConfig
 from specdec.sessions import SessionStoreConfig
@@ -124,6 +126,20 @@ class Cluster:
         stub_cls = target_pb2_grpc.TargetServiceStub if tier == "target" else draft_pb2_grpc.DraftServiceStub
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             return stub_cls(ch).GetStatus(common_pb2.StatusRequest(), timeout=10)
+
+    def wait_no_sessions(self, timeout_s: float = 10.0):
+        """Poll both tiers until they hold no session and no cached token (clean-up after a stream,
+        a cancellation or a generation is asynchronous); fail the test on timeout. Returns the final
+        (target, draft) statuses."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            target, draft = self.status("target"), self.status("draft")
+            if target.num_sessions == draft.num_sessions == target.cached_tokens == draft.cached_tokens == 0:
+                return target, draft
+            if time.monotonic() > deadline:
+                pytest.fail(f"sessions left: target {target.num_sessions} ({target.cached_tokens} tokens), "
+                            f"draft {draft.num_sessions} ({draft.cached_tokens} tokens)")
+            time.sleep(0.05)
 
     def close(self) -> None:
         async def stop():

@@ -546,13 +546,4 @@ def test_zz_servers_healthy_after_bad_input(cluster):
             assert resp.status == health_pb2.HealthCheckResponse.SERVING, f"port {port}: {resp.status}"
 
     # No leftover sessions (cleanup after streams and generations is asynchronous: poll).
-    deadline = time.monotonic() + 5.0
-    while True:
-        target, draft = cluster.status("target"), cluster.status("draft")
-        if target.num_sessions == 0 and draft.num_sessions == 0:
-            break
-        if time.monotonic() > deadline:
-            pytest.fail(f"leftover sessions: target {target.num_sessions} ({target.cached_tokens} tokens), "
-                        f"draft {draft.num_sessions} ({draft.cached_tokens} tokens)")
-        time.sleep(0.1)
-    assert target.cached_tokens == 0 and draft.cached_tokens == 0
+    cluster.wait_no_sessions(5.0)

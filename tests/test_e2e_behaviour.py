@@ -2,7 +2,6 @@
 block, the token budget, client cancellation and concurrent sessions."""
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -12,15 +11,6 @@ from specdec.client import Client
 from tests.helpers import Cluster, make_tiny_model, reference_greedy
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30]
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_seeded_sampling_is_reproducible(random_draft_cluster, self_draft_cluster):
@@ -106,7 +96,7 @@ def test_max_new_tokens_reached_mid_block(self_draft_cluster, tiny_target_model)
 
 def test_client_cancellation_frees_sessions_on_both_tiers(random_draft_cluster):
     cluster = random_draft_cluster
-    assert wait_for(lambda: cluster.status("target").num_sessions == 0 and cluster.status("draft").num_sessions == 0)
+    cluster.wait_no_sessions()
     with grpc.insecure_channel(cluster.address) as channel:
         from specdec.client import build_request
         from specdec.proto import generate_pb2_grpc
@@ -121,15 +111,14 @@ def test_client_cancellation_frees_sessions_on_both_tiers(random_draft_cluster):
             for _ in call:
                 pass
         assert err.value.code() == grpc.StatusCode.CANCELLED
-    assert wait_for(lambda: cluster.status("target").num_sessions == 0 and cluster.status("draft").num_sessions == 0)
+    cluster.wait_no_sessions()
 
 
 def test_finished_generations_free_their_sessions(random_draft_cluster):
     with Client(random_draft_cluster.address) as c:
         for _ in range(3):
             c.generate(token_ids=PROMPT, max_new_tokens=5, num_speculative_tokens=2)
-    assert wait_for(lambda: random_draft_cluster.status("target").num_sessions == 0
-                    and random_draft_cluster.status("draft").num_sessions == 0)
+    random_draft_cluster.wait_no_sessions()
 
 
 def test_concurrent_sessions_do_not_disturb_each_other(random_draft_cluster, self_draft_cluster):

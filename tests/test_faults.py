@@ -193,7 +193,7 @@ def test_target_down_past_deadline_gives_unavailable(services):
 
 def test_sigterm_on_coordinator_drains_in_flight_generation(services, reference):
     coordinator = services["coordinator"]
-    chunks, result = [], {}
+    result = {}
     short = 24
     def run():
         try:

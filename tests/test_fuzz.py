@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -429,16 +428,7 @@ def assert_healthy_and_clean(cluster, tiny_target_model, tracked: dict[str, set[
             stub = stub_cls(ch)
             for sid in tracked.get(tier, ()):
                 end_session(stub, sid)
-    deadline = time.monotonic() + 5.0
-    while True:
-        target, draft = cluster.status("target"), cluster.status("draft")
-        if target.num_sessions == 0 and draft.num_sessions == 0:
-            break
-        if time.monotonic() > deadline:
-            pytest.fail(f"sessions left after fuzzing: target {target.num_sessions} ({target.cached_tokens} tokens), "
-                        f"draft {draft.num_sessions} ({draft.cached_tokens} tokens)")
-        time.sleep(0.05)
-    assert target.cached_tokens == 0 and draft.cached_tokens == 0
+    cluster.wait_no_sessions(5.0)
 
 
 def forget(shadow: dict, stub, sid: str) -> None:

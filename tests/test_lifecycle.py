@@ -86,19 +86,6 @@ def run_concurrently(address: str, requests: list[generate_pb2.GenerateRequest])
             return list(pool.map(one, requests))
 
 
-def wait_no_sessions(cluster, timeout_s: float = 5.0):
-    """Poll both tiers until they hold no session; returns their final statuses."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        target, draft = cluster.status("target"), cluster.status("draft")
-        if target.num_sessions == 0 and draft.num_sessions == 0 and target.cached_tokens == 0 and draft.cached_tokens == 0:
-            return target, draft
-        if time.monotonic() > deadline:
-            pytest.fail(f"sessions left: target {target.num_sessions} ({target.cached_tokens} tokens), "
-                        f"draft {draft.num_sessions} ({draft.cached_tokens} tokens)")
-        time.sleep(0.05)
-
-
 # --- 1. eviction never loses data -----------------------------------------------------------------
 
 
@@ -138,7 +125,7 @@ def test_eviction_never_changes_output(tight_cluster, expected_outputs):
           f"evictions target +{target.evictions - before_t}, draft +{draft.evictions - before_d}")
     assert target.evictions > before_t, "the target never evicted a session: the test exercised nothing"
     assert draft.evictions > before_d, "the draft never evicted a session: the test exercised nothing"
-    wait_no_sessions(tight_cluster)
+    tight_cluster.wait_no_sessions(5.0)
 
 
 # --- 2. 1,000 generations leave nothing behind ----------------------------------------------------
@@ -218,12 +205,12 @@ def test_thousand_generations_leave_no_sessions_and_no_memory(random_draft_clust
             t0 = time.perf_counter()
             list(pool.map(lambda i: run_one(stub, i), range(N_WARMUP)))
             warmup_s = time.perf_counter() - t0
-            wait_no_sessions(cluster)
+            cluster.wait_no_sessions(5.0)
             rss_before = rss_mb()
             t0 = time.perf_counter()
             outcomes = list(pool.map(lambda i: run_one(stub, N_WARMUP + i), range(N_RUN)))
             run_s = time.perf_counter() - t0
-    target, draft = wait_no_sessions(cluster)
+    target, draft = cluster.wait_no_sessions(5.0)
     rss_after, peak = rss_mb(), rss_mb("VmHWM")
     cancelled, expired = outcomes.count("cancelled"), outcomes.count("deadline")
     print(f"\n{N_WARMUP} warm-up generations in {warmup_s:.1f}s; {N_RUN} generations ({cancelled} cancelled after their "
@@ -268,5 +255,5 @@ def test_expired_client_deadline_is_deadline_exceeded(random_draft_cluster):
                     wrong.append(f"deadline {deadline * 1e3:.1f} ms: {e.code().name}: {e.details()}")
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(f"\nwhole generation {full_s * 1e3:.1f} ms; outcomes with shorter deadlines: {outcomes}")
-    wait_no_sessions(random_draft_cluster)
+    random_draft_cluster.wait_no_sessions(5.0)
     assert not wrong, f"{len(wrong)} of {N_DEADLINES} expired deadlines were not DEADLINE_EXCEEDED:\n" + "\n".join(wrong[:5])

@@ -51,12 +51,4 @@ def test_overlap_sampled_output_equals_sequential(self_draft_cluster, self_draft
 def test_overlap_sessions_are_freed(self_draft_overlap_cluster):
     with Client(self_draft_overlap_cluster.address) as c:
         c.generate(token_ids=PROMPT, max_new_tokens=20, num_speculative_tokens=4, proposer="draft")
-    import time
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if self_draft_overlap_cluster.status("draft").num_sessions == 0 and self_draft_overlap_cluster.status("target").num_sessions == 0:
-            break
-        time.sleep(0.05)
-    assert self_draft_overlap_cluster.status("draft").num_sessions == 0
-    assert self_draft_overlap_cluster.status("target").num_sessions == 0
+    self_draft_overlap_cluster.wait_no_sessions()

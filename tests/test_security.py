@@ -3,7 +3,6 @@ the tiers, and the bearer token on the public API. Certificates are made at test
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import ipaddress
 from argparse import Namespace

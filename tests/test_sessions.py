@@ -150,7 +150,7 @@ def test_acquire_prefix_len_zero_restarts_existing_session():
     h = Harness()
     session = h.open("a", [1, 2, 3])
     again = h.store.acquire("a", 0, 0)
-    assert again.session_id == "a"
+    assert again is session and again.session_id == "a"  # the same entry, cropped to nothing
     assert again.tokens == [] and len(again.hashes) == 0
     assert again.cache.get_seq_length() == 0
     assert h.caches[0].crops == [0]
