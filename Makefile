@@ -27,7 +27,7 @@ $(GEN): $(PROTOS) $(STAMP)
 
 # One generation through target, draft and coordinator processes on loopback, with statistics.
 run: setup
-	$(PY) -m specdec.cli run-local --max-new-tokens $${MAX_NEW_TOKENS:-128}
+	$(PY) -m specdec.client.cli run-local --max-new-tokens $${MAX_NEW_TOKENS:-128}
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from specdec.client import Client
-from specdec.local import LocalPipeline, LocalPipelineConfig
+from specdec.client.local import LocalPipeline, LocalPipelineConfig
 
 
 class BenchPipeline(LocalPipeline):

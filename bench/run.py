@@ -314,7 +314,7 @@ def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict
     from bench.inprocess import BackgroundMeter, RetryPolicy, own_cpu_seconds
     from bench.pipeline import BenchPipeline, run_specdec_row
     from specdec.client import Client
-    from specdec.local import LocalPipelineConfig
+    from specdec.client.local import LocalPipelineConfig
 
     cfg = PLACEMENTS[placement]
     rows = [r for r in plan["rows"] if r["placement"] == placement and r["method"] == "specdec"]

@@ -11,9 +11,9 @@ from coordinator.admission import AdmissionConfig
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
 from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
-from specdec.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
+from specdec.wire.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
 from specdec.models import default_target
-from specdec.server import check_token, serve
+from specdec.wire.server import check_token, serve
 
 log = logging.getLogger("coordinator")
 D = CoordinatorConfig

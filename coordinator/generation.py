@@ -22,9 +22,10 @@ from coordinator.lookup import LookupConfig
 from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, DraftModelProposer, PromptLookupProposer, Proposal
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tiers import DraftClient, TargetClient, TierCursor, TierError
-from specdec.prefix import PrefixHashes
+from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, generate_pb2, target_pb2
-from specdec.sampling import DRAFT_STREAM, TARGET_STREAM, SamplingParams, derive_seed
+from specdec.math.params import SamplingParams
+from specdec.math.seeds import DRAFT_STREAM, TARGET_STREAM, derive_seed
 
 FinishReason = generate_pb2.FinishReason
 UNFINISHED = FinishReason.FINISH_REASON_UNSPECIFIED

@@ -17,7 +17,7 @@ import grpc
 
 from coordinator.lookup import LookupConfig, NgramIndex
 from coordinator.tiers import DraftClient, TierCursor, TierError
-from specdec.prefix import PrefixHashes
+from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
 
 log = logging.getLogger(__name__)

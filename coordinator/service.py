@@ -18,8 +18,8 @@ from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
 from coordinator.tiers import DraftClient, TargetClient, TierError
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, generate_pb2, generate_pb2_grpc
-from specdec.sampling import SamplingParams
-from specdec.server import (BearerTokenInterceptor, RequestError, Service, ServerConfig, as_request_error, create_server,
+from specdec.math.params import SamplingParams
+from specdec.wire.server import (BearerTokenInterceptor, RequestError, Service, ServerConfig, as_request_error, create_server,
                             check_token_ids, handle_errors, invalid_argument, read_pem)
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from specdec.prefix import PrefixHashes
+from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.sampling import DRAFT_STREAM, SamplingParams, derive_seed, make_generator, process_logits, sample, truncate_top_n
-from specdec.server import Service, ServerConfig, as_request_error, create_server, handle_errors
-from specdec.tier import ModelTier, TierConfig, TierRpcs
+from specdec.math.params import SamplingParams
+from specdec.math.sampling import make_generator, process_logits, sample, truncate_top_n
+from specdec.math.seeds import DRAFT_STREAM, derive_seed
+from specdec.wire.server import Service, ServerConfig, as_request_error, create_server, handle_errors
+from specdec.engine.tier import ModelTier, TierConfig, TierRpcs
 
 SERVICE_NAME = "specdec.v1.DraftService"
 

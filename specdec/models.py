@@ -6,6 +6,9 @@ A model source is one of:
     (transformers dequantises it; we keep a converted copy in the cache directory, because
     converting takes ~15 s and loading the copy well under 1 s),
   * a hub id such as "HuggingFaceTB/SmolLM2-135M-Instruct" (needs network access or a warm hub cache).
+
+Shared by the coordinator (tokenizer only) and the tier engines (weights); torch is imported only where
+weights are loaded, so the coordinator and clients run without it.
 """
 
 from __future__ import annotations
@@ -18,15 +21,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET_SUBDIR = "smollm2-135m-instruct"
 DEFAULT_DRAFT_SUBDIR = "smollm2-135m-draft"
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes a model may run in
 
 
 def models_dir() -> Path:
@@ -54,11 +55,12 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16; float32 is what exactness tests use
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        try:
-            return _DTYPES[self.dtype]
-        except KeyError:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}") from None
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ def _converted_dir(src: _Source) -> Path:
 
 def _ensure_converted(src: _Source) -> Path:
     """Dequantise a GGUF once into a plain float32 HF directory (model + tokenizer) and reuse it."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = _converted_dir(src)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from target_service.service import SERVICE_NAME, TargetConfig, build
-from specdec.config import EnvArgs, add_tier_args, check_server_tls, run_tier, server_config, tier_config
+from specdec.wire.config import EnvArgs, add_tier_args, check_server_tls, run_tier, server_config, tier_config
 from specdec.models import default_target
 
 

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
-from specdec.sampling import SamplingParams, dense_q, make_generator, process_logits, rejection_sample, verify_greedy
-from specdec.server import Service, ServerConfig, create_server, handle_errors, invalid_argument
-from specdec.tier import ModelTier, TierConfig, TierRpcs
+from specdec.math.params import SamplingParams
+from specdec.math.rejection import dense_q, rejection_sample, verify_greedy
+from specdec.math.sampling import make_generator, process_logits
+from specdec.wire.server import Service, ServerConfig, create_server, handle_errors, invalid_argument
+from specdec.engine.tier import ModelTier, TierConfig, TierRpcs
 
 SERVICE_NAME = "specdec.v1.TargetService"
 Q_SUM_TOLERANCE = 1e-3  # a q row must sum to 1 within this

@@ -18,9 +18,9 @@ from draft_service.service import DraftConfig
 from draft_service.service import build as build_draft
 from specdec.models import ModelConfig, default_draft
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from specdec.server import ServerConfig
-from specdec.sessions import SessionStoreConfig
-from specdec.tier import ModelTier, TierConfig
+from specdec.wire.server import ServerConfig
+from specdec.engine.sessions import SessionStoreConfig
+from specdec.engine.tier import ModelTier, TierConfig
 from target_service.service import TargetConfig
 from target_service.service import build as build_target
 

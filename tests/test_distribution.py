@@ -22,7 +22,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.sampling import SamplingParams, dense_q, process_logits, rejection_sample, truncate_top_n
+from specdec.math.params import SamplingParams
+from specdec.math.rejection import dense_q, rejection_sample
+from specdec.math.sampling import process_logits, truncate_top_n
 
 V = 5  # vocab size
 START = 0  # the fixed context token

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from specdec.proto import generate_pb2, generate_pb2_grpc
-from specdec.sessions import SessionStoreConfig
+from specdec.engine.sessions import SessionStoreConfig
 from tests.helpers import Cluster, reference_greedy
 
 EOS = 2

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from specdec.local import LocalPipeline, LocalPipelineConfig
+from specdec.client.local import LocalPipeline, LocalPipelineConfig
 from tests.helpers import reference_greedy
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30]
@@ -15,7 +15,7 @@ def test_processes_and_cli(tiny_target, tiny_random_draft, tiny_target_model):
     config = LocalPipelineConfig(target_model=tiny_target, draft_model=tiny_random_draft,
                                  coordinator_args=["--default-k", "3"], start_timeout_s=180)
     with LocalPipeline(config) as pipeline:
-        cli = [sys.executable, "-m", "specdec.cli"]
+        cli = [sys.executable, "-m", "specdec.client.cli"]
         info = json.loads(subprocess.run([*cli, "info", "--address", pipeline.address], check=True,
                                          capture_output=True, text=True, timeout=60).stdout)
         assert info["target"]["model"] == tiny_target and info["draft"]["model"] == tiny_random_draft

@@ -1,4 +1,4 @@
-"""Exact unit tests for specdec.sampling (in the style of vLLM's test_rejection_sampler.py).
+"""Exact unit tests for specdec.math (sampling and rejection) (in the style of vLLM's test_rejection_sampler.py).
 
 Notation: p = target probabilities [K+1, V] (rows p_1..p_K at the draft positions, p_{K+1} the bonus
 row), q = draft probabilities [K, V], d = draft tokens [K]. The cases are built so that every
@@ -15,18 +15,10 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specdec.sampling import (
-    DRAFT_STREAM,
-    TARGET_STREAM,
-    SamplingParams,
-    dense_q,
-    derive_seed,
-    make_generator,
-    process_logits,
-    rejection_sample,
-    sample,
-    truncate_top_n,
-)
+from specdec.math.params import SamplingParams
+from specdec.math.rejection import dense_q, rejection_sample
+from specdec.math.sampling import make_generator, process_logits, sample, truncate_top_n
+from specdec.math.seeds import DRAFT_STREAM, TARGET_STREAM, derive_seed
 
 SEEDS = range(64)
 GREEDY = SamplingParams(temperature=0.0)
@@ -481,7 +473,7 @@ def test_rejection_sample_same_seed_same_result():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_verify_greedy_equals_rejection_sample_on_one_hot(seed):
-    from specdec.sampling import verify_greedy
+    from specdec.math.rejection import verify_greedy
 
     g = torch.Generator().manual_seed(seed)
     k, v = int(torch.randint(0, 6, (1,), generator=g)), 7
@@ -498,7 +490,7 @@ def test_verify_greedy_equals_rejection_sample_on_one_hot(seed):
 
 
 def test_top_p_candidate_search_equals_full_sort():
-    import specdec.sampling as sm
+    import specdec.math.sampling as sm
 
     g = torch.Generator().manual_seed(0)
     # peaked rows (nucleus inside the candidates) and flat rows (nucleus wider: full-sort fallback)

@@ -20,10 +20,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.service import CoordinatorConfig, Pipeline
 from coordinator.service import build as build_coordinator
-from specdec import cli
+from specdec.client import cli
 from specdec.client import Client
 from specdec.proto import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2_grpc
-from specdec.server import BearerTokenInterceptor, ServerConfig
+from specdec.wire.server import BearerTokenInterceptor, ServerConfig
 from tests.helpers import Cluster
 
 TOKEN = "s3cret-Token_0123456789"

@@ -1,4 +1,4 @@
-"""Tests for specdec.prefix.PrefixHashes and specdec.sessions.SessionStore.
+"""Tests for specdec.wire.prefix.PrefixHashes and specdec.engine.sessions.SessionStore.
 
 SessionStore runs here with a fake KV cache (records its crops) and a fake clock.
 """
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from specdec.prefix import PrefixHashes
-from specdec.sessions import PrefixMismatch, Session, SessionStore, SessionStoreConfig
+from specdec.wire.prefix import PrefixHashes
+from specdec.engine.sessions import PrefixMismatch, Session, SessionStore, SessionStoreConfig
 
 # --- PrefixHashes ------------------------------------------------------------------------------
 

@@ -19,9 +19,9 @@ import torch
 
 from specdec.models import ModelConfig, eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.proto import common_pb2
-from specdec.sampling import SamplingParams
-from specdec.server import RequestError, check_token_ids, handle_errors, invalid_argument
-from specdec.sessions import PrefixMismatch, Session, SessionStore, SessionStoreConfig
+from specdec.math.params import SamplingParams
+from specdec.wire.server import RequestError, check_token_ids, handle_errors, invalid_argument
+from specdec.engine.sessions import PrefixMismatch, Session, SessionStore, SessionStoreConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.prefix import PrefixHashes
+from specdec.wire.prefix import PrefixHashes
 
 
 class PrefixMismatch(Exception):

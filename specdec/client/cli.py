@@ -138,7 +138,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_run_local(args: argparse.Namespace) -> int:
-    from specdec.local import LocalPipeline, LocalPipelineConfig
+    from specdec.client.local import LocalPipeline, LocalPipelineConfig
 
     threads = ["--threads", str(args.threads)] if args.threads else []
     config = LocalPipelineConfig(

@@ -8,18 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from specdec.math.seeds import GOLDEN_GAMMA, mix64
+
 _MASK64 = (1 << 64) - 1
-
-
-GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
-
-
-def mix64(x: int) -> int:
-    """splitmix64's finaliser: a cheap, well-spread bijection on 64-bit integers."""
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def _mix(h: int, token: int) -> int:

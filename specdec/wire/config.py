@@ -12,9 +12,9 @@ import os
 import sys
 
 from specdec.models import ModelConfig
-from specdec.server import ServerConfig
-from specdec.sessions import SessionStoreConfig
-from specdec.tier import TierConfig
+from specdec.wire.server import ServerConfig
+from specdec.engine.sessions import SessionStoreConfig
+from specdec.engine.tier import TierConfig
 
 
 class EnvArgs:
@@ -102,7 +102,7 @@ def write_port_file(path: str | None, port: int) -> None:
 
 def check_server_tls(config: ServerConfig) -> None:
     """Read the TLS files now (before a model loads for seconds), exiting 2 with a clear error if unusable."""
-    from specdec.server import server_credentials
+    from specdec.wire.server import server_credentials
 
     try:
         server_credentials(config)
@@ -114,7 +114,7 @@ def run_tier(label: str, service_name: str, build, config, port_file: str | None
     """Entry point body shared by the draft and target services: load, serve until SIGTERM, drain."""
     import asyncio
 
-    from specdec.server import serve
+    from specdec.wire.server import serve
 
     log = logging.getLogger(f"{label}_service")
 
