@@ -1,19 +1,15 @@
-"""DraftService: Propose / ProposeStream / EndSession / GetModelInfo / GetStatus."""
+"""DraftService: Propose / ProposeStream / EndSession / GetModelInfo / GetStatus, over a batching engine."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 
-import torch
-
+from specdec.engine.config import TierConfig
+from specdec.engine.engine import Engine
+from specdec.engine.propose import ProposeWork
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.math.params import SamplingParams
-from specdec.math.sampling import make_generator, process_logits, sample, truncate_top_n
-from specdec.math.seeds import DRAFT_STREAM, derive_seed
 from specdec.wire.server import Service, ServerConfig, as_request_error, create_server, handle_errors
-from specdec.engine.tier import ModelTier, TierConfig, TierRpcs
+from specdec.wire.tier import TierRpcs, check_context, check_num_tokens, sampling_params
 
 SERVICE_NAME = "specdec.v1.DraftService"
 
@@ -26,13 +22,11 @@ class DraftConfig:
 
 
 class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, tier: ModelTier, draft_top_n: int) -> None:
+    def __init__(self, engine: Engine, draft_top_n: int) -> None:
         if draft_top_n < 1:
             raise ValueError(f"draft_top_n must be >= 1, got {draft_top_n}")
-        self.tier = tier
+        self.engine = engine
         self.draft_top_n = draft_top_n
-
-    # --- rpcs ---------------------------------------------------------------------------------------
 
     @handle_errors
     async def Propose(self, request, context):
@@ -51,60 +45,27 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
                 yield response
         finally:
             # The stream pins its sessions: when it ends (done, cancelled, coordinator gone) they go.
-            if sessions:
-                asyncio.ensure_future(self.tier.run(self._drop, sessions))
-
-    # --- implementation -----------------------------------------------------------------------------
+            for sid in sessions:
+                self.engine.end_session(sid)
 
     async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        tier = self.tier
-        tier.check_num_tokens(request.num_tokens, "num_tokens", minimum=1)
-        tier.check_context(request.context, extra_tokens=request.num_tokens - 1)
-        params = tier.sampling_params(request.sampling)
-        return await tier.run(self._propose_job, request, params)
-
-    def _drop(self, session_ids: set[str]) -> None:
-        for sid in session_ids:
-            self.tier.store.remove(sid)
-
-    @torch.inference_mode()
-    def _propose_job(self, request: draft_pb2.ProposeRequest, params: SamplingParams) -> draft_pb2.ProposeResponse:
-        """Feed the new committed tokens, then sample d_1..d_K from q autoregressively."""
-        t0 = time.perf_counter()
-        tier = self.tier
-        session = tier.acquire(request.context)
-        try:
-            logits = tier.forward(session, list(request.context.new_tokens), logits_to_keep=1)  # [1, V]
-            tokens: list[int] = []
-            q_rows: list[common_pb2.DraftDistribution] = []
-            k = request.num_tokens
-            for i in range(k):
-                if params.greedy:
-                    d = int(logits[-1].argmax())
-                else:
-                    probs = process_logits(logits[-1:], params)[0]  # [V]
-                    ids, q = truncate_top_n(probs, self.draft_top_n)  # the q we sample from and send
-                    # Draws keyed by absolute position: independent of how requests split the work.
-                    generator = make_generator(derive_seed(request.seed, len(session), DRAFT_STREAM), tier.device)
-                    d = int(ids[sample(q, generator)])
-                    q_rows.append(common_pb2.DraftDistribution(token_ids=ids.tolist(), probs=q.tolist()))
-                tokens.append(d)
-                if i + 1 < k:
-                    logits = tier.forward(session, [d], logits_to_keep=1)
-        except Exception:
-            tier.store.remove(session.session_id)  # a half-fed cache is useless; the coordinator resends
-            raise
-        tier.store.release(session)
+        engine = self.engine
+        check_num_tokens(engine, request.num_tokens, "num_tokens", minimum=1)
+        check_context(engine, request.context, extra_tokens=request.num_tokens - 1)
+        ctx = request.context
+        work = ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
+                                  request.num_tokens, sampling_params(request.sampling), request.seed, self.draft_top_n)
+        r = await engine.submit(work)
         return draft_pb2.ProposeResponse(
-            tokens=tokens, q=q_rows, cached_len=len(session), compute_ms=(time.perf_counter() - t0) * 1e3
-        )
+            tokens=r.tokens, q=[common_pb2.DraftDistribution(token_ids=ids, probs=probs) for ids, probs in r.q],
+            cached_len=r.cached_len, compute_ms=r.compute_ms, batch_sessions=r.batch_sessions, step_ms=r.step_ms)
 
 
-def build(config: DraftConfig, tier: ModelTier | None = None):
-    """(server, port, health, tier) for a draft service; loads the model unless `tier` is given."""
-    tier = tier or ModelTier.load(config.tier)
-    servicer = DraftServicer(tier, config.draft_top_n)
+def build(config: DraftConfig, engine: Engine | None = None):
+    """(server, port, health, engine) for a draft service; loads the model unless `engine` is given."""
+    engine = engine or Engine.load(config.tier)
+    servicer = DraftServicer(engine, config.draft_top_n)
     server, port, health = create_server(
         [Service(servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)], config.server
     )
-    return server, port, health, tier
+    return server, port, health, engine

@@ -20,7 +20,8 @@ from specdec.models import ModelConfig, default_draft
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.wire.server import ServerConfig
 from specdec.engine.sessions import SessionStoreConfig
-from specdec.engine.tier import ModelTier, TierConfig
+from specdec.engine.config import BatchConfig, TierConfig
+from specdec.engine.engine import Engine
 from target_service.service import TargetConfig
 from target_service.service import build as build_target
 
@@ -66,15 +67,16 @@ class Cluster:
 
     def __init__(self, target_model: str, draft_model: str | None, *, coordinator_overrides: dict | None = None,
                  sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64,
-                 tier_server: ServerConfig | None = None) -> None:
+                 tier_server: ServerConfig | None = None, batch: BatchConfig | None = None) -> None:
         """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0."""
         self.tier_server = tier_server or ServerConfig()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         sessions = sessions or SessionStoreConfig()
-        self.target_tier = ModelTier.load(TierConfig(ModelConfig(target_model), sessions, max_draft_tokens))
-        self.draft_tier = ModelTier.load(TierConfig(ModelConfig(draft_model), sessions, max_draft_tokens)) if draft_model else None
+        batch = batch or BatchConfig()
+        self.target_tier = Engine.load(TierConfig(ModelConfig(target_model), sessions, max_draft_tokens, batch))
+        self.draft_tier = Engine.load(TierConfig(ModelConfig(draft_model), sessions, max_draft_tokens, batch)) if draft_model else None
         self._servers = []
         self.pipeline = None
         try:

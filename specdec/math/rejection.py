@@ -78,3 +78,88 @@ def dense_q(
     for i, (ids, probs) in enumerate(rows):
         q[i, ids.to(device)] = probs.to(device, torch.float32)
     return q
+
+
+# --- Ragged batches ------------------------------------------------------------------------------
+# Many sessions verified at once, the way vLLM's rejection sampler lays them out: every session's draft
+# tokens flattened into one tensor with cumulative counts, and the target rows of session b at
+# [cu_num_draft_tokens[b] + b, cu_num_draft_tokens[b + 1] + b + 1) (its K_b draft positions plus its
+# bonus position). No Python loop over sessions inside the math; the random draws come from each
+# session's own generator (round_randomness), so a session's outcome never depends on its batch.
+
+
+def round_randomness(
+    generators: list[torch.Generator],  # one per session, seeded for this round
+    num_draft_tokens: list[int],  # [B] K_b
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each session's draws in the order rejection_sample makes them: K uniforms, then one Exp(1)
+    noise vector of the vocabulary's size (torch.multinomial(dist, 1) is argmax(dist / noise) with
+    that noise; tests pin the identity). Returns (uniform [sum K_b], noise [B, V])."""
+    uniform = torch.empty(sum(num_draft_tokens), dtype=torch.float32, device=device)
+    noise = torch.empty(len(generators), vocab_size, dtype=torch.float32, device=device)
+    start = 0
+    for b, (gen, k) in enumerate(zip(generators, num_draft_tokens)):
+        uniform[start : start + k] = torch.rand(k, generator=gen, device=device, dtype=torch.float32)
+        noise[b].exponential_(1, generator=gen)
+        start += k
+    return uniform, noise
+
+
+def rejection_sample_batched(
+    p: torch.Tensor,  # [num_draft_tokens + B, V] target probabilities, each session's K_b + 1 rows
+    q: torch.Tensor,  # [num_draft_tokens, V] draft probabilities of the draft tokens' positions
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64: every session's d_1..d_K, flattened
+    cu_num_draft_tokens: torch.Tensor,  # [B + 1] int64: 0, K_1, K_1 + K_2, ...
+    uniform: torch.Tensor,  # [num_draft_tokens] U[0, 1) draws
+    noise: torch.Tensor,  # [B, V] Exp(1) draws for the recovered / bonus sample
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rejection_sample for B sessions at once. Returns (num_accepted [B], next_token [B]), equal to
+    rejection_sample per session when the draws come from round_randomness. Same edge cases:
+    q(d) = 0 rejects, a residual summing to 0 falls back to p_j, K_b = 0 samples from p_1."""
+    device = p.device
+    num_drafts = draft_token_ids.shape[0]
+    batch = cu_num_draft_tokens.shape[0] - 1
+    k = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]  # [B]
+    session = torch.repeat_interleave(torch.arange(batch, device=device), k)  # [N] session of each draft
+    flat = torch.arange(num_drafts, device=device)
+    position = flat - cu_num_draft_tokens[session]  # [N] i - 1 within the session
+    p_d = p[flat + session, draft_token_ids]  # [N] p_i(d_i)
+    q_d = q[flat, draft_token_ids]  # [N] q_i(d_i)
+    accepted = (q_d > 0) & (uniform * q_d < p_d)  # u < p/q without dividing by q
+    first_rejected = torch.where(accepted, k[session], position)  # [N]
+    num_accepted = k.clone().scatter_reduce_(0, session, first_rejected, reduce="amin")  # [B]
+    all_accepted = num_accepted == k
+    stop_row = cu_num_draft_tokens[:-1] + torch.arange(batch, device=device) + num_accepted  # [B] row in p
+    p_stop = p[stop_row]  # [B, V]
+    if num_drafts > 0:
+        q_row = (cu_num_draft_tokens[:-1] + num_accepted).clamp(max=num_drafts - 1)
+        q_stop = torch.where(all_accepted[:, None], 0.0, q[q_row])  # [B, V]
+    else:
+        q_stop = torch.zeros_like(p_stop)
+    residual = (p_stop - q_stop).clamp_min(0)  # max(0, p_j - q_j); equals p_{K+1} for the bonus
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    dist = torch.where(empty, p_stop, residual)  # [B, V]
+    next_token = (dist / noise).argmax(dim=-1)  # one multinomial draw per row
+    return num_accepted, next_token
+
+
+def verify_greedy_batched(
+    target_logits: torch.Tensor,  # [num_draft_tokens + B, V] each session's K_b + 1 rows
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens]
+    cu_num_draft_tokens: torch.Tensor,  # [B + 1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_greedy for B sessions at once: (num_accepted [B], next_token [B])."""
+    device = target_logits.device
+    num_drafts = draft_token_ids.shape[0]
+    batch = cu_num_draft_tokens.shape[0] - 1
+    k = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]
+    session = torch.repeat_interleave(torch.arange(batch, device=device), k)
+    flat = torch.arange(num_drafts, device=device)
+    target_argmax = target_logits.argmax(dim=-1)  # [N + B]
+    match = target_argmax[flat + session] == draft_token_ids
+    first_mismatch = torch.where(match, k[session], flat - cu_num_draft_tokens[session])
+    num_accepted = k.clone().scatter_reduce_(0, session, first_mismatch, reduce="amin")
+    stop_row = cu_num_draft_tokens[:-1] + torch.arange(batch, device=device) + num_accepted
+    return num_accepted, target_argmax[stop_row]

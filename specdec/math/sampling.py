@@ -77,3 +77,18 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+def process_logits_rows(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
+    """process_logits with each row's own parameters (a batch of sessions): rows that share
+    parameters are processed together. logits: [N, V] -> float32 [N, V]."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, params in enumerate(row_params):
+        groups.setdefault(params, []).append(i)
+    if len(groups) == 1:
+        return process_logits(logits, row_params[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for params, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = process_logits(logits[index], params)
+    return out

@@ -11,10 +11,7 @@ import logging
 import os
 import sys
 
-from specdec.models import ModelConfig
 from specdec.wire.server import ServerConfig
-from specdec.engine.sessions import SessionStoreConfig
-from specdec.engine.tier import TierConfig
 
 
 class EnvArgs:
@@ -72,22 +69,42 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
+    from specdec.engine.config import BatchConfig, TierConfig
+    from specdec.engine.sessions import SessionStoreConfig
+
     add_server_args(a, default_port)
     a.add("--model", default=default_model, help="model: HF directory, .gguf file (or a directory holding one), or hub id")
     a.add("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     a.add("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    a.add("--max-sessions", type=int, default=SessionStoreConfig.max_sessions, help="live sessions before LRU eviction")
+    a.add("--max-sessions", type=int, default=SessionStoreConfig.max_sessions, help="KV slots (live sessions); an idle session is evicted (LRU) for a new one")
+    a.add("--max-session-tokens", type=int, default=SessionStoreConfig.max_session_tokens, help="tokens one KV slot holds (capped by the model's context)")
     a.add("--max-cached-tokens", type=int, default=SessionStoreConfig.max_cached_tokens, help="tokens cached across sessions before LRU eviction")
     a.add("--idle-ttl", type=float, default=SessionStoreConfig.idle_ttl_s, help="seconds before an unused session is evicted")
     a.add("--max-draft-tokens", type=int, default=TierConfig.max_draft_tokens, help="largest K a request may ask for")
+    a.add("--max-batch-sessions", type=int, default=BatchConfig.max_batch_sessions, help="sessions batched into one forward")
+    a.add("--max-batch-tokens", type=int, default=BatchConfig.max_batch_tokens, help="tokens in one forward")
+    a.add("--prefill-chunk", type=int, default=BatchConfig.prefill_chunk_tokens, help="a long prompt is fed this many tokens per step")
+    a.add("--max-queue", type=int, default=BatchConfig.max_queue, help="queued requests before RESOURCE_EXHAUSTED")
     a.add("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
 
 
-def tier_config(args: argparse.Namespace) -> TierConfig:
+def tier_config(args: argparse.Namespace):
+    from specdec.engine.config import BatchConfig, TierConfig
+    from specdec.engine.sessions import SessionStoreConfig
+    from specdec.models import ModelConfig
+
+    batch = BatchConfig(max_batch_sessions=args.max_batch_sessions, max_batch_tokens=args.max_batch_tokens,
+                        prefill_chunk_tokens=args.prefill_chunk, max_queue=args.max_queue)
+    try:
+        batch.validate()
+    except ValueError as e:
+        config_error(str(e), ("max_batch_sessions", "max_batch_tokens", "max_queue"))
     return TierConfig(
         model=ModelConfig(path=args.model, device=args.device, dtype=args.dtype),
-        sessions=SessionStoreConfig(max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens, idle_ttl_s=args.idle_ttl),
+        sessions=SessionStoreConfig(max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens,
+                                    max_cached_tokens=args.max_cached_tokens, idle_ttl_s=args.idle_ttl),
         max_draft_tokens=args.max_draft_tokens,
+        batch=batch,
         torch_threads=args.threads,
     )
 
@@ -119,9 +136,9 @@ def run_tier(label: str, service_name: str, build, config, port_file: str | None
     log = logging.getLogger(f"{label}_service")
 
     async def run() -> None:
-        server, port, health, tier = build(config)
+        server, port, health, engine = build(config)
         log.info("%s service for %s on port %d", label, config.tier.model.path, port)
         await serve(server, health, [service_name], config.server,
-                    on_started=lambda: write_port_file(port_file, port), on_stop=tier.close)
+                    on_started=lambda: write_port_file(port_file, port), on_stop=engine.close)
 
     asyncio.run(run())

@@ -1,0 +1,30 @@
+"""Configuration of a tier engine: the model, its KV memory and sessions, and batching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.engine.sessions import SessionStoreConfig
+from specdec.models import ModelConfig
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_batch_sessions: int = 64  # sessions in one forward
+    max_batch_tokens: int = 512  # tokens in one forward (decoding sessions first, then prefill chunks)
+    prefill_chunk_tokens: int = 128  # a long prompt is fed this many tokens per step, so decoding never stalls
+    max_queue: int = 1024  # waiting requests beyond this are refused with RESOURCE_EXHAUSTED
+
+    def validate(self) -> None:
+        for name in ("max_batch_sessions", "max_batch_tokens", "prefill_chunk_tokens", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    model: ModelConfig
+    sessions: SessionStoreConfig = field(default_factory=SessionStoreConfig)
+    max_draft_tokens: int = 16  # cap on K per request
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    torch_threads: int = 0  # intra-op threads for this process; 0 leaves torch's default

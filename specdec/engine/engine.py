@@ -1,0 +1,254 @@
+"""The tier engine: a model serving many sessions, one batched forward at a time.
+
+Servicers submit works from the event loop and await them. One engine thread runs the step loop:
+
+    plan     the scheduler picks the running and waiting works that fit the step's budget
+    forward  the runner runs ONE forward over all their new tokens (ragged, over the slot KV cache)
+    finish   each kind of work consumes its logits for all its works at once (batched verification,
+             batched draft sampling) and commits or rolls back each session: a length change
+
+A failure that belongs to one work (a prefix mismatch, non-finite logits, a cancelled caller) settles
+that work alone; the rest of its batch completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from specdec.engine.config import TierConfig
+from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+from specdec.engine.runner import Feed, ModelRunner
+from specdec.engine.scheduler import DROPPED, STARTED, WAIT, Planned, Scheduler
+from specdec.engine.sessions import PrefixMismatch, SessionTable
+from specdec.engine.work import Work
+from specdec.models import eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
+from specdec.wire.server import RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    num_sessions: int  # sessions holding a KV slot
+    cached_tokens: int  # tokens in their caches
+    evictions: int  # sessions evicted so far (LRU, idle TTL, token budget)
+    num_running: int  # requests being computed
+    num_waiting: int  # requests queued
+    kv_used_bytes: int  # cached_tokens in bytes
+    kv_capacity_bytes: int  # all slots, in bytes
+    kv_capacity_tokens: int
+    steps: int  # forwards run so far
+    step_tokens: int  # tokens fed in them
+
+
+StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
+
+
+class Engine:
+    def __init__(self, config: TierConfig, model, tokenizer) -> None:
+        config.batch.validate()
+        need = config.max_draft_tokens + 1
+        if config.batch.max_batch_tokens < need:
+            raise ValueError(f"max_batch_tokens must be >= max_draft_tokens + 1 = {need}")
+        self.config = config
+        self.max_context = min(max_context(model), config.sessions.max_session_tokens)
+        self.cache = SlotKVCache(KVGeometry.of(model), config.sessions.max_sessions, self.max_context)
+        self.runner = ModelRunner(model, self.cache)
+        self.device = self.cache.geometry.device
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        self.sessions = SessionTable(config.sessions, self.cache)
+        self.scheduler = Scheduler(config.batch)
+        self.observers: list[StepObserver] = []
+        self.steps = 0
+        self.step_tokens = 0
+        self._lock = threading.Lock()  # guards the session table and the scheduler's queues
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Work] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    @classmethod
+    def load(cls, config: TierConfig) -> "Engine":
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
+        t0 = time.perf_counter()
+        engine = cls(config, load_model(config.model), load_tokenizer(config.model.path))
+        engine.warm_up()
+        engine.start()
+        m = config.model
+        log.info("loaded %s in %.1fs on %s/%s: %d KV slots x %d tokens (%.0f MiB)", m.path, time.perf_counter() - t0,
+                 m.device, m.dtype, engine.cache.num_slots, engine.cache.slot_tokens, engine.cache.capacity_bytes / 2**20)
+        return engine
+
+    def warm_up(self) -> None:
+        """A prefill and a few decode-sized forwards, so the first request pays no lazy initialisation."""
+        slot = self.cache.allocate()
+        try:
+            self.runner.forward([Feed(slot, 0, [0] * 16, 1)])
+            for n in (1, 5):
+                self.runner.forward([Feed(slot, 16, [0] * n, n)])
+        finally:
+            self.cache.release(slot)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # --- the event loop's side ----------------------------------------------------------------------
+
+    async def submit(self, work: Work):
+        """Queue a work and await its result (RequestError on its own failure)."""
+        loop = asyncio.get_running_loop()
+        work.loop, work.future = loop, loop.create_future()
+        with self._wake:
+            if self._stopping:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.batch.max_queue:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"{self.config.batch.max_queue} requests already waiting; try again later")
+            self._inbox.append(work)
+            self._wake.notify()
+        try:
+            return await work.future
+        except asyncio.CancelledError:
+            work.cancelled = True  # the engine drops it at its next look
+            raise
+
+    def end_session(self, session_id: str) -> bool:
+        with self._lock:
+            return self.sessions.remove(session_id)
+
+    def status(self) -> EngineStatus:
+        with self._lock:
+            self.sessions.evict_idle()
+            s = self.sessions
+            return EngineStatus(
+                num_sessions=len(s), cached_tokens=s.cached_tokens, evictions=s.evictions,
+                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+                kv_used_bytes=s.cached_tokens * self.cache.geometry.bytes_per_token,
+                kv_capacity_bytes=self.cache.capacity_bytes, kv_capacity_tokens=self.cache.capacity_tokens,
+                steps=self.steps, step_tokens=self.step_tokens)
+
+    # --- the engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._inbox or len(self.scheduler)):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                self.scheduler.waiting.extend(self._inbox)
+                self._inbox.clear()
+                self._drop_cancelled()
+                plan = self.scheduler.plan(self._start)
+            if plan:
+                self._step(plan)
+            else:
+                time.sleep(0.001)  # only works blocked on a busy session or a free slot: let them finish
+        with self._lock:
+            for work in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
+                self._fail(work, grpc.StatusCode.UNAVAILABLE, "the engine shut down")
+
+    def _start(self, work: Work) -> str:
+        if work.cancelled:
+            return DROPPED
+        try:
+            session = self.sessions.acquire(work.session_id, work.prefix_len, work.prefix_hash)
+        except PrefixMismatch as e:
+            self._settle(work, error=RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)))
+            return DROPPED
+        if session is None:
+            return WAIT  # every slot is busy
+        work.session = session
+        return STARTED
+
+    def _step(self, plan: list[Planned]) -> None:
+        feeds = [Feed(p.work.session.slot, len(p.work.session), p.work.pending[: p.take], p.num_logits) for p in plan]
+        tokens = sum(p.take for p in plan)
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.forward(feeds)
+        except Exception as e:  # the model itself failed: nothing of this step can be trusted
+            log.exception("forward failed")
+            with self._lock:
+                for p in plan:
+                    self._fail(p.work, grpc.StatusCode.INTERNAL, f"forward failed: {type(e).__name__}: {e}", drop=True)
+            return
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self.steps += 1
+            self.step_tokens += tokens
+            completed: dict[type, list[tuple[Work, torch.Tensor]]] = {}
+            for p, rows in zip(plan, logits):
+                w = p.work
+                self.sessions.append(w.session, w.pending[: p.take])
+                del w.pending[: p.take]
+                w.compute_s += seconds
+                w.last_step = (len(plan), tokens, seconds)
+                if w.cancelled:
+                    self._finish(w)
+                elif p.num_logits and not bool(torch.isfinite(rows).all()):
+                    self._fail(w, grpc.StatusCode.INTERNAL, "model produced non-finite logits; session dropped", drop=True)
+                elif p.num_logits:
+                    completed.setdefault(type(w), []).append((w, rows))
+            for kind, items in completed.items():
+                works = [w for w, _ in items]
+                try:
+                    kind.finish_step(works, [rows for _, rows in items], self)
+                except Exception as e:
+                    log.exception("%s step failed", kind.kind)
+                    for w in works:
+                        self._fail(w, grpc.StatusCode.INTERNAL, f"{kind.kind} failed: {type(e).__name__}: {e}", drop=True)
+                    continue
+                for w in works:
+                    if w.done:
+                        self._finish(w)
+                        self._settle(w, result=w.result)
+        for observe in self.observers:
+            observe(len(plan), tokens, seconds)
+
+    def _drop_cancelled(self) -> None:
+        for w in [w for w in self.scheduler.waiting if w.cancelled]:
+            self.scheduler.waiting.remove(w)
+
+    def _finish(self, work: Work) -> None:
+        """The work leaves the step loop; its session is free for the next request."""
+        if work in self.scheduler.running:
+            self.scheduler.finished(work)
+        if work.session is not None:
+            self.sessions.release(work.session)
+
+    def _fail(self, work: Work, code: grpc.StatusCode, message: str, drop: bool = False) -> None:
+        if drop and work.session is not None:
+            work.session.busy = False
+            self.sessions.drop(work.session)
+            work.session = None
+        self._finish(work)
+        self._settle(work, error=RequestError(code, message))
+
+    @staticmethod
+    def _settle(work: Work, result=None, error: Exception | None = None) -> None:
+        def settle() -> None:
+            if not work.future.done():
+                if error is not None:
+                    work.future.set_exception(error)
+                else:
+                    work.future.set_result(result)
+
+        work.loop.call_soon_threadsafe(settle)

@@ -1,0 +1,85 @@
+"""The draft's work: propose K tokens for a session, the K steps batched with other sessions'.
+
+The first step feeds the session's new committed tokens; each later step feeds the previous proposal.
+After every step the works that got logits sample their next token together: greedy ones take the
+argmax, the others sample from q, the distribution after their temperature / top-k / top-p truncated
+to the draft_top_n most likely tokens and renormalised (DESIGN.md, "What q is on the wire"). The
+draw for the token at absolute position i uses a generator seeded from (seed, i), so a proposal does
+not depend on how requests are split or batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from specdec.engine.work import Work
+from specdec.math.params import SamplingParams
+from specdec.math.sampling import make_generator, process_logits_rows
+from specdec.math.seeds import DRAFT_STREAM, derive_seed
+
+
+@dataclass(frozen=True)
+class ProposeResult:
+    tokens: list[int]  # d_1..d_K
+    q: list[tuple[list[int], list[float]]]  # q_1..q_K as (token ids, probs); empty for greedy
+    cached_len: int  # committed length + K - 1 (the last proposal is not fed back)
+    compute_ms: float
+    batch_sessions: int  # sessions in the work's last step
+    step_ms: float  # that step's forward time
+
+
+@dataclass(eq=False)
+class ProposeWork(Work):
+    num_tokens: int = 1  # K
+    params: SamplingParams = SamplingParams()
+    seed: int = 0  # the session's base draft seed
+    top_n: int = 64  # q truncation
+    tokens: list[int] = field(default_factory=list)
+    q: list[tuple[list[int], list[float]]] = field(default_factory=list)
+
+    kind: ClassVar[str] = "propose"
+
+    @classmethod
+    def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], num_tokens: int,
+               params: SamplingParams, seed: int, top_n: int) -> "ProposeWork":
+        return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, pending=list(new_tokens),
+                   num_logits=1, num_tokens=num_tokens, params=params, seed=seed, top_n=top_n)
+
+    @classmethod
+    def finish_step(cls, works: list["ProposeWork"], logits: list[torch.Tensor], engine) -> None:
+        rows = torch.cat(logits)  # [B, V]
+        tokens = torch.empty(len(works), dtype=torch.long)
+        greedy = [i for i, w in enumerate(works) if w.params.greedy]
+        sampled = [i for i, w in enumerate(works) if not w.params.greedy]
+        if greedy:
+            tokens[greedy] = rows[greedy].argmax(dim=-1).cpu()
+        if sampled:
+            _sample(works, rows, sampled, tokens, engine)
+        for w, d in zip(works, tokens.tolist()):
+            w.tokens.append(d)
+            if len(w.tokens) < w.num_tokens:
+                w.pending, w.num_logits = [d], 1  # feed it back for the next position
+            else:
+                sessions, _, seconds = w.last_step
+                w.result = ProposeResult(w.tokens, w.q, len(w.session), w.compute_s * 1e3, sessions, seconds * 1e3)
+
+
+def _sample(works, rows, sampled, tokens, engine) -> None:
+    """Draw d for each sampled work from its truncated q, recording q."""
+    subset = [works[i] for i in sampled]
+    probs = process_logits_rows(rows[sampled], [w.params for w in subset])  # [S, V]
+    top_n = min(max(w.top_n for w in subset), probs.shape[-1])
+    vals, ids = torch.topk(probs, top_n, dim=-1)  # [S, n], most likely first
+    for j, (i, w) in enumerate(zip(sampled, subset)):
+        n = min(w.top_n, top_n)
+        v, t = vals[j, :n], ids[j, :n]
+        keep = v > 0
+        v, t = v[keep], t[keep]
+        q = v / v.sum()  # the truncated, renormalised q this token is drawn from
+        gen = make_generator(derive_seed(w.seed, len(w.session), DRAFT_STREAM), q.device)
+        noise = torch.empty_like(q).exponential_(1, generator=gen)
+        tokens[i] = int(t[(q / noise).argmax()])  # = torch.multinomial(q, 1, generator=gen)
+        w.q.append((t.tolist(), q.tolist()))

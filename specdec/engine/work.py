@@ -1,0 +1,53 @@
+"""A unit of work a servicer hands to the engine: one request of one session.
+
+A work feeds its session's new tokens (in prefill chunks when long), asks for the logits of its last
+num_logits tokens, and then either finishes with a result or asks for another feed (the draft's
+autoregressive steps). Its kind decides what happens with the logits, for all works of that kind in a
+step at once (finish_step), so the math runs batched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from specdec.engine.sessions import Session
+
+
+@dataclass(eq=False)
+class Work:
+    session_id: str
+    prefix_len: int  # committed tokens the tier is asked to keep
+    prefix_hash: int  # their fingerprint
+    pending: list[int]  # tokens still to feed, in order
+    num_logits: int  # logits rows wanted for the last pending tokens
+    session: Session | None = None  # set when the work starts
+    future: asyncio.Future | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    cancelled: bool = False  # the caller went away
+    result: Any = None  # set by finish_step when done
+    compute_s: float = 0.0  # time in the forward steps this work took part in
+    last_step: tuple[int, int, float] = (0, 0, 0.0)  # (sessions, tokens, seconds) of its last step
+
+    kind: ClassVar[str] = "work"
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    @classmethod
+    def finish_step(cls, works: list["Work"], logits: list[torch.Tensor], engine) -> None:
+        """Consume the logits of works whose feed completed this step: set .result, or a new feed."""
+        raise NotImplementedError
+
+
+class WorkFailed(Exception):
+    """A work's own failure (its status and message); the rest of its batch carries on."""
+
+    def __init__(self, code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,78 @@
+"""What the draft and target servicers share: request checks and the rpcs every tier serves alike.
+
+Servicers are thin: they validate a request here, convert it into an engine work item, submit it and
+convert the result back. Nothing here touches torch; the engine is used through its attributes
+(vocab_size, max_context, config, eos_token_ids, tokenizer_fingerprint, device) and methods
+(end_session, status).
+"""
+
+from __future__ import annotations
+
+from specdec.math.params import SamplingParams
+from specdec.proto import common_pb2
+from specdec.wire.server import check_token_ids, handle_errors, invalid_argument
+
+MAX_SESSION_ID_LEN = 128
+
+
+def check_context(engine, ctx: common_pb2.SessionContext, extra_tokens: int) -> None:
+    """Validate a SessionContext; extra_tokens = tokens the request adds beyond new_tokens."""
+    if not ctx.session_id:
+        raise invalid_argument("context.session_id is required")
+    if len(ctx.session_id) > MAX_SESSION_ID_LEN:
+        raise invalid_argument(f"context.session_id is longer than {MAX_SESSION_ID_LEN} characters")
+    if ctx.prefix_len < 0:
+        raise invalid_argument(f"context.prefix_len must be >= 0, got {ctx.prefix_len}")
+    if not ctx.new_tokens:
+        raise invalid_argument("context.new_tokens must hold at least one token")
+    check_token_ids(ctx.new_tokens, engine.vocab_size, "context.new_tokens")
+    total = ctx.prefix_len + len(ctx.new_tokens) + extra_tokens
+    if total > engine.max_context:
+        raise invalid_argument(f"context: {total} tokens exceed the model's context of {engine.max_context}")
+
+
+def check_num_tokens(engine, k: int, field_name: str, minimum: int) -> None:
+    cap = engine.config.max_draft_tokens
+    if not minimum <= k <= cap:
+        raise invalid_argument(f"{field_name} must be in [{minimum}, {cap}], got {k}")
+
+
+def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
+    params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p if msg.top_p != 0 else 1.0)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise invalid_argument(f"sampling.{e}") from None
+    return params
+
+
+def model_info(engine) -> common_pb2.ModelInfo:
+    c = engine.config
+    return common_pb2.ModelInfo(
+        model=c.model.path, vocab_size=engine.vocab_size, tokenizer_fingerprint=engine.tokenizer_fingerprint,
+        eos_token_ids=engine.eos_token_ids, max_context=engine.max_context, device=str(engine.device),
+        dtype=c.model.dtype, max_draft_tokens=c.max_draft_tokens, max_batch_sessions=c.batch.max_batch_sessions,
+        max_batch_tokens=c.batch.max_batch_tokens)
+
+
+class TierRpcs:
+    """The rpcs every tier serves the same way; servicers mix this in and set self.engine."""
+
+    engine = None
+
+    @handle_errors
+    async def EndSession(self, request, context):
+        return common_pb2.EndSessionResponse(existed=self.engine.end_session(request.session_id))
+
+    @handle_errors
+    async def GetModelInfo(self, request, context):
+        return model_info(self.engine)
+
+    @handle_errors
+    async def GetStatus(self, request, context):
+        s = self.engine.status()
+        return common_pb2.StatusResponse(
+            num_sessions=s.num_sessions, cached_tokens=s.cached_tokens, evictions=s.evictions,
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_used_bytes=s.kv_used_bytes,
+            kv_capacity_bytes=s.kv_capacity_bytes, kv_capacity_tokens=s.kv_capacity_tokens, steps=s.steps,
+            step_tokens=s.step_tokens)
