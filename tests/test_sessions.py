@@ -1,6 +1,6 @@
-"""Tests for specdec.wire.prefix.PrefixHashes and specdec.engine.sessions.SessionStore.
+"""Tests for specdec.wire.prefix.PrefixHashes and specdec.engine.sessions.SessionTable.
 
-SessionStore runs here with a fake KV cache (records its crops) and a fake clock.
+The table runs here over a real (tiny) SlotKVCache and a fake clock.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ import random
 import pytest
 
 from specdec.wire.prefix import PrefixHashes
-from specdec.engine.sessions import PrefixMismatch, Session, SessionStore, SessionStoreConfig
+import torch
+
+from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+from specdec.engine.sessions import PrefixMismatch, Session, SessionStoreConfig, SessionTable
 
 # --- PrefixHashes ------------------------------------------------------------------------------
 
@@ -79,20 +82,8 @@ def test_prefix_hashes_crop_then_extend_equals_fresh_build():
 # --- SessionStore fixtures ----------------------------------------------------------------------
 
 
-class FakeCache:
-    """Stands in for a model's KV cache: a length, and the lengths it was cropped to."""
 
-    def __init__(self) -> None:
-        self.length = 0
-        self.crops: list[int] = []
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
-def crop_cache(cache: FakeCache, length: int) -> None:
-    cache.crops.append(length)
-    cache.length = length
+# --- SessionTable ---------------------------------------------------------------------------------
 
 
 class FakeClock:
@@ -103,21 +94,19 @@ class FakeClock:
         return self.now
 
 
+GEOMETRY = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
+
+
 class Harness:
     def __init__(self, **config) -> None:
         self.clock = FakeClock()
-        self.caches: list[FakeCache] = []
-        self.store = SessionStore(SessionStoreConfig(**config), self._new_cache, crop_cache, clock=self.clock)
-
-    def _new_cache(self) -> FakeCache:
-        cache = FakeCache()
-        self.caches.append(cache)
-        return cache
+        cfg = SessionStoreConfig(**config)
+        self.cache = SlotKVCache(GEOMETRY, cfg.max_sessions, 64)
+        self.store = SessionTable(cfg, self.cache, clock=self.clock)
 
     def commit(self, session: Session, tokens: list[int]) -> None:
-        """What a tier does after a forward pass: append tokens to the cache and the session."""
-        session.cache.length += len(tokens)
-        session.append(tokens)
+        """What the engine does after a step: append the fed tokens, then release the session."""
+        self.store.append(session, tokens)
         self.store.release(session)
 
     def open(self, session_id: str, tokens: list[int]) -> Session:
@@ -131,58 +120,45 @@ def fingerprint(tokens: list[int]) -> int:
     return PrefixHashes(tokens).at(len(tokens))
 
 
-# --- SessionStore: acquire ------------------------------------------------------------------------
+# --- acquire ----------------------------------------------------------------------------------------
 
 
-def test_acquire_prefix_len_zero_creates_session():
+def test_acquire_prefix_len_zero_creates_session_in_a_slot():
     h = Harness()
     session = h.store.acquire("a", 0, 0)
     assert "a" in h.store and len(h.store) == 1
-    assert session.session_id == "a"
+    assert session.session_id == "a" and session.slot == 0
     assert session.tokens == [] and len(session) == 0
-    assert session.cache is h.caches[0]
-    assert session.last_used == h.clock.now
-    assert h.store.acquire("a", 0, 0) is session  # same session, no second cache
-    assert len(h.caches) == 1
+    assert session.busy and session.last_used == h.clock.now
+    h.store.release(session)
+    assert h.store.acquire("a", 0, 0) is session  # same session, same slot
+    assert h.cache.free_slots == h.cache.num_slots - 1
 
 
 def test_acquire_prefix_len_zero_restarts_existing_session():
     h = Harness()
     session = h.open("a", [1, 2, 3])
     again = h.store.acquire("a", 0, 0)
-    assert again is session and again.session_id == "a"  # the same entry, cropped to nothing
-    assert again.tokens == [] and len(again.hashes) == 0
-    assert again.cache.get_seq_length() == 0
-    assert h.caches[0].crops == [0]
-    assert len(h.store) == 1
+    assert again is session and again.tokens == [] and len(again.hashes) == 0
+    assert h.store.cached_tokens == 0 and len(h.store) == 1
 
 
 def test_acquire_matching_prefix_crops_speculative_tokens():
     h = Harness()
     session = h.open("a", [5, 6, 7, 8, 9])  # 8, 9 are speculative: the coordinator committed 3
     got = h.store.acquire("a", 3, fingerprint([5, 6, 7]))
-    assert got is session
-    assert got.tokens == [5, 6, 7]
+    assert got is session and got.tokens == [5, 6, 7]
     assert len(got.hashes) == 3 and got.hashes.at(3) == fingerprint([5, 6, 7])
-    assert got.cache.crops == [3] and got.cache.get_seq_length() == 3
-    # Appending after the crop fingerprints the new sequence.
+    assert h.store.cached_tokens == 3  # rollback is a length change
     h.commit(got, [11, 12])
-    assert got.hashes.at(5) == fingerprint([5, 6, 7, 11, 12])
-
-
-def test_acquire_exact_length_does_not_crop():
-    h = Harness()
-    h.open("a", [5, 6, 7])
-    got = h.store.acquire("a", 3, fingerprint([5, 6, 7]))
-    assert got.tokens == [5, 6, 7]
-    assert got.cache.crops == []
+    assert got.hashes.at(5) == fingerprint([5, 6, 7, 11, 12]) and h.store.cached_tokens == 5
 
 
 def test_acquire_unknown_session_raises():
     h = Harness()
     with pytest.raises(PrefixMismatch):
         h.store.acquire("nope", 2, fingerprint([1, 2]))
-    assert "nope" not in h.store and len(h.caches) == 0
+    assert "nope" not in h.store and h.cache.free_slots == h.cache.num_slots
 
 
 def test_acquire_too_short_raises_and_leaves_session_intact():
@@ -193,119 +169,91 @@ def test_acquire_too_short_raises_and_leaves_session_intact():
     assert h.store.acquire("a", 2, fingerprint([1, 2])).tokens == [1, 2]
 
 
-@pytest.mark.parametrize(
-    "claimed",
-    [
-        [1, 2, 4],  # last token differs
-        [9, 2, 3],  # first token differs
-        [1, 2],  # the hash of a different length
-        [1, 2, 3, 4],
-    ],
-)
+@pytest.mark.parametrize("claimed", [[1, 2, 4], [9, 2, 3], [1, 2], [1, 2, 3, 4]])
 def test_acquire_fingerprint_mismatch_raises_and_leaves_session_intact(claimed):
     h = Harness()
     session = h.open("a", [1, 2, 3, 4])
     with pytest.raises(PrefixMismatch):
         h.store.acquire("a", 3, fingerprint(claimed))
-    assert session.tokens == [1, 2, 3, 4] and session.cache.crops == []
+    assert session.tokens == [1, 2, 3, 4] and not session.busy
     assert h.store.acquire("a", 3, fingerprint([1, 2, 3])).tokens == [1, 2, 3]
 
 
-def test_store_crop():
+def test_crop_is_a_length_change():
     h = Harness()
     session = h.open("a", [1, 2, 3, 4])
     h.store.crop(session, 2)
     assert session.tokens == [1, 2] and session.hashes.at(2) == fingerprint([1, 2]) and len(session.hashes) == 2
-    assert session.cache.crops == [2]
+    assert h.store.cached_tokens == 2 and session.slot == 0
     h.store.crop(session, 5)  # longer than the session: nothing to crop
-    assert session.tokens == [1, 2] and session.cache.crops == [2]
+    assert session.tokens == [1, 2] and h.store.cached_tokens == 2
 
 
-# --- SessionStore: eviction -----------------------------------------------------------------------
+# --- slots and eviction -----------------------------------------------------------------------------
 
 
-def test_lru_eviction_by_max_sessions():
+def test_a_new_session_evicts_the_least_recently_used_idle_one_when_slots_run_out():
     h = Harness(max_sessions=2)
     h.open("a", [1])
     h.open("b", [2])
-    assert h.store.evictions == 0
-    h.store.acquire("a", 1, fingerprint([1]))  # a is now more recent than b
-    h.open("c", [3])
-    assert "b" not in h.store
-    assert "a" in h.store and "c" in h.store
-    assert len(h.store) == 2 and h.store.evictions == 1
+    h.store.release(h.store.acquire("a", 1, fingerprint([1])))  # a is now more recent than b
+    c = h.open("c", [3])
+    assert "b" not in h.store and "a" in h.store and "c" in h.store
+    assert c.slot == 1 and h.store.evictions == 1  # b's slot, reused
     h.open("d", [4])
-    assert [sid for sid in "abcd" if sid in h.store] == ["c", "d"]
-    assert "a" not in h.store and h.store.evictions == 2
+    assert [sid for sid in "abcd" if sid in h.store] == ["c", "d"] and h.store.evictions == 2
 
 
-def test_lru_eviction_by_max_cached_tokens():
+def test_busy_sessions_are_never_evicted_and_a_full_table_makes_new_sessions_wait():
+    h = Harness(max_sessions=2)
+    a = h.store.acquire("a", 0, 0)
+    b = h.store.acquire("b", 0, 0)
+    assert h.store.acquire("c", 0, 0) is None  # every slot busy: the caller waits
+    assert "c" not in h.store and h.store.evictions == 0
+    h.commit(a, [1])  # a is idle now
+    c = h.store.acquire("c", 0, 0)
+    assert c is not None and c.slot == a.slot and "a" not in h.store and b.busy
+
+
+def test_token_budget_evicts_idle_sessions_oldest_first():
     h = Harness(max_cached_tokens=10)
     h.open("a", [1, 1, 1])
     h.open("b", [2, 2, 2])
     h.open("c", [3, 3, 3])
     assert h.store.cached_tokens == 9 and h.store.evictions == 0
     h.open("d", [4] * 7)  # 16 tokens: evict a (13), then b (10)
-    assert "a" not in h.store and "b" not in h.store
-    assert "c" in h.store and "d" in h.store
+    assert "a" not in h.store and "b" not in h.store and "c" in h.store and "d" in h.store
     assert h.store.cached_tokens == 10 and h.store.evictions == 2
 
 
-def test_eviction_never_evicts_the_released_session():
+def test_token_budget_never_evicts_the_released_session_or_a_busy_one():
     h = Harness(max_cached_tokens=10)
     a = h.store.acquire("a", 0, 0)
-    h.open("b", [2] * 4)  # b is now more recent than a
-    h.commit(a, [1] * 8)  # 12 tokens; a is the least recently used, but it is the one released
-    assert "a" in h.store and "b" not in h.store
+    busy = h.store.acquire("z", 0, 0)
+    h.store.append(busy, [9] * 3)
+    h.open("b", [2] * 4)
+    h.commit(a, [1] * 8)  # 15 tokens: b goes; z is busy, a is the one released
+    assert "a" in h.store and "z" in h.store and "b" not in h.store
     assert h.store.evictions == 1
 
 
-def test_eviction_by_max_sessions_never_evicts_the_released_session():
-    h = Harness(max_sessions=2)
-    a = h.store.acquire("a", 0, 0)
-    h.store.acquire("b", 0, 0)
-    h.store.acquire("c", 0, 0)  # three sessions; a is the least recently used
-    h.commit(a, [1])
-    assert [sid for sid in "abc" if sid in h.store] == ["a", "c"]
-    assert h.store.evictions == 1
-
-
-def test_eviction_keeps_a_lone_session_over_budget():
+def test_a_lone_session_over_budget_is_kept():
     h = Harness(max_cached_tokens=4, max_sessions=1)
     h.open("a", [1] * 2)
-    session = h.open("b", [1] * 9)  # alone and over budget: kept
-    assert "a" not in h.store
-    assert "b" in h.store and session.tokens == [1] * 9
-    assert h.store.evictions == 1
+    session = h.open("b", [1] * 9)
+    assert "a" not in h.store and "b" in h.store and session.tokens == [1] * 9
 
 
-def test_release_under_capacity_evicts_nothing():
-    h = Harness(max_sessions=3, max_cached_tokens=9)
-    for sid in "abc":
-        h.open(sid, [0, 0, 0])
-    assert len(h.store) == 3 and h.store.evictions == 0
-
-
-def test_idle_ttl_eviction():
+def test_idle_ttl_eviction_spares_busy_sessions():
     h = Harness(idle_ttl_s=10.0)
     h.open("a", [1])
+    busy = h.store.acquire("z", 0, 0)
     h.clock.now += 6
     h.open("b", [2])
-    h.clock.now += 5  # a idle for 11 s, b for 5 s
+    h.clock.now += 5  # a idle for 11 s, b for 5 s; z busy for 11 s
     assert h.store.evict_idle() == 1
-    assert "a" not in h.store and "b" in h.store
-    assert h.store.evictions == 1
+    assert "a" not in h.store and "b" in h.store and "z" in h.store and busy.busy
     assert h.store.evict_idle() == 0
-
-
-def test_acquire_refreshes_idle_timer():
-    h = Harness(idle_ttl_s=10.0)
-    h.open("a", [1, 2])
-    h.clock.now += 8
-    h.store.acquire("a", 2, fingerprint([1, 2]))
-    h.clock.now += 8  # 16 s after creation, 8 s after last use
-    assert h.store.evict_idle() == 0
-    assert h.store.acquire("a", 2, fingerprint([1, 2])).tokens == [1, 2]
 
 
 def test_acquire_of_an_idle_expired_session_raises():
@@ -315,34 +263,25 @@ def test_acquire_of_an_idle_expired_session_raises():
     with pytest.raises(PrefixMismatch):
         h.store.acquire("a", 2, fingerprint([1, 2]))
     assert "a" not in h.store and h.store.evictions == 1
-    # prefix_len 0 starts it afresh with a new cache.
-    session = h.store.acquire("a", 0, 0)
-    assert session.tokens == [] and len(h.caches) == 2
+    assert h.store.acquire("a", 0, 0).tokens == []
 
 
-def test_remove():
-    h = Harness()
+def test_remove_frees_the_slot_or_defers_while_busy():
+    h = Harness(max_sessions=2)
     h.open("a", [1, 2])
-    h.open("b", [3])
-    assert h.store.remove("a") is True
-    assert "a" not in h.store and len(h.store) == 1
-    assert h.store.remove("a") is False
-    assert h.store.remove("zzz") is False
+    b = h.store.acquire("b", 0, 0)
+    h.store.append(b, [3])
+    assert h.store.remove("a") is True and "a" not in h.store and h.cache.free_slots == 1
+    assert h.store.remove("a") is False and h.store.remove("zzz") is False
+    assert h.store.remove("b") is True and "b" in h.store  # busy: freed when its work is done
+    h.store.release(b)
+    assert "b" not in h.store and h.cache.free_slots == 2 and h.store.cached_tokens == 0
     assert h.store.evictions == 0  # removal is not eviction
-    assert h.store.cached_tokens == 1
-    with pytest.raises(PrefixMismatch):
-        h.store.acquire("a", 2, fingerprint([1, 2]))
 
 
-def test_evictions_counter_counts_all_kinds():
-    h = Harness(max_sessions=2, idle_ttl_s=100.0)
-    h.open("a", [1])
-    h.open("b", [1])
-    h.open("c", [1])  # LRU: a
-    assert h.store.evictions == 1
-    h.clock.now += 101
-    h.open("d", [1])  # idle: b and c, on acquire
-    assert h.store.evictions == 3
-    assert [sid for sid in "abcd" if sid in h.store] == ["d"]
-    h.store.remove("d")
-    assert h.store.evictions == 3
+def test_drop_forgets_a_session_with_an_unusable_cache():
+    h = Harness()
+    a = h.store.acquire("a", 0, 0)
+    h.store.append(a, [1, 2])
+    h.store.drop(a)
+    assert "a" not in h.store and h.store.cached_tokens == 0 and h.cache.free_slots == h.cache.num_slots

@@ -14,10 +14,11 @@ that work alone; the rest of its batch completes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -75,6 +76,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Work] = []
         self._stopping = False
+        self._paused = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     @classmethod
@@ -108,6 +110,18 @@ class Engine:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout=30)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No new step starts inside this block (the one running finishes); requests keep queueing."""
+        with self._wake:
+            self._paused = True
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._paused = False
+                self._wake.notify()
 
     # --- the event loop's side ----------------------------------------------------------------------
 
@@ -149,7 +163,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self._inbox or len(self.scheduler)):
+                while not self._stopping and (self._paused or not (self._inbox or len(self.scheduler))):
                     self._wake.wait()
                 if self._stopping:
                     break
