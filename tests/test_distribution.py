@@ -23,7 +23,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.math.params import SamplingParams
-from specdec.math.rejection import dense_q, rejection_sample
+from specdec.math.rejection import dense_q, rejection_sample, rejection_sample_batched, round_randomness
 from specdec.math.sampling import process_logits, truncate_top_n
 
 V = 5  # vocab size
@@ -134,6 +134,48 @@ def run_chain(verify, P: torch.Tensor, Q: torch.Tensor, *, n_trials: int, seed: 
     return counts
 
 
+def run_chains_batched(P: torch.Tensor, Q: torch.Tensor, *, n_trials: int, seed: int) -> np.ndarray:
+    return run_chains_batched_with(P, Q, Q, n_trials=n_trials, seed=seed)
+
+
+def run_chains_batched_with(P: torch.Tensor, Q: torch.Tensor, Q_told: torch.Tensor, *, n_trials: int, seed: int) -> np.ndarray:
+    """run_chain's counts, but every trial is a session of one ragged batch: all unfinished chains
+    verify their round together in one rejection_sample_batched call, each with its own K (0..3,
+    so K = 0 sessions ride along) and its own generator."""
+    gens = [torch.Generator().manual_seed(seed * 1_000_003 + t) for t in range(n_trials)]
+    ks = [t % 4 for t in range(n_trials)]
+    cdfs = _cdf_rows(Q)
+    outs: list[list[int]] = [[] for _ in range(n_trials)]
+    active = list(range(n_trials))
+    while active:
+        p_rows, q_rows, drafts_all, counts_k = [], [], [], []
+        for t in active:
+            k = ks[t]
+            ctx = outs[t][-1] if outs[t] else START
+            u = torch.rand(k, generator=gens[t], dtype=torch.float64).tolist()
+            drafts, prev = [], ctx
+            for i in range(k):
+                prev = _draw(cdfs[prev], u[i])
+                drafts.append(prev)
+            rows = [ctx] + drafts
+            p_rows.append(P[rows])
+            q_rows.append(Q_told[rows[:k]])  # what the verifier is told q was
+            drafts_all.append(drafts)
+            counts_k.append(k)
+        cu = torch.tensor([0] + counts_k).cumsum(0)
+        uniform, noise = round_randomness([gens[t] for t in active], counts_k, V)
+        n_acc, nxt = rejection_sample_batched(torch.cat(p_rows), torch.cat(q_rows),
+                                              torch.tensor([d for ds in drafts_all for d in ds], dtype=torch.long),
+                                              cu, uniform, noise)
+        for t, drafts, n, tok in zip(active, drafts_all, n_acc.tolist(), nxt.tolist()):
+            outs[t] += drafts[:n] + [tok]
+        active = [t for t in active if len(outs[t]) < N_TOKENS]
+    counts = np.zeros((V,) * N_TOKENS, dtype=np.int64)
+    for out in outs:
+        counts[tuple(out[:N_TOKENS])] += 1
+    return counts
+
+
 def goodness_of_fit(counts: np.ndarray, joint: np.ndarray) -> tuple[float, float, float]:
     """(chi-square p-value, total-variation distance, TV expected from sampling noise alone).
 
@@ -181,6 +223,29 @@ def test_speculative_sampling_matches_target(params: SamplingParams):
     assert not torch.allclose(P, Q)  # the draft really is a different model
     counts = run_chain(rejection_sample, P, Q, n_trials=N_TRIALS, seed=0)
     assert_matches_target(counts, exact_joint(P))
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_batched_verification_matches_target(params: SamplingParams):
+    """The same check through the ragged batched verifier the target engine runs."""
+    P, Q = make_tables(params)
+    counts = run_chains_batched(P, Q, n_trials=N_TRIALS, seed=5)
+    assert_matches_target(counts, exact_joint(P))
+
+
+def test_batched_verification_with_a_wrong_residual_is_detected():
+    """Negative control for the batched path: with q's row made wrong (q swapped for a different
+    table when the residual is taken, i.e. verified against a q the draft did not sample from) the
+    same criterion must reject it."""
+    P, Q = make_tables(SamplingParams(temperature=1.0))
+    _, Q_other = make_tables(SamplingParams(temperature=1.0), seed=99)
+
+    def skewed(P_, Q_, **kw):  # drafts drawn from Q, verified as if from Q_other
+        return run_chains_batched_with(P_, Q_, Q_other, **kw)
+
+    counts = skewed(P, Q, n_trials=N_TRIALS_NEGATIVE, seed=6)
+    pvalue, tv, noise_tv = goodness_of_fit(counts, exact_joint(P))
+    assert pvalue < NEGATIVE_PVALUE_MAX, f"wrong batched verifier passed: p={pvalue:.3g}"
 
 
 def test_truncated_draft_matches_target():

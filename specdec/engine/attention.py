@@ -3,8 +3,16 @@
 A batched step is one flat sequence of T tokens (batch dimension 1) holding every scheduled session's
 new tokens back to back, with per-token positions for the rotary embedding. For each layer this
 function stores the step's keys and values in the sessions' slots, then lets each session's queries
-attend to its own slot prefix: causal within the new tokens, everything before them. Sessions never
+attend to its own slot prefix: causal within its new tokens, everything before them. Sessions never
 see each other's tokens, so batching changes no session's attention inputs.
+
+Two shapes of work, two ways to run them, neither copying a cache:
+
+* a **group** of sessions with few new tokens each (decoding, verifying K + 1 drafts): their queries
+  are padded to [slots, H, n_max, D] and attend, in ONE call, to a view of the contiguous range of
+  slots that holds them, with a mask per slot (its own length, causal over its new tokens). Slots
+  are handed out lowest-first, so live sessions sit in a dense range;
+* a **long** segment (a prefill chunk) attends alone to its own slot prefix, also a view.
 """
 
 from __future__ import annotations
@@ -18,11 +26,13 @@ from transformers import AttentionInterface
 from specdec.engine.kv_cache import SlotKVCache
 
 ATTENTION = "specdec_ragged"  # the name registered with transformers' AttentionInterface
+GROUP_MAX_NEW = 32  # sessions feeding at most this many tokens in a step attend as one group
+GROUP_MAX_SPREAD = 2.0  # ...if the slot range they span is at most this many times their count (else alone)
 
 
 @dataclass
 class Segment:
-    """One session's part of a step."""
+    """One session's part of a step that attends alone."""
 
     slot: int
     start: int  # first of its tokens in the flat step
@@ -32,11 +42,26 @@ class Segment:
 
 
 @dataclass
+class Group:
+    """Sessions with few new tokens each, attending together over slots first..first+count-1."""
+
+    first: int
+    count: int
+    token_index: torch.Tensor  # [G] the group's tokens in the flat step
+    slot_index: torch.Tensor  # [G] each token's slot - first
+    query_index: torch.Tensor  # [G] each token's place among its session's new tokens
+    n_max: int  # most new tokens of one session
+    kv_len: int  # longest slot prefix read
+    mask: torch.Tensor  # [count, 1, n_max, kv_len] additive: 0 where a query may attend, -inf elsewhere
+
+
+@dataclass
 class StepLayout:
     cache: SlotKVCache
     slots: torch.Tensor  # [T] int64 slot of each token
     positions: torch.Tensor  # [T] int64 position of each token in its session
     segments: list[Segment]
+    group: Group | None
 
 
 def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor | None:
@@ -47,19 +72,73 @@ def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor | N
     return keys[None, :] <= (cached + torch.arange(new, device=device))[:, None]
 
 
+def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: torch.device) -> StepLayout:
+    """feeds: (slot, cached, new) per session, in flat-step order."""
+    slots, positions = [], []
+    small, segments, start = [], [], 0
+    for slot, cached, new in feeds:
+        slots.extend([slot] * new)
+        positions.extend(range(cached, cached + new))
+        if new <= GROUP_MAX_NEW:
+            small.append((slot, cached, new, start))
+        else:
+            segments.append(Segment(slot, start, start + new, cached + new, causal_mask(cached, new, device)))
+        start += new
+    group = None
+    if len(small) > 1:
+        first, last = min(s[0] for s in small), max(s[0] for s in small)
+        if last - first + 1 <= GROUP_MAX_SPREAD * len(small):
+            group = _group(cache, small, first, last, device, cache.geometry.dtype)
+            small = []
+    for slot, cached, new, begin in small:
+        segments.append(Segment(slot, begin, begin + new, cached + new, causal_mask(cached, new, device)))
+    for slot, cached, new in feeds:
+        cache.mark_written(slot, cached + new)
+    return StepLayout(cache, torch.tensor(slots, dtype=torch.long, device=device),
+                      torch.tensor(positions, dtype=torch.long, device=device), segments, group)
+
+
+def _group(cache: SlotKVCache, small, first: int, last: int, device, dtype) -> Group:
+    count = last - first + 1
+    n_max = max(s[2] for s in small)
+    kv_len = max(s[1] + s[2] for s in small)
+    cache.initialize(first, last, kv_len)  # everything the view reads is finite, masked or not
+    mask = torch.zeros(count, 1, n_max, kv_len, dtype=torch.bool)
+    token_index, slot_index, query_index = [], [], []
+    keys = torch.arange(kv_len)
+    for slot, cached, new, begin in small:
+        mask[slot - first, 0, :new] = keys[None, :] <= (cached + torch.arange(new))[:, None]
+        token_index.extend(range(begin, begin + new))
+        slot_index.extend([slot - first] * new)
+        query_index.extend(range(new))
+    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))  # cheaper than a bool mask
+    return Group(first, count, t(token_index), t(slot_index), t(query_index), n_max, kv_len, additive.to(device))
+
+
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [1, H, T, D], key / value [1, H_kv, T, D] (the step's new tokens, rotary applied).
     Returns ([1, T, H, D], None) as transformers' attention functions do."""
     step: StepLayout = kwargs["specdec_step"]
     layer = module.layer_idx
     step.cache.write(layer, step.slots, step.positions, key[0], value[0])
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    heads, dim = query.shape[1], query.shape[3]
+    out = query.new_empty(query.shape[2], heads, dim)  # [T, H, D]
+    tokens = query[0].transpose(0, 1)  # [T, H, D]
+    g = step.group
+    if g is not None:
+        padded = query.new_zeros(g.count, g.n_max, heads, dim)
+        padded[g.slot_index, g.query_index] = tokens[g.token_index]
+        k, v = step.cache.view(layer, g.first, g.count, g.kv_len)  # [count, H_kv, kv_len, D], in place
+        o = F.scaled_dot_product_attention(padded.transpose(1, 2), k, v, attn_mask=g.mask, scale=scaling,
+                                           enable_gqa=True)  # [count, H, n_max, D]
+        out[g.token_index] = o.transpose(1, 2)[g.slot_index, g.query_index]
     for seg in step.segments:
-        k, v = step.cache.view(layer, seg.slot, seg.kv_len)
+        k, v = step.cache.view(layer, seg.slot, 1, seg.kv_len)
         o = F.scaled_dot_product_attention(query[:, :, seg.start : seg.end], k, v, attn_mask=seg.mask,
                                            scale=scaling, enable_gqa=True)  # [1, H, new, D]
-        out[0, seg.start : seg.end] = o[0].transpose(0, 1)
-    return out, None
+        out[seg.start : seg.end] = o[0].transpose(0, 1)
+    return out[None], None
 
 
 AttentionInterface.register(ATTENTION, ragged_attention)

@@ -13,6 +13,7 @@ known up front: capacity_bytes.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,10 @@ class SlotKVCache:
         g = geometry
         self.keys = [torch.empty(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
         self.values = [torch.empty(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._free = list(range(num_slots))  # a heap: the lowest free slot first, so live sessions stay dense
+        # Positions [0, initialized[s]) of slot s hold finite numbers (written or zeroed): a batched
+        # attention over a range of slots may read (and mask out) anything below it.
+        self.initialized = [0] * num_slots
 
     @property
     def capacity_tokens(self) -> int:
@@ -73,11 +77,27 @@ class SlotKVCache:
         return len(self._free)
 
     def allocate(self) -> int | None:
-        """A free slot, or None when every slot is taken."""
-        return self._free.pop() if self._free else None
+        """The lowest free slot, or None when every slot is taken."""
+        return heapq.heappop(self._free) if self._free else None
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
+
+    def initialize(self, first: int, last: int, length: int) -> None:
+        """Make positions [0, length) of slots first..last finite (zero what was never written), so they
+        can be read through a mask. Each position of each slot is zeroed at most once."""
+        for slot in range(first, last + 1):
+            done = self.initialized[slot]
+            if done < length:
+                for layer in range(self.geometry.num_layers):
+                    self.keys[layer][slot, :, done:length] = 0
+                    self.values[layer][slot, :, done:length] = 0
+                self.initialized[slot] = length
+
+    def mark_written(self, slot: int, end: int) -> None:
+        """Positions below `end` of `slot` now hold written keys and values."""
+        if end > self.initialized[slot]:
+            self.initialized[slot] = end
 
     def write(
         self,
@@ -91,6 +111,7 @@ class SlotKVCache:
         self.keys[layer][slots, :, positions] = key.transpose(0, 1)
         self.values[layer][slots, :, positions] = value.transpose(0, 1)
 
-    def view(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A session's first `length` keys and values, in place: ([1, H_kv, length, D], same)."""
-        return self.keys[layer][slot : slot + 1, :, :length], self.values[layer][slot : slot + 1, :, :length]
+    def view(self, layer: int, first: int, count: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of slots first..first+count-1, in place:
+        ([count, H_kv, length, D], same)."""
+        return (self.keys[layer][first : first + count, :, :length], self.values[layer][first : first + count, :, :length])

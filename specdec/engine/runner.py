@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.engine.attention import ATTENTION, Segment, StepLayout, causal_mask
+from specdec.engine.attention import ATTENTION, build_layout
 from specdec.engine.kv_cache import SlotKVCache
 
 
@@ -56,22 +56,21 @@ class ModelRunner:
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """One forward over every feed; returns each feed's logits [num_logits, V] in float32."""
         ids: list[int] = []
-        slots: list[int] = []
-        positions: list[int] = []
         rows: list[int] = []
-        segments: list[Segment] = []
         for f in feeds:
             start, n = len(ids), len(f.tokens)
             ids.extend(f.tokens)
-            slots.extend([f.slot] * n)
-            positions.extend(range(f.cached, f.cached + n))
             rows.extend(range(start + n - f.num_logits, start + n))
-            segments.append(Segment(f.slot, start, start + n, f.cached + n, causal_mask(f.cached, n, self.device)))
         dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        layout = StepLayout(self.cache, torch.tensor(slots, dtype=torch.long, device=dev), pos, segments)
-        hidden = self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=dev), position_ids=pos[None],
-                              use_cache=False, specdec_step=layout).last_hidden_state[0]  # [T, H]
+        layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], dev)
+        try:
+            hidden = self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+                                  position_ids=layout.positions[None], use_cache=False,
+                                  specdec_step=layout).last_hidden_state[0]  # [T, H]
+        except BaseException:
+            for f in feeds:  # what this step wrote may be incomplete: never read it unmasked
+                self.cache.initialized[f.slot] = min(self.cache.initialized[f.slot], f.cached)
+            raise
         logits = self._head(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).float()  # [R, V]
         return list(torch.split(logits, [f.num_logits for f in feeds]))
 

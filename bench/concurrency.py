@@ -1,0 +1,318 @@
+"""Concurrency sweep: many clients at once against one pipeline, beside a peer measured in the same run.
+
+For each concurrency level C (default 1, 4, 16, 32), C clients start together, each with its own chat
+prompt, greedy, a fixed number of new tokens (EOS ignored), streaming. Per client we record the time
+to first token (TTFT), the time per output token after it (TPOT = (end - first) / (n - 1), vLLM's
+definition) and its tokens per second; per level the aggregate tokens per second over the whole
+burst. Rows:
+
+* specdec, the default policy (hybrid proposer, adaptive K), and the mean K it chose at each level;
+* specdec K = 0: the same services with no speculation (the target tier's batching alone);
+* the peer, Hugging Face transformers serving the same C prompts with the target alone, in this
+  process: its continuous-batching API (``generate_batch``) and padded batched ``generate``; each
+  returns only when the whole batch is done, so its per-client figures are the batch's wall time.
+
+Run with ``python -m bench.concurrency`` (``make bench`` runs it after bench.run). It appends a
+section to docs/BENCHMARKS.md and draws docs/bench_concurrency.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(f"[concurrency {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--levels", default="1,4,16,32", help="comma list of concurrent clients")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--rows", default="specdec,k0,peer", help="comma list of specdec, k0, peer")
+    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    p.add_argument("--plot", default=str(REPO / "docs" / "bench_concurrency.png"))
+    p.add_argument("--json", default=None, help="also write the raw per-client samples here")
+    p.add_argument("--target-args", default="", help="extra flags for the target service")
+    p.add_argument("--draft-args", default="", help="extra flags for the draft service")
+    p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator")
+    p.add_argument("--target", default=None)
+    p.add_argument("--draft", default=None)
+    return p.parse_args(argv)
+
+
+def chat_prompts(n: int) -> list[list[dict]]:
+    """n distinct user messages: the bench's open and grounded prompts, then variants of them."""
+    from bench.prompts import prompts_for
+
+    base = [p.content for p in prompts_for("open", None)] + [p.content for p in prompts_for("grounded", None)]
+    out = []
+    for i in range(n):
+        text = base[i % len(base)]
+        if i >= len(base):
+            text += f"\n\n(Request {i}: answer in your own words.)"
+        out.append([{"role": "user", "content": text}])
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    i = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    return xs[i]
+
+
+# --- specdec ----------------------------------------------------------------------------------------
+
+
+def burst(address: str, prompts: list[list[dict]], max_new: int, k: int | None) -> dict:
+    """C streaming clients started together (a barrier); per-client timings and stats."""
+    from specdec.client import Client
+
+    n = len(prompts)
+    barrier = threading.Barrier(n)
+    results: list[dict | None] = [None] * n
+
+    def one(i: int) -> None:
+        kw = dict(messages=prompts[i], max_new_tokens=max_new, ignore_eos=True)
+        if k is not None:
+            kw["num_speculative_tokens"] = k
+        with Client(address, timeout_s=1800) as client:
+            barrier.wait()
+            t0 = time.perf_counter()
+            first = None
+            tokens = 0
+            stats = {}
+            for event in client.stream(**kw):
+                if event.HasField("chunk") and event.chunk.token_ids:
+                    tokens += len(event.chunk.token_ids)
+                    if first is None:
+                        first = time.perf_counter()
+                elif event.HasField("result"):
+                    from google.protobuf.json_format import MessageToDict
+
+                    stats = MessageToDict(event.result.stats, preserving_proto_field_name=True)
+            end = time.perf_counter()
+        results[i] = {"start": t0, "first": first, "end": end, "tokens": tokens, "stats": stats}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summarise(results)
+
+
+def summarise(results: list[dict]) -> dict:
+    start = min(r["start"] for r in results)
+    end = max(r["end"] for r in results)
+    total = sum(r["tokens"] for r in results)
+    ttft = [r["first"] - r["start"] for r in results if r["first"] is not None]
+    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in results if r["first"] is not None and r["tokens"] > 1]
+    per_client = [r["tokens"] / (r["end"] - r["start"]) for r in results]
+    ks = [float(r["stats"].get("mean_num_speculative_tokens", 0.0)) for r in results if r["stats"]]
+    acc = [float(r["stats"].get("acceptance_rate", 0.0)) for r in results if r["stats"]]
+    return {
+        "clients": len(results), "tokens": total, "wall_s": end - start, "aggregate_tok_s": total / (end - start),
+        "per_client_tok_s": statistics.median(per_client), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
+        "latency_p50_s": percentile([r["end"] - r["start"] for r in results], 50),
+        "mean_k": statistics.mean(ks) if ks else 0.0, "acceptance": statistics.mean(acc) if acc else 0.0,
+    }
+
+
+def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) -> dict:
+    from specdec.client import Client
+    from specdec.client.local import LocalPipeline, LocalPipelineConfig
+
+    out: dict = {}
+    config = LocalPipelineConfig(
+        target_model=models["target"], draft_model=models["draft"], target_args=shlex.split(args.target_args),
+        draft_args=shlex.split(args.draft_args), coordinator_args=["--log-level", "warning", *shlex.split(args.coordinator_args)])
+    with LocalPipeline(config) as pipeline:
+        log(f"services up at {pipeline.address}")
+        with Client(pipeline.address, timeout_s=600) as client:  # warm-up: both tiers, both paths
+            client.generate(messages=chat_prompts(1)[0], max_new_tokens=16, ignore_eos=True)
+            client.generate(messages=chat_prompts(1)[0], max_new_tokens=16, ignore_eos=True, num_speculative_tokens=0)
+        for row in rows:
+            k = {"specdec": None, "k0": 0}[row]
+            out[row] = {}
+            for c in levels:
+                res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, k)
+                out[row][c] = res
+                log(f"{row} C={c}: {res['aggregate_tok_s']:.1f} tok/s aggregate, {res['per_client_tok_s']:.2f} per client, "
+                    f"TTFT p50 {res['ttft_p50_s']:.2f}s, TPOT p50 {res['tpot_p50_ms']:.0f} ms, mean K {res['mean_k']:.2f}")
+    return out
+
+
+# --- the peer ------------------------------------------------------------------------------------------
+
+
+def run_peer(levels: list[int], max_new: int, target: str) -> dict:
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    from specdec.models import ModelConfig, load_model, load_tokenizer
+
+    transformers.logging.set_verbosity_error()
+    tok = load_tokenizer(target)
+    model = load_model(ModelConfig(target))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def encode(messages):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    def continuous(prompts: list[list[int]]) -> float:
+        cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1, pad_token_id=pad)
+        t = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+        wall = time.perf_counter() - t
+        assert all(len(r.generated_tokens) == max_new for r in out.values()), "generate_batch stopped early"
+        return wall
+
+    def padded(prompts: list[list[int]]) -> float:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - t
+
+    out: dict = {"continuous": {}, "padded": {}}
+    for name, fn in (("continuous", continuous), ("padded", padded)):
+        try:
+            fn([encode(chat_prompts(1)[0])])  # warm-up
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"peer {name}: {out[name]['error']}")
+            continue
+        for c in levels:
+            wall = fn([encode(m) for m in chat_prompts(c)])
+            out[name][c] = {"clients": c, "aggregate_tok_s": c * max_new / wall, "per_client_tok_s": max_new / wall,
+                            "latency_p50_s": wall}
+            log(f"peer {name} C={c}: {c * max_new / wall:.1f} tok/s aggregate ({wall:.1f}s)")
+    return out
+
+
+# --- report ---------------------------------------------------------------------------------------------
+
+
+def plot(results: dict, levels: list[int], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = [("specdec", "specdec (hybrid, adaptive K)"), ("k0", "specdec K=0"),
+              ("peer:continuous", "HF generate_batch"), ("peer:padded", "HF padded generate")]
+    for key, label in series:
+        data = results.get(key) or {}
+        xs = [c for c in levels if isinstance(data.get(c), dict) and "aggregate_tok_s" in data[c]]
+        if xs:
+            ax.plot(xs, [data[c]["aggregate_tok_s"] for c in xs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens / s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def markdown(results: dict, levels: list[int], command: str, info: str, max_new: int, plot_name: str | None) -> list[str]:
+    L = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: concurrency sweep", "",
+         f"Command: `{command}`", "", f"- {info}",
+         f"- Each client its own chat prompt, greedy, {max_new} new tokens (EOS ignored), all starting together; "
+         "TPOT = (end - first token) / (tokens - 1); the peer's per-client figures are its batch's wall time.", ""]
+    L.append("| row | clients | aggregate tok/s | per-client tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | mean K | acceptance |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    names = {"specdec": "specdec hybrid, adaptive K", "k0": "specdec K=0", "peer:continuous": "HF generate_batch",
+             "peer:padded": "HF padded generate"}
+    for key, name in names.items():
+        data = results.get(key) or {}
+        if "error" in data:
+            L.append(f"| {name} | – | error: {data['error']} | | | | | |")
+            continue
+        for c in levels:
+            r = data.get(c)
+            if not r:
+                continue
+            ttft = f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}" if "ttft_p50_s" in r else "–"
+            tpot = f"{r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f}" if "tpot_p50_ms" in r else "–"
+            k = f"{r['mean_k']:.2f}" if "mean_k" in r else "–"
+            acc = f"{r['acceptance']:.2f}" if "acceptance" in r else "–"
+            L.append(f"| {name} | {c} | {r['aggregate_tok_s']:.1f} | {r['per_client_tok_s']:.2f} | {ttft} | {tpot} | {k} | {acc} |")
+    L.append("")
+    spec = results.get("specdec") or {}
+    if 1 in spec and levels[-1] in spec:
+        one, top = spec[1], spec[levels[-1]]
+        L.append(f"- specdec at {levels[-1]} clients: aggregate {top['aggregate_tok_s'] / one['aggregate_tok_s']:.1f}x one "
+                 f"client's; per-client {100 * top['per_client_tok_s'] / one['per_client_tok_s']:.0f}% of one client's.")
+        peers = [results.get(p, {}).get(levels[-1], {}).get("aggregate_tok_s") for p in ("peer:continuous", "peer:padded")]
+        peers = [p for p in peers if p]
+        if peers:
+            L.append(f"- vs the best peer at {levels[-1]} clients: {top['aggregate_tok_s'] / max(peers):.2f}x its aggregate.")
+    if plot_name:
+        L += ["", f"![aggregate throughput vs concurrency]({plot_name})"]
+    L.append("")
+    return L
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from bench.run import git_commit, machine_info
+    from specdec.models import default_draft, default_target
+
+    levels = [int(x) for x in args.levels.split(",") if x]
+    rows = [r for r in args.rows.split(",") if r]
+    models = {"target": args.target or default_target(), "draft": args.draft or default_draft()}
+    command = " ".join(["python -m bench.concurrency", shlex.join(list(argv if argv is not None else sys.argv[1:]))]).strip()
+    t0 = time.time()
+    results: dict = {}
+    pipeline_rows = [r for r in rows if r in ("specdec", "k0")]
+    if pipeline_rows:
+        results.update(run_pipeline_rows(args, levels, pipeline_rows, models))
+    if "peer" in rows:
+        peer = run_peer(levels, args.max_new_tokens, models["target"])
+        results["peer:continuous"], results["peer:padded"] = peer["continuous"], peer["padded"]
+    m = machine_info()
+    info = (f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM, no GPU; torch {m.get('torch')}, "
+            f"transformers {m.get('transformers')}; git {git_commit()}; wall {(time.time() - t0) / 60:.1f} min; "
+            f"target {Path(models['target']).name}, draft {Path(models['draft']).name}")
+    plot_path = Path(args.plot)
+    made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({m['cores']} cores, N={args.max_new_tokens})")
+    lines = markdown(results, levels, command, info, args.max_new_tokens, plot_path.name if made else None)
+    with open(args.out, "a") as f:
+        f.write("\n" + "\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1, default=str))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
