@@ -1,10 +1,18 @@
 """Adaptive K: choose the number of draft tokens per round that maximises expected tokens per second.
 
 With per-token acceptance a, a round with K drafts commits (1 - a^(K+1)) / (1 - a) tokens on average
-(bonus included) and costs propose(K) + verify(K) + overhead. Both costs are modelled as linear in K
-and fitted online from the session's own rounds (exponentially weighted least squares), and a is an
-exponentially weighted acceptance estimate. K = 0 (target-only) is a candidate too; when it wins, a
+(bonus included) and costs propose(K) + verify(K) + overhead. The propose cost is modelled as linear
+in K and fitted online from the session's own rounds (exponentially weighted least squares), and a is
+an exponentially weighted acceptance estimate. K = 0 (target-only) is a candidate too; when it wins, a
 small K is still probed now and then so the estimates can recover.
+
+The verify cost knows the load. The target batches many sessions into one step, whose time grows
+with the tokens in it: T_step(n) = alpha + beta * n, fitted over every session's Verify responses
+(each reports its step's tokens and time), shared by all sessions of the coordinator (TierLoad). With
+B sessions per step, all choosing K, a round costs T_step(B * (K + 1)) plus the call's overhead, so
+the rate maximised is the aggregate one: each extra draft token costs beta * B, and K falls as the
+batch grows (vLLM switches speculation off above a fixed batch size; this measures where). With no
+load data yet, the session's own linear fit of verify wall time is used.
 """
 
 from __future__ import annotations
@@ -41,13 +49,38 @@ class LinearCost:
         self._s = [v * self.decay for v in self._s]
         self._add(float(k), cost, 1.0)
 
-    def predict(self, k: int) -> float:
+    def predict(self, k: float) -> float:
         w, sx, sy, sxx, sxy = self._s
         var = w * sxx - sx * sx
         slope = (w * sxy - sx * sy) / var if var > 1e-12 else 0.0
         slope = max(slope, 0.0)
         intercept = (sy - slope * sx) / w
         return max(intercept + slope * k, 1e-6)
+
+
+class TierLoad:
+    """A tier's batching as the coordinator sees it: step time against tokens per step, sessions per
+    step, and each call's time beyond its step (network, queueing). Shared by all sessions."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.step_cost = LinearCost(decay, prior_intercept=50.0, prior_slope=3.0)  # ms vs tokens in a step
+        self.sessions = 1.0  # sessions per step, exponentially weighted
+        self.overhead_ms = 0.0  # wall time beyond the step, exponentially weighted
+        self.observations = 0
+
+    def observe(self, batch_sessions: int, batch_tokens: int, step_ms: float, wall_ms: float) -> None:
+        if batch_sessions <= 0 or batch_tokens <= 0:
+            return  # a tier that reports no batching (an older replica)
+        d = self.decay if self.observations else 0.0
+        self.step_cost.observe(batch_tokens, step_ms)
+        self.sessions = d * self.sessions + (1 - d) * batch_sessions
+        self.overhead_ms = d * self.overhead_ms + (1 - d) * max(0.0, wall_ms - step_ms)
+        self.observations += 1
+
+    def round_ms(self, k: int) -> float:
+        """Predicted verify time for K drafts when the step's sessions all send K."""
+        return self.overhead_ms + self.step_cost.predict(self.sessions * (k + 1))
 
 
 @dataclass(frozen=True)
@@ -62,8 +95,10 @@ class AdaptiveConfig:
 class AdaptiveK:
     """Per-session, per-proposer controller. Times are in milliseconds."""
 
-    def __init__(self, config: AdaptiveConfig, local_proposer: bool) -> None:
+    def __init__(self, config: AdaptiveConfig, local_proposer: bool, load: TierLoad | None = None) -> None:
+        """load: the target's shared load model; None = use this session's own verify timings only."""
         self.config = config
+        self.load = load
         self._acc_num = config.prior_acceptance  # weighted accepted drafts
         self._acc_den = 1.0  # weighted draft attempts
         # A remote draft costs about a network hop plus a few ms per token; a local lookup nothing.
@@ -94,8 +129,11 @@ class AdaptiveK:
             return c.start_k
         a = self.acceptance
 
+        loaded = self.load is not None and self.load.observations > 0
+
         def rate(k: int) -> float:
-            cost = self.verify_cost.predict(k) + (self.propose_cost.predict(k) if k > 0 else 0.0)
+            verify = self.load.round_ms(k) if loaded else self.verify_cost.predict(k)
+            cost = verify + (self.propose_cost.predict(k) if k > 0 else 0.0)
             return expected_tokens(a, k) / cost
 
         best = max(range(c.max_k + 1), key=rate)

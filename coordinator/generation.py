@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.adaptive import AdaptiveConfig, AdaptiveK
+from coordinator.adaptive import AdaptiveConfig, AdaptiveK, TierLoad
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, DraftModelProposer, PromptLookupProposer, Proposal
 from coordinator.text import IncrementalDetokenizer, StopMatcher
@@ -77,6 +77,7 @@ class Limits:
     tier_retry_s: float = 30.0  # without a client deadline, how long to retry an unreachable target
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
+    target_load: TierLoad | None = None  # the target's batching, shared by the coordinator's sessions
 
 
 class Generation:
@@ -100,7 +101,9 @@ class Generation:
         self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
                       if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID) else None)
         cfg = dataclasses.replace(limits.adaptive, max_k=min(limits.adaptive.max_k, limits.max_k))
-        self._controllers = {DRAFT_MODEL: AdaptiveK(cfg, local_proposer=False), PROMPT_LOOKUP: AdaptiveK(cfg, local_proposer=True)}
+        load = limits.target_load
+        self._controllers = {DRAFT_MODEL: AdaptiveK(cfg, local_proposer=False, load=load),
+                             PROMPT_LOOKUP: AdaptiveK(cfg, local_proposer=True, load=load)}
 
     def _k_for(self, source: str) -> int:
         if self.params.num_speculative_tokens is not None:
@@ -285,6 +288,8 @@ class Generation:
                 continue
             wall_ms = (time.perf_counter() - t0) * 1e3
             self.stats.observe_rpc(wall_ms, response.compute_ms, is_draft=False)
+            if self.limits.target_load is not None:
+                self.limits.target_load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, wall_ms)
             self._target_cursor.update(ctx, drafts, response.cached_len, committed_len=len(committed))
             return Verdict(response.num_accepted, response.next_token, wall_ms)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.adaptive import AdaptiveConfig
+from coordinator.adaptive import AdaptiveConfig, TierLoad
 from coordinator.admission import Admission, AdmissionConfig
 from coordinator.generation import Generation, GenerationParams, Limits
 from coordinator.lookup import LookupConfig
@@ -94,6 +94,7 @@ class Pipeline:
             self._channels.append(channel(config.draft_address))
             self.draft = DraftClient(self._channels[1], config.draft_address, config.rpc_timeout_s)
         self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
+        self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
         self.tokenizer = None
         self.target_info: common_pb2.ModelInfo | None = None
         self.draft_info: common_pb2.ModelInfo | None = None
@@ -173,7 +174,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         limits = Limits(max_context=pl.target_info.max_context,
                         draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
                         max_k=self._max_k(), overlap=self.config.overlap, adaptive=self.config.adaptive,
-                        lookup=self.config.lookup, tier_retry_s=self.config.tier_retry_s)
+                        lookup=self.config.lookup, tier_retry_s=self.config.tier_retry_s, target_load=pl.target_load)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids), limits, deadline)
