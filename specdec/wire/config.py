@@ -12,6 +12,8 @@ import os
 import sys
 
 from specdec.models import ModelConfig
+from specdec.wire.logs import FORMATS as LOG_FORMATS
+from specdec.wire.logs import configure_logging
 from specdec.wire.server import ServerConfig
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.tier import TierConfig
@@ -38,7 +40,7 @@ class EnvArgs:
 
     def parse(self, argv=None) -> argparse.Namespace:
         args = self.parser.parse_args(argv)
-        logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=f"%(asctime)s {self.service.lower()} %(levelname)s %(name)s: %(message)s")
+        configure_logging(self.service.lower(), args.log_level, getattr(args, "log_format", "text"))
         return args
 
 
@@ -48,6 +50,10 @@ def add_server_args(a: EnvArgs, default_port: int) -> None:
     a.add("--grace", type=float, default=ServerConfig.grace_s, help="seconds to drain in-flight rpcs on SIGTERM")
     a.add("--port-file", default=None, help="write the bound port to this file once serving (for port 0)")
     a.add("--log-level", default="info", help="debug | info | warning | error")
+    a.add("--log-format", default="text", choices=list(LOG_FORMATS),
+          help="text, or json: one JSON object per line with session id, round, proposer, K and status fields")
+    a.add("--metrics-address", default="",
+          help="host:port of this service's Prometheus /metrics endpoint ('' = none; port 0 = any free port)")
     a.add("--tls-cert", default=None, help="PEM certificate chain: serve TLS instead of plaintext (needs --tls-key)")
     a.add("--tls-key", default=None, help="PEM private key of --tls-cert")
     a.add("--tls-client-ca", default=None, help="PEM CA bundle: require client certificates it signed (mutual TLS)")
