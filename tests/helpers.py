@@ -112,11 +112,17 @@ class Cluster:
         self._servers.append(server)
         if build is build_draft:
             self.draft_server = server
+        else:
+            self.target_server = server
         return port
 
     def stop_draft(self) -> None:
         """Take the draft tier down (its port stops answering)."""
         self._call(self.draft_server.stop(0))
+
+    def stop_target(self) -> None:
+        """Take the target tier down (its port stops answering)."""
+        self._call(self.target_server.stop(0))
 
     async def _start_coordinator(self, config) -> int:
         c = await build_coordinator(config)
