@@ -186,8 +186,9 @@ class Coordinator:
         from coordinator.http_server import HttpServer
         from coordinator.openai_api import create_app
 
-        http = HttpServer(create_app(self.frontend, self.pipeline.config.auth_token), address,
-                          grace_s=self.pipeline.config.server.grace_s)
+        config = self.pipeline.config
+        http = HttpServer(create_app(self.frontend, config.auth_token), address, grace_s=config.server.grace_s,
+                          tls=config.server)
         await http.start()
         return http
 
