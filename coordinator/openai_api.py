@@ -7,12 +7,14 @@ validation, admission control, metrics, logs and session clean-up). Responses an
 shapes: errors are {"error": {"message", "type", "param", "code"}} with 400 (bad input), 401 (missing or
 wrong token), 404 (unknown model or path), 429 (admission refusal), 503 (a tier unavailable), 504 (a
 tier's deadline), 500. Streams are server-sent events ending with `data: [DONE]`; an error after the
-stream started arrives as one `data: {"error": ...}` event before it. A client that disconnects
-mid-stream cancels the generation, which ends its sessions on both tiers.
+stream started arrives as one `data: {"error": ...}` event before it. A client that disconnects (mid-stream,
+or while waiting for a whole answer) cancels the generation, which ends its sessions on both tiers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -42,6 +44,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 STREAM_ERROR = "specdec.stream_error"  # scope key: the status of an error sent inside a started stream
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 class ApiError(Exception):
@@ -175,23 +178,35 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(reply.stream(first, events, usage, request.scope))
+    collect = asyncio.ensure_future(_collect(first, events))
     try:
-        text, result = [], None
-        event = first
-        while True:
-            if event.HasField("chunk"):
-                text.append(event.chunk.text)
-            else:
-                result = event.result
-            try:
-                event = await events.__anext__()
-            except StopAsyncIteration:
-                break
+        while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():  # nobody will read the answer: stop generating
+                raise ApiError(499, "the client closed the request", code="cancelled")
+        text, result = collect.result()
     except RequestError as e:
         raise ApiError.from_request_error(e) from None
     finally:
+        if not collect.done():
+            collect.cancel()  # cancels the generation inside it: its sessions are ended
+            with contextlib.suppress(BaseException):
+                await collect
         await events.aclose()
-    return reply.whole("".join(text), result)
+    return reply.whole(text, result)
+
+
+async def _collect(first: generate_pb2.GenerateResponse, events: AsyncIterator[generate_pb2.GenerateResponse]):
+    """(text, result) of a whole generation."""
+    text, result, event = [], None, first
+    while True:
+        if event.HasField("chunk"):
+            text.append(event.chunk.text)
+        else:
+            result = event.result
+        try:
+            event = await events.__anext__()
+        except StopAsyncIteration:
+            return "".join(text), result
 
 
 class Reply:

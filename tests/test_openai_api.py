@@ -216,3 +216,17 @@ def test_auth_admission_and_unavailable_tier(guarded):
         value(before, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="503") == 1
     assert value(after, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="401") == 2
     assert value(after, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="429") == 1
+
+
+def test_client_gone_before_a_whole_answer_frees_sessions(cluster, model):
+    """Not streamed: the client times out and closes the connection; the generation stops too."""
+    before = scrape(cluster.metrics_url)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "num_speculative_tokens": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.http_url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    assert cluster.status("target").num_sessions >= 1, "the generation must still be running when the client leaves"
+    cluster.wait_no_sessions()
+    after = scrape(cluster.metrics_url)
+    assert value(after, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total") < 900
+    assert value(after, "vllm:request_success_total", finished_reason="abort") - \
+        value(before, "vllm:request_success_total", finished_reason="abort") == 1
