@@ -6,6 +6,7 @@ statistics exactly."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
@@ -17,9 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from draft_service.service import SERVICE_NAME as DRAFT_SERVICE
 from draft_service.service import DraftServicer
 from specdec.client import Client
+from specdec.engine.sessions import SessionStoreConfig
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.wire.metrics import TierMetrics, serve_metrics
 from specdec.wire.server import Service, ServerConfig, create_server
+from tests.helpers import Cluster
 
 
 def scrape(url: str) -> list:
@@ -243,3 +246,53 @@ def test_grpc_errors_by_rpc_and_code(random_draft_cluster):
     assert delta("specdec_rpc_duration_seconds_count", rpc="Generate") == 1
     assert delta("specdec_rpc_duration_seconds_count", rpc="GetInfo") == 1
     assert delta("vllm:request_success_total") == 0  # refused before it started: not a processed request
+
+
+def test_reprefills_and_lookup_fallbacks(tiny_target):
+    """A target that holds one session (two concurrent generations evict each other, so the coordinator
+    resends the committed tokens), then a dead draft (rounds fall back to prompt lookup)."""
+    c = Cluster(tiny_target, tiny_target, sessions=SessionStoreConfig(max_sessions=1))
+    try:
+        model = c.coordinator.frontend.model_name
+        before = scrape(c.metrics_url)
+        with Client(c.address) as client, ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda i: client.generate(prompt=f"{i} one two three one two three", max_new_tokens=24,
+                                                           num_speculative_tokens=2, proposer="lookup", ignore_eos=True),
+                                 range(2)))
+        mid = scrape(c.metrics_url)
+
+        def delta(a, b, name, **labels):
+            return value(b, name, model_name=model, **labels) - value(a, name, model_name=model, **labels)
+
+        lost = delta(before, mid, "specdec_tier_errors_total", tier="target", rpc="Verify", code="FAILED_PRECONDITION")
+        assert lost > 0, "the two sessions must have evicted each other"
+        assert delta(before, mid, "specdec_reprefills_total", tier="target") == lost  # one full resend per loss
+        assert all(o.stats["generated_tokens"] == 24 for o in outs)
+
+        records = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                if record.getMessage() == "round":
+                    records.append(record)
+
+        logger, handler = logging.getLogger("coordinator.frontend"), Keep(logging.DEBUG)
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        c.stop_draft()
+        try:
+            with Client(c.address) as client:
+                out = client.generate(prompt="one two three one two three", max_new_tokens=12, num_speculative_tokens=2,
+                                      proposer="draft", ignore_eos=True)
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(logging.NOTSET)
+        after = scrape(c.metrics_url)
+        fallbacks = sum(r.fallback for r in records)
+        assert len(records) == out.stats["rounds"] and fallbacks >= out.stats["rounds"] - 1 > 0
+        assert delta(mid, after, "specdec_lookup_fallbacks_total") == fallbacks
+        lookup_rounds = sum(r.proposer == "prompt_lookup" for r in records)  # all but a last round without budget
+        assert delta(mid, after, "specdec_rounds_total", proposer="prompt_lookup") == lookup_rounds >= out.stats["rounds"] - 1
+        assert delta(mid, after, "specdec_tier_errors_total", tier="draft", rpc="ProposeStream") >= 1
+    finally:
+        c.close()
