@@ -13,6 +13,7 @@ from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
 from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
 from specdec.wire.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
 from specdec.models import default_target
+from specdec.wire.metrics import serve_metrics
 from specdec.wire.server import check_token, serve
 
 log = logging.getLogger("coordinator")
@@ -53,6 +54,10 @@ def main(argv=None) -> None:
     a.add("--auth-token", default=None, secret=True,
           help="require 'authorization: Bearer <token>' on the public API (health and reflection stay open)")
     a.add("--auth-token-file", default=None, help="read the bearer token from this file (alternative to --auth-token)")
+    a.add("--http-address", default="",
+          help="host:port of the OpenAI-compatible HTTP API ('' = none; port 0 = any free port); same token as gRPC")
+    a.add("--served-model-name", default=None,
+          help="model id of the OpenAI API and the metrics' model_name label (default: the target's model)")
     args = a.parse(argv)
     auth_token = auth_token_from(args)
     config = CoordinatorConfig(
@@ -68,7 +73,7 @@ def main(argv=None) -> None:
                                   max_queue_wait_s=args.admission_wait),
         tier_ca=args.tier_ca or None, tier_client_cert=args.tier_client_cert or None,
         tier_client_key=args.tier_client_key or None, tier_server_name=args.tier_server_name or None,
-        auth_token=auth_token,
+        auth_token=auth_token, served_model_name=args.served_model_name or None,
     )
     check_server_tls(config.server)
     try:
@@ -80,13 +85,30 @@ def main(argv=None) -> None:
 
     async def run() -> None:
         try:
-            server, port, health, pipeline = await build(config)
+            c = await build(config)
         except (PipelineMismatch, ConnectionError) as e:
             log.error("refusing to start: %s", e)
             sys.exit(2)
-        log.info("coordinator on port %d", port)
-        await serve(server, health, [SERVICE_NAME], config.server,
-                    on_started=lambda: write_port_file(args.port_file, port), on_stop=pipeline.close)
+        try:
+            metrics = serve_metrics(c.registry, args.metrics_address)
+            http = await c.start_http(args.http_address) if args.http_address else None
+        except (OSError, ValueError) as e:
+            log.error("refusing to start: %s", e)
+            sys.exit(2)
+        log.info("coordinator on port %d%s", c.port, f", OpenAI API on {http.url}" if http else "")
+
+        async def drain_http() -> None:
+            c.frontend.accepting = False
+            if http is not None:
+                await http.stop()
+
+        async def stop() -> None:
+            await c.pipeline.close()
+            if metrics is not None:
+                metrics.close()
+
+        await serve(c.server, c.health, [SERVICE_NAME], config.server,
+                    on_started=lambda: write_port_file(args.port_file, c.port), on_stop=stop, on_draining=drain_http)
 
     asyncio.run(run())
 

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -45,9 +46,27 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round, as the metrics and the debug log see it."""
+
+    index: int  # round number in the generation, from 0
+    proposer: str  # DRAFT_MODEL or PROMPT_LOOKUP: where this round's drafts came from
+    k: int  # drafts asked of the proposer (K after clamping to the token budget)
+    drafts: int  # draft tokens the target verified (a proposer may offer fewer than k)
+    accepted: int  # of those, accepted by the target: always the leading ones, d_1..d_accepted
+    draft_ms: float  # draft model compute
+    verify_ms: float  # target model compute
+    network_ms: float  # rpc round trips minus compute
+    coordinator_ms: float  # the round's wall time minus its rpcs: proposing by lookup, bookkeeping, detokenizing
+    fallback: bool  # the draft model was wanted but unreachable: prompt lookup proposed instead
+    overlapped: bool  # the drafts were pre-drafted during the previous round's verification
+
+
 @dataclass
 class RoundStats:
-    """Counters over a generation (vLLM's meanings: acceptance length includes the bonus)."""
+    """Counters over a generation (vLLM's meanings: acceptance length includes the bonus), and one
+    RoundRecord per round (per-position acceptance, K, proposer and timings for the metrics)."""
 
     rounds: int = 0
     draft_tokens: int = 0
@@ -58,14 +77,54 @@ class RoundStats:
     verify_ms: float = 0.0
     network_ms: float = 0.0
     rpc_wall_ms: float = 0.0
+    records: list[RoundRecord] = field(default_factory=list)
+    # Full resends of the committed tokens after a tier lost the session (evicted, restarted), by tier.
+    reprefills: Counter = field(default_factory=Counter)
+    # Failed internal rpcs, by (tier, rpc, status name); the generation may have recovered from them.
+    tier_errors: Counter = field(default_factory=Counter)
+    # The round in progress: its start and what its rpcs cost so far.
+    _round_t0: float = 0.0
+    _round_ms: dict = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "network", "rpc_wall"), 0.0))
+
+    def begin_round(self) -> None:
+        self._round_t0 = time.perf_counter()
+        self._round_ms = dict.fromkeys(self._round_ms, 0.0)
 
     def observe_rpc(self, wall_ms: float, compute_ms: float, is_draft: bool) -> None:
+        network = max(0.0, wall_ms - compute_ms)
         self.rpc_wall_ms += wall_ms
-        self.network_ms += max(0.0, wall_ms - compute_ms)
+        self.network_ms += network
         if is_draft:
             self.draft_ms += compute_ms
         else:
             self.verify_ms += compute_ms
+        r = self._round_ms
+        r["rpc_wall"] += wall_ms
+        r["network"] += network
+        r["draft" if is_draft else "verify"] += compute_ms
+
+    def observe_overlapped(self, draft_compute_ms: float) -> None:
+        """This round's drafts were pre-drafted during the previous round (their rpc was not waited for)."""
+        self.overlapped_rounds += 1
+        self.draft_ms += draft_compute_ms
+        self._round_ms["draft"] += draft_compute_ms
+
+    def observe_tier_error(self, error: TierError) -> None:
+        self.tier_errors[(error.tier, error.rpc, error.code.name)] += 1
+
+    def end_round(self, proposal: Proposal, drafts: int, accepted: int, committed: int) -> RoundRecord:
+        r = self._round_ms
+        self.rounds += 1
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+        self.committed_before_truncation += committed
+        wall_ms = (time.perf_counter() - self._round_t0) * 1e3
+        record = RoundRecord(
+            index=len(self.records), proposer=proposal.source, k=proposal.k, drafts=drafts, accepted=accepted,
+            draft_ms=r["draft"], verify_ms=r["verify"], network_ms=r["network"],
+            coordinator_ms=max(0.0, wall_ms - r["rpc_wall"]), fallback=proposal.fallback, overlapped=proposal.overlapped)
+        self.records.append(record)
+        return record
 
 
 @dataclass
@@ -94,11 +153,12 @@ class Generation:
         self.stats = RoundStats()
         self._sampling = common_pb2.SamplingParams(
             temperature=params.sampling.temperature, top_k=params.sampling.top_k, top_p=params.sampling.top_p)
-        self._target_cursor = TierCursor()
+        self._target_cursor = TierCursor(on_reprefill=lambda: self.stats.reprefills.update(("target",)))
         # Prompt lookup is always ready: it is the proposer of the lookup/hybrid modes and the fallback
         # whenever the draft tier is unreachable.
         self.lookup = PromptLookupProposer(limits.lookup, params.prompt_ids)
-        self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
+        self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM),
+                                         on_reprefill=lambda: self.stats.reprefills.update(("draft",)))
                       if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID) else None)
         cfg = dataclasses.replace(limits.adaptive, max_k=min(limits.adaptive.max_k, limits.max_k))
         load = limits.target_load
@@ -121,6 +181,7 @@ class Generation:
                 return proposal
         draft_ok = (self.draft is not None and self.draft.available
                     and len(committed) + budget <= self.limits.draft_max_context)
+        fallback = self.draft is not None and not self.draft.available  # down (backing off): lookup instead
         if draft_ok:
             k = min(self._k_for(DRAFT_MODEL), budget)
             if k <= 0:
@@ -129,9 +190,12 @@ class Generation:
                 proposal = await self.draft.propose(committed, hashes, k, self._time_left())
                 self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, is_draft=True)
                 return proposal
-            except TierError:
-                pass  # the draft is down: fall back to prompt lookup below
-        return self.lookup.propose(min(self._k_for(PROMPT_LOOKUP), budget))
+            except TierError as e:
+                self.stats.observe_tier_error(e)
+                fallback = True  # the draft is down: fall back to prompt lookup below
+        proposal = self.lookup.propose(min(self._k_for(PROMPT_LOOKUP), budget))
+        proposal.fallback = fallback
+        return proposal
 
     async def run(self) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Yield one chunk per round, then the result. The caller must call close() afterwards."""
@@ -148,6 +212,7 @@ class Generation:
         pending: Proposal | None = None  # next round's drafts, pre-drafted during this round's verify
 
         while finish == UNFINISHED:
+            self.stats.begin_round()
             remaining = p.max_new_tokens - n_generated
             room = self.limits.max_context - len(committed)
             if room <= 0:
@@ -157,8 +222,7 @@ class Generation:
             budget = min(self.limits.max_k, remaining - 1, room - 1)
             if pending is not None:
                 proposal, pending = pending, None
-                self.stats.overlapped_rounds += 1
-                self.stats.draft_ms += proposal.compute_ms
+                self.stats.observe_overlapped(proposal.compute_ms)
             else:
                 proposal = await self._propose(committed, hashes, budget)
             drafts = proposal.tokens[: max(budget, 0)]
@@ -177,11 +241,6 @@ class Generation:
             if speculating:
                 pending = await self.draft.collect(n == len(drafts), verdict.next_token)
             new = drafts[:n] + [verdict.next_token]
-            st = self.stats
-            st.rounds += 1
-            st.draft_tokens += len(drafts)
-            st.accepted_tokens += n
-            st.committed_before_truncation += len(new)
             self._controllers[proposal.source].observe(len(drafts), n, proposal.wall_ms, verdict.wall_ms)
 
             chunk: list[int] = []
@@ -210,6 +269,7 @@ class Generation:
             streamed = max(streamed, upto)
             if first_token_at is None:
                 first_token_at = time.perf_counter()
+            self.stats.end_round(proposal, len(drafts), n, len(new))
             yield generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(token_ids=chunk, text=delta))
 
         if streamed < len(text):
@@ -265,6 +325,7 @@ class Generation:
             try:
                 response = await self.target.verify(request, left)
             except TierError as e:
+                self.stats.observe_tier_error(e)
                 if e.code == grpc.StatusCode.FAILED_PRECONDITION and ctx.prefix_len > 0:
                     self._target_cursor.reset()  # the target lost the session: resend everything
                     continue

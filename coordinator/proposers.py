@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,6 +34,8 @@ class Proposal:
     wall_ms: float = 0.0  # time the proposal kept the round waiting, as seen here
     compute_ms: float = 0.0  # model compute on the draft tier
     overlapped: bool = False  # drafted during the previous round's verification
+    k: int = 0  # tokens asked for (the proposer may offer fewer)
+    fallback: bool = False  # prompt lookup standing in for an unreachable draft model
 
 
 class PromptLookupProposer:
@@ -47,7 +50,7 @@ class PromptLookupProposer:
     def propose(self, k: int) -> Proposal:
         t0 = time.perf_counter()
         tokens = self.index.propose(k)
-        return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3)
+        return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k)
 
 
 class DraftModelProposer:
@@ -56,12 +59,14 @@ class DraftModelProposer:
     source = DRAFT_MODEL
     BACKOFF_S = (0.25, 0.5, 1.0, 2.0)  # retry delays after consecutive failures
 
-    def __init__(self, client: DraftClient, session_id: str, sampling: common_pb2.SamplingParams, seed: int) -> None:
+    def __init__(self, client: DraftClient, session_id: str, sampling: common_pb2.SamplingParams, seed: int,
+                 on_reprefill: Callable[[], None] | None = None) -> None:
+        """on_reprefill: called when the draft had lost the session and got the whole sequence again."""
         self.client = client
         self.session_id = session_id
         self.sampling = sampling
         self.seed = seed
-        self.cursor = TierCursor()
+        self.cursor = TierCursor(on_reprefill)
         self.stream = client.stream()
         self._failures = 0
         self._down_until = 0.0
@@ -91,7 +96,7 @@ class DraftModelProposer:
             self._failures = 0
             self.cursor.update(ctx, list(response.tokens), response.cached_len, committed_len=len(committed))
             return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q),
-                            wall_ms=(time.perf_counter() - t0) * 1e3, compute_ms=response.compute_ms)
+                            wall_ms=(time.perf_counter() - t0) * 1e3, compute_ms=response.compute_ms, k=k)
         raise AssertionError("unreachable")
 
     # --- overlap: draft round r+1 while the target verifies round r ---------------------------------
@@ -130,7 +135,7 @@ class DraftModelProposer:
         self.cursor.update(ctx, list(response.tokens), response.cached_len, committed_len=committed_len)
         if all_accepted and response.tokens and response.tokens[0] == next_token:
             return Proposal(DRAFT_MODEL, list(response.tokens[1:]), list(response.q[1:]), wall_ms=0.0,
-                            compute_ms=response.compute_ms, overlapped=True)
+                            compute_ms=response.compute_ms, overlapped=True, k=len(response.tokens) - 1)
         return None
 
     def _mark_down(self, e: TierError) -> None:
@@ -138,7 +143,8 @@ class DraftModelProposer:
         self._failures += 1
         self._down_until = time.monotonic() + delay
         self.stream.close()
-        log.warning("session %s: draft unavailable (%s); prompt lookup for %.1fs", self.session_id, e, delay)
+        log.warning("session %s: draft unavailable (%s); prompt lookup for %.1fs", self.session_id, e, delay,
+                    extra={"session_id": self.session_id, "code": e.code.name, "backoff_s": delay})
 
     async def close(self) -> None:
         self.stream.close()

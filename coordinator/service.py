@@ -1,40 +1,34 @@
-"""Generation service: validates requests, builds prompts, runs Generations, reports info."""
+"""The coordinator service: its configuration, the connections to the tiers (Pipeline), the public gRPC API
+(a thin servicer over coordinator.frontend) and build(), which assembles them."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from coordinator.adaptive import AdaptiveConfig, TierLoad
-from coordinator.admission import Admission, AdmissionConfig
-from coordinator.generation import Generation, GenerationParams, Limits
+from coordinator.admission import AdmissionConfig
+from coordinator.frontend import Frontend, deadline_from
 from coordinator.lookup import LookupConfig
-from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
-from coordinator.tiers import DraftClient, TargetClient, TierError
+from coordinator.proposers import HYBRID
+from coordinator.tiers import DraftClient, TargetClient
 from specdec.models import load_tokenizer, tokenizer_fingerprint
-from specdec.proto import common_pb2, generate_pb2, generate_pb2_grpc
-from specdec.math.params import SamplingParams
-from specdec.wire.server import (BearerTokenInterceptor, RequestError, Service, ServerConfig, as_request_error, create_server,
-                            check_token_ids, handle_errors, invalid_argument, read_pem)
+from specdec.proto import common_pb2, generate_pb2_grpc
+from specdec.wire.metrics import RpcMetricsInterceptor
+from specdec.wire.server import (BearerTokenInterceptor, RequestError, Service, ServerConfig, create_server, handle_errors,
+                                 read_pem)
+
+if TYPE_CHECKING:
+    from coordinator.http_server import HttpServer
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "specdec.v1.Generation"
-CHAT_ROLES = {"system", "user", "assistant"}
-MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 256
-# Tier failures the client sees with their own code; anything else is our bug -> INTERNAL.
-PROPOSER_NAMES = {
-    generate_pb2.PROPOSER_DRAFT_MODEL: DRAFT_MODEL,
-    generate_pb2.PROPOSER_PROMPT_LOOKUP: PROMPT_LOOKUP,
-    generate_pb2.PROPOSER_HYBRID: HYBRID,
-}
-_PASS_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 @dataclass(frozen=True)
@@ -62,6 +56,7 @@ class CoordinatorConfig:
     tier_client_key: str | None = None  # PEM private key of tier_client_cert
     tier_server_name: str | None = None  # name to verify in the tiers' certs instead of the address's host
     auth_token: str | None = field(default=None, repr=False)  # set = public API needs 'authorization: Bearer <it>'
+    served_model_name: str | None = None  # model id in the OpenAI API and metrics labels; None = the target's model
 
 
 class PipelineMismatch(RuntimeError):
@@ -155,156 +150,67 @@ class Pipeline:
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
-        self.config = pipeline.config
-        self.admission = Admission(pipeline.config.admission)
+    """The public gRPC API: thin handlers over the Frontend's one generation path."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
 
     async def Generate(self, request, context):
+        events = self.frontend.generate(request, deadline=deadline_from(context.time_remaining()), api="grpc")
         try:
-            params = self._validate(request)
-            async with self.admission.admit():
-                async for event in self._generate(params, context):
-                    yield event
+            async for event in events:
+                yield event
         except RequestError as e:
             await context.abort(e.code, e.message)
-
-    async def _generate(self, params: GenerationParams, context):
-        pl = self.pipeline
-        limits = Limits(max_context=pl.target_info.max_context,
-                        draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
-                        max_k=self._max_k(), overlap=self.config.overlap, adaptive=self.config.adaptive,
-                        lookup=self.config.lookup, tier_retry_s=self.config.tier_retry_s, target_load=pl.target_load)
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids), limits, deadline)
-        try:
-            async for event in generation.run():
-                yield event
-        except TierError as e:
-            code = e.code if e.code in _PASS_THROUGH else grpc.StatusCode.INTERNAL
-            await context.abort(code, str(e))
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            err = as_request_error(e)
-            await context.abort(err.code, err.message)
         finally:
-            # Runs on completion, error and client cancellation alike; a separate task, so the
-            # handler's cancellation cannot interrupt it.
-            pl.run_cleanup(generation.close())
+            await events.aclose()
 
     @handle_errors
     async def GetInfo(self, request, context):
-        pl, c = self.pipeline, self.config
-
-        def summary(info, address):
-            if info is None:
-                return None
-            return generate_pb2.ModelSummary(model=info.model, address=address, device=info.device, dtype=info.dtype)
-
-        return generate_pb2.GetInfoResponse(
-            draft=summary(pl.draft_info, c.draft_address), target=summary(pl.target_info, c.target_address),
-            default_max_new_tokens=c.default_max_new_tokens,
-            default_num_speculative_tokens=-1 if c.default_num_speculative_tokens is None else c.default_num_speculative_tokens,
-            max_new_tokens_cap=c.max_new_tokens_cap, max_prompt_tokens=c.max_prompt_tokens,
-            max_num_speculative_tokens=self._max_k(),
-        )
-
-    def _max_k(self) -> int:
-        caps = [self.config.max_num_speculative_tokens]
-        for info in (self.pipeline.draft_info, self.pipeline.target_info):
-            if info is not None:
-                caps.append(info.max_draft_tokens)
-        return min(caps)
-
-    # --- validation ---------------------------------------------------------------------------------
-
-    def _validate(self, r: generate_pb2.GenerateRequest) -> GenerationParams:
-        c = self.config
-        prompt_ids = self._prompt_ids(r)
-        context = self.pipeline.target_info.max_context
-        if len(prompt_ids) > c.max_prompt_tokens:
-            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={c.max_prompt_tokens}")
-        if len(prompt_ids) >= context:
-            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens; the target's context is {context}, leaving no room to generate")
-        max_new = r.max_new_tokens if r.HasField("max_new_tokens") else c.default_max_new_tokens
-        if not 1 <= max_new <= c.max_new_tokens_cap:
-            raise invalid_argument(f"max_new_tokens must be in [1, {c.max_new_tokens_cap}], got {max_new}")
-        sampling = SamplingParams(
-            temperature=r.temperature if r.HasField("temperature") else 0.0,
-            top_k=r.top_k if r.HasField("top_k") else 0,
-            top_p=r.top_p if r.HasField("top_p") else 1.0,
-        )
-        try:
-            sampling.validate()
-        except ValueError as e:
-            raise invalid_argument(str(e)) from None
-        if r.HasField("num_speculative_tokens"):
-            k = r.num_speculative_tokens
-            if not 0 <= k <= self._max_k():
-                raise invalid_argument(f"num_speculative_tokens must be in [0, {self._max_k()}], got {k}")
-        else:
-            k = c.default_num_speculative_tokens
-            k = None if k is None else min(k, self._max_k())
-        if r.proposer == generate_pb2.PROPOSER_UNSPECIFIED:
-            proposer = c.default_proposer
-        elif r.proposer in PROPOSER_NAMES:
-            proposer = PROPOSER_NAMES[r.proposer]
-        else:
-            raise invalid_argument(f"proposer: unknown value {r.proposer}")
-        if len(r.stop) > MAX_STOP_STRINGS:
-            raise invalid_argument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(r.stop)}")
-        for s in r.stop:
-            if not s or len(s) > MAX_STOP_LEN:
-                raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters")
-        seed = r.seed if r.HasField("seed") else secrets.randbits(63)
-        return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
-                                num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
-
-    def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
-        tok = self.pipeline.tokenizer
-        which = r.WhichOneof("prompt")
-        if which is None:
-            raise invalid_argument("prompt is required: set text, chat or token_ids")
-        if which == "text":
-            if not r.text:
-                raise invalid_argument("prompt text is empty")
-            ids = tok(r.text)["input_ids"]
-        elif which == "chat":
-            if not r.chat.messages:
-                raise invalid_argument("prompt chat.messages is empty")
-            for i, m in enumerate(r.chat.messages):
-                if m.role not in CHAT_ROLES:
-                    raise invalid_argument(f"chat.messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}")
-            if not tok.chat_template:
-                raise invalid_argument("the model's tokenizer has no chat template; send text or token_ids")
-            messages = [{"role": m.role, "content": m.content} for m in r.chat.messages]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if not isinstance(ids, list):  # BatchEncoding in newer transformers
-                ids = ids["input_ids"]
-        else:
-            ids = list(r.token_ids.ids)
-            if not ids:
-                raise invalid_argument("prompt token_ids is empty")
-            check_token_ids(ids, self.pipeline.target_info.vocab_size, "prompt token_ids")
-        if not ids:
-            raise invalid_argument("prompt tokenizes to no tokens")
-        return list(ids)
+        return self.frontend.info()
 
 
-async def build(config: CoordinatorConfig):
-    """(server, port, health, pipeline): connects to the tiers first (raises PipelineMismatch; ConnectionError
-    when a tier does not answer, TLS handshake failures included; ValueError / OSError for unusable TLS files)."""
-    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+@dataclass
+class Coordinator:
+    """A built coordinator: its gRPC server (not started), the connected pipeline, the generation path
+    and the metrics registry. start_http() adds the OpenAI-compatible API on its own port."""
+
+    server: grpc.aio.Server
+    port: int
+    health: Any  # grpc_health's aio HealthServicer
+    pipeline: Pipeline
+    frontend: Frontend
+    registry: CollectorRegistry
+
+    async def start_http(self, address: str) -> "HttpServer":
+        """Serve the OpenAI-compatible API on address (port 0 = any free port); stop it with .stop()."""
+        from coordinator.http_server import HttpServer
+        from coordinator.openai_api import create_app
+
+        config = self.pipeline.config
+        http = HttpServer(create_app(self.frontend, config.auth_token), address, grace_s=config.server.grace_s,
+                          tls=config.server)
+        await http.start()
+        return http
+
+
+async def build(config: CoordinatorConfig) -> Coordinator:
+    """Connects to the tiers first (raises PipelineMismatch; ConnectionError when a tier does not answer,
+    TLS handshake failures included; ValueError / OSError for unusable TLS files)."""
     pipeline = Pipeline(config)
     try:
         await pipeline.connect()
+        registry = CollectorRegistry()  # this coordinator's own: several may run in one process
+        frontend = Frontend(pipeline, registry, config.served_model_name or pipeline.target_info.model)
+        # Metrics first: it also sees the calls the token check refuses.
+        interceptors = [RpcMetricsInterceptor(frontend.metrics.rpc.observe)]
+        if config.auth_token:
+            interceptors.append(BearerTokenInterceptor(config.auth_token))
         server, port, health = create_server(
-            [Service(GenerationServicer(pipeline), generate_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME)],
+            [Service(GenerationServicer(frontend), generate_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME)],
             config.server, interceptors=interceptors,
         )
     except BaseException:
         await pipeline.close()
         raise
-    return server, port, health, pipeline
+    return Coordinator(server, port, health, pipeline, frontend, registry)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -13,11 +14,12 @@ from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, tar
 class TierError(Exception):
     """An internal rpc failed; `code` is the tier's status (or DEADLINE_EXCEEDED on our timeout)."""
 
-    def __init__(self, tier: str, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, tier: str, code: grpc.StatusCode, details: str, rpc: str = "") -> None:
         super().__init__(f"{tier} service: {code.name}: {details}")
         self.tier = tier
         self.code = code
         self.details = details
+        self.rpc = rpc or ("Verify" if tier == "target" else "ProposeStream")  # the internal rpc that failed
 
 
 class TierCursor:
@@ -28,13 +30,18 @@ class TierCursor:
     context). Once rounds are committed, the leading tail tokens that match are reusable.
     """
 
-    __slots__ = ("base", "tail")
+    __slots__ = ("base", "tail", "_lost", "_on_reprefill")
 
-    def __init__(self) -> None:
+    def __init__(self, on_reprefill: Callable[[], None] | None = None) -> None:
+        """on_reprefill: called on the first reply after a reset() that dropped a cache, i.e. once the tier
+        has the whole sequence again (a re-prefill: the tier had lost or was assumed to have lost it)."""
         self.base = 0
         self.tail: list[int] = []
+        self._lost = False
+        self._on_reprefill = on_reprefill
 
     def reset(self) -> None:
+        self._lost = self._lost or self.base > 0 or bool(self.tail)
         self.base, self.tail = 0, []
 
     def context(self, session_id: str, sequence: list[int], hashes: PrefixHashes) -> common_pb2.SessionContext:
@@ -53,6 +60,10 @@ class TierCursor:
     def update(self, ctx: common_pb2.SessionContext, extra: list[int], cached_len: int, committed_len: int) -> None:
         """Record a reply: the tier caches cached_len tokens of (context sequence + extra), of which
         only the first committed_len are known to be committed."""
+        if self._lost and ctx.prefix_len == 0:
+            self._lost = False
+            if self._on_reprefill is not None:
+                self._on_reprefill()
         self.base = min(cached_len, committed_len, ctx.prefix_len + len(ctx.new_tokens))
         after_prefix = list(ctx.new_tokens) + list(extra)
         self.tail = after_prefix[self.base - ctx.prefix_len : cached_len - ctx.prefix_len]

@@ -15,7 +15,7 @@ def main(argv=None) -> None:
     config = DraftConfig(tier=tier_config(args), server=server_config(args), draft_top_n=args.draft_top_n)
     check_server_tls(config.server)  # unusable TLS files: exit 2 now, before the model loads
 
-    run_tier("draft", SERVICE_NAME, build, config, args.port_file)
+    run_tier("draft", SERVICE_NAME, build, config, args.port_file, args.metrics_address)
 
 
 if __name__ == "__main__":

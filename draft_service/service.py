@@ -8,8 +8,8 @@ from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeWork
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire.server import Service, ServerConfig, as_request_error, create_server, handle_errors
-from specdec.wire.tier import TierRpcs, check_context, check_num_tokens, sampling_params
+from specdec.wire.server import Service, ServerConfig, as_request_error, handle_errors
+from specdec.wire.tier import TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params
 
 SERVICE_NAME = "specdec.v1.DraftService"
 
@@ -61,11 +61,9 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
             cached_len=r.cached_len, compute_ms=r.compute_ms, batch_sessions=r.batch_sessions, step_ms=r.step_ms)
 
 
-def build(config: DraftConfig, engine: Engine | None = None):
-    """(server, port, health, engine) for a draft service; loads the model unless `engine` is given."""
+def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:
+    """The draft service's server (not started); loads the model unless `engine` is given."""
     engine = engine or Engine.load(config.tier)
-    servicer = DraftServicer(engine, config.draft_top_n)
-    server, port, health = create_server(
-        [Service(servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)], config.server
-    )
-    return server, port, health, engine
+    service = Service(DraftServicer(engine, config.draft_top_n), draft_pb2_grpc.add_DraftServiceServicer_to_server,
+                      SERVICE_NAME)
+    return create_tier_server(engine, service, config.server, "draft")

@@ -14,7 +14,7 @@ def main(argv=None) -> None:
     config = TargetConfig(tier=tier_config(args), server=server_config(args))
     check_server_tls(config.server)  # unusable TLS files: exit 2 now, before the model loads
 
-    run_tier("target", SERVICE_NAME, build, config, args.port_file)
+    run_tier("target", SERVICE_NAME, build, config, args.port_file, args.metrics_address)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from specdec.engine.engine import Engine
 from specdec.engine.config import TierConfig
 from specdec.engine.verify import SparseQ, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
-from specdec.wire.server import Service, ServerConfig, check_token_ids, create_server, handle_errors, invalid_argument
-from specdec.wire.tier import TierRpcs, check_context, check_num_tokens, sampling_params
+from specdec.wire.server import Service, ServerConfig, check_token_ids, handle_errors, invalid_argument
+from specdec.wire.tier import TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params
 
 SERVICE_NAME = "specdec.v1.TargetService"
 Q_SUM_TOLERANCE = 1e-3  # a q row must sum to 1 within this
@@ -71,10 +71,8 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                        torch.tensor(probs, dtype=torch.float32))
 
 
-def build(config: TargetConfig, engine: Engine | None = None):
-    """(server, port, health, engine) for a target service; loads the model unless `engine` is given."""
+def build(config: TargetConfig, engine: Engine | None = None) -> TierServer:
+    """The target service's server (not started); loads the model unless `engine` is given."""
     engine = engine or Engine.load(config.tier)
-    server, port, health = create_server(
-        [Service(TargetServicer(engine), target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME)], config.server
-    )
-    return server, port, health, engine
+    service = Service(TargetServicer(engine), target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME)
+    return create_tier_server(engine, service, config.server, "target")

@@ -18,6 +18,7 @@ from draft_service.service import DraftConfig
 from draft_service.service import build as build_draft
 from specdec.models import ModelConfig, default_draft
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from specdec.wire.metrics import serve_metrics
 from specdec.wire.server import ServerConfig
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.config import BatchConfig, TierConfig
@@ -79,6 +80,10 @@ class Cluster:
         self.draft_tier = Engine.load(TierConfig(ModelConfig(draft_model), sessions, max_draft_tokens, batch)) if draft_model else None
         self._servers = []
         self.pipeline = None
+        self.coordinator = None  # coordinator.service.Coordinator
+        self.http = None  # the OpenAI-compatible API (coordinator.http_server.HttpServer)
+        self.metrics_server = None  # the coordinator's /metrics endpoint
+        self.tier_registries = {}  # TargetConfig / DraftConfig -> that tier's metrics registry
         try:
             self._start(target_model, draft_model, coordinator_overrides, draft_top_n)
         except BaseException:
@@ -105,23 +110,42 @@ class Cluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start_tier(self, build, config, tier) -> int:
-        server, port, health, _ = build(config, tier)
+        built = build(config, tier)
+        server, port = built.server, built.port
+        self.tier_registries[config.__class__.__name__] = built.registry
         await server.start()
         self._servers.append(server)
         if build is build_draft:
             self.draft_server = server
+        else:
+            self.target_server = server
         return port
 
     def stop_draft(self) -> None:
         """Take the draft tier down (its port stops answering)."""
         self._call(self.draft_server.stop(0))
 
+    def stop_target(self) -> None:
+        """Take the target tier down (its port stops answering)."""
+        self._call(self.target_server.stop(0))
+
     async def _start_coordinator(self, config) -> int:
-        server, port, health, pipeline = await build_coordinator(config)
-        await server.start()
-        self._servers.insert(0, server)
-        self.pipeline = pipeline
-        return port
+        c = await build_coordinator(config)
+        await c.server.start()
+        self._servers.insert(0, c.server)
+        self.coordinator, self.pipeline = c, c.pipeline
+        self.http = await c.start_http("127.0.0.1:0")
+        self.metrics_server = serve_metrics(c.registry, "127.0.0.1:0")
+        return c.port
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API, e.g. for openai.OpenAI(base_url=cluster.http_url + "/v1")."""
+        return self.http.url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.metrics_server.url
 
     def status(self, tier: str) -> common_pb2.StatusResponse:
         port = self.target_port if tier == "target" else self.draft_port
@@ -145,6 +169,10 @@ class Cluster:
 
     def close(self) -> None:
         async def stop():
+            if self.http is not None:
+                await self.http.stop()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             for s in self._servers:
                 await s.stop(0)
             if self.pipeline is not None:

@@ -7,6 +7,7 @@ the gpu-hetero overlay, and a Dockerfile consistent with pyproject.toml. No clus
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -30,6 +31,14 @@ TIERS = {  # component -> (service module, port, full gRPC service name)
     "coordinator": ("coordinator", 50051, "specdec.v1.Generation"),
 }
 ENV_PREFIX = {c: f"SPECDEC_{c.upper()}_" for c in TIERS}
+# Ports besides gRPC, (name, port, address flag). The tiers get a `metrics` port once they serve
+# --metrics-address (TierMetrics wired into the tier engine): add it here and in deploy/base then.
+EXTRA_PORTS = {
+    "coordinator": [("http", 8000, "HTTP_ADDRESS"), ("metrics", 9400, "METRICS_ADDRESS")],
+    "target": [("metrics", 9400, "METRICS_ADDRESS")],
+    "draft": [("metrics", 9400, "METRICS_ADDRESS")],
+}
+OBSERVABILITY = DEPLOY / "observability"
 
 # name -> (overlay, components layered on top in a scratch kustomization)
 RENDERS = {
@@ -161,8 +170,11 @@ def test_probes_ports_and_services(renders, name):
         pod_labels = dep["spec"]["template"]["metadata"]["labels"]
         assert selects(dep["spec"]["selector"], pod_labels)
         assert c["args"] == [module]
-        assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", port)]
+        extra = EXTRA_PORTS[comp]
+        assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", port)] + [(n, p) for n, p, _ in extra]
         assert env_value(c, ENV_PREFIX[comp] + "ADDRESS") == f"0.0.0.0:{port}"
+        for _, extra_port, flag in extra:  # each extra port is served: its address flag is set to it
+            assert env_value(c, ENV_PREFIX[comp] + flag) == f"0.0.0.0:{extra_port}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             handler = c[probe]
             if tls:  # kubelet's gRPC probes cannot speak TLS: components/tls switches to TCP
@@ -179,7 +191,7 @@ def test_probes_ports_and_services(renders, name):
         mine = [s for s in services.values() if selects(s["spec"]["selector"], pod_labels)]
         assert len(mine) == 1, (comp, [s["metadata"]["name"] for s in mine])
         svc = mine[0]["spec"]
-        assert [(p["port"], p["targetPort"]) for p in svc["ports"]] == [(port, "grpc")]
+        assert [(p["port"], p["targetPort"]) for p in svc["ports"]] == [(port, "grpc")] + [(p, n) for n, p, _ in extra]
         if comp == "coordinator":
             assert svc.get("type", "ClusterIP") == "ClusterIP" and svc.get("clusterIP") != "None"
         else:
@@ -281,11 +293,17 @@ def test_pdb_hpa_and_network_policy_per_tier(renders, name):
         port = TIERS[comp][1]
         netpols = [n for n in policies.values() if selects(n["spec"]["podSelector"], labels)]
         assert len(netpols) == 1, comp
-        (rule,) = netpols[0]["spec"]["ingress"]
-        assert [p["port"] for p in rule["ports"]] == [port]
+        rules = netpols[0]["spec"]["ingress"]
+        opened = [p["port"] for r in rules for p in r["ports"]]
+        assert sorted(opened) == sorted([port] + [p for _, p, _ in EXTRA_PORTS[comp]])
         if comp == "coordinator":
+            (rule,) = rules
             assert "from" not in rule, "the public port is open to all"
         else:
+            (rule,) = [r for r in rules if port in [p["port"] for p in r["ports"]]]
+            assert [p["port"] for p in rule["ports"]] == [port], "the tier's gRPC port has a rule of its own"
+            (metrics_rule,) = [r for r in rules if r is not rule]
+            assert [p["port"] for p in metrics_rule["ports"]] == [9400] and "from" not in metrics_rule
             (peer,) = rule["from"]
             assert set(peer) == {"podSelector"} and selects(peer["podSelector"], coord_labels), \
                 f"only coordinator pods may reach the {comp} tier"
@@ -356,6 +374,92 @@ def test_dockerfile_matches_the_project():
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert re.search(r'^ENTRYPOINT \["python", "-m"\]$', text, re.M)
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", text, re.M).group(1).split()}
-    assert exposed == {port for _, port, _ in TIERS.values()}
+    assert exposed == {port for _, port, _ in TIERS.values()} | {p for ports in EXTRA_PORTS.values() for _, p, _ in ports}
     for src in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
         assert (ROOT / src).exists(), f"Dockerfile copies {src}, which does not exist"
+
+
+# ---- observability: the dashboard, the ServiceMonitor and the scrape config ----
+
+def exported_series() -> set[str]:
+    """Every series name the services export (coordinator and tier), from the metric classes themselves."""
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.admission import Admission, AdmissionConfig
+    from coordinator.metrics import CoordinatorMetrics
+    from specdec.wire.metrics import LoadSnapshot, TierMetrics
+
+    registries = [CollectorRegistry(), CollectorRegistry()]
+    CoordinatorMetrics(registries[0], "m", 4, Admission(AdmissionConfig()))
+    TierMetrics(registries[1], "target", "m", load=LoadSnapshot)
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    return {family.name + suffix for r in registries for family in r.collect() for suffix in suffixes[family.type]}
+
+
+def test_dashboard_queries_only_exported_metrics():
+    dashboard = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 36
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert variables == {"datasource", "model_name"}
+    panels = dashboard["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    exported = exported_series()
+    queried = set()
+    exprs = [t["expr"] for p in panels if p["type"] != "row" for t in p["targets"]]
+    exprs.append(next(v for v in dashboard["templating"]["list"] if v["name"] == "model_name")["definition"])
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+    for expr in exprs:
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+        for name in re.findall(r"\b(vllm:[a-zA-Z0-9_:]+|specdec_[a-zA-Z0-9_]+)", expr):
+            assert name in exported, f"the dashboard queries {name}, which no service exports"
+            queried.add(name)
+    # the issue's metrics are all on the dashboard
+    for must in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts_total",
+                 "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:kv_cache_usage_perc",
+                 "specdec_round_seconds_sum", "specdec_tier_sessions", "specdec_tier_batch_size_bucket",
+                 "specdec_tier_queue_depth", "specdec_reprefills_total", "specdec_lookup_fallbacks_total",
+                 "specdec_rpc_errors_total"):
+        assert must in queried, must
+
+
+def test_observability_kustomization_renders(renders):
+    objs = kustomize(OBSERVABILITY)
+    kinds = {o["kind"]: o for o in objs}
+    assert set(kinds) == {"ConfigMap", "ServiceMonitor"}
+    cm = kinds["ConfigMap"]
+    for version in SCHEMA_VERSIONS:
+        kubernetes_validate.validate(cm, version, strict=True)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["grafana-dashboard.json"]) == json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+
+    sm = kinds["ServiceMonitor"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    for name, objs in renders.items():  # in every overlay, it selects exactly the Services with a metrics port
+        if name == "models":
+            continue
+        services = of_kind(objs, "Service")
+        selected = {n for n, svc in services.items() if selects(sm["spec"]["selector"], svc["metadata"]["labels"])}
+        with_metrics = {n for n, svc in services.items() if "metrics" in [p["name"] for p in svc["spec"]["ports"]]}
+        assert with_metrics and with_metrics <= selected, name
+        serving = {c for c, ports in EXTRA_PORTS.items() if "metrics" in [p[0] for p in ports]}
+        assert with_metrics == {n for n, svc in services.items() if component(svc) in serving}, name
+
+
+def test_prometheus_scrape_config():
+    config = yaml.safe_load((OBSERVABILITY / "prometheus-scrape.yaml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics" and job["kubernetes_sd_configs"] == [{"role": "endpoints"}]
+    keeps = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
+    assert keeps == {("__meta_kubernetes_service_label_app_kubernetes_io_name",): "specdec",
+                     ("__meta_kubernetes_endpoint_port_name",): "metrics"}

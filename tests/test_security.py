@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
+import openai
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -145,6 +148,25 @@ def test_generation_over_mtls_tls_and_token_matches_plaintext(tls_cluster, rando
     assert secure.stats["draft_ms"] > 0  # the draft tier really proposed over mutual TLS (no fallback)
     assert tls_cluster.pipeline.draft_info is not None
     assert info["target"]["address"] == f"127.0.0.1:{tls_cluster.target_port}"
+
+
+def test_openai_api_over_tls_with_token_matches_plaintext(tls_cluster, random_draft_cluster, pki):
+    """The HTTP API takes the gRPC port's TLS settings and token: HTTPS, and the same output."""
+    assert tls_cluster.http_url.startswith("https://")
+    with Client(random_draft_cluster.address, timeout_s=60) as c:
+        plain = c.generate(**GEN)
+    https = httpx.Client(verify=ssl.create_default_context(cafile=pki.ca))
+    model = tls_cluster.coordinator.frontend.model_name
+    with openai.OpenAI(base_url=tls_cluster.http_url + "/v1", api_key=TOKEN, max_retries=0, http_client=https) as oai:
+        r = oai.completions.create(model=model, prompt=GEN["prompt"], max_tokens=12, temperature=0.0,
+                                   extra_body={"num_speculative_tokens": 3, "proposer": "draft"})
+        assert r.choices[0].text == plain.text
+    with openai.OpenAI(base_url=tls_cluster.http_url + "/v1", api_key="wrong", max_retries=0,
+                       http_client=httpx.Client(verify=ssl.create_default_context(cafile=pki.ca))) as oai:
+        with pytest.raises(openai.AuthenticationError):
+            oai.models.list()
+    with pytest.raises(httpx.HTTPError):  # an unverifiable certificate
+        httpx.get(tls_cluster.http_url + "/health", verify=ssl.create_default_context(cafile=pki.other_ca), timeout=FAST)
 
 
 def test_client_certificate_on_the_public_api(pki, tiny_target):

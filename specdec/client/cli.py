@@ -3,6 +3,7 @@
     specdec generate "Write a haiku" --chat --max-new-tokens 64 --json --address 127.0.0.1:50051
     specdec info --address 127.0.0.1:50051
     specdec run-local --prompt "Explain KV caches" --max-new-tokens 128
+    specdec bench-client -n 64 -c 8 --max-new-tokens 128 --address 127.0.0.1:50051
     SPECDEC_TOKEN=... specdec generate "Hi" --tls-ca ca.pem --address coordinator.example:50051
 """
 
@@ -17,6 +18,7 @@ import time
 import grpc
 
 from specdec.client import Client, finish_reason_name
+from specdec.client.bench import BenchConfig
 from specdec.models import default_draft, default_target
 
 STAT_ROWS = [
@@ -137,6 +139,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_client(args: argparse.Namespace) -> int:
+    from specdec.client.bench import main_bench
+
+    return main_bench(args, make_client)
+
+
 def cmd_run_local(args: argparse.Namespace) -> int:
     from specdec.client.local import LocalPipeline, LocalPipelineConfig
 
@@ -169,6 +177,16 @@ def main(argv=None) -> int:
     i = sub.add_parser("info", help="show the pipeline's models, defaults and limits")
     add_connection_args(i)
     i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("bench-client", help="N concurrent requests against a running coordinator; latency and throughput summary")
+    b.add_argument("--prompt", default=BenchConfig.prompt, help="every request's prompt")
+    b.add_argument("-n", "--num-requests", type=int, default=BenchConfig.num_requests)
+    b.add_argument("-c", "--concurrency", type=int, default=BenchConfig.concurrency, help="requests in flight at once")
+    add_connection_args(b)
+    add_generation_args(b)
+    b.set_defaults(func=cmd_bench_client, ignore_eos=True, max_new_tokens=64)
+    b.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="stop at EOS (default: ignore it, so every request generates --max-new-tokens)")
 
     r = sub.add_parser("run-local", help="start target, draft and coordinator locally, generate once, stop")
     r.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")

@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+from specdec.wire.logs import FORMATS as LOG_FORMATS
+from specdec.wire.logs import configure_logging
 from specdec.wire.server import ServerConfig
 
 
@@ -35,7 +37,7 @@ class EnvArgs:
 
     def parse(self, argv=None) -> argparse.Namespace:
         args = self.parser.parse_args(argv)
-        logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=f"%(asctime)s {self.service.lower()} %(levelname)s %(name)s: %(message)s")
+        configure_logging(self.service.lower(), args.log_level, getattr(args, "log_format", "text"))
         return args
 
 
@@ -45,6 +47,10 @@ def add_server_args(a: EnvArgs, default_port: int) -> None:
     a.add("--grace", type=float, default=ServerConfig.grace_s, help="seconds to drain in-flight rpcs on SIGTERM")
     a.add("--port-file", default=None, help="write the bound port to this file once serving (for port 0)")
     a.add("--log-level", default="info", help="debug | info | warning | error")
+    a.add("--log-format", default="text", choices=list(LOG_FORMATS),
+          help="text, or json: one JSON object per line with session id, round, proposer, K and status fields")
+    a.add("--metrics-address", default="",
+          help="host:port of this service's Prometheus /metrics endpoint ('' = none; port 0 = any free port)")
     a.add("--tls-cert", default=None, help="PEM certificate chain: serve TLS instead of plaintext (needs --tls-key)")
     a.add("--tls-key", default=None, help="PEM private key of --tls-cert")
     a.add("--tls-client-ca", default=None, help="PEM CA bundle: require client certificates it signed (mutual TLS)")
@@ -127,18 +133,27 @@ def check_server_tls(config: ServerConfig) -> None:
         config_error(str(e))
 
 
-def run_tier(label: str, service_name: str, build, config, port_file: str | None) -> None:
-    """Entry point body shared by the draft and target services: load, serve until SIGTERM, drain."""
+def run_tier(label: str, service_name: str, build, config, port_file: str | None, metrics_address: str | None = None) -> None:
+    """Entry point body shared by the draft and target services: load, serve (and /metrics) until
+    SIGTERM, drain."""
     import asyncio
 
+    from specdec.wire.metrics import serve_metrics
     from specdec.wire.server import serve
 
     log = logging.getLogger(f"{label}_service")
 
     async def run() -> None:
-        server, port, health, engine = build(config)
-        log.info("%s service for %s on port %d", label, config.tier.model.path, port)
-        await serve(server, health, [service_name], config.server,
-                    on_started=lambda: write_port_file(port_file, port), on_stop=engine.close)
+        tier = build(config)
+        metrics = serve_metrics(tier.registry, metrics_address)
+        log.info("%s service for %s on port %d", label, config.tier.model.path, tier.port)
+
+        def stop() -> None:
+            tier.engine.close()
+            if metrics is not None:
+                metrics.close()
+
+        await serve(tier.server, tier.health, [service_name], config.server,
+                    on_started=lambda: write_port_file(port_file, tier.port), on_stop=stop)
 
     asyncio.run(run())

@@ -17,7 +17,7 @@ import functools
 import hmac
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,19 @@ def check_token(token: str) -> str:
     return token
 
 
+def bearer_failure(value: str | None, token: bytes, carrier: str = "metadata") -> str | None:
+    """Why an `authorization` value (None: absent) does not carry `token`, or None if it does. The one
+    check of the public APIs (gRPC metadata, HTTP header), compared in constant time."""
+    if value is None:
+        return f"missing credentials: send {carrier} 'authorization: Bearer <token>'"
+    scheme, _, credential = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not credential.strip():
+        return f"malformed authorization {carrier}: expected 'Bearer <token>'"
+    if not hmac.compare_digest(credential.strip().encode("utf-8", "replace"), token):
+        return "invalid bearer token"
+    return None
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without metadata `authorization: Bearer <token>` with UNAUTHENTICATED (a constant-time
     comparison), except methods under OPEN_METHOD_PREFIXES (health and reflection)."""
@@ -91,15 +104,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     def _failure(self, metadata) -> str | None:
         values = [v for k, v in (metadata or ()) if k == "authorization"]
-        if not values:
-            return "missing credentials: send metadata 'authorization: Bearer <token>'"
-        value = values[0].decode("ascii", "replace") if isinstance(values[0], bytes) else str(values[0])
-        scheme, _, credential = value.strip().partition(" ")
-        if scheme.lower() != "bearer" or not credential.strip():
-            return "malformed authorization metadata: expected 'Bearer <token>'"
-        if not hmac.compare_digest(credential.strip().encode("utf-8", "replace"), self._token):
-            return "invalid bearer token"
-        return None
+        value = None
+        if values:
+            value = values[0].decode("ascii", "replace") if isinstance(values[0], bytes) else str(values[0])
+        return bearer_failure(value, self._token, "metadata")
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method or ""
@@ -212,8 +220,10 @@ async def serve(
     config: ServerConfig,
     on_started: Callable[[], Any] | None = None,
     on_stop: Callable[[], Any] | None = None,
+    on_draining: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
-    """Start, report SERVING, and run until SIGINT/SIGTERM; then drain for config.grace_s."""
+    """Start, report SERVING, and run until SIGINT/SIGTERM; then drain for config.grace_s.
+    on_draining: drains another server (e.g. HTTP) alongside the gRPC one; on_stop runs after both."""
     await server.start()
     await set_serving(health_servicer, names, True)
     if on_started is not None:
@@ -226,7 +236,7 @@ async def serve(
     await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down (grace %.1fs)", config.grace_s)
     await set_serving(health_servicer, names, False)
-    await server.stop(config.grace_s)
+    await asyncio.gather(server.stop(config.grace_s), *([on_draining()] if on_draining is not None else []))
     if on_stop is not None:
         result = on_stop()
         if asyncio.iscoroutine(result):

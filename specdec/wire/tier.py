@@ -8,9 +8,17 @@ convert the result back. Nothing here touches torch; the engine is used through 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry
+
 from specdec.math.params import SamplingParams
 from specdec.proto import common_pb2
-from specdec.wire.server import check_token_ids, handle_errors, invalid_argument
+from specdec.wire.metrics import TierMetrics
+from specdec.wire.server import Service, ServerConfig, check_token_ids, create_server, handle_errors, invalid_argument
 
 MAX_SESSION_ID_LEN = 128
 
@@ -76,3 +84,25 @@ class TierRpcs:
             num_running=s.num_running, num_waiting=s.num_waiting, kv_used_bytes=s.kv_used_bytes,
             kv_capacity_bytes=s.kv_capacity_bytes, kv_capacity_tokens=s.kv_capacity_tokens, steps=s.steps,
             step_tokens=s.step_tokens)
+
+
+@dataclass
+class TierServer:
+    """A tier's gRPC server over its engine, with the tier's own metrics registry."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    engine: Any
+    registry: CollectorRegistry
+    metrics: TierMetrics
+
+
+def create_tier_server(engine, service: Service, config: ServerConfig, tier: str) -> TierServer:
+    """The server for one tier's servicer, with metrics: every rpc (latency, errors by code), every engine
+    step (batch size, tokens, time) and, at scrape time, the engine's load (GetStatus's numbers)."""
+    registry = CollectorRegistry()
+    metrics = TierMetrics(registry, tier, engine.config.model.path, load=engine.status)
+    engine.observers.append(metrics.observe_step)
+    server, port, health_servicer = create_server([service], config, interceptors=[metrics.interceptor()])
+    return TierServer(server, port, health_servicer, engine, registry, metrics)

@@ -1,0 +1,161 @@
+"""The coordinator's Prometheus metrics: vLLM's request and speculative-decoding metrics (same names,
+meanings and buckets as vllm/v1/metrics/loggers.py and vllm/v1/spec_decode/metrics.py) plus specdec's
+round breakdown. See README, Metrics. Labels: model_name (and tier, part, proposer, code where they
+apply); never a session.
+
+vLLM's meanings, kept here:
+- vllm:spec_decode_num_drafts counts rounds that verified at least one draft token (a round whose
+  proposer offered nothing is not a draft); mean acceptance length = 1 + accepted / drafts, the bonus
+  (or correction) token included.
+- vllm:spec_decode_num_accepted_tokens_per_pos{position="i"} counts drafts whose token at 0-based
+  position i was accepted; accepted tokens are always a prefix of the drafts.
+- vllm:inter_token_latency_seconds has one observation per streamed output after the first, i.e. per
+  round: with speculation one output carries several tokens, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from coordinator.admission import Admission
+from coordinator.generation import RoundRecord, RoundStats
+from specdec.wire.metrics import MODEL_LABEL, RpcMetrics
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+# specdec's.
+ROUND_PART_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+K_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+ROUND_PARTS = ("draft", "verify", "network", "coordinator")
+# Our finish reasons -> vLLM's finished_reason label values (vllm.v1.engine.FinishReason).
+VLLM_FINISHED_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+class CoordinatorMetrics:
+    """All the coordinator's series, in `registry`. request() gives the tracker of one generation."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_k: int, admission: Admission) -> None:
+        self.registry = registry
+        m = [MODEL_LABEL]
+        v = [model_name]
+        self.rpc = RpcMetrics(registry, {MODEL_LABEL: model_name})
+
+        def gauge(name, doc, fn):
+            g = Gauge(name, doc, m, registry=registry)
+            g.labels(*v).set_function(fn)
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lambda: admission.running)
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda: admission.waiting)
+
+        def counter(name, doc, extra=()):
+            c = Counter(name, doc, [*m, *extra], registry=registry)
+            return c if extra else c.labels(*v)
+
+        def histogram(name, doc, buckets, extra=()):
+            h = Histogram(name, doc, [*m, *extra], registry=registry, buckets=buckets)
+            return h if extra else h.labels(*v)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", ("position",))
+        self.accepted_per_pos = [per_pos.labels(*v, str(i)) for i in range(max(max_k, 1))]  # as vLLM: 0..K-1, zeros shown
+        self._per_pos = per_pos
+        self._labels = v
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter("vllm:request_success", "Count of successfully processed requests.", ("finished_reason",))
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+
+        parts = histogram("specdec_round_seconds", "Time of one round by part: draft compute, target (verify) compute, "
+                          "network (rpc round trips minus compute) and coordinator (the rest of the round).",
+                          ROUND_PART_BUCKETS, ("part",))
+        self.round_parts = {p: parts.labels(*v, p) for p in ROUND_PARTS}
+        self.rounds = counter("specdec_rounds", "Rounds (target forwards), by the proposer of their drafts.", ("proposer",))
+        self.k = histogram("specdec_num_speculative_tokens", "K asked of the proposer per round (after clamping to the "
+                           "token budget; 0 = target-only round).", K_BUCKETS, ("proposer",))
+        self.reprefills = counter("specdec_reprefills", "Committed sequences resent in full because a tier had lost the "
+                                  "session (evicted, restarted).", ("tier",))
+        self.fallbacks = counter("specdec_lookup_fallbacks", "Rounds proposed by prompt lookup because the draft model "
+                                 "was unreachable.")
+        self.overlapped = counter("specdec_overlapped_rounds", "Rounds whose drafts were pre-drafted during the previous "
+                                  "round's verification (--overlap).")
+        self.tier_errors = counter("specdec_tier_errors", "Failed internal rpcs to the tiers, by tier, rpc and status "
+                                   "(the generation may have recovered).", ("tier", "rpc", "code"))
+
+    def request(self) -> "RequestMetrics":
+        return RequestMetrics(self)
+
+    def observe_round(self, r: RoundRecord) -> None:
+        v = self._labels
+        if r.drafts > 0:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(r.drafts)
+            self.num_accepted_tokens.inc(r.accepted)
+            for i in range(r.accepted):
+                child = self.accepted_per_pos[i] if i < len(self.accepted_per_pos) else self._per_pos.labels(*v, str(i))
+                child.inc()
+        for part, ms in zip(ROUND_PARTS, (r.draft_ms, r.verify_ms, r.network_ms, r.coordinator_ms)):
+            self.round_parts[part].observe(ms / 1e3)
+        self.rounds.labels(*v, r.proposer).inc()
+        self.k.labels(*v, r.proposer).observe(r.k)
+        if r.fallback:
+            self.fallbacks.inc()
+        if r.overlapped:
+            self.overlapped.inc()
+
+
+class RequestMetrics:
+    """One generation's share of the metrics, observed as it streams (so counters move during long
+    generations, as vLLM's do per step). Arrival is when the request reached the coordinator."""
+
+    def __init__(self, metrics: CoordinatorMetrics) -> None:
+        self.m = metrics
+        self.arrival = time.perf_counter()
+        self._last_output: float | None = None
+        self._rounds_seen = 0
+        self._reprefills: Tally = Tally()
+        self._tier_errors: Tally = Tally()
+
+    def on_chunk(self, num_tokens: int, prompt_tokens: int) -> None:
+        """A streamed chunk with num_tokens new token ids (text-only chunks carry none and count nothing)."""
+        if num_tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self._last_output is None:
+            self.m.ttft.observe(now - self.arrival)
+            self.m.prompt_tokens.inc(prompt_tokens)  # the prefill is done once the first round is
+        else:
+            self.m.itl.observe(now - self._last_output)
+        self._last_output = now
+        self.m.generation_tokens.inc(num_tokens)
+
+    def sync(self, stats: RoundStats) -> list[RoundRecord]:
+        """Observe what the generation recorded since the last call; returns its new rounds."""
+        new = stats.records[self._rounds_seen:]
+        self._rounds_seen = len(stats.records)
+        for r in new:
+            self.m.observe_round(r)
+        v = self.m._labels
+        for tier, n in (stats.reprefills - self._reprefills).items():
+            self.m.reprefills.labels(*v, tier).inc(n)
+        for (tier, rpc, code), n in (stats.tier_errors - self._tier_errors).items():
+            self.m.tier_errors.labels(*v, tier, rpc, code).inc(n)
+        self._reprefills = Tally(stats.reprefills)
+        self._tier_errors = Tally(stats.tier_errors)
+        return new
+
+    def finish(self, finish_reason: str | None) -> None:
+        """finish_reason: ours ("eos", "stop", "length", "context"), or None for a failed or cancelled
+        generation (vLLM's "abort")."""
+        self.m.e2e.observe(time.perf_counter() - self.arrival)
+        self.m.request_success.labels(*self.m._labels, VLLM_FINISHED_REASON.get(finish_reason, "abort")).inc()

@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP API on the coordinator (FastAPI): POST /v1/chat/completions, POST
+/v1/completions, GET /v1/models, GET /health.
+
+Thin handlers: check the bearer token (the gRPC API's check), parse the body (openai_schema), convert it to
+a GenerateRequest and hand it to the Frontend, the generation path the gRPC API uses too (same
+validation, admission control, metrics, logs and session clean-up). Responses and errors follow OpenAI's
+shapes: errors are {"error": {"message", "type", "param", "code"}} with 400 (bad input), 401 (missing or
+wrong token), 404 (unknown model or path), 429 (admission refusal), 503 (a tier unavailable), 504 (a
+tier's deadline), 500. Streams are server-sent events ending with `data: [DONE]`; an error after the
+stream started arrives as one `data: {"error": ...}` event before it. A client that disconnects (mid-stream,
+or while waiting for a whole answer) cancels the generation, which ends its sessions on both tiers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from coordinator.frontend import Frontend, finish_reason_name
+from coordinator.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
+from specdec.proto import generate_pb2
+from specdec.wire.metrics import RpcMetrics
+from specdec.wire.server import RequestError, bearer_failure
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+              405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+# Our finish reasons -> OpenAI's.
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+STREAM_ERROR = "specdec.stream_error"  # scope key: the status of an error sent inside a started stream
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def from_request_error(cls, e: RequestError) -> "ApiError":
+        return cls(HTTP_STATUS.get(e.code, 500), e.message, code=e.code.name.lower())
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed, also when the client goes away while the
+    stream waits at a yield (so the generation is cancelled and its tier sessions ended at once)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class HttpMetrics:
+    """ASGI middleware: specdec_rpc_duration_seconds / specdec_rpc_errors_total for each API route, with the
+    HTTP status as the code (an error inside a started stream counts with that error's status)."""
+
+    def __init__(self, app, rpc: RpcMetrics) -> None:
+        self.app = app
+        self.rpc = rpc
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        route = f"{scope['method']} {scope['path']}" if scope["path"] in ROUTES else "other"
+        status = {"code": "500"}
+
+        async def send_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = str(message["status"])
+            await send(message)
+
+        t0 = time.perf_counter()
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.rpc.observe(route, str(scope.get(STREAM_ERROR) or status["code"]), time.perf_counter() - t0)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HttpMetrics, rpc=frontend.metrics.rpc)
+    token = auth_token.encode() if auth_token else None
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or None
+        message = f"{field}: {err.get('msg', 'invalid')}" if field else err.get("msg", "invalid request body")
+        return ApiError(400, message, param=field, code="invalid_argument").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return ApiError(e.status_code, str(e.detail)).response()
+
+    def authorize(request: Request) -> None:
+        if token is not None:
+            failure = bearer_failure(request.headers.get("authorization"), token, "header")
+            if failure is not None:
+                raise ApiError(401, failure, code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if not frontend.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [{
+            "id": frontend.model_name, "object": "model", "created": created, "owned_by": "specdec",
+            "root": frontend.model_name, "max_model_len": frontend.pipeline.target_info.max_context}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _generate(frontend, body, request, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(frontend, body, request, chat=False)
+
+    return app
+
+
+async def _generate(frontend: Frontend, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool):
+    if body.model != frontend.model_name:
+        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{frontend.model_name}`",
+                       param="model", code="model_not_found")
+    try:
+        greq = body.to_generate_request()
+    except BadRequest as e:
+        raise ApiError(400, str(e), param=e.param, code="invalid_argument") from None
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    events = frontend.generate(greq, api="http", request_id=rid)
+    try:  # bad input, admission and a first round that fails get their HTTP status, not a broken stream
+        first = await events.__anext__()
+    except RequestError as e:
+        await events.aclose()
+        raise ApiError.from_request_error(e) from None
+    reply = Reply(rid, frontend.model_name, chat)
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventStream(reply.stream(first, events, usage, request.scope))
+    collect = asyncio.ensure_future(_collect(first, events))
+    try:
+        while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():  # nobody will read the answer: stop generating
+                raise ApiError(499, "the client closed the request", code="cancelled")
+        text, result = collect.result()
+    except RequestError as e:
+        raise ApiError.from_request_error(e) from None
+    finally:
+        if not collect.done():
+            collect.cancel()  # cancels the generation inside it: its sessions are ended
+            with contextlib.suppress(BaseException):
+                await collect
+        await events.aclose()
+    return reply.whole(text, result)
+
+
+async def _collect(first: generate_pb2.GenerateResponse, events: AsyncIterator[generate_pb2.GenerateResponse]):
+    """(text, result) of a whole generation."""
+    text, result, event = [], None, first
+    while True:
+        if event.HasField("chunk"):
+            text.append(event.chunk.text)
+        else:
+            result = event.result
+        try:
+            event = await events.__anext__()
+        except StopAsyncIteration:
+            return "".join(text), result
+
+
+class Reply:
+    """OpenAI response objects for one generation: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, rid: str, model: str, chat: bool) -> None:
+        self.rid, self.model, self.chat = rid, model, chat
+        self.created = int(time.time())
+
+    def _envelope(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(result: generate_pb2.GenerationResult) -> dict:
+        s = result.stats
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
+                "total_tokens": s.prompt_tokens + s.generated_tokens}
+
+    def _choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if chunk:
+            delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+
+    def whole(self, text: str, result: generate_pb2.GenerationResult) -> dict:
+        finish = FINISH_REASON[finish_reason_name(result.finish_reason)]
+        return {**self._envelope(False), "choices": [self._choice(text, finish, chunk=False)], "usage": self.usage(result)}
+
+    async def stream(self, first: generate_pb2.GenerateResponse, events: AsyncIterator[generate_pb2.GenerateResponse],
+                     include_usage: bool, scope: dict) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+        try:
+            if self.chat:  # OpenAI's first chunk announces the role
+                yield sse({**self._envelope(True), "choices": [self._choice("", None, True, role=True)], **extra})
+            event = first
+            while True:
+                if event.HasField("chunk"):
+                    if event.chunk.text:
+                        yield sse({**self._envelope(True), "choices": [self._choice(event.chunk.text, None, True)], **extra})
+                else:
+                    finish = FINISH_REASON[finish_reason_name(event.result.finish_reason)]
+                    yield sse({**self._envelope(True), "choices": [self._choice(None, finish, True)], **extra})
+                    if include_usage:
+                        yield sse({**self._envelope(True), "choices": [], "usage": self.usage(event.result)})
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    break
+        except RequestError as e:
+            err = ApiError.from_request_error(e)
+            scope[STREAM_ERROR] = err.status
+            yield sse(err.body())
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,115 @@
+"""Request validation, shared by every public API: a GenerateRequest (the gRPC message; the HTTP API
+converts its JSON into one) becomes GenerationParams or a RequestError(INVALID_ARGUMENT) naming the field,
+before any token is generated."""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING
+
+from coordinator.generation import GenerationParams
+from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
+from specdec.math.params import SamplingParams
+from specdec.proto import generate_pb2
+from specdec.wire.server import check_token_ids, invalid_argument
+
+if TYPE_CHECKING:
+    from coordinator.service import Pipeline
+
+CHAT_ROLES = {"system", "user", "assistant"}
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+PROPOSER_NAMES = {
+    generate_pb2.PROPOSER_DRAFT_MODEL: DRAFT_MODEL,
+    generate_pb2.PROPOSER_PROMPT_LOOKUP: PROMPT_LOOKUP,
+    generate_pb2.PROPOSER_HYBRID: HYBRID,
+}
+
+
+class RequestValidator:
+    """Checks a request against the server's limits and the pipeline's models (known after connect())."""
+
+    def __init__(self, pipeline: "Pipeline") -> None:
+        self.pipeline = pipeline
+        self.config = pipeline.config
+
+    def max_k(self) -> int:
+        """The largest K accepted: the server's cap and each tier's."""
+        caps = [self.config.max_num_speculative_tokens]
+        for info in (self.pipeline.draft_info, self.pipeline.target_info):
+            if info is not None:
+                caps.append(info.max_draft_tokens)
+        return min(caps)
+
+    def __call__(self, r: generate_pb2.GenerateRequest) -> GenerationParams:
+        """The request as GenerationParams, or RequestError(INVALID_ARGUMENT) naming the field."""
+        c = self.config
+        prompt_ids = self._prompt_ids(r)
+        context = self.pipeline.target_info.max_context
+        if len(prompt_ids) > c.max_prompt_tokens:
+            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={c.max_prompt_tokens}")
+        if len(prompt_ids) >= context:
+            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens; the target's context is {context}, leaving no room to generate")
+        max_new = r.max_new_tokens if r.HasField("max_new_tokens") else c.default_max_new_tokens
+        if not 1 <= max_new <= c.max_new_tokens_cap:
+            raise invalid_argument(f"max_new_tokens must be in [1, {c.max_new_tokens_cap}], got {max_new}")
+        sampling = SamplingParams(
+            temperature=r.temperature if r.HasField("temperature") else 0.0,
+            top_k=r.top_k if r.HasField("top_k") else 0,
+            top_p=r.top_p if r.HasField("top_p") else 1.0,
+        )
+        try:
+            sampling.validate()
+        except ValueError as e:
+            raise invalid_argument(str(e)) from None
+        if r.HasField("num_speculative_tokens"):
+            k = r.num_speculative_tokens
+            if not 0 <= k <= self.max_k():
+                raise invalid_argument(f"num_speculative_tokens must be in [0, {self.max_k()}], got {k}")
+        else:
+            k = c.default_num_speculative_tokens
+            k = None if k is None else min(k, self.max_k())
+        if r.proposer == generate_pb2.PROPOSER_UNSPECIFIED:
+            proposer = c.default_proposer
+        elif r.proposer in PROPOSER_NAMES:
+            proposer = PROPOSER_NAMES[r.proposer]
+        else:
+            raise invalid_argument(f"proposer: unknown value {r.proposer}")
+        if len(r.stop) > MAX_STOP_STRINGS:
+            raise invalid_argument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(r.stop)}")
+        for s in r.stop:
+            if not s or len(s) > MAX_STOP_LEN:
+                raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters")
+        seed = r.seed if r.HasField("seed") else secrets.randbits(63)
+        return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
+                                num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
+
+    def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
+        tok = self.pipeline.tokenizer
+        which = r.WhichOneof("prompt")
+        if which is None:
+            raise invalid_argument("prompt is required: set text, chat or token_ids")
+        if which == "text":
+            if not r.text:
+                raise invalid_argument("prompt text is empty")
+            ids = tok(r.text)["input_ids"]
+        elif which == "chat":
+            if not r.chat.messages:
+                raise invalid_argument("prompt chat.messages is empty")
+            for i, m in enumerate(r.chat.messages):
+                if m.role not in CHAT_ROLES:
+                    raise invalid_argument(f"chat.messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}")
+            if not tok.chat_template:
+                raise invalid_argument("the model's tokenizer has no chat template; send text or token_ids")
+            messages = [{"role": m.role, "content": m.content} for m in r.chat.messages]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # BatchEncoding in newer transformers
+                ids = ids["input_ids"]
+        else:
+            ids = list(r.token_ids.ids)
+            if not ids:
+                raise invalid_argument("prompt token_ids is empty")
+            check_token_ids(ids, self.pipeline.target_info.vocab_size, "prompt token_ids")
+        if not ids:
+            raise invalid_argument("prompt tokenizes to no tokens")
+        return list(ids)

@@ -1,0 +1,232 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client (and raw httpx where the wire
+format itself is checked) against real uvicorn + gRPC servers on loopback: output equal to the gRPC
+API's, usage, streaming with [DONE] and include_usage, errors with OpenAI's shape and the right status
+(400, 401, 404, 429, 503), and a client disconnect mid-stream that frees the sessions on both tiers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from coordinator.admission import AdmissionConfig
+from specdec.client import Client
+from tests.helpers import Cluster
+from tests.test_metrics import scrape, value
+
+PROMPT = "Write a short story about a lighthouse keeper"
+
+
+@pytest.fixture(scope="module")
+def cluster(self_draft_cluster):
+    return self_draft_cluster
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(cluster):
+    return cluster.coordinator.frontend.model_name
+
+
+def grpc_generate(cluster, **kw):
+    with Client(cluster.address) as client:
+        return client.generate(**kw)
+
+
+def test_models_and_health(cluster, oai, model):
+    assert [m.id for m in oai.models.list().data] == [model]
+    r = httpx.get(cluster.http_url + "/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_chat_equals_grpc_greedy_with_usage(cluster, oai, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    ref = grpc_generate(cluster, messages=messages, max_new_tokens=12, ignore_eos=True)
+    r = oai.chat.completions.create(model=model, messages=messages, max_completion_tokens=12,
+                                    extra_body={"ignore_eos": True, "num_speculative_tokens": 3, "proposer": "draft"})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == ref.stats["prompt_tokens"]
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+    # streamed: the deltas add up to the same text; the role comes first; the finish reason last
+    chunks = list(oai.chat.completions.create(model=model, messages=messages, max_tokens=12, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.usage is None for c in chunks)
+
+
+def test_completion_stream_include_usage_and_done(cluster, oai, model):
+    ref = grpc_generate(cluster, prompt=PROMPT, max_new_tokens=10, ignore_eos=True)
+    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=10, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.stats["prompt_tokens"], 10)
+
+    # the raw wire: SSE events, a usage chunk with no choices, then data: [DONE]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 10, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", cluster.http_url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    objs = [json.loads(e) for e in events[:-1]]
+    assert "".join(o["choices"][0]["text"] for o in objs if o["choices"]) == ref.text
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 10
+    assert all(o["usage"] is None for o in objs[:-1])
+    assert objs[-2]["choices"][0]["finish_reason"] == "length"
+
+    # token-id prompts, as in the gRPC API
+    ids = [int(x) for x in range(100, 110)]
+    r = oai.completions.create(model=model, prompt=ids, max_tokens=6, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == grpc_generate(cluster, token_ids=ids, max_new_tokens=6, ignore_eos=True).text
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_stop_strings_and_seeded_sampling(cluster, oai, model):
+    ref = grpc_generate(cluster, prompt=PROMPT, max_new_tokens=16, ignore_eos=True)
+    stop = ref.text[len(ref.text) // 2: len(ref.text) // 2 + 3]
+    assert stop.strip(), "the reference must give a usable stop string"
+    for s in (stop, [stop, "never-appears"]):
+        r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=16, stop=s, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].text == ref.text[: ref.text.index(stop)]
+    # the same seed and K give the same sample (adaptive K would follow timings)
+    spec = {"num_speculative_tokens": 2, "proposer": "draft"}
+    sampled = [oai.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0.9, top_p=0.95, seed=7,
+                                      extra_body=spec).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    assert sampled[0] == grpc_generate(cluster, prompt=PROMPT, max_new_tokens=8, temperature=0.9, top_p=0.95, seed=7,
+                                       **spec).text
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"n": 2}, "n"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 10**6}, None),  # over the server's cap: the shared validation's message
+    ({"top_p": 1.5}, None),
+    ({"extra_body": {"num_speculative_tokens": 99}}, None),
+    ({"extra_body": {"proposer": "oracle"}}, "proposer"),
+    ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": True}, "logprobs"),
+])
+def test_bad_requests_are_400_in_openai_shape(oai, model, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **kwargs)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert err["param"] == param or param in err["message"], err
+
+
+def test_more_bad_requests(cluster, oai, model):
+    with pytest.raises(openai.BadRequestError, match="num_speculative_tokens"):
+        oai.completions.create(model=model, prompt="hi", extra_body={"num_speculative_tokens": 99})
+    with pytest.raises(openai.BadRequestError, match="role"):
+        oai.chat.completions.create(model=model, messages=[{"role": "tool", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="batch"):
+        oai.completions.create(model=model, prompt=["a", "b"])
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="gpt-4o", prompt="hi")
+    assert e.value.body["code"] == "model_not_found"
+    r = httpx.post(cluster.http_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(cluster.http_url + "/v1/nothing-here", json={})
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_client_disconnect_mid_stream_frees_sessions_on_both_tiers(cluster, model):
+    before = scrape(cluster.metrics_url)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
+            "num_speculative_tokens": 0}  # target-only: one token per round, a long stream
+    with httpx.stream("POST", cluster.http_url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        got = [line for line, _ in zip((l for l in lines if l.startswith("data: ")), range(3))]
+        assert len(got) == 3
+        assert cluster.status("target").num_sessions >= 1, "the generation must still be running"
+    # the response is closed: the connection drops mid-stream
+    cluster.wait_no_sessions()
+    after = scrape(cluster.metrics_url)
+    generated = value(after, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total")
+    assert 3 <= generated < 900
+    assert value(after, "vllm:request_success_total", finished_reason="abort") - \
+        value(before, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_target):
+    """A coordinator with a bearer token, one generation at a time, and a short target retry."""
+    c = Cluster(tiny_target, tiny_target, coordinator_overrides={
+        "auth_token": "s3cret-token", "admission": AdmissionConfig(max_concurrency=1), "tier_retry_s": 0.3})
+    yield c
+    c.close()
+
+
+def test_auth_admission_and_unavailable_tier(guarded):
+    c = guarded
+    model = c.coordinator.frontend.model_name
+    url = c.http_url + "/v1"
+    msg = [{"role": "user", "content": "hi"}]
+    assert httpx.get(c.http_url + "/health").status_code == 200  # probes need no token
+    with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.chat.completions.create(model=model, messages=msg, max_tokens=2)
+        assert e.value.status_code == 401 and e.value.body["message"] == "invalid bearer token"
+    r = httpx.post(url + "/chat/completions", json={"model": model, "messages": msg})  # no token at all
+    assert r.status_code == 401 and "missing credentials" in r.json()["error"]["message"]
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(url + "/models").status_code == 401
+
+    with openai.OpenAI(base_url=url, api_key="s3cret-token", max_retries=0, timeout=60) as oai:
+        assert oai.chat.completions.create(model=model, messages=msg, max_tokens=2).usage.completion_tokens >= 1
+        # one generation in flight (max_concurrency=1): a second one is refused with 429
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
+                "num_speculative_tokens": 0}
+        with httpx.stream("POST", url + "/completions", json=body, timeout=60,
+                          headers={"authorization": "Bearer s3cret-token"}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()  # (kept: dropping the iterator would close the response)
+            next(lines)
+            with pytest.raises(openai.RateLimitError) as e:
+                oai.chat.completions.create(model=model, messages=msg, max_tokens=2)
+            assert "max_concurrency" in e.value.body["message"]
+        c.wait_no_sessions()
+        before = scrape(c.metrics_url)
+        c.stop_target()
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as e:
+            oai.chat.completions.create(model=model, messages=msg, max_tokens=2)
+        assert e.value.status_code == 503 and "target" in e.value.body["message"]
+        assert time.monotonic() - t0 < 30
+    after = scrape(c.metrics_url)
+    assert value(after, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="503") - \
+        value(before, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="503") == 1
+    assert value(after, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="401") == 2
+    assert value(after, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="429") == 1
+
+
+def test_client_gone_before_a_whole_answer_frees_sessions(cluster, model):
+    """Not streamed: the client times out and closes the connection; the generation stops too."""
+    before = scrape(cluster.metrics_url)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "num_speculative_tokens": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.http_url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    assert cluster.status("target").num_sessions >= 1, "the generation must still be running when the client leaves"
+    cluster.wait_no_sessions()
+    after = scrape(cluster.metrics_url)
+    assert value(after, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total") < 900
+    assert value(after, "vllm:request_success_total", finished_reason="abort") - \
+        value(before, "vllm:request_success_total", finished_reason="abort") == 1
