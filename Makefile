@@ -32,11 +32,16 @@ run: setup
 test: setup
 	$(PY) -m pytest -q tests
 
-# Benchmarks: target alone vs HF assisted generation vs specdec on this machine. Appends a section to
-# docs/BENCHMARKS.md and redraws docs/bench_*.png. Quick by default (~8 min on 2 cores);
-# BENCH_ARGS=--long for the full matrix, BENCH_ARGS=--help for the options.
+# Benchmarks, each appending a section to docs/BENCHMARKS.md (and redrawing docs/bench_*.png):
+#  bench.run          target alone vs HF assisted generation vs specdec per proposer and K (~8 min quick;
+#                     BENCH_ARGS=--long for the full matrix, BENCH_ARGS=--help for the options)
+#  bench.concurrency  1/4/16/32 concurrent clients: specdec, specdec K=0, HF generate_batch and padded
+#                     generate (~10 min; CONCURRENCY_ARGS=--help)
+#  bench.self_draft   the target's own bfloat16 / float16 / int8 copies as drafts (~2 min)
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.concurrency $(CONCURRENCY_ARGS)
+	$(PY) -m bench.self_draft $(SELF_DRAFT_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info

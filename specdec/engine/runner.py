@@ -47,10 +47,9 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.geometry.device
         self.decoder = model.base_model  # embeddings + layers + final norm
-        head = model.get_output_embeddings()
-        self.head_weight = head.weight  # [V, H]
-        self.head_bias = getattr(head, "bias", None)
-        self.vocab_size = int(self.head_weight.shape[0])
+        self.head = model.get_output_embeddings()
+        self.plain_head = isinstance(self.head, torch.nn.Linear)  # False for e.g. a quantized head
+        self.vocab_size = int(model.config.vocab_size if not self.plain_head else self.head.weight.shape[0])
 
     @torch.inference_mode()
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
@@ -77,6 +76,6 @@ class ModelRunner:
     def _head(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V]
         # On a CPU, x @ W.T for a few rows makes the BLAS pack all of W (a 49152 x 576 head: 24 ms for 2
         # rows on one core) while W @ x.T costs 6 ms: same product, same weights.
-        if self.device.type == "cpu" and self.head_bias is None and 1 < x.shape[0] <= 16:
-            return (self.head_weight @ x.T).T
-        return torch.nn.functional.linear(x, self.head_weight, self.head_bias)
+        if self.plain_head and self.device.type == "cpu" and self.head.bias is None and 1 < x.shape[0] <= 16:
+            return (self.head.weight @ x.T).T
+        return self.head(x)
