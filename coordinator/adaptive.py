@@ -1,10 +1,10 @@
-"""Adaptive K: choose the number of draft tokens per round that maximises expected tokens per second.
+"""Adaptive K, the estimates: what a round with K drafts from a proposer is expected to yield and cost.
 
 With per-token acceptance a, a round with K drafts commits (1 - a^(K+1)) / (1 - a) tokens on average
 (bonus included) and costs propose(K) + verify(K) + overhead. Both costs are modelled as linear in K
 and fitted online from the session's own rounds (exponentially weighted least squares), and a is an
-exponentially weighted acceptance estimate. K = 0 (target-only) is a candidate too; when it wins, a
-small K is still probed now and then so the estimates can recover.
+exponentially weighted acceptance estimate. coordinator/policy.py picks the proposer and K per round
+from these.
 """
 
 from __future__ import annotations
@@ -53,24 +53,23 @@ class LinearCost:
 @dataclass(frozen=True)
 class AdaptiveConfig:
     max_k: int = 8  # largest K tried
-    start_k: int = 3  # K of the first round
     decay: float = 0.9  # weight of the past per round (~10-round memory)
     prior_acceptance: float = 0.5  # acceptance assumed before any round
     probe_every: int = 8  # when K = 0 wins, probe K = 1 this often
 
 
-class AdaptiveK:
-    """Per-session, per-proposer controller. Times are in milliseconds."""
+class SourceEstimate:
+    """What one proposer's rounds have taught a session: per-token acceptance (exponentially
+    weighted) and the propose and verify costs as linear fits in K. Times are in milliseconds."""
 
-    def __init__(self, config: AdaptiveConfig, local_proposer: bool) -> None:
+    def __init__(self, config: AdaptiveConfig, local_proposer: bool, verify_cost: LinearCost | None = None) -> None:
+        """verify_cost: a fit shared with other sources (verifying K tokens costs the same whoever proposed them)."""
         self.config = config
         self._acc_num = config.prior_acceptance  # weighted accepted drafts
         self._acc_den = 1.0  # weighted draft attempts
-        # A remote draft costs about a network hop plus a few ms per token; a local lookup nothing.
+        # A remote draft costs about a network hop plus a few ms per token; a local proposer ~nothing.
         self.propose_cost = LinearCost(config.decay, 0.0 if local_proposer else 1.0, 0.0 if local_proposer else 5.0)
-        self.verify_cost = LinearCost(config.decay, 50.0, 3.0)
-        self._since_probe = 0
-        self._rounds = 0
+        self.verify_cost = verify_cost or LinearCost(config.decay, 50.0, 3.0)
 
     @property
     def acceptance(self) -> float:
@@ -78,30 +77,18 @@ class AdaptiveK:
 
     def observe(self, k: int, n_accepted: int, propose_ms: float, verify_ms: float) -> None:
         """One round: K proposed (after clamping), n accepted, and the two rpcs' wall times."""
-        self._rounds += 1
-        d = self.config.decay
         if k > 0:
-            # Each accepted draft is a success; the first rejection (if any) one failure.
-            attempts = n_accepted + (1 if n_accepted < k else 0)
-            self._acc_num = self._acc_num * d + n_accepted
-            self._acc_den = self._acc_den * d + attempts
+            self.observe_acceptance(k, n_accepted)
             self.propose_cost.observe(k, propose_ms)
         self.verify_cost.observe(k, verify_ms)
 
-    def choose(self) -> int:
-        c = self.config
-        if self._rounds == 0:
-            return c.start_k
-        a = self.acceptance
+    def observe_acceptance(self, k: int, n_accepted: int) -> None:
+        """n of k drafts accepted: each accepted draft is a success, the first rejection (if any) a failure."""
+        d = self.config.decay
+        attempts = n_accepted + (1 if n_accepted < k else 0)
+        self._acc_num = self._acc_num * d + n_accepted
+        self._acc_den = self._acc_den * d + attempts
 
-        def rate(k: int) -> float:
-            cost = self.verify_cost.predict(k) + (self.propose_cost.predict(k) if k > 0 else 0.0)
-            return expected_tokens(a, k) / cost
-
-        best = max(range(c.max_k + 1), key=rate)
-        if best == 0:
-            self._since_probe += 1
-            if self._since_probe >= c.probe_every:
-                self._since_probe = 0
-                return 1
-        return best
+    def cost(self, k: int) -> float:
+        """Predicted wall time of a round with k drafts from this source (k = 0: target only)."""
+        return self.verify_cost.predict(k) + (self.propose_cost.predict(k) if k > 0 else 0.0)

@@ -15,6 +15,7 @@ from coordinator.admission import Admission, AdmissionConfig
 from coordinator.generation import Generation, GenerationParams, Limits
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
+from coordinator.suffix import SuffixCache, SuffixConfig
 from coordinator.tiers import DraftClient, TargetClient, TierError
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, generate_pb2, generate_pb2_grpc
@@ -28,12 +29,15 @@ SERVICE_NAME = "specdec.v1.Generation"
 CHAT_ROLES = {"system", "user", "assistant"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-# Tier failures the client sees with their own code; anything else is our bug -> INTERNAL.
+# The request's proposer enum -> the coordinator's names. SUFFIX has no enum value yet: it is reached
+# through --default-proposer suffix until generate.proto gets PROPOSER_SUFFIX (then one line here:
+# generate_pb2.PROPOSER_SUFFIX: SUFFIX).
 PROPOSER_NAMES = {
     generate_pb2.PROPOSER_DRAFT_MODEL: DRAFT_MODEL,
     generate_pb2.PROPOSER_PROMPT_LOOKUP: PROMPT_LOOKUP,
     generate_pb2.PROPOSER_HYBRID: HYBRID,
 }
+# Tier failures the client sees with their own code; anything else is our bug -> INTERNAL.
 _PASS_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
@@ -48,9 +52,10 @@ class CoordinatorConfig:
     max_prompt_tokens: int = 8192  # longer prompts are rejected
     default_num_speculative_tokens: int | None = None  # K when a request leaves it unset; None = adaptive
     max_num_speculative_tokens: int = 16  # larger K is rejected
-    default_proposer: str = HYBRID  # draft_model | prompt_lookup | hybrid, when a request leaves it unset
+    default_proposer: str = HYBRID  # draft_model | prompt_lookup | suffix | hybrid, when a request leaves it unset
     adaptive: AdaptiveConfig = AdaptiveConfig()  # adaptive-K controller settings
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
+    suffix: SuffixConfig = SuffixConfig()  # suffix decoding: tree depth, proposal length, shared-tree bounds
     overlap: bool = False  # pre-draft round r+1 while the target verifies round r
     tier_retry_s: float = 30.0  # retry an unreachable target this long when the client set no deadline
     admission: AdmissionConfig = AdmissionConfig()  # concurrency and request-rate limits
@@ -94,6 +99,7 @@ class Pipeline:
             self._channels.append(channel(config.draft_address))
             self.draft = DraftClient(self._channels[1], config.draft_address, config.rpc_timeout_s)
         self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
+        self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
         self.tokenizer = None
         self.target_info: common_pb2.ModelInfo | None = None
         self.draft_info: common_pb2.ModelInfo | None = None
@@ -173,10 +179,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         limits = Limits(max_context=pl.target_info.max_context,
                         draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
                         max_k=self._max_k(), overlap=self.config.overlap, adaptive=self.config.adaptive,
-                        lookup=self.config.lookup, tier_retry_s=self.config.tier_retry_s)
+                        lookup=self.config.lookup, suffix=self.config.suffix, tier_retry_s=self.config.tier_retry_s)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids), limits, deadline)
+        generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids), limits, deadline,
+                                suffix_cache=pl.suffix_cache)
         try:
             async for event in generation.run():
                 yield event
