@@ -320,16 +320,16 @@ def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, 
                 break
             spots.append(where)
     # Longest match first: a match of m tokens proposes at most limit(m) tokens and scores at most
-    # that, so stop once it cannot beat the best score (ties go to the longer match).
+    # that, so stop once it cannot beat the best score (ties, to rounding, go to the longer match).
     best, best_score = SuffixDraft(), 0.0
     for m in range(len(spots), 0, -1):
         limit = min(max_tokens, int(m * config.max_spec_factor + config.max_spec_offset + 1e-6))
-        if limit <= best_score:
+        if limit <= best_score + 1e-9:
             break
         node, j = spots[m - 1]
         tokens, probs = SuffixTree.follow(node, j, limit, config.min_token_prob)
         score = sum(probs)
-        if score > best_score:
+        if score > best_score + 1e-9:
             best, best_score = SuffixDraft(tokens, probs, m), score
     return best
 
