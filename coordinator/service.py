@@ -151,10 +151,14 @@ class Pipeline:
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
-    async def close(self, cleanup_timeout_s: float = 5.0) -> None:
-        """Finish pending session clean-ups (EndSession on the tiers), then close the channels."""
+    async def settle(self, timeout_s: float = 5.0) -> None:
+        """Wait for pending session clean-ups (EndSession on the tiers, outputs into the shared tree)."""
         if self._cleanup:
-            await asyncio.wait(list(self._cleanup), timeout=cleanup_timeout_s)
+            await asyncio.wait(list(self._cleanup), timeout=timeout_s)
+
+    async def close(self, cleanup_timeout_s: float = 5.0) -> None:
+        """Finish pending session clean-ups, then close the channels."""
+        await self.settle(cleanup_timeout_s)
         for ch in self._channels:
             await ch.close()
 
