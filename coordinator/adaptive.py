@@ -24,6 +24,7 @@ class LinearCost:
 
     def __init__(self, decay: float, prior_intercept: float, prior_slope: float, prior_weight: float = 0.5) -> None:
         self.decay = decay
+        self.prior = (prior_intercept, prior_slope)
         # Prior pseudo-observations at K = 1 and K = 4 pin the line until real data spreads over K.
         self._s = [0.0] * 5  # sum w, sum wx, sum wy, sum wxx, sum wxy
         for x in (1.0, 4.0):
@@ -48,6 +49,10 @@ class LinearCost:
         slope = max(slope, 0.0)
         intercept = (sy - slope * sx) / w
         return max(intercept + slope * k, 1e-6)
+
+    def predict_prior(self, k: int) -> float:
+        """The prior line alone: a cost model that no measurement (no timing) changes."""
+        return max(self.prior[0] + self.prior[1] * k, 1e-6)
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,9 @@ class SourceEstimate:
         self._acc_num = self._acc_num * d + n_accepted
         self._acc_den = self._acc_den * d + attempts
 
-    def cost(self, k: int) -> float:
-        """Predicted wall time of a round with k drafts from this source (k = 0: target only)."""
+    def cost(self, k: int, measured: bool = True) -> float:
+        """Predicted wall time of a round with k drafts from this source (k = 0: target only);
+        measured=False: from the priors only, the same in every run."""
+        if not measured:
+            return self.verify_cost.predict_prior(k) + (self.propose_cost.predict_prior(k) if k > 0 else 0.0)
         return self.verify_cost.predict(k) + (self.propose_cost.predict(k) if k > 0 else 0.0)

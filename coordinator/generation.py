@@ -110,6 +110,9 @@ class Generation:
         self._local = [x for x in (self.suffix, self.lookup) if x is not None and params.proposer in (x.source, HYBRID)]
         cfg = dataclasses.replace(limits.adaptive, max_k=min(limits.adaptive.max_k, limits.max_k))
         self.policy = ProposerPolicy(cfg, (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL))
+        # Sampling with a fixed K is reproducible (same seed, same output): then no timing and no other
+        # session (the shared suffix tree) may sway the proposals. Adaptive K never was reproducible.
+        self._reproducible = params.sampling.temperature > 0 and params.num_speculative_tokens is not None
         self._output: list[int] | None = None  # the generated tokens, once finished
 
     def _max_k(self, budget: int) -> int:
@@ -122,9 +125,10 @@ class Generation:
         draft_ok = (self.draft is not None and self.draft.available
                     and len(committed) + budget <= self.limits.draft_max_context)
         local = self._local if self._local or draft_ok else [self.lookup]  # draft mode, draft down: lookup
-        offers = [x.propose(max_k) for x in local] if max_k > 0 else []
+        shared = not self._reproducible
+        offers = [x.propose(max_k, shared) for x in local] if max_k > 0 else []
         fixed = self.params.num_speculative_tokens is not None
-        choice = self.policy.choose(offers, max_k, draft_ok, fixed)
+        choice = self.policy.choose(offers, max_k, draft_ok, fixed, measured_costs=shared)
         if choice.source == DRAFT_MODEL and choice.k > 0:
             try:
                 proposal = await self.draft.propose(committed, hashes, choice.k, self._time_left())
@@ -132,7 +136,7 @@ class Generation:
                 return proposal, offers
             except TierError:  # the draft is down: the best local offer instead
                 offers = offers or [self.lookup.propose(max_k)]
-                choice = self.policy.choose(offers, max_k, False, fixed)
+                choice = self.policy.choose(offers, max_k, False, fixed, measured_costs=shared)
         offer = next((o for o in offers if o.source == choice.source), None)
         if offer is None:
             return Proposal(choice.source, []), offers
@@ -173,8 +177,9 @@ class Generation:
             verify = asyncio.ensure_future(self._verify(committed, hashes, drafts, proposal.q[: len(drafts)]))
             speculating = False
             if self.limits.overlap and drafts and proposal.source == DRAFT_MODEL and self.draft.available:
-                k_next = min(self.policy.best_draft_k(self._max_k(budget)), remaining - len(drafts) - 2,
-                             room - len(drafts) - 2)
+                k_fixed = self.params.num_speculative_tokens
+                k_next = min(self.policy.best_draft_k(self._max_k(budget)) if k_fixed is None else k_fixed,
+                             remaining - len(drafts) - 2, room - len(drafts) - 2)
                 if k_next > 0 and len(committed) + len(drafts) + k_next + 1 <= self.limits.draft_max_context:
                     speculating = await self.draft.speculate(committed, hashes, drafts, k_next)
             try:

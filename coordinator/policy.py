@@ -10,7 +10,8 @@ and its wall time, C(K):
          estimated drafts (so a tree that is too confident is discounted);
   C(K) = verify(K) + propose(K): linear fits of measured wall times (verify shared by all sources).
 It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included. The draft
-is asked only when its rate wins. When K = 0 wins, the best K = 1 is still probed every probe_every
+is asked only when its rate wins. (A sampled request with a fixed K is meant to be reproducible: there
+C(K) comes from the priors alone, so no timing sways which source proposes.) When K = 0 wins, the best K = 1 is still probed every probe_every
 rounds so the estimates can recover. In greedy rounds, the local chains that were not chosen are
 scored against the committed tokens as well: free measurements that keep every estimate current.
 Cost: O(sources x max_k) arithmetic per round, a few microseconds.
@@ -66,9 +67,11 @@ class ProposerPolicy:
             return 1.0 + min(float(k), accepted)
         return expected_tokens(self.estimates[source].acceptance, k)
 
-    def choose(self, offers: Sequence[Proposal], max_k: int, draft: bool, fixed: bool) -> Choice:
+    def choose(self, offers: Sequence[Proposal], max_k: int, draft: bool, fixed: bool, measured_costs: bool = True) -> Choice:
         """offers: the local sources' chains (up to max_k tokens each); draft: whether the draft model
-        may be asked; fixed: max_k is the request's K (no K = 0 option, no shorter K for the draft)."""
+        may be asked; fixed: max_k is the request's K (no K = 0 option, no shorter K for the draft);
+        measured_costs=False: costs from the priors, so that no timing sways the choice (reproducible
+        sampling)."""
         default = offers[0].source if offers else DRAFT_MODEL
         if max_k <= 0:
             return Choice(default, 0)
@@ -80,7 +83,7 @@ class ProposerPolicy:
         for offer, source, limit in candidates:
             est = self.estimates[source]
             for k in ((limit,) if fixed else range(1, limit + 1)):
-                rate = self.expected(offer, source, k) / est.cost(k)
+                rate = self.expected(offer, source, k) / est.cost(k, measured_costs)
                 if best is None or rate > best[0]:
                     best = (rate, source, k)
                 if k == 1 and (best_k1 is None or rate > best_k1[0]):

@@ -49,7 +49,8 @@ class PromptLookupProposer:
     def commit(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int, shared: bool = True) -> Proposal:
+        """Up to k tokens; `shared` is for the suffix proposer's interface (lookup has no shared state)."""
         t0 = time.perf_counter()
         tokens = self.index.propose(k)
         return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3)

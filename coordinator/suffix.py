@@ -428,12 +428,14 @@ class SuffixProposer:
     def commit(self, tokens) -> None:
         self.tree.extend(self.SEQ, tokens)
 
-    def propose(self, k: int) -> Proposal:
-        """Up to k tokens: the better-scoring chain of the session's own tree and the shared one."""
+    def propose(self, k: int, shared: bool = True) -> Proposal:
+        """Up to k tokens: the better-scoring chain of the session's own tree and (shared=True) the
+        shared one. The shared tree changes with other sessions: without it, proposals are a function
+        of the session's tokens alone."""
         t0 = time.perf_counter()
         seq = self.tree.seqs[self.SEQ]
         best = speculate(self.tree, seq, k, self.config, seq_id=self.SEQ)
-        if self.cache is not None and self.cache.entries:
+        if shared and self.cache is not None and self.cache.entries:
             shared = self.cache.speculate(seq[-(self.config.max_depth - 1) :], k)
             if shared.score > best.score:
                 best = shared

@@ -169,3 +169,16 @@ def test_best_draft_k_for_drafting_ahead():
     for _ in range(30):
         _observe(policy, Choice(DRAFT_MODEL, 4), 4, 1.0, 50.0)
     assert policy.best_draft_k(8) == 8
+
+
+def test_policy_without_measured_costs_ignores_timings():
+    """Reproducible sampling (fixed K): the choice must not depend on how long rounds took."""
+    fast, slow = ProposerPolicy(AdaptiveConfig(), SOURCES), ProposerPolicy(AdaptiveConfig(), SOURCES)
+    for policy, draft_ms in ((fast, 0.0), (slow, 500.0)):
+        for _ in range(20):
+            _observe(policy, Choice(DRAFT_MODEL, 4), 4, draft_ms, 50.0)
+    lookup = [Proposal(PROMPT_LOOKUP, [5, 6, 7, 8])]
+    assert fast.choose(lookup, max_k=4, draft=True, fixed=True) == Choice(DRAFT_MODEL, 4)  # a free, perfect draft
+    assert slow.choose(lookup, max_k=4, draft=True, fixed=True) == Choice(PROMPT_LOOKUP, 4)
+    assert (fast.choose(lookup, max_k=4, draft=True, fixed=True, measured_costs=False)
+            == slow.choose(lookup, max_k=4, draft=True, fixed=True, measured_costs=False))
