@@ -30,6 +30,10 @@ class LinearCost:
         for x in (1.0, 4.0):
             self._add(x, prior_intercept + prior_slope * x, prior_weight)
 
+    def observe(self, k: int, cost: float) -> None:
+        self._s = [v * self.decay for v in self._s]
+        self._add(float(k), cost, 1.0)
+
     def _add(self, x: float, y: float, w: float) -> None:
         s = self._s
         s[0] += w
@@ -37,22 +41,17 @@ class LinearCost:
         s[2] += w * y
         s[3] += w * x * x
         s[4] += w * x * y
+        var = s[0] * s[3] - s[1] * s[1]
+        slope = max((s[0] * s[4] - s[1] * s[2]) / var if var > 1e-12 else 0.0, 0.0)
+        self._line = ((s[2] - slope * s[1]) / s[0], slope)  # (intercept, slope), refitted per observation
 
-    def observe(self, k: int, cost: float) -> None:
-        self._s = [v * self.decay for v in self._s]
-        self._add(float(k), cost, 1.0)
+    def line(self, measured: bool = True) -> tuple[float, float]:
+        """(intercept, slope); measured=False: the prior line alone, which no timing changes."""
+        return self._line if measured else self.prior
 
-    def predict(self, k: int) -> float:
-        w, sx, sy, sxx, sxy = self._s
-        var = w * sxx - sx * sx
-        slope = (w * sxy - sx * sy) / var if var > 1e-12 else 0.0
-        slope = max(slope, 0.0)
-        intercept = (sy - slope * sx) / w
+    def predict(self, k: int, measured: bool = True) -> float:
+        intercept, slope = self._line if measured else self.prior
         return max(intercept + slope * k, 1e-6)
-
-    def predict_prior(self, k: int) -> float:
-        """The prior line alone: a cost model that no measurement (no timing) changes."""
-        return max(self.prior[0] + self.prior[1] * k, 1e-6)
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,4 @@ class SourceEstimate:
     def cost(self, k: int, measured: bool = True) -> float:
         """Predicted wall time of a round with k drafts from this source (k = 0: target only);
         measured=False: from the priors only, the same in every run."""
-        if not measured:
-            return self.verify_cost.predict_prior(k) + (self.propose_cost.predict_prior(k) if k > 0 else 0.0)
-        return self.verify_cost.predict(k) + (self.propose_cost.predict(k) if k > 0 else 0.0)
+        return self.verify_cost.predict(k, measured) + (self.propose_cost.predict(k, measured) if k > 0 else 0.0)

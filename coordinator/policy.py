@@ -60,39 +60,44 @@ class ProposerPolicy:
         self.ratios = {s: AcceptanceRatio(config.decay) for s in sources}
         self._since_probe = 0
 
-    def expected(self, offer: Proposal | None, source: str, k: int) -> float:
-        """Expected tokens committed by a round with the first k drafts (bonus included)."""
-        if offer is not None and offer.probs:
-            accepted = self.ratios[source].value * sum(offer.probs[:k])
-            return 1.0 + min(float(k), accepted)
-        return expected_tokens(self.estimates[source].acceptance, k)
-
     def choose(self, offers: Sequence[Proposal], max_k: int, draft: bool, fixed: bool, measured_costs: bool = True) -> Choice:
         """offers: the local sources' chains (up to max_k tokens each); draft: whether the draft model
         may be asked; fixed: max_k is the request's K (no K = 0 option, no shorter K for the draft);
         measured_costs=False: costs from the priors, so that no timing sways the choice (reproducible
-        sampling)."""
+        sampling). O(sources x max_k)."""
         default = offers[0].source if offers else DRAFT_MODEL
         if max_k <= 0:
             return Choice(default, 0)
-        best: tuple[float, str, int] | None = None  # (rate, source, k)
-        best_k1: tuple[float, str, int] | None = None  # the best K = 1 option, for probing
         candidates: list[tuple[Proposal | None, str, int]] = [(o, o.source, len(o.tokens)) for o in offers if o.tokens]
         if draft:
             candidates.append((None, DRAFT_MODEL, max_k))
+        if not candidates:
+            return Choice(default, 0)
+        best = best_k1 = (0.0, default, 0)  # (rate, source, k); best_k1: the best K = 1 option, for probing
+        v0, v1 = self.verify_cost.line(measured_costs)
         for offer, source, limit in candidates:
             est = self.estimates[source]
-            for k in ((limit,) if fixed else range(1, limit + 1)):
-                rate = self.expected(offer, source, k) / est.cost(k, measured_costs)
-                if best is None or rate > best[0]:
+            p0, p1 = est.propose_cost.line(measured_costs)
+            probs = offer.probs if offer is not None else None
+            a, ratio = est.acceptance, self.ratios[source].value
+            expected, a_k, cumulative = 1.0, 1.0, 0.0  # E(k): tokens the round commits, bonus included
+            for k in range(1, limit + 1):
+                if probs:  # the tree's estimate, scaled by how its estimates have fared
+                    cumulative += probs[k - 1]
+                    expected = 1.0 + min(float(k), ratio * cumulative)
+                else:  # geometric: 1 + a + ... + a^k
+                    a_k *= a
+                    expected += a_k
+                if fixed and k < limit:
+                    continue
+                rate = expected / (max(v0 + v1 * k, 1e-6) + max(p0 + p1 * k, 1e-6))
+                if rate > best[0]:
                     best = (rate, source, k)
-                if k == 1 and (best_k1 is None or rate > best_k1[0]):
+                if k == 1 and rate > best_k1[0]:
                     best_k1 = (rate, source, k)
-        if best is None:
-            return Choice(default, 0)
         if fixed:
             return Choice(best[1], best[2])
-        target_only = 1.0 / self.verify_cost.predict(0)
+        target_only = 1.0 / self.verify_cost.predict(0, measured_costs)
         if target_only >= best[0]:
             self._since_probe += 1
             if self._since_probe < self.config.probe_every:
