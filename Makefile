@@ -33,7 +33,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 # Benchmarks: target alone vs HF assisted generation vs specdec on this machine. Appends a section to
-# docs/BENCHMARKS.md and redraws docs/bench_*.png. Quick by default (~8 min on 2 cores);
+# docs/BENCHMARKS.md and redraws docs/bench_*.png. Quick by default (~15 min on 2 cores);
 # BENCH_ARGS=--long for the full matrix, BENCH_ARGS=--help for the options.
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)

@@ -34,16 +34,16 @@ REPO = Path(__file__).resolve().parent.parent
 T_START = time.time()
 
 MODES = {
-    # quick: sized to finish in about 8 minutes on an idle 2-core CPU.
-    "quick": dict(max_new_tokens=32, prompts=3, template_prompts=20, repeats=1, warmup_tokens=8,
+    # quick: sized to finish in about 15 minutes on an idle 2-core CPU (8 without the template workload).
+    "quick": dict(max_new_tokens=32, prompts=3, template_prompts=20, template_placements=("shared",), repeats=1, warmup_tokens=8,
                   greedy_ks=[1, 2, 4], sampled_temps=[0.7, 1.0], sampled_ks=[2],
                   lookup_ks=[2, 4], peer_sampled_temps=[0.7], peer_fixed_ks=[], peer_lookup_ks=[2, 4],
                   sampled_cells=[("shared", "open")]),
-    "long": dict(max_new_tokens=128, prompts=0, template_prompts=20, repeats=2, warmup_tokens=16,
+    "long": dict(max_new_tokens=128, prompts=0, template_prompts=20, template_placements=None, repeats=2, warmup_tokens=16,
                  greedy_ks=list(range(1, 9)), sampled_temps=[0.7, 1.0], sampled_ks=list(range(1, 9)),
                  lookup_ks=[2, 4, 8], peer_sampled_temps=[0.7, 1.0], peer_fixed_ks=[1, 2, 4], peer_lookup_ks=[2, 4, 8],
                  sampled_cells=None),
-    "smoke": dict(max_new_tokens=16, prompts=1, template_prompts=4, repeats=1, warmup_tokens=4,
+    "smoke": dict(max_new_tokens=16, prompts=1, template_prompts=4, template_placements=None, repeats=1, warmup_tokens=4,
                   greedy_ks=[1, 2], sampled_temps=[0.7], sampled_ks=[2],
                   lookup_ks=[2], peer_sampled_temps=[0.7], peer_fixed_ks=[], peer_lookup_ks=[2],
                   sampled_cells=None),
@@ -147,6 +147,8 @@ def build_plan(args) -> dict:
                 r["key"] = "/".join(x for x in (pl, wl, method, r["proposer"] or "", t, k) if x)
                 rows.append(r)
             if wl == "template":  # 20 requests per row: target alone, K = 0 and the model-free proposers
+                if m["template_placements"] is not None and pl not in m["template_placements"]:
+                    continue  # quick mode: the shared placement only
                 add("target")
                 add("specdec", proposer="draft", k=0)
                 for prop in TEMPLATE_PROPOSERS:
@@ -188,7 +190,8 @@ def describe_plan(plan: dict) -> list[str]:
              f"grounded workload: proposers {plan['proposers']} at K {plan['lookup_ks']} + adaptive; "
              f"peer prompt lookup K {plan['peer_lookup_ks']}"]
     if "template" in plan["workloads"]:
-        lines.append(f"template workload: {plan['template_prompts']} requests in sequence, once (a repeat would find its own "
+        where = "" if plan["template_placements"] is None else f" ({', '.join(plan['template_placements'])} placement only)"
+        lines.append(f"template workload{where}: {plan['template_prompts']} requests in sequence, once (a repeat would find its own "
                      f"earlier outputs); target alone, K=0 and {', '.join(TEMPLATE_PROPOSERS)} at adaptive K; suffix and "
                      "hybrid rows each get a fresh coordinator, so their shared suffix tree starts empty and learns "
                      "only from the row's own earlier requests (open and grounded rows run with the shared tree off: "
