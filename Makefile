@@ -33,7 +33,8 @@ test: setup
 	$(PY) -m pytest -q tests
 
 # Benchmarks, each appending a section to docs/BENCHMARKS.md (and redrawing docs/bench_*.png):
-#  bench.run          target alone vs HF assisted generation vs specdec per proposer and K (~8 min quick;
+#  bench.run          target alone vs HF assisted generation vs specdec per proposer and K, on open,
+#                     grounded and repeated-template workloads (~15 min quick;
 #                     BENCH_ARGS=--long for the full matrix, BENCH_ARGS=--help for the options)
 #  bench.concurrency  1/4/16/32 concurrent clients: specdec, specdec K=0, HF generate_batch and padded
 #                     generate (~10 min; CONCURRENCY_ARGS=--help)

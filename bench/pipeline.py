@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -28,6 +30,24 @@ class BenchPipeline(LocalPipeline):
                 os.sched_setaffinity(proc.pid, cpus)  # before the interpreter has started any thread
             except OSError:
                 pass
+
+    def restart_coordinator(self, extra_args: list[str]) -> None:
+        """A fresh coordinator process (an empty shared suffix tree) over the same tiers, with
+        extra_args after the configured coordinator args."""
+        proc = self.procs.get("coordinator")
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        (self.dir / "coordinator.port").unlink(missing_ok=True)
+        draft = f"127.0.0.1:{self.ports['draft']}" if "draft" in self.ports else ""
+        self._spawn("coordinator", "coordinator", [
+            "--target", f"127.0.0.1:{self.ports['target']}", "--draft", draft, "--tokenizer", self.config.target_model,
+            *self.config.coordinator_args, *extra_args])
+        self._wait_port("coordinator", time.monotonic() + self.config.start_timeout_s)
 
     def pin_all_threads(self) -> dict[str, str]:
         """Pin every thread of every tier (threads started before _spawn's pin are caught here);
@@ -119,15 +139,22 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+# Proposers the request enum cannot name yet: the row's coordinator is started with it as its default.
+DEFAULT_ONLY_PROPOSERS = {"suffix"}
+
+
 def run_specdec_row(client: Client, row: dict, prompts: list, max_new_tokens: int, repeats: int,
-                    warmup_tokens: int, log, warmed: set | None = None, meter=None, retry=None) -> dict:
+                    warmup_tokens: int, log, warmed: set | None = None, meter=None, retry=None,
+                    warmup_prompt=None) -> dict:
     """Measure one specdec configuration over prompts x repeats. Errors end the row, not the run.
-    One warm-up generation per method (proposer, greedy/sampled): `warmed` remembers which ran."""
+    One warm-up generation per method (proposer, greedy/sampled): `warmed` remembers which ran;
+    it uses warmup_prompt if given, else the first prompt."""
     res = {**row, "samples": [], "error": None}
+    proposer = None if row["proposer"] in DEFAULT_ONLY_PROPOSERS else row["proposer"]
 
     def call(prompt, n: int, seed: int):
         kw = dict(messages=prompt.messages, max_new_tokens=n, ignore_eos=True,
-                  temperature=float(row["temperature"]), seed=seed, proposer=row["proposer"])
+                  temperature=float(row["temperature"]), seed=seed, proposer=proposer)
         if row["k"] is not None:  # None: leave K unset = the coordinator's default policy (adaptive)
             kw["num_speculative_tokens"] = int(row["k"])
         if meter is not None:
@@ -139,7 +166,7 @@ def run_specdec_row(client: Client, row: dict, prompts: list, max_new_tokens: in
     try:
         group = (row["proposer"], row["k"] == 0, row["temperature"] > 0)
         if warmup_tokens and (warmed is None or group not in warmed):
-            call(prompts[0], min(warmup_tokens, max_new_tokens), seed=0)
+            call(warmup_prompt or prompts[0], min(warmup_tokens, max_new_tokens), seed=0)
             if warmed is not None:
                 warmed.add(group)
         for rep in range(repeats):

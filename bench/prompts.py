@@ -1,12 +1,16 @@
 """The fixed benchmark prompt set. Each prompt is sent as one user chat message.
 
-Two workloads:
+Three workloads:
 
 * ``open``: free-form instructions (explanations, stories, lists, how-tos). The answer shares few
   n-grams with the prompt, so prompt lookup has little to copy; the draft model is the proposer.
 * ``grounded``: a quoted passage (80-150 words, written for this benchmark) to rewrite, summarise or
   extract from, plus short code-editing tasks. Much of the answer copies spans of the prompt, which
   is where prompt-lookup drafting should shine.
+* ``template``: the same instruction (extract a person's name, age, city and job as JSON) over 20
+  different one-sentence inputs, sent in sequence through one coordinator: the answers repeat each
+  other's structure, which the suffix proposer's tree of recent outputs (shared by the coordinator's
+  sessions) learns as the requests go by. Always all 20, in order.
 
 The order matters: quick runs take the first few prompts of each workload, so each workload starts
 with a representative mix (quick ``grounded`` = a rewrite, a code edit and a summary).
@@ -22,8 +26,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    workload: str  # "open" | "grounded"
-    kind: str  # what the task is: explain / story / list / howto / rewrite / summarise / extract / code
+    workload: str  # "open" | "grounded" | "template"
+    kind: str  # what the task is: explain / story / list / howto / rewrite / summarise / extract / code / json
     content: str  # the user message
 
     @property
@@ -216,7 +220,35 @@ PROMPTS: list[Prompt] = [
                     "number refers to.", _VOLCANO)),
 ]
 
-WORKLOADS = ("open", "grounded")
+_EXTRACT_JSON = ("Extract the person's name, age, city and job from the text below. Reply with only a JSON object "
+                 'with the keys "name", "age", "city" and "job".\n\nText: ')
+
+_PEOPLE = [
+    "Maria Lopez is a 34-year-old nurse who lives in Valencia and cycles to the hospital every morning.",
+    "At 52, Tom Becker still runs the bakery in Hamburg that his father opened, working as its head baker.",
+    "Priya Nair, a 28-year-old software engineer, moved to Toronto last spring for a new job.",
+    "Kenji Watanabe teaches history at a secondary school in Osaka; he turned 45 in March.",
+    "The Lyon firefighter Claire Dubois, 39, has served with the city's brigade for fifteen years.",
+    "Samuel Okafor is a 61-year-old taxi driver in Lagos who knows every shortcut in the city.",
+    "Anna Kowalska, 23, works as a junior architect at a small studio in Krakow.",
+    "Diego Fernandez has been a fisherman in Valparaiso for most of his 57 years.",
+    "Fatima Zahra is a 31-year-old pharmacist who opened her own shop in Casablanca.",
+    "Liam O'Brien, a 26-year-old plumber from Dublin, fixes boilers across the north of the city.",
+    "Sofia Rossi teaches the violin in Bologna and will be 48 this summer.",
+    "Ahmed Hassan, 35, is a civil engineer designing bridges for the port authority in Alexandria.",
+    "In Melbourne, 29-year-old Chloe Nguyen works night shifts as an emergency doctor.",
+    "Erik Johansson, a 67-year-old retired pilot, now flies model planes in a park in Gothenburg.",
+    "Grace Mwangi is a 42-year-old journalist who reports on farming for a newspaper in Nairobi.",
+    "Lucas Martin, 19, is an apprentice electrician in Marseille.",
+    "Hannah Schmidt, a 55-year-old librarian, manages the central library in Vienna.",
+    "Rahul Gupta works as a chef in a busy restaurant in Mumbai and is 37 years old.",
+    "Isabel Costa, 44, is a dentist with a practice near the old town of Porto.",
+    "Oliver Smith, a 33-year-old gardener, looks after the botanical gardens in Edinburgh.",
+]
+
+PROMPTS += [Prompt(f"template-json-{i:02d}", "template", "json", _EXTRACT_JSON + text) for i, text in enumerate(_PEOPLE)]
+
+WORKLOADS = ("open", "grounded", "template")
 
 
 def prompts_for(workload: str, limit: int | None = None) -> list[Prompt]:

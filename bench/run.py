@@ -27,26 +27,29 @@ import time
 from pathlib import Path
 
 from bench.inprocess import DISTURBED
+from bench.prompts import PROMPTS
+from coordinator.suffix import SuffixConfig
 
 REPO = Path(__file__).resolve().parent.parent
 T_START = time.time()
 
 MODES = {
-    # quick: sized to finish in about 8 minutes on an idle 2-core CPU.
-    "quick": dict(max_new_tokens=32, prompts=3, repeats=1, warmup_tokens=8,
+    # quick: sized to finish in about 15 minutes on an idle 2-core CPU (8 without the template workload).
+    "quick": dict(max_new_tokens=32, prompts=3, template_prompts=20, template_placements=("shared",), repeats=1, warmup_tokens=8,
                   greedy_ks=[1, 2, 4], sampled_temps=[0.7, 1.0], sampled_ks=[2],
                   lookup_ks=[2, 4], peer_sampled_temps=[0.7], peer_fixed_ks=[], peer_lookup_ks=[2, 4],
                   sampled_cells=[("shared", "open")]),
-    "long": dict(max_new_tokens=128, prompts=0, repeats=2, warmup_tokens=16,
+    "long": dict(max_new_tokens=128, prompts=0, template_prompts=20, template_placements=None, repeats=2, warmup_tokens=16,
                  greedy_ks=list(range(1, 9)), sampled_temps=[0.7, 1.0], sampled_ks=list(range(1, 9)),
                  lookup_ks=[2, 4, 8], peer_sampled_temps=[0.7, 1.0], peer_fixed_ks=[1, 2, 4], peer_lookup_ks=[2, 4, 8],
                  sampled_cells=None),
-    "smoke": dict(max_new_tokens=16, prompts=1, repeats=1, warmup_tokens=4,
+    "smoke": dict(max_new_tokens=16, prompts=1, template_prompts=4, template_placements=None, repeats=1, warmup_tokens=4,
                   greedy_ks=[1, 2], sampled_temps=[0.7], sampled_ks=[2],
                   lookup_ks=[2], peer_sampled_temps=[0.7], peer_fixed_ks=[], peer_lookup_ks=[2],
                   sampled_cells=None),
 }
 SPEC_MAX_NEW_TOKENS = 128
+TEMPLATE_PROPOSERS = ("lookup", "suffix", "hybrid")  # adaptive K each, beside target alone and K = 0
 
 
 def log(msg: str) -> None:
@@ -71,15 +74,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot-dir", default=None, help="where the PNGs go (default: the directory of --out)")
     p.add_argument("--json", default=None, help="also write every raw sample (token ids, stats) to this JSON file")
     p.add_argument("--placements", default="shared,separate", help="comma list of shared, separate")
-    p.add_argument("--workloads", default="open,grounded", help="comma list of open, grounded")
+    p.add_argument("--workloads", default="open,grounded,template", help="comma list of open, grounded, template")
     p.add_argument("--max-new-tokens", type=int, default=None, help=f"tokens per generation (quick 32, long {SPEC_MAX_NEW_TOKENS})")
     p.add_argument("--repeats", type=int, default=None, help="repeats of each prompt (quick 1, long 2)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload, 0 = all (quick 3, long all)")
+    p.add_argument("--template-prompts", type=int, default=None,
+                   help="requests of the template workload, in sequence (quick and long 20, smoke 4)")
     p.add_argument("--ks", type=_ints, default=None, help="greedy K values for the draft proposer, e.g. 1,2,3,4")
     p.add_argument("--temperatures", type=_floats, default=None, help="sampled temperatures (default 0.7,1.0)")
     p.add_argument("--sampled-ks", type=_ints, default=None, help="K values for sampled rows (adaptive is always added)")
     p.add_argument("--lookup-ks", type=_ints, default=None, help="K values for lookup/hybrid rows (grounded; adaptive added)")
-    p.add_argument("--proposers", default="lookup,hybrid", help="extra proposers for the grounded workload ('' = none)")
+    p.add_argument("--proposers", default="lookup,suffix,hybrid", help="extra proposers for the grounded workload ('' = none)")
     p.add_argument("--no-sampled", action="store_true", help="skip sampled (temperature > 0) rows")
     p.add_argument("--sampled-everywhere", action="store_true",
                    help="sampled rows in every placement and workload (quick mode: only shared/open)")
@@ -108,6 +113,7 @@ def build_plan(args) -> dict:
     mode = "long" if args.long else "smoke" if args.smoke else "quick"
     m = dict(MODES[mode])
     for key, value in (("max_new_tokens", args.max_new_tokens), ("repeats", args.repeats), ("prompts", args.prompts),
+                       ("template_prompts", args.template_prompts),
                        ("greedy_ks", args.ks), ("sampled_ks", args.sampled_ks), ("lookup_ks", args.lookup_ks),
                        ("warmup_tokens", args.warmup_tokens), ("sampled_temps", args.temperatures)):
         if value is not None:
@@ -132,6 +138,7 @@ def build_plan(args) -> dict:
     for pl in placements:
         for wl in workloads:
             sampled_here = m["sampled_cells"] is None or (pl, wl) in m["sampled_cells"]
+
             def add(method, **kw):
                 r = dict(placement=pl, workload=wl, method=method, proposer=kw.get("proposer"), k=kw.get("k"),
                          temperature=float(kw.get("temperature", 0.0)))
@@ -139,6 +146,14 @@ def build_plan(args) -> dict:
                 k = "Kdefault" if r["k"] is None else f"K{r['k']}"
                 r["key"] = "/".join(x for x in (pl, wl, method, r["proposer"] or "", t, k) if x)
                 rows.append(r)
+            if wl == "template":  # 20 requests per row: target alone, K = 0 and the model-free proposers
+                if m["template_placements"] is not None and pl not in m["template_placements"]:
+                    continue  # quick mode: the shared placement only
+                add("target")
+                add("specdec", proposer="draft", k=0)
+                for prop in TEMPLATE_PROPOSERS:
+                    add("specdec", proposer=prop, k=None)
+                continue
             add("target")
             if m["peer"]:
                 add("peer")
@@ -174,6 +189,13 @@ def describe_plan(plan: dict) -> list[str]:
                 f"`--sampled-everywhere` for all)" if plan["sampled_cells"] else ""),
              f"grounded workload: proposers {plan['proposers']} at K {plan['lookup_ks']} + adaptive; "
              f"peer prompt lookup K {plan['peer_lookup_ks']}"]
+    if "template" in plan["workloads"]:
+        where = "" if plan["template_placements"] is None else f" ({', '.join(plan['template_placements'])} placement only)"
+        lines.append(f"template workload{where}: {plan['template_prompts']} requests in sequence, once (a repeat would find its own "
+                     f"earlier outputs); target alone, K=0 and {', '.join(TEMPLATE_PROPOSERS)} at adaptive K; suffix and "
+                     "hybrid rows each get a fresh coordinator, so their shared suffix tree starts empty and learns "
+                     "only from the row's own earlier requests (open and grounded rows run with the shared tree off: "
+                     "other rows and repeats ask the same prompts)")
     extra = {k: v for k, v in plan["extra_args"].items() if v}
     if extra:
         lines.append("extra service flags: " + "; ".join(f"{k} `{shlex.join(v)}`" for k, v in extra.items()))
@@ -310,6 +332,26 @@ def run_baselines(plan: dict, placement: str, prompts: dict, models: dict) -> di
         return json.loads(Path(spec["out"]).read_text())
 
 
+# The shared suffix tree must not let a row find another row's (or its own earlier repeat's) output
+# of the same prompt: the main coordinator of a placement runs without it, and each template row
+# that uses it (suffix, hybrid) gets a fresh coordinator whose tree learns from that row alone.
+MAIN_COORDINATOR_FLAGS = ("--suffix-cache-entries", "0")
+WARMUP_PROMPT = next(p for p in PROMPTS if p.workload == "open")  # unrelated to the template requests
+
+
+def coordinator_flags(row: dict) -> tuple[tuple[str, ...], bool]:
+    """(coordinator flags the row needs beyond the main coordinator's, whether it needs a fresh one)."""
+    flags = ("--default-proposer", "suffix") if row["proposer"] == "suffix" else ()
+    if row["workload"] == "template" and row["proposer"] in ("suffix", "hybrid"):
+        return flags + ("--suffix-cache-entries", str(SuffixConfig.cache_entries)), True
+    return flags, False
+
+
+def _repeats(plan: dict, row: dict) -> int:
+    """The template workload runs once per row: a repeat would find its own outputs in the shared tree."""
+    return 1 if row["workload"] == "template" and row["method"] == "specdec" else plan["repeats"]
+
+
 def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict:
     from bench.inprocess import BackgroundMeter, RetryPolicy, own_cpu_seconds
     from bench.pipeline import BenchPipeline, run_specdec_row
@@ -325,7 +367,8 @@ def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict
     extra = plan["extra_args"]
     pipeline = BenchPipeline(LocalPipelineConfig(
         target_model=models["target"], draft_model=models["draft"], target_args=[*cfg["target_args"], *extra["target"]],
-        draft_args=[*cfg["draft_args"], *extra["draft"]], coordinator_args=["--log-level", "warning", *extra["coordinator"]],
+        draft_args=[*cfg["draft_args"], *extra["draft"]],
+        coordinator_args=["--log-level", "warning", *extra["coordinator"], *MAIN_COORDINATOR_FLAGS],
         env=dict(cfg["env"])),
         affinity=cfg["affinity"])
     try:
@@ -337,7 +380,8 @@ def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict
         out["omp_wait_policy"] = pipeline.environ("OMP_WAIT_POLICY")
         out["start_s"] = time.perf_counter() - t
         log(f"{placement}: services up in {out['start_s']:.1f}s at {pipeline.address}; CPUs allowed {out['cpus']}")
-        with Client(pipeline.address, timeout_s=900) as client:
+        client = Client(pipeline.address, timeout_s=900)
+        try:
             try:
                 out["info"] = client.info()
             except Exception as e:  # informational only
@@ -345,9 +389,17 @@ def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict
             warmed: set = set()
             meter = BackgroundMeter(own=lambda: own_cpu_seconds() + sum(v for v in pipeline.cpu_seconds().values() if v == v))
             retry = RetryPolicy(**plan["retry"], own=meter.own)
+            current: tuple[str, ...] = ()  # coordinator flags beyond the placement's (the main coordinator: none)
             for r in rows:
-                res = run_specdec_row(client, r, prompts[r["workload"]], plan["max_new_tokens"], plan["repeats"],
-                                      plan["warmup_tokens"], log, warmed, meter, retry)
+                flags, fresh = coordinator_flags(r)
+                if fresh or flags != current:
+                    client.close()
+                    pipeline.restart_coordinator(list(flags))
+                    log(f"{placement}: fresh coordinator for {r['key']}" + (f" ({shlex.join(flags)})" if flags else ""))
+                    client, current, warmed = Client(pipeline.address, timeout_s=900), flags, set()
+                res = run_specdec_row(client, r, prompts[r["workload"]], plan["max_new_tokens"], _repeats(plan, r),
+                                      plan["warmup_tokens"], log, warmed, meter, retry,
+                                      warmup_prompt=WARMUP_PROMPT if r["workload"] == "template" else None)
                 out["rows"].append(res)
                 if res["error"] and any(pipeline.procs[n].poll() is not None for n in pipeline.procs):
                     dead = {n: p.returncode for n, p in pipeline.procs.items() if p.poll() is not None}
@@ -356,6 +408,8 @@ def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict
                     for name in dead:
                         log(f"--- {name} log tail ---\n{pipeline.log_tail(name)}")
                     break
+        finally:
+            client.close()
         out["retries"], out["retry_spent_s"] = retry.retries, retry.spent
         out["memory"] = pipeline.memory()
         out["tier_cpu_s"] = pipeline.cpu_seconds()
@@ -479,14 +533,15 @@ def main(argv=None) -> int:
 
     plan = build_plan(args)
     models = {"target": args.target or default_target(), "draft": args.draft or default_draft()}
-    prompts = {wl: prompts_for(wl, plan["prompts"] or None) for wl in plan["workloads"]}
+    prompts = {wl: prompts_for(wl, (plan["template_prompts"] if wl == "template" else plan["prompts"]) or None)
+               for wl in plan["workloads"]}
     if "separate" in plan["placements"] and len(os.sched_getaffinity(0)) < 2:
         log("separate placement needs 2 CPUs; skipping it")
         plan["placements"] = [p for p in plan["placements"] if p != "separate"]
         plan["rows"] = [r for r in plan["rows"] if r["placement"] != "separate"]
     cli = list(argv if argv is not None else sys.argv[1:])
     command = " ".join(["python -m bench.run", shlex.join(cli)]).strip()
-    n_gen = sum(len(prompts[r["workload"]]) * plan["repeats"] for r in plan["rows"])
+    n_gen = sum(len(prompts[r["workload"]]) * _repeats(plan, r) for r in plan["rows"])
     for line in describe_plan(plan):
         log(line)
     log(f"{len(plan['rows'])} rows, {n_gen} timed generations of {plan['max_new_tokens']} tokens; "
@@ -586,6 +641,11 @@ def main(argv=None) -> int:
         L.append(f"| {cell['placement']} | {cell['workload']} | {_fmt(cell['target'])} | {_fmt(cell['peer'])} | {_fmt(cell['k0'])} | "
                  f"{_fmt(cell['best'])} ({cell['best_k'] or '–'}) | {vs_t} | {vs_p} | {_fmt(cell['best_fixed'])} ({cell['best_fixed_k'] or '–'}) | {lk} |")
     L.append("")
+    if "template" in plan["workloads"]:
+        L.append("Template workload (tok/s, median over the requests; x target alone):")
+        L.append("")
+        L.extend(report.template_table(all_rows, aggs, plan["placements"]))
+        L.append("")
     L.append("Goals:")
     L.append("")
     L.extend(report.goal_lines(summary["goals"]))

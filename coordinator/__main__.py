@@ -9,8 +9,9 @@ import sys
 from coordinator.adaptive import AdaptiveConfig
 from coordinator.admission import AdmissionConfig
 from coordinator.lookup import LookupConfig
-from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
+from coordinator.proposers import PROPOSERS
 from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
+from coordinator.suffix import SuffixConfig
 from specdec.wire.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
 from specdec.models import default_target
 from specdec.wire.metrics import serve_metrics
@@ -32,10 +33,21 @@ def main(argv=None) -> None:
     a.add("--default-k", default="auto", help="K when a request leaves it unset: a number, or 'auto' for adaptive K")
     a.add("--max-k", type=int, default=D.max_num_speculative_tokens, help="largest K accepted")
     a.add("--adaptive-max-k", type=int, default=AdaptiveConfig.max_k, help="largest K adaptive K tries")
-    a.add("--default-proposer", default=D.default_proposer, choices=[DRAFT_MODEL, PROMPT_LOOKUP, HYBRID],
-          help="proposer when a request leaves it unset")
+    a.add("--default-proposer", default=D.default_proposer, choices=list(PROPOSERS),
+          help="proposer when a request leaves it unset (suffix is reachable only this way until the API names it)")
     a.add("--lookup-min-ngram", type=int, default=LookupConfig.min_ngram, help="prompt lookup: shortest suffix matched")
     a.add("--lookup-max-ngram", type=int, default=LookupConfig.max_ngram, help="prompt lookup: longest suffix matched")
+    S = SuffixConfig
+    a.add("--suffix-max-depth", type=int, default=S.max_depth, help="suffix decoding: longest indexed substring (match + proposal)")
+    a.add("--suffix-max-spec-factor", type=float, default=S.max_spec_factor,
+          help="suffix decoding: a match of m tokens proposes at most m * factor + offset tokens")
+    a.add("--suffix-max-spec-offset", type=float, default=S.max_spec_offset, help="suffix decoding: see --suffix-max-spec-factor")
+    a.add("--suffix-min-token-prob", type=float, default=S.min_token_prob,
+          help="suffix decoding: stop a proposal when its estimated probability falls below this")
+    a.add("--suffix-cache-entries", type=int, default=S.cache_entries,
+          help="suffix decoding: finished outputs kept in the tree shared by all sessions (0 = none)")
+    a.add("--suffix-cache-mb", type=float, default=S.cache_bytes / 2**20,
+          help="suffix decoding: estimated memory bound of the shared tree, MiB (the oldest outputs are evicted)")
     a.add("--rpc-timeout", type=float, default=D.rpc_timeout_s, help="deadline of each internal rpc, seconds")
     a.add("--connect-timeout", type=float, default=D.connect_timeout_s, help="seconds to wait for the tiers at start-up")
     a.add("--max-concurrency", type=int, default=AdmissionConfig.max_concurrency,
@@ -60,6 +72,12 @@ def main(argv=None) -> None:
           help="model id of the OpenAI API and the metrics' model_name label (default: the target's model)")
     args = a.parse(argv)
     auth_token = auth_token_from(args)
+    try:
+        suffix = SuffixConfig(max_depth=args.suffix_max_depth, max_spec_factor=args.suffix_max_spec_factor,
+                              max_spec_offset=args.suffix_max_spec_offset, min_token_prob=args.suffix_min_token_prob,
+                              cache_entries=args.suffix_cache_entries, cache_bytes=int(args.suffix_cache_mb * 2**20))
+    except ValueError as e:
+        config_error(str(e))
     config = CoordinatorConfig(
         target_address=args.target, draft_address=args.draft or None, tokenizer=args.tokenizer,
         server=server_config(args), default_max_new_tokens=args.default_max_new_tokens,
@@ -68,6 +86,7 @@ def main(argv=None) -> None:
         max_num_speculative_tokens=args.max_k, default_proposer=args.default_proposer,
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
+        suffix=suffix,
         rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout, tier_retry_s=args.tier_retry_timeout,
         admission=AdmissionConfig(max_concurrency=args.max_concurrency, max_requests_per_s=args.max_rps,
                                   max_queue_wait_s=args.admission_wait),

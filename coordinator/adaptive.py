@@ -1,18 +1,18 @@
-"""Adaptive K: choose the number of draft tokens per round that maximises expected tokens per second.
+"""Adaptive K, the estimates: what a round with K drafts from a proposer is expected to yield and cost.
 
 With per-token acceptance a, a round with K drafts commits (1 - a^(K+1)) / (1 - a) tokens on average
-(bonus included) and costs propose(K) + verify(K) + overhead. The propose cost is modelled as linear
-in K and fitted online from the session's own rounds (exponentially weighted least squares), and a is
-an exponentially weighted acceptance estimate. K = 0 (target-only) is a candidate too; when it wins, a
-small K is still probed now and then so the estimates can recover.
+(bonus included) and costs propose(K) + verify(K) + overhead. Both costs are modelled as linear in K
+and fitted online from the session's own rounds (exponentially weighted least squares), and a is an
+exponentially weighted acceptance estimate. coordinator/policy.py picks the proposer and K per round
+from these.
 
-The verify cost knows the load. The target batches many sessions into one step, whose time grows
-with the tokens in it: T_step(n) = alpha + beta * n, fitted over every session's Verify responses
-(each reports its step's tokens and time), shared by all sessions of the coordinator (TierLoad). With
-B sessions per step, all choosing K, a round costs T_step(B * (K + 1)) plus the call's overhead, so
-the rate maximised is the aggregate one: each extra draft token costs beta * B, and K falls as the
-batch grows (vLLM switches speculation off above a fixed batch size; this measures where). With no
-load data yet, the session's own linear fit of verify wall time is used.
+The verify cost knows the load (TierLoad). The target batches many sessions into one step, whose time
+grows with the tokens in it: T_step(n) = alpha + beta * n, fitted over every session's Verify
+responses (each reports its step's tokens and time), shared by all sessions of the coordinator. With
+B sessions per step, all choosing K, a round costs T_step(B * (K + 1)) plus the call's overhead, so the
+rate the policy maximises is the aggregate one: each extra draft token costs beta * B, and K falls as
+the batch grows (vLLM switches speculation off above a fixed batch size; this measures where). With
+no load data yet, the session's own linear fit of verify wall time is used.
 """
 
 from __future__ import annotations
@@ -32,10 +32,15 @@ class LinearCost:
 
     def __init__(self, decay: float, prior_intercept: float, prior_slope: float, prior_weight: float = 0.5) -> None:
         self.decay = decay
+        self.prior = (prior_intercept, prior_slope)
         # Prior pseudo-observations at K = 1 and K = 4 pin the line until real data spreads over K.
         self._s = [0.0] * 5  # sum w, sum wx, sum wy, sum wxx, sum wxy
         for x in (1.0, 4.0):
             self._add(x, prior_intercept + prior_slope * x, prior_weight)
+
+    def observe(self, k: int, cost: float) -> None:
+        self._s = [v * self.decay for v in self._s]
+        self._add(float(k), cost, 1.0)
 
     def _add(self, x: float, y: float, w: float) -> None:
         s = self._s
@@ -44,17 +49,16 @@ class LinearCost:
         s[2] += w * y
         s[3] += w * x * x
         s[4] += w * x * y
+        var = s[0] * s[3] - s[1] * s[1]
+        slope = max((s[0] * s[4] - s[1] * s[2]) / var if var > 1e-12 else 0.0, 0.0)
+        self._line = ((s[2] - slope * s[1]) / s[0], slope)  # (intercept, slope), refitted per observation
 
-    def observe(self, k: int, cost: float) -> None:
-        self._s = [v * self.decay for v in self._s]
-        self._add(float(k), cost, 1.0)
+    def line(self, measured: bool = True) -> tuple[float, float]:
+        """(intercept, slope); measured=False: the prior line alone, which no timing changes."""
+        return self._line if measured else self.prior
 
-    def predict(self, k: float) -> float:
-        w, sx, sy, sxx, sxy = self._s
-        var = w * sxx - sx * sx
-        slope = (w * sxy - sx * sy) / var if var > 1e-12 else 0.0
-        slope = max(slope, 0.0)
-        intercept = (sy - slope * sx) / w
+    def predict(self, k: int, measured: bool = True) -> float:
+        intercept, slope = self._line if measured else self.prior
         return max(intercept + slope * k, 1e-6)
 
 
@@ -78,34 +82,38 @@ class TierLoad:
         self.overhead_ms = d * self.overhead_ms + (1 - d) * max(0.0, wall_ms - step_ms)
         self.observations += 1
 
+    def verify_line(self) -> tuple[float, float]:
+        """(intercept, slope) of a round's verify time against K when the step's sessions all send K:
+        overhead + T_step(B * (K + 1))."""
+        alpha, beta = self.step_cost.line()
+        b = self.sessions
+        return self.overhead_ms + alpha + beta * b, beta * b
+
     def round_ms(self, k: int) -> float:
-        """Predicted verify time for K drafts when the step's sessions all send K."""
-        return self.overhead_ms + self.step_cost.predict(self.sessions * (k + 1))
+        v0, v1 = self.verify_line()
+        return v0 + v1 * k
 
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
     max_k: int = 8  # largest K tried
-    start_k: int = 3  # K of the first round
     decay: float = 0.9  # weight of the past per round (~10-round memory)
     prior_acceptance: float = 0.5  # acceptance assumed before any round
     probe_every: int = 8  # when K = 0 wins, probe K = 1 this often
 
 
-class AdaptiveK:
-    """Per-session, per-proposer controller. Times are in milliseconds."""
+class SourceEstimate:
+    """What one proposer's rounds have taught a session: per-token acceptance (exponentially
+    weighted) and the propose and verify costs as linear fits in K. Times are in milliseconds."""
 
-    def __init__(self, config: AdaptiveConfig, local_proposer: bool, load: TierLoad | None = None) -> None:
-        """load: the target's shared load model; None = use this session's own verify timings only."""
+    def __init__(self, config: AdaptiveConfig, local_proposer: bool, verify_cost: LinearCost | None = None) -> None:
+        """verify_cost: a fit shared with other sources (verifying K tokens costs the same whoever proposed them)."""
         self.config = config
-        self.load = load
         self._acc_num = config.prior_acceptance  # weighted accepted drafts
         self._acc_den = 1.0  # weighted draft attempts
-        # A remote draft costs about a network hop plus a few ms per token; a local lookup nothing.
+        # A remote draft costs about a network hop plus a few ms per token; a local proposer ~nothing.
         self.propose_cost = LinearCost(config.decay, 0.0 if local_proposer else 1.0, 0.0 if local_proposer else 5.0)
-        self.verify_cost = LinearCost(config.decay, 50.0, 3.0)
-        self._since_probe = 0
-        self._rounds = 0
+        self.verify_cost = verify_cost or LinearCost(config.decay, 50.0, 3.0)
 
     @property
     def acceptance(self) -> float:
@@ -113,33 +121,19 @@ class AdaptiveK:
 
     def observe(self, k: int, n_accepted: int, propose_ms: float, verify_ms: float) -> None:
         """One round: K proposed (after clamping), n accepted, and the two rpcs' wall times."""
-        self._rounds += 1
-        d = self.config.decay
         if k > 0:
-            # Each accepted draft is a success; the first rejection (if any) one failure.
-            attempts = n_accepted + (1 if n_accepted < k else 0)
-            self._acc_num = self._acc_num * d + n_accepted
-            self._acc_den = self._acc_den * d + attempts
+            self.observe_acceptance(k, n_accepted)
             self.propose_cost.observe(k, propose_ms)
         self.verify_cost.observe(k, verify_ms)
 
-    def choose(self) -> int:
-        c = self.config
-        if self._rounds == 0:
-            return c.start_k
-        a = self.acceptance
+    def observe_acceptance(self, k: int, n_accepted: int) -> None:
+        """n of k drafts accepted: each accepted draft is a success, the first rejection (if any) a failure."""
+        d = self.config.decay
+        attempts = n_accepted + (1 if n_accepted < k else 0)
+        self._acc_num = self._acc_num * d + n_accepted
+        self._acc_den = self._acc_den * d + attempts
 
-        loaded = self.load is not None and self.load.observations > 0
-
-        def rate(k: int) -> float:
-            verify = self.load.round_ms(k) if loaded else self.verify_cost.predict(k)
-            cost = verify + (self.propose_cost.predict(k) if k > 0 else 0.0)
-            return expected_tokens(a, k) / cost
-
-        best = max(range(c.max_k + 1), key=rate)
-        if best == 0:
-            self._since_probe += 1
-            if self._since_probe >= c.probe_every:
-                self._since_probe = 0
-                return 1
-        return best
+    def cost(self, k: int, measured: bool = True) -> float:
+        """Predicted wall time of a round with k drafts from this source (k = 0: target only);
+        measured=False: from the priors only, the same in every run."""
+        return self.verify_cost.predict(k, measured) + (self.propose_cost.predict(k, measured) if k > 0 else 0.0)

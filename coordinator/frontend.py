@@ -57,7 +57,7 @@ class Frontend:
         async with self.admission.admit():
             pl = self.pipeline
             generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids),
-                                    self._limits(), deadline)
+                                    self._limits(), deadline, suffix_cache=pl.suffix_cache)
             fields = {"session_id": generation.session_id, "request_id": request_id or uuid.uuid4().hex, "api": api}
             log.debug("generation started", extra={**fields, "prompt_tokens": len(params.prompt_ids),
                                                    "max_new_tokens": params.max_new_tokens, "proposer": params.proposer,
@@ -99,7 +99,7 @@ class Frontend:
         return Limits(max_context=pl.target_info.max_context,
                       draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
                       max_k=self.validate.max_k(), overlap=c.overlap, adaptive=c.adaptive, lookup=c.lookup,
-                      tier_retry_s=c.tier_retry_s, target_load=pl.target_load)
+                      suffix=c.suffix, tier_retry_s=c.tier_retry_s, target_load=pl.target_load)
 
     @staticmethod
     def _log_finished(fields: dict, finish: str, s: generate_pb2.GenerationStats) -> None:

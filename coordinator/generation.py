@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.adaptive import AdaptiveConfig, AdaptiveK, TierLoad
+from coordinator.adaptive import AdaptiveConfig, TierLoad
 from coordinator.lookup import LookupConfig
-from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, DraftModelProposer, PromptLookupProposer, Proposal
+from coordinator.policy import ProposerPolicy
+from coordinator.proposers import (DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX, DraftModelProposer, PromptLookupProposer,
+                                   Proposal)
+from coordinator.suffix import SuffixCache, SuffixConfig, SuffixProposer
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tiers import DraftClient, TargetClient, TierCursor, TierError
 from specdec.wire.prefix import PrefixHashes
@@ -41,7 +44,7 @@ class GenerationParams:
     sampling: SamplingParams
     seed: int
     num_speculative_tokens: int | None  # K; None = adaptive
-    proposer: str = HYBRID  # DRAFT_MODEL | PROMPT_LOOKUP | HYBRID
+    proposer: str = HYBRID  # DRAFT_MODEL | PROMPT_LOOKUP | SUFFIX | HYBRID
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
@@ -51,7 +54,7 @@ class RoundRecord:
     """One round, as the metrics and the debug log see it."""
 
     index: int  # round number in the generation, from 0
-    proposer: str  # DRAFT_MODEL or PROMPT_LOOKUP: where this round's drafts came from
+    proposer: str  # DRAFT_MODEL, PROMPT_LOOKUP or SUFFIX: where this round's drafts came from
     k: int  # drafts asked of the proposer (K after clamping to the token budget)
     drafts: int  # draft tokens the target verified (a proposer may offer fewer than k)
     accepted: int  # of those, accepted by the target: always the leading ones, d_1..d_accepted
@@ -136,13 +139,16 @@ class Limits:
     tier_retry_s: float = 30.0  # without a client deadline, how long to retry an unreachable target
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
     target_load: TierLoad | None = None  # the target's batching, shared by the coordinator's sessions
 
 
 class Generation:
     def __init__(self, params: GenerationParams, draft: DraftClient | None, target: TargetClient, tokenizer,
-                 eos_token_ids: set[int], limits: Limits, deadline: float | None = None) -> None:
-        """deadline: time.monotonic() by which the client must have its answer (None: no deadline)."""
+                 eos_token_ids: set[int], limits: Limits, deadline: float | None = None,
+                 suffix_cache: SuffixCache | None = None) -> None:
+        """deadline: time.monotonic() by which the client must have its answer (None: no deadline).
+        suffix_cache: the coordinator's tree of recent outputs, shared by its sessions (None: none)."""
         self.params = params
         self.deadline = deadline
         self.target = target
@@ -154,48 +160,53 @@ class Generation:
         self._sampling = common_pb2.SamplingParams(
             temperature=params.sampling.temperature, top_k=params.sampling.top_k, top_p=params.sampling.top_p)
         self._target_cursor = TierCursor(on_reprefill=lambda: self.stats.reprefills.update(("target",)))
-        # Prompt lookup is always ready: it is the proposer of the lookup/hybrid modes and the fallback
+        # Prompt lookup is always ready: it is a proposer of the lookup/hybrid modes and the fallback
         # whenever the draft tier is unreachable.
         self.lookup = PromptLookupProposer(limits.lookup, params.prompt_ids)
+        self.suffix_cache = suffix_cache
+        self.suffix = (SuffixProposer(limits.suffix, suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None)
         self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM),
                                          on_reprefill=lambda: self.stats.reprefills.update(("draft",)))
                       if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID) else None)
+        self._local = [x for x in (self.suffix, self.lookup) if x is not None and params.proposer in (x.source, HYBRID)]
         cfg = dataclasses.replace(limits.adaptive, max_k=min(limits.adaptive.max_k, limits.max_k))
-        load = limits.target_load
-        self._controllers = {DRAFT_MODEL: AdaptiveK(cfg, local_proposer=False, load=load),
-                             PROMPT_LOOKUP: AdaptiveK(cfg, local_proposer=True, load=load)}
+        self.policy = ProposerPolicy(cfg, (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=limits.target_load)
+        # Sampling with a fixed K is reproducible (same seed, same output): then no timing and no other
+        # session (the shared suffix tree) may sway the proposals. Adaptive K never was reproducible.
+        self._reproducible = params.sampling.temperature > 0 and params.num_speculative_tokens is not None
+        self._output: list[int] | None = None  # the generated tokens, once finished
 
-    def _k_for(self, source: str) -> int:
-        if self.params.num_speculative_tokens is not None:
-            return self.params.num_speculative_tokens
-        return self._controllers[source].choose()
+    def _max_k(self, budget: int) -> int:
+        k = self.params.num_speculative_tokens
+        return min(budget, self.policy.config.max_k if k is None else k)
 
-    async def _propose(self, committed: list[int], hashes: PrefixHashes, budget: int) -> Proposal:
-        """Pick a proposer for this round and ask it for up to min(K, budget) tokens."""
-        p = self.params
-        if budget <= 0 or (p.num_speculative_tokens == 0):
-            return Proposal(DRAFT_MODEL if self.draft else PROMPT_LOOKUP, [])
-        if p.proposer in (PROMPT_LOOKUP, HYBRID) or self.draft is None:
-            proposal = self.lookup.propose(min(self._k_for(PROMPT_LOOKUP), budget))
-            if proposal.tokens or p.proposer == PROMPT_LOOKUP or self.draft is None:
-                return proposal
+    async def _propose(self, committed: list[int], hashes: PrefixHashes, budget: int) -> tuple[Proposal, list[Proposal]]:
+        """This round's proposal (the policy's pick among the sources), and the local sources' offers."""
+        max_k = self._max_k(budget)
         draft_ok = (self.draft is not None and self.draft.available
                     and len(committed) + budget <= self.limits.draft_max_context)
-        fallback = self.draft is not None and not self.draft.available  # down (backing off): lookup instead
-        if draft_ok:
-            k = min(self._k_for(DRAFT_MODEL), budget)
-            if k <= 0:
-                return Proposal(DRAFT_MODEL, [])
+        local = self._local if self._local or draft_ok else [self.lookup]  # draft mode, draft down: lookup
+        shared = not self._reproducible
+        offers = [x.propose(max_k, shared) for x in local] if max_k > 0 else []
+        fixed = self.params.num_speculative_tokens is not None
+        choice = self.policy.choose(offers, max_k, draft_ok, fixed, measured_costs=shared)
+        # The draft model is down and backing off: the local proposers stand in.
+        fallback = self.draft is not None and not self.draft.available
+        if choice.source == DRAFT_MODEL and choice.k > 0:
             try:
-                proposal = await self.draft.propose(committed, hashes, k, self._time_left())
+                proposal = await self.draft.propose(committed, hashes, choice.k, self._time_left())
                 self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, is_draft=True)
-                return proposal
-            except TierError as e:
+                return proposal, offers
+            except TierError as e:  # the draft is down: the best local offer instead
                 self.stats.observe_tier_error(e)
-                fallback = True  # the draft is down: fall back to prompt lookup below
-        proposal = self.lookup.propose(min(self._k_for(PROMPT_LOOKUP), budget))
-        proposal.fallback = fallback
-        return proposal
+                fallback = True
+                offers = offers or [self.lookup.propose(max_k)]
+                choice = self.policy.choose(offers, max_k, False, fixed, measured_costs=shared)
+        offer = next((o for o in offers if o.source == choice.source), None)
+        if offer is None:
+            return Proposal(choice.source, [], k=choice.k, fallback=fallback), offers
+        return dataclasses.replace(offer, tokens=offer.tokens[: choice.k], probs=offer.probs[: choice.k], k=choice.k,
+                                   fallback=fallback), offers
 
     async def run(self) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Yield one chunk per round, then the result. The caller must call close() afterwards."""
@@ -210,6 +221,8 @@ class Generation:
         n_generated = 0
         finish = UNFINISHED
         pending: Proposal | None = None  # next round's drafts, pre-drafted during this round's verify
+        if self.suffix is not None:
+            await self.suffix.index_prompt(p.prompt_ids)
 
         while finish == UNFINISHED:
             self.stats.begin_round()
@@ -220,16 +233,19 @@ class Generation:
                 break
             # K larger than the budget is clamped: the round also yields one token of its own.
             budget = min(self.limits.max_k, remaining - 1, room - 1)
+            offers: list[Proposal] = []
             if pending is not None:
                 proposal, pending = pending, None
                 self.stats.observe_overlapped(proposal.compute_ms)
             else:
-                proposal = await self._propose(committed, hashes, budget)
+                proposal, offers = await self._propose(committed, hashes, budget)
             drafts = proposal.tokens[: max(budget, 0)]
             verify = asyncio.ensure_future(self._verify(committed, hashes, drafts, proposal.q[: len(drafts)]))
             speculating = False
             if self.limits.overlap and drafts and proposal.source == DRAFT_MODEL and self.draft.available:
-                k_next = min(self._k_for(DRAFT_MODEL), remaining - len(drafts) - 2, room - len(drafts) - 2)
+                k_fixed = self.params.num_speculative_tokens
+                k_next = min(self.policy.best_draft_k(self._max_k(budget)) if k_fixed is None else k_fixed,
+                             remaining - len(drafts) - 2, room - len(drafts) - 2)
                 if k_next > 0 and len(committed) + len(drafts) + k_next + 1 <= self.limits.draft_max_context:
                     speculating = await self.draft.speculate(committed, hashes, drafts, k_next)
             try:
@@ -241,7 +257,9 @@ class Generation:
             if speculating:
                 pending = await self.draft.collect(n == len(drafts), verdict.next_token)
             new = drafts[:n] + [verdict.next_token]
-            self._controllers[proposal.source].observe(len(drafts), n, proposal.wall_ms, verdict.wall_ms)
+            self.policy.observe(proposal, len(drafts), n, verdict.wall_ms)
+            if p.sampling.temperature == 0:
+                self.policy.observe_unchosen(offers, proposal.source if drafts else None, new)
 
             chunk: list[int] = []
             for tok in new:
@@ -264,6 +282,8 @@ class Generation:
                     break
             hashes.extend(chunk)
             self.lookup.commit(chunk)
+            if self.suffix is not None:
+                self.suffix.commit(chunk)
             upto = len(text) if finish != UNFINISHED else stop.safe_len(text)
             delta = text[streamed:upto] if upto > streamed else ""
             streamed = max(streamed, upto)
@@ -272,6 +292,7 @@ class Generation:
             self.stats.end_round(proposal, len(drafts), n, len(new))
             yield generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(token_ids=chunk, text=delta))
 
+        self._output = committed[len(p.prompt_ids) - min(self.limits.suffix.cache_context, len(p.prompt_ids)) :]
         if streamed < len(text):
             yield generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(text=text[streamed:]))
         elapsed = time.perf_counter() - t_start
@@ -355,13 +376,16 @@ class Generation:
             return Verdict(response.num_accepted, response.next_token, wall_ms)
 
     async def close(self) -> None:
-        """Free the session on both tiers (best effort: a tier may already have evicted it)."""
+        """Free the session on both tiers (best effort: a tier may already have evicted it); a
+        finished generation's output (after a few prompt tokens) joins the shared suffix tree."""
         if self.draft is not None:
             await self.draft.close()
         try:
             await self.target.end_session(self.session_id)
         except grpc.aio.AioRpcError:
             pass
+        if self.suffix_cache is not None and self._output is not None:
+            await self.suffix_cache.add_async(self._output)
 
 
 @dataclass(frozen=True)

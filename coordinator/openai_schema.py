@@ -75,7 +75,7 @@ class _Common(_Body):
     user: str | None = None  # accepted, not used
     # specdec's extras
     num_speculative_tokens: int | None = None
-    proposer: Literal["draft_model", "prompt_lookup", "hybrid", "draft", "lookup"] | None = None
+    proposer: Literal["draft_model", "prompt_lookup", "suffix", "hybrid", "draft", "lookup"] | None = None
     top_k: int | None = None
     ignore_eos: bool = False
 

@@ -4,7 +4,10 @@ deterministic proposals); the target verifies them all the same way, losslessly.
 - DraftModelProposer: the remote draft service over one bidirectional stream per session.
 - PromptLookupProposer: n-gram continuation from the session's own tokens, run here in the
   coordinator: it needs no model, and running it here saves a network hop per round.
-- HybridProposer: prompt lookup when it finds a match, the draft model otherwise.
+- SuffixProposer (coordinator/suffix.py): suffix decoding over the session's tokens and the
+  coordinator's recent outputs, also run here.
+- hybrid: per round, coordinator/policy.py picks whichever of these promises the most tokens per
+  unit of time.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ from specdec.proto import common_pb2, draft_pb2
 
 log = logging.getLogger(__name__)
 
-DRAFT_MODEL, PROMPT_LOOKUP, HYBRID = "draft_model", "prompt_lookup", "hybrid"
+DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, HYBRID = "draft_model", "prompt_lookup", "suffix", "hybrid"
+PROPOSERS = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, HYBRID)  # the names a coordinator accepts
 
 
 @dataclass
 class Proposal:
-    source: str  # DRAFT_MODEL or PROMPT_LOOKUP
+    source: str  # DRAFT_MODEL, PROMPT_LOOKUP or SUFFIX
     tokens: list[int]  # d_1..d_K (possibly fewer than asked, or none)
     q: list[common_pb2.DraftDistribution] = field(default_factory=list)  # empty = one-hot on tokens
+    probs: list[float] = field(default_factory=list)  # the source's own estimate: P(d_1..d_i all accepted); empty = none
     wall_ms: float = 0.0  # time the proposal kept the round waiting, as seen here
     compute_ms: float = 0.0  # model compute on the draft tier
     overlapped: bool = False  # drafted during the previous round's verification
@@ -47,7 +52,8 @@ class PromptLookupProposer:
     def commit(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int, shared: bool = True) -> Proposal:
+        """Up to k tokens; `shared` is for the suffix proposer's interface (lookup has no shared state)."""
         t0 = time.perf_counter()
         tokens = self.index.propose(k)
         return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k)

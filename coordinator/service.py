@@ -16,6 +16,7 @@ from coordinator.admission import AdmissionConfig
 from coordinator.frontend import Frontend, deadline_from
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import HYBRID
+from coordinator.suffix import SuffixCache, SuffixConfig
 from coordinator.tiers import DraftClient, TargetClient
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, generate_pb2_grpc
@@ -42,9 +43,10 @@ class CoordinatorConfig:
     max_prompt_tokens: int = 8192  # longer prompts are rejected
     default_num_speculative_tokens: int | None = None  # K when a request leaves it unset; None = adaptive
     max_num_speculative_tokens: int = 16  # larger K is rejected
-    default_proposer: str = HYBRID  # draft_model | prompt_lookup | hybrid, when a request leaves it unset
+    default_proposer: str = HYBRID  # draft_model | prompt_lookup | suffix | hybrid, when a request leaves it unset
     adaptive: AdaptiveConfig = AdaptiveConfig()  # adaptive-K controller settings
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
+    suffix: SuffixConfig = SuffixConfig()  # suffix decoding: tree depth, proposal length, shared-tree bounds
     overlap: bool = False  # pre-draft round r+1 while the target verifies round r
     tier_retry_s: float = 30.0  # retry an unreachable target this long when the client set no deadline
     admission: AdmissionConfig = AdmissionConfig()  # concurrency and request-rate limits
@@ -90,6 +92,7 @@ class Pipeline:
             self.draft = DraftClient(self._channels[1], config.draft_address, config.rpc_timeout_s)
         self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
         self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
+        self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
         self.tokenizer = None
         self.target_info: common_pb2.ModelInfo | None = None
         self.draft_info: common_pb2.ModelInfo | None = None
@@ -141,10 +144,14 @@ class Pipeline:
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
-    async def close(self, cleanup_timeout_s: float = 5.0) -> None:
-        """Finish pending session clean-ups (EndSession on the tiers), then close the channels."""
+    async def settle(self, timeout_s: float = 5.0) -> None:
+        """Wait for pending session clean-ups (EndSession on the tiers, outputs into the shared tree)."""
         if self._cleanup:
-            await asyncio.wait(list(self._cleanup), timeout=cleanup_timeout_s)
+            await asyncio.wait(list(self._cleanup), timeout=timeout_s)
+
+    async def close(self, cleanup_timeout_s: float = 5.0) -> None:
+        """Finish pending session clean-ups, then close the channels."""
+        await self.settle(cleanup_timeout_s)
         for ch in self._channels:
             await ch.close()
 

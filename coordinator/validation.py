@@ -8,7 +8,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from coordinator.generation import GenerationParams
-from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP
+from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
 from specdec.math.params import SamplingParams
 from specdec.proto import generate_pb2
 from specdec.wire.server import check_token_ids, invalid_argument
@@ -23,6 +23,7 @@ PROPOSER_NAMES = {
     generate_pb2.PROPOSER_DRAFT_MODEL: DRAFT_MODEL,
     generate_pb2.PROPOSER_PROMPT_LOOKUP: PROMPT_LOOKUP,
     generate_pb2.PROPOSER_HYBRID: HYBRID,
+    generate_pb2.PROPOSER_SUFFIX: SUFFIX,
 }
 
 

@@ -1,9 +1,13 @@
-"""Exact cases for prompt lookup and the adaptive-K controller."""
+"""Exact cases for prompt lookup, the adaptive-K estimates and the policy that picks the proposer and K."""
 
 import pytest
 
-from coordinator.adaptive import AdaptiveConfig, AdaptiveK, LinearCost, expected_tokens
+from coordinator.adaptive import AdaptiveConfig, LinearCost, expected_tokens
 from coordinator.lookup import LookupConfig, NgramIndex
+from coordinator.policy import Choice, ProposerPolicy
+from coordinator.proposers import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, Proposal
+
+SOURCES = (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL)
 
 
 def test_lookup_continues_latest_earlier_match_of_longest_suffix():
@@ -59,24 +63,122 @@ def test_linear_cost_recovers_a_line():
     assert cost.predict(8) == pytest.approx(80.0, rel=0.1)
 
 
-def _drive(ctrl: AdaptiveK, acceptance: float, draft_ms_per_token: float, verify_ms: float, rounds: int = 60) -> list[int]:
+def _observe(policy: ProposerPolicy, choice: Choice, n_accepted: int, propose_ms: float, verify_ms: float) -> None:
+    policy.observe(Proposal(choice.source, [0] * choice.k, wall_ms=propose_ms), choice.k, n_accepted, verify_ms)
+
+
+def _drive(policy: ProposerPolicy, acceptance: float, draft_ms_per_token: float, verify_ms: float, rounds: int = 60) -> list[int]:
+    """The draft model alone: K per round."""
     ks = []
     for _ in range(rounds):
-        k = ctrl.choose()
-        ks.append(k)
-        n = round(k * acceptance)  # deterministic stand-in for a round with this acceptance
-        ctrl.observe(k, n, 1.0 + draft_ms_per_token * k if k else 0.0, verify_ms * (1 + 0.05 * k))
+        choice = policy.choose([], max_k=8, draft=True, fixed=False)
+        ks.append(choice.k)
+        n = round(choice.k * acceptance)  # deterministic stand-in for a round with this acceptance
+        _observe(policy, choice, n, 1.0 + draft_ms_per_token * choice.k if choice.k else 0.0, verify_ms * (1 + 0.05 * choice.k))
     return ks
 
 
 def test_adaptive_k_grows_when_drafts_are_accepted_and_cheap():
-    ks = _drive(AdaptiveK(AdaptiveConfig(max_k=8), local_proposer=True), acceptance=1.0, draft_ms_per_token=0.0, verify_ms=50)
+    ks = _drive(ProposerPolicy(AdaptiveConfig(max_k=8), SOURCES), acceptance=1.0, draft_ms_per_token=0.0, verify_ms=50)
     assert ks[-10:] == [8] * 10
 
 
 def test_adaptive_k_turns_speculation_off_when_it_cannot_pay_and_keeps_probing():
-    ks = _drive(AdaptiveK(AdaptiveConfig(max_k=8, probe_every=8), local_proposer=False), acceptance=0.0,
+    ks = _drive(ProposerPolicy(AdaptiveConfig(max_k=8, probe_every=8), SOURCES), acceptance=0.0,
                 draft_ms_per_token=8.0, verify_ms=50)
     tail = ks[-32:]
     assert tail.count(0) >= 24  # mostly target-only
     assert 1 in tail  # but still probing
+
+
+# --- the hybrid policy ----------------------------------------------------------------------------
+# With no rounds observed: acceptance 0.5 for every source, verify(K) = 50 + 3K ms, propose(K) = 0 for
+# local sources and 1 + 5K ms for the draft, the suffix tree's estimate taken at face value.
+
+
+def test_policy_prefers_a_free_local_chain_to_the_draft_round_trip():
+    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
+    lookup = Proposal(PROMPT_LOOKUP, [5, 6, 7, 8])
+    # lookup: E(K) / verify(K) = 1.5/53, 1.75/56, 1.875/59, 1.9375/62: K = 3 is best and beats the
+    # draft's best (1.75 / 67 at K = 2) and target-only (1 / 50)
+    assert policy.choose([lookup], max_k=8, draft=True, fixed=False) == Choice(PROMPT_LOOKUP, 3)
+
+
+def test_policy_asks_the_draft_only_when_its_rate_wins():
+    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
+    nothing = [Proposal(SUFFIX, []), Proposal(PROMPT_LOOKUP, [])]
+    assert policy.choose(nothing, max_k=8, draft=True, fixed=False) == Choice(DRAFT_MODEL, 2)  # 1.75/67 > 1/50
+    assert policy.choose(nothing, max_k=8, draft=False, fixed=False).k == 0
+    # a draft that is measured to be rarely right is not asked
+    for _ in range(20):
+        _observe(policy, Choice(DRAFT_MODEL, 2), 0, 11.0, 56.0)
+    assert policy.choose(nothing, max_k=8, draft=True, fixed=False).k == 0
+
+
+def test_policy_uses_the_suffix_trees_probabilities_for_k():
+    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
+    chain = Proposal(SUFFIX, [1, 2, 3, 4, 5, 6], probs=[1.0, 1.0, 1.0, 0.2, 0.04, 0.008])
+    # E(K) = 1 + sum(probs[:K]): 2/53, 3/56, 4/59, 4.2/62, 4.24/65, ...: K = 3
+    assert policy.choose([chain], max_k=8, draft=True, fixed=False) == Choice(SUFFIX, 3)
+    # the same chain beats a lookup chain of the same length at the prior acceptance
+    lookup = Proposal(PROMPT_LOOKUP, [1, 2, 3, 4, 5, 6])
+    assert policy.choose([chain, lookup], max_k=8, draft=True, fixed=False) == Choice(SUFFIX, 3)
+
+
+def test_policy_discounts_a_suffix_tree_that_is_too_confident():
+    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
+    chain = Proposal(SUFFIX, [1, 2, 3, 4], probs=[1.0, 1.0, 1.0, 1.0])
+    lookup = Proposal(PROMPT_LOOKUP, [1, 2, 3, 4])
+    assert policy.choose([chain, lookup], max_k=8, draft=False, fixed=False).source == SUFFIX
+    for _ in range(10):  # the tree promised 4 accepted tokens a round, the target took none
+        policy.observe(chain, 4, 0, 50.0)
+    assert policy.ratios[SUFFIX].value < 0.1
+    # lookup instead; its whole chain, since those rounds also taught the verify fit that K = 4 costs
+    # no more than K = 1 (50 ms)
+    assert policy.choose([chain, lookup], max_k=8, draft=False, fixed=False) == Choice(PROMPT_LOOKUP, 4)
+
+
+def test_policy_scores_chains_it_did_not_choose_in_greedy_rounds():
+    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
+    lookup = Proposal(PROMPT_LOOKUP, [5, 6, 7])
+    suffix = Proposal(SUFFIX, [9, 9], probs=[1.0, 1.0])
+    policy.observe_unchosen([lookup, suffix], PROMPT_LOOKUP, [5, 6, 7, 8])
+    assert policy.estimates[PROMPT_LOOKUP].acceptance == pytest.approx(0.5)  # chosen: not scored here
+    # suffix: 0 of 2 right -> one failed attempt: (0.5 * 0.9 + 0) / (1 * 0.9 + 1)
+    assert policy.estimates[SUFFIX].acceptance == pytest.approx(0.45 / 1.9)
+    assert policy.ratios[SUFFIX].value == pytest.approx(0.9 / 2.9)  # accepted 0 of an expected 2
+    # a target-only round (chosen None) scores every chain against its one token
+    policy.observe_unchosen([lookup, suffix], None, [5])
+    assert policy.estimates[PROMPT_LOOKUP].acceptance == pytest.approx((0.45 + 1) / (0.9 + 1))
+
+
+def test_policy_with_a_fixed_k():
+    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
+    for _ in range(20):  # make target-only the better rate: it must not be chosen with a fixed K
+        _observe(policy, Choice(PROMPT_LOOKUP, 3), 0, 0.0, 60.0)
+    lookup = Proposal(PROMPT_LOOKUP, [5, 6])
+    assert policy.choose([lookup], max_k=5, draft=False, fixed=True) == Choice(PROMPT_LOOKUP, 2)  # all it has
+    assert policy.choose([Proposal(PROMPT_LOOKUP, [])], max_k=5, draft=True, fixed=True) == Choice(DRAFT_MODEL, 5)
+    assert policy.choose([Proposal(PROMPT_LOOKUP, [])], max_k=5, draft=False, fixed=True).k == 0
+    assert policy.choose([lookup], max_k=0, draft=True, fixed=True).k == 0
+
+
+def test_best_draft_k_for_drafting_ahead():
+    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
+    assert policy.best_draft_k(8) == 2
+    for _ in range(30):
+        _observe(policy, Choice(DRAFT_MODEL, 4), 4, 1.0, 50.0)
+    assert policy.best_draft_k(8) == 8
+
+
+def test_policy_without_measured_costs_ignores_timings():
+    """Reproducible sampling (fixed K): the choice must not depend on how long rounds took."""
+    fast, slow = ProposerPolicy(AdaptiveConfig(), SOURCES), ProposerPolicy(AdaptiveConfig(), SOURCES)
+    for policy, draft_ms in ((fast, 0.0), (slow, 500.0)):
+        for _ in range(20):
+            _observe(policy, Choice(DRAFT_MODEL, 4), 4, draft_ms, 50.0)
+    lookup = [Proposal(PROMPT_LOOKUP, [5, 6, 7, 8])]
+    assert fast.choose(lookup, max_k=4, draft=True, fixed=True) == Choice(DRAFT_MODEL, 4)  # a free, perfect draft
+    assert slow.choose(lookup, max_k=4, draft=True, fixed=True) == Choice(PROMPT_LOOKUP, 4)
+    assert (fast.choose(lookup, max_k=4, draft=True, fixed=True, measured_costs=False)
+            == slow.choose(lookup, max_k=4, draft=True, fixed=True, measured_costs=False))

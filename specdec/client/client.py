@@ -38,6 +38,7 @@ PROPOSERS = {
     "lookup": generate_pb2.PROPOSER_PROMPT_LOOKUP,
     "prompt_lookup": generate_pb2.PROPOSER_PROMPT_LOOKUP,
     "hybrid": generate_pb2.PROPOSER_HYBRID,
+    "suffix": generate_pb2.PROPOSER_SUFFIX,
 }
 
 
@@ -57,7 +58,7 @@ def build_request(
     proposer: str | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
-    proposer: "draft" | "lookup" | "hybrid" (or the long names "draft_model", "prompt_lookup")."""
+    proposer: "draft" | "lookup" | "suffix" | "hybrid" (or the long names "draft_model", "prompt_lookup")."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     if proposer is not None and proposer not in PROPOSERS:

@@ -1,0 +1,148 @@
+"""Which proposer drafts a round, and how many tokens: the best expected tokens per unit of time.
+
+Every round the local sources (suffix tree, prompt lookup: microseconds, here in the coordinator)
+offer their chains; the draft model (a round trip to the draft tier) could offer any K up to max_k,
+unseen until asked. For each source and K the policy predicts the tokens the round commits, E(K),
+and its wall time, C(K):
+  E(K) = 1 + expected accepted drafts: (1 - a^(K+1)) / (1 - a) - 1 for the source's measured
+         per-token acceptance a; for a chain with the suffix tree's own estimate (probs[i] =
+         P(first i+1 drafts right)), the sum of probs[:K] times the measured ratio of accepted to
+         estimated drafts (so a tree that is too confident is discounted);
+  C(K) = verify(K) + propose(K): linear fits of measured wall times (verify shared by all sources);
+         once the target's load is known (TierLoad: its step time against tokens per step, and B
+         sessions per step), verify(K) = overhead + T_step(B (K + 1)), the cost when every session
+         of the step sends K, so K falls as the batch grows.
+It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included. The draft
+is asked only when its rate wins. (A sampled request with a fixed K is meant to be reproducible: there
+C(K) comes from the priors alone, so no timing sways which source proposes.) When K = 0 wins, the best K = 1 is still probed every probe_every
+rounds so the estimates can recover. In greedy rounds, the local chains that were not chosen are
+scored against the committed tokens as well: free measurements that keep every estimate current.
+Cost: O(sources x max_k) arithmetic per round, a few microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from coordinator.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, TierLoad, expected_tokens
+from coordinator.proposers import DRAFT_MODEL, Proposal
+
+
+@dataclass(frozen=True)
+class Choice:
+    source: str  # who proposes; for K = 0 the source the round is charged to
+    k: int  # drafts to propose (0 = target only)
+
+
+class AcceptanceRatio:
+    """Exponentially weighted (accepted drafts) / (drafts the tree expected to be accepted)."""
+
+    def __init__(self, decay: float, prior_weight: float = 1.0) -> None:
+        self.decay = decay
+        self._accepted = prior_weight  # prior: the tree's estimate is right
+        self._expected = prior_weight
+
+    @property
+    def value(self) -> float:
+        return self._accepted / self._expected
+
+    def observe(self, accepted: int, expected: float) -> None:
+        self._accepted = self._accepted * self.decay + accepted
+        self._expected = self._expected * self.decay + expected
+
+
+class ProposerPolicy:
+    """Per session: estimates for every source, and the per-round choice."""
+
+    def __init__(self, config: AdaptiveConfig, sources: Sequence[str], load: TierLoad | None = None) -> None:
+        """load: the target's batching, shared by the coordinator's sessions (None: this session's own
+        verify timings only)."""
+        self.config = config
+        self.load = load
+        self.verify_cost = LinearCost(config.decay, 50.0, 3.0)
+        self.estimates = {s: SourceEstimate(config, local_proposer=s != DRAFT_MODEL, verify_cost=self.verify_cost)
+                          for s in sources}
+        self.ratios = {s: AcceptanceRatio(config.decay) for s in sources}
+        self._since_probe = 0
+
+    def choose(self, offers: Sequence[Proposal], max_k: int, draft: bool, fixed: bool, measured_costs: bool = True) -> Choice:
+        """offers: the local sources' chains (up to max_k tokens each); draft: whether the draft model
+        may be asked; fixed: max_k is the request's K (no K = 0 option, no shorter K for the draft);
+        measured_costs=False: costs from the priors, so that no timing sways the choice (reproducible
+        sampling). O(sources x max_k)."""
+        default = offers[0].source if offers else DRAFT_MODEL
+        if max_k <= 0:
+            return Choice(default, 0)
+        candidates: list[tuple[Proposal | None, str, int]] = [(o, o.source, len(o.tokens)) for o in offers if o.tokens]
+        if draft:
+            candidates.append((None, DRAFT_MODEL, max_k))
+        if not candidates:
+            return Choice(default, 0)
+        best = best_k1 = (0.0, default, 0)  # (rate, source, k); best_k1: the best K = 1 option, for probing
+        v0, v1 = self.verify_line(measured_costs)
+        for offer, source, limit in candidates:
+            est = self.estimates[source]
+            p0, p1 = est.propose_cost.line(measured_costs)
+            probs = offer.probs if offer is not None else None
+            a, ratio = est.acceptance, self.ratios[source].value
+            expected, a_k, cumulative = 1.0, 1.0, 0.0  # E(k): tokens the round commits, bonus included
+            for k in range(1, limit + 1):
+                if probs:  # the tree's estimate, scaled by how its estimates have fared
+                    cumulative += probs[k - 1]
+                    expected = 1.0 + min(float(k), ratio * cumulative)
+                else:  # geometric: 1 + a + ... + a^k
+                    a_k *= a
+                    expected += a_k
+                if fixed and k < limit:
+                    continue
+                rate = expected / (max(v0 + v1 * k, 1e-6) + max(p0 + p1 * k, 1e-6))
+                if rate > best[0]:
+                    best = (rate, source, k)
+                if k == 1 and rate > best_k1[0]:
+                    best_k1 = (rate, source, k)
+        if fixed:
+            return Choice(best[1], best[2])
+        target_only = 1.0 / max(v0, 1e-6)
+        if target_only >= best[0]:
+            self._since_probe += 1
+            if self._since_probe < self.config.probe_every:
+                return Choice(default, 0)
+            self._since_probe = 0
+            best = best_k1
+        return Choice(best[1], best[2])
+
+    def verify_line(self, measured_costs: bool = True) -> tuple[float, float]:
+        """(intercept, slope) of the verify time against K: from the target's load once it is known."""
+        if measured_costs and self.load is not None and self.load.observations > 0:
+            return self.load.verify_line()
+        return self.verify_cost.line(measured_costs)
+
+    def best_draft_k(self, max_k: int) -> int:
+        """The draft model's best K on its own (for drafting the next round ahead), 0 if none pays."""
+        est = self.estimates[DRAFT_MODEL]
+        rates = [expected_tokens(est.acceptance, k) / est.cost(k) for k in range(max_k + 1)]
+        return max(range(max_k + 1), key=rates.__getitem__)
+
+    def observe(self, proposal: Proposal, k: int, n_accepted: int, verify_ms: float) -> None:
+        """The round's outcome: k drafts of proposal verified, n accepted."""
+        self.estimates[proposal.source].observe(k, n_accepted, proposal.wall_ms, verify_ms)
+        if k > 0 and proposal.probs:
+            self.ratios[proposal.source].observe(n_accepted, sum(proposal.probs[:k]))
+
+    def observe_unchosen(self, offers: Sequence[Proposal], chosen: str | None, committed: Sequence[int]) -> None:
+        """Greedy rounds only: committed is the target's own continuation (accepted drafts + next
+        token), so each local chain but the chosen one (None: a target-only round) is judged by its
+        common prefix with it."""
+        for offer in offers:
+            if offer.source == chosen or not offer.tokens:
+                continue
+            k = min(len(offer.tokens), len(committed))
+            n = 0
+            while n < k and offer.tokens[n] == committed[n]:
+                n += 1
+            est = self.estimates[offer.source]
+            est.observe_acceptance(k, n)
+            est.propose_cost.observe(len(offer.tokens), offer.wall_ms)
+            if offer.probs:
+                self.ratios[offer.source].observe(n, sum(offer.probs[:k]))
