@@ -68,7 +68,8 @@ class Cluster:
 
     def __init__(self, target_model: str, draft_model: str | None, *, coordinator_overrides: dict | None = None,
                  sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64,
-                 tier_server: ServerConfig | None = None, batch: BatchConfig | None = None) -> None:
+                 tier_server: ServerConfig | None = None, batch: BatchConfig | None = None,
+                 draft_dtype: str = "float32") -> None:
         """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0."""
         self.tier_server = tier_server or ServerConfig()
         self.loop = asyncio.new_event_loop()
@@ -77,7 +78,8 @@ class Cluster:
         sessions = sessions or SessionStoreConfig()
         batch = batch or BatchConfig()
         self.target_tier = Engine.load(TierConfig(ModelConfig(target_model), sessions, max_draft_tokens, batch))
-        self.draft_tier = Engine.load(TierConfig(ModelConfig(draft_model), sessions, max_draft_tokens, batch)) if draft_model else None
+        self.draft_tier = (Engine.load(TierConfig(ModelConfig(draft_model, dtype=draft_dtype), sessions, max_draft_tokens, batch))
+                           if draft_model else None)
         self._servers = []
         self.pipeline = None
         self.coordinator = None  # coordinator.service.Coordinator

@@ -79,6 +79,25 @@ def test_real_pair_eight_concurrent_sessions_equal_their_solo_runs(real_cluster)
     assert steps < sum(o.stats["rounds"] for o in together), "the target batched no verifies"
 
 
+def test_the_targets_own_bfloat16_copy_as_draft_is_exact(real_pair, real_references):
+    """The low-precision self-draft (draft service = the target at bfloat16): greedy output is still
+    the float32 target's own, and the copy agrees with it far more than the distilled draft does."""
+    target, _ = real_pair
+    cluster = Cluster(target, target, draft_dtype="bfloat16")
+    try:
+        accepted = proposed = 0
+        with Client(cluster.address) as c:
+            for question, _, expected in real_references:
+                out = c.generate(messages=[{"role": "user", "content": question}], max_new_tokens=MAX_NEW,
+                                 num_speculative_tokens=3, proposer="draft")
+                assert out.token_ids == expected, question
+                accepted += out.stats["accepted_tokens"]
+                proposed += out.stats["draft_tokens"]
+        assert accepted > 0.8 * proposed, f"bfloat16 self-draft acceptance {accepted}/{proposed}"
+    finally:
+        cluster.close()
+
+
 def test_real_pair_seeded_sampling_is_reproducible(real_cluster):
     kw = dict(messages=[{"role": "user", "content": QUESTIONS[0]}], max_new_tokens=24, temperature=0.7, top_p=0.9,
               num_speculative_tokens=3, seed=2026)

@@ -53,8 +53,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="K; 0 = target-only decoding")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--proposer", choices=["draft", "lookup", "hybrid"], default=None,
-                   help="draft model, prompt lookup, or lookup with the draft model as fallback (default: server's)")
+    p.add_argument("--proposer", choices=["draft", "lookup", "suffix", "hybrid"], default=None,
+                   help="draft model, prompt lookup, suffix decoding, or the hybrid policy over all three (default: the server's)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, stats")
 
 
@@ -149,9 +149,14 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     from specdec.client.local import LocalPipeline, LocalPipelineConfig
 
     threads = ["--threads", str(args.threads)] if args.threads else []
+    draft_model = args.draft_model or None
+    draft_dtype = args.draft_dtype
+    if args.self_draft:  # the target's own low-precision copy serves as the draft
+        draft_model, draft_dtype = args.target_model, args.self_draft
     config = LocalPipelineConfig(
-        target_model=args.target_model, draft_model=args.draft_model or None,
-        target_args=["--device", args.device, *threads], draft_args=["--device", args.device, *threads],
+        target_model=args.target_model, draft_model=draft_model,
+        target_args=["--device", args.device, *threads],
+        draft_args=["--device", args.device, "--dtype", draft_dtype, *threads],
     )
     print(f"starting target ({config.target_model}), draft ({config.draft_model}) and coordinator on loopback...", file=sys.stderr)
     t0 = time.perf_counter()
@@ -192,6 +197,9 @@ def main(argv=None) -> int:
     r.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
     r.add_argument("--target-model", default=default_target())
     r.add_argument("--draft-model", default=default_draft(), help="'' for target-only decoding")
+    r.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--self-draft", default=None, choices=["bfloat16", "float16"],
+                   help="use the target's own copy at this precision as the draft (no draft model needed)")
     r.add_argument("--device", default="cpu")
     r.add_argument("--threads", type=int, default=0, help="torch threads per tier (0 = default)")
     add_generation_args(r)
