@@ -6,7 +6,8 @@ to first token (TTFT), the time per output token after it (TPOT = (end - first) 
 definition) and its tokens per second; per level the aggregate tokens per second over the whole
 burst. Rows:
 
-* specdec, the default policy (hybrid proposer, adaptive K), and the mean K it chose at each level;
+* specdec, the default policy (hybrid proposer, adaptive K), and the mean K it chose at each level
+  (the cross-session suffix tree is off: the levels reuse prompts, so it would have seen the answers);
 * specdec K = 0: the same services with no speculation (the target tier's batching alone);
 * the peer, Hugging Face transformers serving the same C prompts with the target alone, in this
   process: its continuous-batching API (``generate_batch``) and padded batched ``generate``; each
@@ -46,7 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the raw per-client samples here")
     p.add_argument("--target-args", default="", help="extra flags for the target service")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service")
-    p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator")
+    # The levels reuse prompts (level 4's include level 1's): a shared suffix tree would have seen the
+    # answers already. The template workload of bench.run measures that tree; here it is off.
+    p.add_argument("--coordinator-args", default="--suffix-cache-entries 0", help="extra flags for the coordinator")
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
     return p.parse_args(argv)

@@ -9,8 +9,10 @@ from these.
 The verify cost knows the load (TierLoad). The target batches many sessions into one step, whose time
 grows with the tokens in it: T_step(n) = alpha + beta * n, fitted over every session's Verify
 responses (each reports its step's tokens and time), shared by all sessions of the coordinator. With
-B sessions per step, all choosing K, a round costs T_step(B * (K + 1)) plus the call's overhead, so the
-rate the policy maximises is the aggregate one: each extra draft token costs beta * B, and K falls as
+B sessions per step, all choosing K, a session's round costs the tier its share of the step,
+T_step(B (K + 1)) / B = alpha / B + beta (K + 1), plus the call's own overhead; time spent queueing
+behind other sessions is not charged. So the rate the policy maximises is the tier's throughput: the
+step's fixed cost is spread over B sessions while each draft token still costs beta, and K falls as
 the batch grows (vLLM switches speculation off above a fixed batch size; this measures where). With
 no load data yet, the session's own linear fit of verify wall time is used.
 """
@@ -64,30 +66,37 @@ class LinearCost:
 
 class TierLoad:
     """A tier's batching as the coordinator sees it: step time against tokens per step, sessions per
-    step, and each call's time beyond its step (network, queueing). Shared by all sessions."""
+    step, and a call's own overhead (network, serialisation). Shared by all sessions."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
         self.step_cost = LinearCost(decay, prior_intercept=50.0, prior_slope=3.0)  # ms vs tokens in a step
         self.sessions = 1.0  # sessions per step, exponentially weighted
-        self.overhead_ms = 0.0  # wall time beyond the step, exponentially weighted
+        # A call's wall time beyond the tier's work for it (network, serialisation): the tier reports
+        # its compute and its queueing separately, and queueing behind other sessions' steps is not a
+        # cost of this session's tokens.
+        self.overhead_ms = 0.0
         self.observations = 0
 
-    def observe(self, batch_sessions: int, batch_tokens: int, step_ms: float, wall_ms: float) -> None:
+    def observe(self, batch_sessions: int, batch_tokens: int, step_ms: float, wall_ms: float,
+                compute_ms: float = 0.0, queue_ms: float = 0.0) -> None:
         if batch_sessions <= 0 or batch_tokens <= 0:
             return  # a tier that reports no batching (an older replica)
         d = self.decay if self.observations else 0.0
         self.step_cost.observe(batch_tokens, step_ms)
         self.sessions = d * self.sessions + (1 - d) * batch_sessions
-        self.overhead_ms = d * self.overhead_ms + (1 - d) * max(0.0, wall_ms - step_ms)
+        overhead = max(0.0, wall_ms - (compute_ms or step_ms) - queue_ms)
+        self.overhead_ms = d * self.overhead_ms + (1 - d) * overhead
         self.observations += 1
 
     def verify_line(self) -> tuple[float, float]:
-        """(intercept, slope) of a round's verify time against K when the step's sessions all send K:
-        overhead + T_step(B * (K + 1))."""
+        """(intercept, slope) against K of what one round's verification costs this session when the
+        step's B sessions all send K: its share of the step, T_step(B (K + 1)) / B, plus its overhead.
+        At B = 1 that is the whole step; as B grows the step's fixed cost is shared and each draft
+        token costs beta, so K is chosen for the tier's throughput, not for one session's latency."""
         alpha, beta = self.step_cost.line()
-        b = self.sessions
-        return self.overhead_ms + alpha + beta * b, beta * b
+        b = max(self.sessions, 1.0)
+        return self.overhead_ms + alpha / b + beta, beta
 
     def round_ms(self, k: int) -> float:
         v0, v1 = self.verify_line()

@@ -371,7 +371,8 @@ class Generation:
             wall_ms = (time.perf_counter() - t0) * 1e3
             self.stats.observe_rpc(wall_ms, response.compute_ms, is_draft=False)
             if self.limits.target_load is not None:
-                self.limits.target_load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, wall_ms)
+                self.limits.target_load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, wall_ms,
+                                                response.compute_ms, response.queue_ms)
             self._target_cursor.update(ctx, drafts, response.cached_len, committed_len=len(committed))
             return Verdict(response.num_accepted, response.next_token, wall_ms)
 

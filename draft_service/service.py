@@ -58,7 +58,8 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         r = await engine.submit(work)
         return draft_pb2.ProposeResponse(
             tokens=r.tokens, q=[common_pb2.DraftDistribution(token_ids=ids, probs=probs) for ids, probs in r.q],
-            cached_len=r.cached_len, compute_ms=r.compute_ms, batch_sessions=r.batch_sessions, step_ms=r.step_ms)
+            cached_len=r.cached_len, compute_ms=r.compute_ms, batch_sessions=r.batch_sessions, step_ms=r.step_ms,
+            queue_ms=r.queue_ms)
 
 
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:

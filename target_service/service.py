@@ -42,7 +42,7 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         r = await engine.submit(work)
         return target_pb2.VerifyResponse(num_accepted=r.num_accepted, next_token=r.next_token, cached_len=r.cached_len,
                                          compute_ms=r.compute_ms, batch_sessions=r.batch_sessions,
-                                         batch_tokens=r.batch_tokens, step_ms=r.step_ms)
+                                         batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms)
 
     def _sparse_q(self, request: target_pb2.VerifyRequest, k: int) -> SparseQ | None:
         """q as flat sparse tensors, or None for one-hot q; INVALID_ARGUMENT on anything malformed."""

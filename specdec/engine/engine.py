@@ -129,6 +129,7 @@ class Engine:
         """Queue a work and await its result (RequestError on its own failure)."""
         loop = asyncio.get_running_loop()
         work.loop, work.future = loop, loop.create_future()
+        work.submitted_at = time.perf_counter()
         with self._wake:
             if self._stopping:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")

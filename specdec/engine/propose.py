@@ -29,6 +29,7 @@ class ProposeResult:
     compute_ms: float
     batch_sessions: int  # sessions in the work's last step
     step_ms: float  # that step's forward time
+    queue_ms: float  # waiting, not computing
 
 
 @dataclass(eq=False)
@@ -64,7 +65,8 @@ class ProposeWork(Work):
                 w.pending, w.num_logits = [d], 1  # feed it back for the next position
             else:
                 sessions, _, seconds = w.last_step
-                w.result = ProposeResult(w.tokens, w.q, len(w.session), w.compute_s * 1e3, sessions, seconds * 1e3)
+                w.result = ProposeResult(w.tokens, w.q, len(w.session), w.compute_s * 1e3, sessions, seconds * 1e3,
+                                         w.queue_ms())
 
 
 def _sample(works, rows, sampled, tokens, engine) -> None:

@@ -38,6 +38,7 @@ class VerifyResult:
     batch_sessions: int  # sessions in the step that verified it
     batch_tokens: int  # tokens in that step
     step_ms: float  # that step's forward time
+    queue_ms: float  # waiting, not computing
 
 
 @dataclass(eq=False)
@@ -71,7 +72,7 @@ class VerifyWork(Work):
             keep = w.committed_len + n
             engine.sessions.crop(w.session, keep)  # the committed prefix plus the accepted drafts
             sessions, tokens, seconds = w.last_step
-            w.result = VerifyResult(n, nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3)
+            w.result = VerifyResult(n, nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3, w.queue_ms())
 
 
 def _cu_drafts(works: list[VerifyWork], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

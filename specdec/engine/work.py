@@ -9,6 +9,7 @@ step at once (finish_step), so the math runs batched.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ class Work:
     cancelled: bool = False  # the caller went away
     result: Any = None  # set by finish_step when done
     compute_s: float = 0.0  # time in the forward steps this work took part in
+    submitted_at: float = 0.0  # time.perf_counter() when the engine got it
     last_step: tuple[int, int, float] = (0, 0, 0.0)  # (sessions, tokens, seconds) of its last step
 
     kind: ClassVar[str] = "work"
@@ -37,6 +39,10 @@ class Work:
     @property
     def done(self) -> bool:
         return self.result is not None
+
+    def queue_ms(self) -> float:
+        """Time since submission not spent in this work's own steps."""
+        return max(0.0, (time.perf_counter() - self.submitted_at - self.compute_s) * 1e3)
 
     @classmethod
     def finish_step(cls, works: list["Work"], logits: list[torch.Tensor], engine) -> None:
