@@ -66,10 +66,6 @@ async def probe_ring_hash(config: RoutingConfig, timeout_s: float = 10.0) -> Non
     """Raise RoutingUnsupported unless this grpcio routes by config.hash_header: two local servers behind
     one channel with config's service config; every header value must reach one server only, and the
     values together must reach both. Costs ~100 calls on loopback (tens of milliseconds)."""
-    if os.environ.get(RING_HASH_ENV, "").strip().lower() not in ("1", "true", "yes"):
-        raise RoutingUnsupported(
-            f"session-affine routing needs the environment variable {RING_HASH_ENV}=true (gRPC's ring hash on a "
-            f"request header, gRFC A76); `python -m coordinator` sets it unless it is set otherwise")
     servers, ports = [], []
     try:
         for index in range(2):
@@ -80,7 +76,7 @@ async def probe_ring_hash(config: RoutingConfig, timeout_s: float = 10.0) -> Non
         async with grpc.aio.insecure_channel(target, options=config.channel_options(PROBE_SERVICE)) as channel:
             which = channel.unary_unary(f"/{PROBE_SERVICE}/Which")
             seen: dict[str, set[bytes]] = {}
-            for round_ in range(3):
+            for _ in range(3):  # each key three times: it must reach the same server every time
                 for k in range(PROBE_KEYS):
                     key = f"probe-{k}"
                     try:
@@ -88,8 +84,9 @@ async def probe_ring_hash(config: RoutingConfig, timeout_s: float = 10.0) -> Non
                     except grpc.aio.AioRpcError as e:
                         raise RoutingUnsupported(
                             f"grpcio {grpc.__version__} cannot route by the {config.hash_header!r} header with "
-                            f"{RING_HASH_POLICY} (probe call failed: {e.code().name}: {e.details()}); "
-                            f"session-affine routing needs grpcio >= 1.70 and {RING_HASH_ENV}=true") from None
+                            f"{RING_HASH_POLICY} (probe call failed: {e.code().name}: {e.details()}); session-affine "
+                            f"routing needs grpcio >= 1.70 and the environment variable {RING_HASH_ENV}=true "
+                            f"(it is {_env_shown()}; `python -m coordinator` sets it when unset)") from None
                     seen.setdefault(key, set()).add(reply)
     finally:
         for server in servers:
@@ -102,6 +99,11 @@ async def probe_ring_hash(config: RoutingConfig, timeout_s: float = 10.0) -> Non
     if len(reached) < 2:
         raise RoutingUnsupported(f"grpcio {grpc.__version__} sent all {PROBE_KEYS} session keys to one of two "
                                  f"servers: the ring-hash policy is not in effect")
+
+
+def _env_shown() -> str:
+    value = os.environ.get(RING_HASH_ENV)
+    return "unset" if value is None else repr(value)
 
 
 async def _probe_server(index: int) -> tuple[grpc.aio.Server, int]:

@@ -47,7 +47,7 @@ class RetryPolicy:
 
 
 TARGET_RETRY = RetryPolicy(retry_s=30.0)  # the target: wait for it (retry_s comes from --tier-retry-timeout)
-DRAFT_RETRY = RetryPolicy(down_s=(0.25, 0.5, 1.0, 2.0))  # the draft: fall back to prompt lookup, try it again soon
+DRAFT_RETRY = RetryPolicy(down_s=(0.25, 0.5, 1.0))  # the draft: fall back to prompt lookup, try it again soon
 
 
 class SessionCalls(Protocol):
