@@ -102,11 +102,18 @@ class DraftStream:
     async def _io(self, awaitable, limit_s: float | None):
         """One stream operation under the per-call timeout; any failure closes the stream."""
         timeout = call_timeout(self.timeout_s, limit_s)
+        call = self._call
         try:
             return await asyncio.wait_for(awaitable, timeout)
         except grpc.aio.AioRpcError as e:
             self.close()
             raise _tier_error("draft", e) from None
+        except asyncio.InvalidStateError:  # a write after the replica ended the stream (drained, stopped): why?
+            code, details = await call.code(), await call.details()
+            self.close()
+            if code == grpc.StatusCode.OK:
+                code = grpc.StatusCode.UNAVAILABLE
+            raise TierError("draft", code, details or "the stream ended") from None
         except asyncio.TimeoutError:
             self.close()
             raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:.3g}s") from None

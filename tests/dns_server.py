@@ -17,14 +17,14 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 class _Resolver(BaseResolver):
     def __init__(self) -> None:
         self.names: dict[str, list[str]] = {}
-        self.queries = 0  # A and AAAA questions answered so far
+        self.queries: dict[str, int] = {}  # name -> questions (A, AAAA) answered so far
         self._lock = threading.Lock()
 
     def resolve(self, request, handler):
         reply = request.reply()
         name = str(request.q.qname).rstrip(".").lower()
         with self._lock:
-            self.queries += 1
+            self.queries[name] = self.queries.get(name, 0) + 1
             addresses = list(self.names.get(name, ()))
         if name not in self.names:
             reply.header.rcode = RCODE.NXDOMAIN
@@ -52,9 +52,10 @@ class FakeDns:
         with self._resolver._lock:
             return list(self._resolver.names.get(name.lower(), ()))
 
-    @property
-    def queries(self) -> int:
-        return self._resolver.queries
+    def queries(self, name: str) -> int:
+        """How often `name` was asked for (A and AAAA each count): a resolver re-resolving it shows here."""
+        with self._resolver._lock:
+            return self._resolver.queries.get(name.lower(), 0)
 
     def target(self, name: str, port: int) -> str:
         """The gRPC target that resolves `name` through this server."""

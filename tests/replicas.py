@@ -56,11 +56,21 @@ class Replica:
     engine: Engine
     server: grpc.aio.Server
     health: object  # grpc_health's aio HealthServicer
+    _channel: grpc.Channel | None = None  # for status()
+    _stub: object = None
 
     def status(self) -> common_pb2.StatusResponse:
-        stub_cls = target_pb2_grpc.TargetServiceStub if self.tier == "target" else draft_pb2_grpc.DraftServiceStub
-        with grpc.insecure_channel(f"{self.address}:{self.port}") as ch:
-            return stub_cls(ch).GetStatus(common_pb2.StatusRequest(), timeout=10)
+        """GetStatus straight from this replica (its own address, no balancer)."""
+        if self._stub is None:
+            stub_cls = target_pb2_grpc.TargetServiceStub if self.tier == "target" else draft_pb2_grpc.DraftServiceStub
+            self._channel = grpc.insecure_channel(f"{self.address}:{self.port}")
+            self._stub = stub_cls(self._channel)
+        return self._stub.GetStatus(common_pb2.StatusRequest(), timeout=10)
+
+    def close_status_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
 
 
 class ReplicaCluster:
@@ -151,5 +161,6 @@ class ReplicaCluster:
             self.thread.join(10)
             for replicas in self.replicas.values():
                 for r in replicas.values():
+                    r.close_status_channel()
                     r.engine.close()
             self.dns.close()

@@ -28,7 +28,7 @@ from tests.helpers import TOKENIZER_DIR, make_tiny_model
 from tests.replicas import ReplicaCluster
 
 TARGETS, DRAFTS = ["127.0.0.2", "127.0.0.3"], ["127.0.0.4", "127.0.0.5"]
-N_TOKENS = 40
+N_TOKENS = 24
 
 
 def test_service_config_is_ring_hash_on_the_session_header_with_health_checks():
