@@ -32,11 +32,13 @@ run: setup
 test: setup
 	$(PY) -m pytest -q tests
 
-# Benchmarks: target alone vs HF assisted generation vs specdec on this machine. Appends a section to
-# docs/BENCHMARKS.md and redraws docs/bench_*.png. Quick by default (~8 min on 2 cores);
-# BENCH_ARGS=--long for the full matrix, BENCH_ARGS=--help for the options.
+# Benchmarks: target alone vs HF assisted generation vs specdec on this machine, then 1 vs 2 target
+# replicas under the same load. Each appends a section to docs/BENCHMARKS.md (bench.run also redraws
+# docs/bench_*.png). Quick by default (~8 + ~4 min on 2 cores); BENCH_ARGS=--long for the full matrix,
+# BENCH_ARGS=--help / BENCH_REPLICAS_ARGS=--help for the options.
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.replicas $(BENCH_REPLICAS_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info
