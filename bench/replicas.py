@@ -182,7 +182,7 @@ def report(args, results: dict[int, list[dict]], split: dict[int, list[list[int]
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"## {now}: 1 vs 2 target replicas (git {commit or '?'})", "",
-             f"`python -m bench.replicas {' '.join(sys.argv[1:])}`".replace("  ", " ").strip(), "",
+             "`" + " ".join(["python -m bench.replicas", *sys.argv[1:]]) + "`", "",
              f"Models: target `{Path(target_model).name}`, draft `{Path(draft_model).name}`. {args.num_requests} requests "
              f"per run, {args.concurrency} at a time, {args.max_new_tokens} new tokens each (EOS ignored), proposer "
              f"{args.proposer}, adaptive K; {args.repeats} runs per configuration, alternating. Target tier: "
