@@ -165,9 +165,9 @@ class Generation:
         self.lookup = PromptLookupProposer(limits.lookup, params.prompt_ids)
         self.draft = None
         if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
-            stream = draft.session(self.session_id)
-            self.draft = DraftModelProposer(TierSession(stream, DRAFT_RETRY, self.stats, tokenizer_fingerprint, self._time_left),
-                                            stream, self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
+            self.draft = DraftModelProposer(
+                TierSession(draft.session(self.session_id), DRAFT_RETRY, self.stats, tokenizer_fingerprint, self._time_left),
+                self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
         cfg = dataclasses.replace(limits.adaptive, max_k=min(limits.adaptive.max_k, limits.max_k))
         load = limits.target_load
         self._controllers = {DRAFT_MODEL: AdaptiveK(cfg, local_proposer=False, load=load),

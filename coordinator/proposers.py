@@ -55,10 +55,10 @@ class DraftModelProposer:
 
     source = DRAFT_MODEL
 
-    def __init__(self, session: TierSession, stream: DraftStream, sampling: common_pb2.SamplingParams, seed: int) -> None:
-        """session: the draft's TierSession over `stream` (the session's Propose stream)."""
+    def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int) -> None:
+        """session: the draft's TierSession, over the session's Propose stream (a DraftStream)."""
         self.session = session
-        self.stream = stream
+        self.stream: DraftStream = session.calls  # send / recv apart, for the overlap
         self.sampling = sampling
         self.seed = seed
         self._speculation: tuple[common_pb2.SessionContext, int] | None = None  # (context, committed length)

@@ -40,13 +40,14 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 class RetryPolicy:
     """What a session does when its tier is unreachable (a lost session is always re-prefilled at once)."""
 
-    retry_s: float = 0.0  # retry until the client's deadline, or this long without one; 0 = give up at once
+    retry: bool = False  # retry an unreachable tier (False: give up at once)
+    retry_s: float = 30.0  # when retrying: until the client's deadline, or this long without one
     first_retry_s: float = 0.05  # first delay between retries; doubled each time
     max_retry_s: float = 1.0  # longest delay between retries
     down_s: tuple[float, ...] = ()  # after giving up, leave the tier alone this long (by consecutive failures)
 
 
-TARGET_RETRY = RetryPolicy(retry_s=30.0)  # the target: wait for it (retry_s comes from --tier-retry-timeout)
+TARGET_RETRY = RetryPolicy(retry=True)  # the target: wait for it (retry_s comes from --tier-retry-timeout)
 DRAFT_RETRY = RetryPolicy(down_s=(0.25, 0.5, 1.0))  # the draft: fall back to prompt lookup, try it again soon
 
 
@@ -54,6 +55,7 @@ class SessionCalls(Protocol):
     """One session's rpcs on one tier (coordinator.tiers.VerifyCalls, DraftStream)."""
 
     tier: str  # "draft" or "target"
+    session_id: str  # the session the calls belong to (and are routed by)
     timeout_s: float  # per-call deadline
 
     async def call(self, request: Any, limit_s: float | None = None) -> Any: ...
@@ -121,7 +123,7 @@ class TierSession:
                 if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and left is not None and left < self.calls.timeout_s:
                     # The client's own deadline ran out, not the tier's: say so, and do not retry.
                     raise TierError(self.tier, e.code, "the request's deadline passed during the call") from None
-                if e.code not in RETRYABLE or self.policy.retry_s <= 0:
+                if e.code not in RETRYABLE or not self.policy.retry:
                     self.mark_down(e)
                     raise
                 # Unreachable, restarting or stalled: it may come back (or another replica take over)
