@@ -39,10 +39,12 @@ test: setup
 #  bench.concurrency  1/4/16/32 concurrent clients: specdec, specdec K=0, HF generate_batch and padded
 #                     generate (~10 min; CONCURRENCY_ARGS=--help)
 #  bench.self_draft   the target's own bfloat16 / float16 / int8 copies as drafts (~2 min)
+#  bench.replicas     1 vs 2 target replicas under the same load (~4 min; BENCH_REPLICAS_ARGS=--help)
 bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.concurrency $(CONCURRENCY_ARGS)
 	$(PY) -m bench.self_draft $(SELF_DRAFT_ARGS)
+	$(PY) -m bench.replicas $(BENCH_REPLICAS_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from coordinator.adaptive import AdaptiveConfig
 from coordinator.admission import AdmissionConfig
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import PROPOSERS
+from coordinator.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported
 from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
 from coordinator.suffix import SuffixConfig
 from specdec.wire.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
@@ -22,10 +24,18 @@ D = CoordinatorConfig
 
 
 def main(argv=None) -> None:
+    # Session-affine routing (coordinator.routing) needs grpc-core's ring hash on a request header, which
+    # it reads behind this variable; set before any channel parses its service config. An explicit value
+    # from the environment wins (and the start-up probe refuses to start if routing does not work).
+    os.environ.setdefault(RING_HASH_ENV, "true")
     a = EnvArgs("coordinator", "Serve the public Generation API; drives the draft and target services.")
     add_server_args(a, default_port=50051)
-    a.add("--target", default="127.0.0.1:50062", help="target service address host:port")
-    a.add("--draft", default="127.0.0.1:50061", help="draft service address host:port ('' = target-only decoding)")
+    a.add("--target", default="127.0.0.1:50062",
+          help="target tier: host:port, or a name resolving to every replica, e.g. dns:///specdec-target.<ns>.svc.cluster.local:50062")
+    a.add("--draft", default="127.0.0.1:50061",
+          help="draft tier, like --target ('' = target-only decoding)")
+    a.add("--min-resolution-interval", type=float, default=RoutingConfig.min_resolution_interval_s,
+          help="re-resolve a tier's name (to find replicas that joined or left) at most this often, seconds")
     a.add("--tokenizer", default=default_target(), help="model path or hub id whose tokenizer to use (the target's)")
     a.add("--default-max-new-tokens", type=int, default=D.default_max_new_tokens, help="max_new_tokens when unset")
     a.add("--max-new-tokens-cap", type=int, default=D.max_new_tokens_cap, help="largest max_new_tokens accepted")
@@ -93,6 +103,7 @@ def main(argv=None) -> None:
         tier_ca=args.tier_ca or None, tier_client_cert=args.tier_client_cert or None,
         tier_client_key=args.tier_client_key or None, tier_server_name=args.tier_server_name or None,
         auth_token=auth_token, served_model_name=args.served_model_name or None,
+        routing=RoutingConfig(min_resolution_interval_s=args.min_resolution_interval),
     )
     check_server_tls(config.server)
     try:
@@ -105,7 +116,7 @@ def main(argv=None) -> None:
     async def run() -> None:
         try:
             c = await build(config)
-        except (PipelineMismatch, ConnectionError) as e:
+        except (PipelineMismatch, ConnectionError, RoutingUnsupported) as e:
             log.error("refusing to start: %s", e)
             sys.exit(2)
         try:

@@ -28,8 +28,10 @@ from specdec.wire.server import RequestError, as_request_error
 
 log = logging.getLogger(__name__)
 
-# Tier failures the client sees with their own code; anything else is our bug -> INTERNAL.
-PASS_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Tier failures the client sees with their own code; anything else is our bug -> INTERNAL. FAILED_PRECONDITION
+# reaches the client only from a target replica that refuses a session it was sent whole (another tokenizer).
+PASS_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.FAILED_PRECONDITION}
 
 
 def finish_reason_name(value: int) -> str:
@@ -57,7 +59,8 @@ class Frontend:
         async with self.admission.admit():
             pl = self.pipeline
             generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids),
-                                    self._limits(), deadline, suffix_cache=pl.suffix_cache)
+                                    self._limits(), deadline, suffix_cache=pl.suffix_cache,
+                                    tokenizer_fingerprint=pl.tokenizer_fingerprint)
             fields = {"session_id": generation.session_id, "request_id": request_id or uuid.uuid4().hex, "api": api}
             log.debug("generation started", extra={**fields, "prompt_tokens": len(params.prompt_ids),
                                                    "max_new_tokens": params.max_new_tokens, "proposer": params.proposer,

@@ -3,7 +3,10 @@
 Per round: a proposer offers up to K draft tokens (with q), the target verifies them in one forward
 pass and returns (n_accepted, next_token); the coordinator commits d_1..d_n + next_token, truncated at
 EOS, a stop string or the token budget, and streams them. The committed sequence lives here only;
-each tier is told, per request, which prefix of it it already caches (TierCursor).
+each tier is told, per request, which prefix of it it already caches. Each tier is reached through the
+session's TierSession (coordinator/tier_session.py), the same for draft and target: it routes the
+session's calls to one replica, and handles lost sessions, retries and back-off, so this file holds only
+the algorithm.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
 from coordinator.adaptive import AdaptiveConfig, TierLoad
 from coordinator.lookup import LookupConfig
 from coordinator.policy import ProposerPolicy
@@ -25,7 +26,8 @@ from coordinator.proposers import (DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX, D
                                    Proposal)
 from coordinator.suffix import SuffixCache, SuffixConfig, SuffixProposer
 from coordinator.text import IncrementalDetokenizer, StopMatcher
-from coordinator.tiers import DraftClient, TargetClient, TierCursor, TierError
+from coordinator.tier_session import DRAFT_RETRY, TARGET_RETRY, TierSession
+from coordinator.tiers import DraftClient, TargetClient, TierError
 from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, generate_pb2, target_pb2
 from specdec.math.params import SamplingParams
@@ -146,12 +148,14 @@ class Limits:
 class Generation:
     def __init__(self, params: GenerationParams, draft: DraftClient | None, target: TargetClient, tokenizer,
                  eos_token_ids: set[int], limits: Limits, deadline: float | None = None,
-                 suffix_cache: SuffixCache | None = None) -> None:
+                 suffix_cache: SuffixCache | None = None,
+                 tokenizer_fingerprint: str = "") -> None:
         """deadline: time.monotonic() by which the client must have its answer (None: no deadline).
+        tokenizer_fingerprint: the coordinator's, sent to every replica that gets the session's full
+        sequence (each refuses the session if its tokenizer differs).
         suffix_cache: the coordinator's tree of recent outputs, shared by its sessions (None: none)."""
         self.params = params
         self.deadline = deadline
-        self.target = target
         self.tokenizer = tokenizer
         self.eos = set() if params.ignore_eos else eos_token_ids
         self.limits = limits
@@ -159,15 +163,19 @@ class Generation:
         self.stats = RoundStats()
         self._sampling = common_pb2.SamplingParams(
             temperature=params.sampling.temperature, top_k=params.sampling.top_k, top_p=params.sampling.top_p)
-        self._target_cursor = TierCursor(on_reprefill=lambda: self.stats.reprefills.update(("target",)))
+        # The session on each tier: routing to its replica, its cache cursor, retries and re-prefills.
+        self.target = TierSession(target.session(self.session_id), dataclasses.replace(TARGET_RETRY, retry_s=limits.tier_retry_s),
+                                  self.stats, tokenizer_fingerprint, self._time_left)
         # Prompt lookup is always ready: it is a proposer of the lookup/hybrid modes and the fallback
         # whenever the draft tier is unreachable.
         self.lookup = PromptLookupProposer(limits.lookup, params.prompt_ids)
         self.suffix_cache = suffix_cache
         self.suffix = (SuffixProposer(limits.suffix, suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None)
-        self.draft = (DraftModelProposer(draft, self.session_id, self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM),
-                                         on_reprefill=lambda: self.stats.reprefills.update(("draft",)))
-                      if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID) else None)
+        self.draft = None
+        if draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
+            self.draft = DraftModelProposer(
+                TierSession(draft.session(self.session_id), DRAFT_RETRY, self.stats, tokenizer_fingerprint, self._time_left),
+                self._sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
         self._local = [x for x in (self.suffix, self.lookup) if x is not None and params.proposer in (x.source, HYBRID)]
         cfg = dataclasses.replace(limits.adaptive, max_k=min(limits.adaptive.max_k, limits.max_k))
         self.policy = ProposerPolicy(cfg, (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=limits.target_load)
@@ -194,12 +202,11 @@ class Generation:
         fallback = self.draft is not None and not self.draft.available
         if choice.source == DRAFT_MODEL and choice.k > 0:
             try:
-                proposal = await self.draft.propose(committed, hashes, choice.k, self._time_left())
+                proposal = await self.draft.propose(committed, hashes, choice.k)
                 self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, is_draft=True)
                 return proposal, offers
-            except TierError as e:  # the draft is down: the best local offer instead
-                self.stats.observe_tier_error(e)
-                fallback = True
+            except TierError:  # counted, and the draft left alone for a back-off, by its TierSession
+                fallback = True  # the draft is down: the best local offer instead
                 offers = offers or [self.lookup.propose(max_k)]
                 choice = self.policy.choose(offers, max_k, False, fixed, measured_costs=shared)
         offer = next((o for o in offers if o.source == choice.source), None)
@@ -331,60 +338,26 @@ class Generation:
         return left - min(0.5, 0.1 * max(left, 0.0))
 
     async def _verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], q_rows) -> "Verdict":
-        """Verify on the target. An unreachable or restarted target is retried with back-off (and
-        re-prefilled) until the client's deadline, or tier_retry_s without one; then UNAVAILABLE."""
+        """Verify on the target (its TierSession retries an unreachable target until the client's deadline,
+        or tier_retry_s without one, and re-prefills a replica that lacks the session)."""
         seed = derive_seed(self.params.seed, len(committed), TARGET_STREAM)
-        backoff, give_up_at, last_error = 0.05, None, None
-        while True:
-            ctx = self._target_cursor.context(self.session_id, committed, hashes)
-            request = target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q_rows, sampling=self._sampling, seed=seed)
-            left = self._time_left()
-            if left is not None and left <= 0:
-                code = last_error.code if last_error else grpc.StatusCode.DEADLINE_EXCEEDED
-                raise TierError("target", code, f"no answer before the request's deadline; last error: {last_error or 'none'}")
-            t0 = time.perf_counter()
-            try:
-                response = await self.target.verify(request, left)
-            except TierError as e:
-                self.stats.observe_tier_error(e)
-                if e.code == grpc.StatusCode.FAILED_PRECONDITION and ctx.prefix_len > 0:
-                    self._target_cursor.reset()  # the target lost the session: resend everything
-                    continue
-                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and left is not None and left < self.target.timeout_s:
-                    # The client's own deadline ran out, not the tier: say so, and do not retry.
-                    raise TierError("target", e.code, "the request's deadline passed during verification") from None
-                if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                # Unreachable, restarting or stalled: it may come back without our session.
-                self._target_cursor.reset()
-                last_error = e
-                now = time.monotonic()
-                if give_up_at is None:
-                    give_up_at = now + self.limits.tier_retry_s if self.deadline is None else float("inf")
-                left = self._time_left()
-                if now >= give_up_at or (left is not None and left <= backoff):
-                    raise TierError("target", grpc.StatusCode.UNAVAILABLE,
-                                    f"unreachable, gave up retrying: {e.details}") from None
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            wall_ms = (time.perf_counter() - t0) * 1e3
-            self.stats.observe_rpc(wall_ms, response.compute_ms, is_draft=False)
-            if self.limits.target_load is not None:
-                self.limits.target_load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, wall_ms,
-                                                response.compute_ms, response.queue_ms)
-            self._target_cursor.update(ctx, drafts, response.cached_len, committed_len=len(committed))
-            return Verdict(response.num_accepted, response.next_token, wall_ms)
+        reply = await self.target.call(
+            committed, hashes,
+            lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q_rows, sampling=self._sampling, seed=seed),
+            extra=lambda response: drafts)
+        response = reply.message
+        self.stats.observe_rpc(reply.wall_ms, response.compute_ms, is_draft=False)
+        if self.limits.target_load is not None:
+            self.limits.target_load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
+                                            response.compute_ms, response.queue_ms)
+        return Verdict(response.num_accepted, response.next_token, reply.wall_ms)
 
     async def close(self) -> None:
         """Free the session on both tiers (best effort: a tier may already have evicted it); a
         finished generation's output (after a few prompt tokens) joins the shared suffix tree."""
         if self.draft is not None:
             await self.draft.close()
-        try:
-            await self.target.end_session(self.session_id)
-        except grpc.aio.AioRpcError:
-            pass
+        await self.target.close()
         if self.suffix_cache is not None and self._output is not None:
             await self.suffix_cache.add_async(self._output)
 

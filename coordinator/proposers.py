@@ -12,19 +12,17 @@ deterministic proposals); the target verifies them all the same way, losslessly.
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from coordinator.lookup import LookupConfig, NgramIndex
-from coordinator.tiers import DraftClient, TierCursor, TierError
+from coordinator.tier_session import TierSession
+from coordinator.tiers import DraftStream, TierError
 from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
 
-log = logging.getLogger(__name__)
 
 DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, HYBRID = "draft_model", "prompt_lookup", "suffix", "hybrid"
 PROPOSERS = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, HYBRID)  # the names a coordinator accepts
@@ -60,50 +58,31 @@ class PromptLookupProposer:
 
 
 class DraftModelProposer:
-    """The draft tier, with the coordinator's view of its cache and a back-off when it is down."""
+    """The draft tier, through the session's TierSession (its cursor, routing and back-off)."""
 
     source = DRAFT_MODEL
-    BACKOFF_S = (0.25, 0.5, 1.0, 2.0)  # retry delays after consecutive failures
 
-    def __init__(self, client: DraftClient, session_id: str, sampling: common_pb2.SamplingParams, seed: int,
-                 on_reprefill: Callable[[], None] | None = None) -> None:
-        """on_reprefill: called when the draft had lost the session and got the whole sequence again."""
-        self.client = client
-        self.session_id = session_id
+    def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int) -> None:
+        """session: the draft's TierSession, over the session's Propose stream (a DraftStream)."""
+        self.session = session
+        self.stream: DraftStream = session.calls  # send / recv apart, for the overlap
         self.sampling = sampling
         self.seed = seed
-        self.cursor = TierCursor(on_reprefill)
-        self.stream = client.stream()
-        self._failures = 0
-        self._down_until = 0.0
         self._speculation: tuple[common_pb2.SessionContext, int] | None = None  # (context, committed length)
 
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self.session.available
 
-    async def propose(self, committed: list[int], hashes: PrefixHashes, k: int, limit_s: float | None = None) -> Proposal:
-        """Raises TierError if the draft is unreachable (the caller falls back). limit_s caps the wait."""
-        for attempt in range(2):
-            ctx = self.cursor.context(self.session_id, committed, hashes)
-            request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed)
-            t0 = time.perf_counter()
-            try:
-                response = await self.stream.propose(request, limit_s)
-            except TierError as e:
-                self.cursor.reset()
-                if e.code == grpc.StatusCode.FAILED_PRECONDITION and attempt == 0:
-                    continue  # the draft lost the session: resend everything
-                client_deadline = (e.code == grpc.StatusCode.DEADLINE_EXCEEDED and limit_s is not None
-                                   and limit_s < self.client.timeout_s)
-                if not client_deadline:  # the client's deadline running out says nothing about the draft
-                    self._mark_down(e)
-                raise
-            self._failures = 0
-            self.cursor.update(ctx, list(response.tokens), response.cached_len, committed_len=len(committed))
-            return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q),
-                            wall_ms=(time.perf_counter() - t0) * 1e3, compute_ms=response.compute_ms, k=k)
-        raise AssertionError("unreachable")
+    async def propose(self, committed: list[int], hashes: PrefixHashes, k: int) -> Proposal:
+        """Raises TierError if the draft is unreachable (the caller falls back)."""
+        reply = await self.session.call(
+            committed, hashes,
+            lambda ctx: draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed),
+            extra=lambda response: list(response.tokens))
+        response = reply.message
+        return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q), wall_ms=reply.wall_ms,
+                        compute_ms=response.compute_ms, k=k)
 
     # --- overlap: draft round r+1 while the target verifies round r ---------------------------------
 
@@ -111,14 +90,13 @@ class DraftModelProposer:
         """Ask for the next block assuming every draft is accepted: K + 1 tokens after
         committed + drafts, the first being the draft's guess of the target's bonus token. Only sends;
         collect() reads the reply. Returns False if the request could not be sent."""
-        hypothetical = committed + drafts
-        ctx = self.cursor.context(self.session_id, hypothetical, hashes.extended(drafts))
+        ctx = self.session.context(committed + drafts, hashes.extended(drafts))
         request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k + 1, sampling=self.sampling, seed=self.seed)
         try:
             await self.stream.send(request)
         except TierError as e:
-            self.cursor.reset()
-            self._mark_down(e)
+            self.session.cursor.reset()
+            self.session.mark_down(e)
             return False
         self._speculation = (ctx, len(committed))
         return True
@@ -134,27 +112,15 @@ class DraftModelProposer:
         try:
             response = await self.stream.recv()
         except TierError as e:
-            self.cursor.reset()
+            self.session.cursor.reset()
             if e.code != grpc.StatusCode.FAILED_PRECONDITION:
-                self._mark_down(e)
+                self.session.mark_down(e)
             return None
-        self.cursor.update(ctx, list(response.tokens), response.cached_len, committed_len=committed_len)
+        self.session.cursor.update(ctx, list(response.tokens), response.cached_len, committed_len=committed_len)
         if all_accepted and response.tokens and response.tokens[0] == next_token:
             return Proposal(DRAFT_MODEL, list(response.tokens[1:]), list(response.q[1:]), wall_ms=0.0,
                             compute_ms=response.compute_ms, overlapped=True, k=len(response.tokens) - 1)
         return None
 
-    def _mark_down(self, e: TierError) -> None:
-        delay = self.BACKOFF_S[min(self._failures, len(self.BACKOFF_S) - 1)]
-        self._failures += 1
-        self._down_until = time.monotonic() + delay
-        self.stream.close()
-        log.warning("session %s: draft unavailable (%s); prompt lookup for %.1fs", self.session_id, e, delay,
-                    extra={"session_id": self.session_id, "code": e.code.name, "backoff_s": delay})
-
     async def close(self) -> None:
-        self.stream.close()
-        try:
-            await self.client.end_session(self.session_id)
-        except grpc.aio.AioRpcError:
-            pass
+        await self.session.close()

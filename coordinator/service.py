@@ -17,9 +17,10 @@ from coordinator.frontend import Frontend, deadline_from
 from coordinator.lookup import LookupConfig
 from coordinator.proposers import HYBRID
 from coordinator.suffix import SuffixCache, SuffixConfig
+from coordinator.routing import RoutingConfig, probe_ring_hash
 from coordinator.tiers import DraftClient, TargetClient
 from specdec.models import load_tokenizer, tokenizer_fingerprint
-from specdec.proto import common_pb2, generate_pb2_grpc
+from specdec.proto import common_pb2, draft_pb2, generate_pb2_grpc, target_pb2
 from specdec.wire.metrics import RpcMetricsInterceptor
 from specdec.wire.server import (BearerTokenInterceptor, RequestError, Service, ServerConfig, create_server, handle_errors,
                                  read_pem)
@@ -30,12 +31,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "specdec.v1.Generation"
+# The tiers' services, by full name: what the channels' health checks ask each replica about.
+TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    target_address: str  # host:port of the target service
-    draft_address: str | None  # host:port of the draft service; None = target-only decoding
+    # The tiers, as gRPC targets: host:port, or a name with many replicas behind it, e.g.
+    # dns:///specdec-target.ns.svc.cluster.local:50062 (a headless Service; coordinator.routing).
+    target_address: str  # the target tier
+    draft_address: str | None  # the draft tier; None = target-only decoding
     tokenizer: str  # model path / hub id whose tokenizer the coordinator uses (same as the tiers')
     server: ServerConfig = ServerConfig()
     default_max_new_tokens: int = 128  # when a request leaves max_new_tokens unset
@@ -59,6 +65,7 @@ class CoordinatorConfig:
     tier_server_name: str | None = None  # name to verify in the tiers' certs instead of the address's host
     auth_token: str | None = field(default=None, repr=False)  # set = public API needs 'authorization: Bearer <it>'
     served_model_name: str | None = None  # model id in the OpenAI API and metrics labels; None = the target's model
+    routing: RoutingConfig = RoutingConfig()  # how sessions reach the replicas of each tier (coordinator.routing)
 
 
 class PipelineMismatch(RuntimeError):
@@ -66,34 +73,37 @@ class PipelineMismatch(RuntimeError):
 
 
 class Pipeline:
-    """Connections to the tiers plus what was learnt from them at start-up."""
+    """Connections to the tiers (one channel per tier, to all its replicas: coordinator.routing) plus what
+    was learnt from them at start-up."""
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         opts = [# Reconnect quickly to a tier that restarts (gRPC's default back-off grows to 120 s).
                 ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2000),
+                ("grpc.max_reconnect_backoff_ms", 1000),
                 ("grpc.max_receive_message_length", config.server.max_message_bytes),
                 ("grpc.max_send_message_length", config.server.max_message_bytes)]
         credentials = self._tier_credentials(config)  # raises on unusable settings, before any channel exists
         if credentials is not None and config.tier_server_name:
             opts.append(("grpc.ssl_target_name_override", config.tier_server_name))
 
-        def channel(address: str) -> grpc.aio.Channel:
+        def channel(address: str, service: str) -> grpc.aio.Channel:
+            options = opts + config.routing.channel_options(health_service=service)
             if credentials is None:
-                return grpc.aio.insecure_channel(address, options=opts)
-            return grpc.aio.secure_channel(address, credentials, options=opts)
+                return grpc.aio.insecure_channel(address, options=options)
+            return grpc.aio.secure_channel(address, credentials, options=options)
 
-        self._channels = [channel(config.target_address)]
-        self.target = TargetClient(self._channels[0], config.target_address, config.rpc_timeout_s)
+        self._channels = [channel(config.target_address, TARGET_SERVICE)]
+        self.target = TargetClient(self._channels[0], config.target_address, config.rpc_timeout_s, config.routing)
         self.draft = None
         if config.draft_address:
-            self._channels.append(channel(config.draft_address))
-            self.draft = DraftClient(self._channels[1], config.draft_address, config.rpc_timeout_s)
+            self._channels.append(channel(config.draft_address, DRAFT_SERVICE))
+            self.draft = DraftClient(self._channels[1], config.draft_address, config.rpc_timeout_s, config.routing)
         self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
         self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
         self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
         self.tokenizer = None
+        self.tokenizer_fingerprint = ""  # the coordinator's; every replica checks it on a session's first request
         self.target_info: common_pb2.ModelInfo | None = None
         self.draft_info: common_pb2.ModelInfo | None = None
 
@@ -113,7 +123,10 @@ class Pipeline:
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     async def connect(self) -> None:
-        """Wait for the tiers, load the tokenizer, and refuse mismatched models."""
+        """Check that grpcio routes by session (RoutingUnsupported otherwise), wait for the tiers, load the
+        tokenizer, and refuse mismatched models. Only one replica per tier answers here; each of the
+        others checks the tokenizer when it first serves a session (SessionContext.tokenizer_fingerprint)."""
+        await probe_ring_hash(self.config.routing)
         loop = asyncio.get_running_loop()
         tokenizer_task = loop.run_in_executor(None, load_tokenizer, self.config.tokenizer)
         self.target_info = await self._wait_info(self.target, "target")
@@ -121,6 +134,7 @@ class Pipeline:
             self.draft_info = await self._wait_info(self.draft, "draft")
         self.tokenizer = await tokenizer_task
         fingerprint = await loop.run_in_executor(None, tokenizer_fingerprint, self.tokenizer)
+        self.tokenizer_fingerprint = fingerprint
         if self.target_info.tokenizer_fingerprint != fingerprint:
             raise PipelineMismatch(f"the target's tokenizer ({self.target_info.model}) differs from the coordinator's ({self.config.tokenizer})")
         if self.draft_info is not None and self.draft_info.tokenizer_fingerprint != self.target_info.tokenizer_fingerprint:

@@ -1,4 +1,6 @@
-"""Clients for the draft and target tiers, and what the coordinator knows of their caches."""
+"""Clients for the draft and target tiers (one channel each, to all of a tier's replicas), one session's
+calls on each (DraftStream, VerifyCalls, both carrying the session's routing key), and what the
+coordinator knows of a tier's cache for a session (TierCursor)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
+from coordinator.routing import RoutingConfig
 from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -79,36 +82,45 @@ def _tier_error(tier: str, e: grpc.aio.AioRpcError) -> TierError:
 
 
 class DraftStream:
-    """One session's bidirectional Propose stream (pins the session to one draft replica).
+    """One session's bidirectional Propose stream. Opened with the session's routing metadata, it lives on
+    the session's draft replica; the replica drops the session when the stream ends.
 
     Requests may be pipelined: send() a speculative request, then later recv() its reply; replies
     come back in request order.
     """
 
-    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, timeout_s: float) -> None:
-        self._stub = stub
-        self._timeout_s = timeout_s
+    tier = "draft"
+
+    def __init__(self, client: "DraftClient", session_id: str) -> None:
+        self._client = client
+        self.session_id = session_id
+        self.timeout_s = client.timeout_s
+        self._metadata = client.routing.metadata(session_id)
         self._call = None
         self.pending = 0  # requests sent whose replies were not read yet
 
-    def timeout(self, limit_s: float | None) -> float:
-        return call_timeout(self._timeout_s, limit_s)
-
     async def _io(self, awaitable, limit_s: float | None):
         """One stream operation under the per-call timeout; any failure closes the stream."""
-        timeout = self.timeout(limit_s)
+        timeout = call_timeout(self.timeout_s, limit_s)
+        call = self._call
         try:
             return await asyncio.wait_for(awaitable, timeout)
         except grpc.aio.AioRpcError as e:
             self.close()
             raise _tier_error("draft", e) from None
+        except asyncio.InvalidStateError:  # a write after the replica ended the stream (drained, stopped): why?
+            code, details = await call.code(), await call.details()
+            self.close()
+            if code == grpc.StatusCode.OK:
+                code = grpc.StatusCode.UNAVAILABLE
+            raise TierError("draft", code, details or "the stream ended") from None
         except asyncio.TimeoutError:
             self.close()
             raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:.3g}s") from None
 
     async def send(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> None:
         if self._call is None:
-            self._call = self._stub.ProposeStream()
+            self._call = self._client.stub.ProposeStream(metadata=self._metadata)
         await self._io(self._call.write(request), limit_s)
         self.pending += 1
 
@@ -124,7 +136,7 @@ class DraftStream:
         self.pending -= 1
         return response
 
-    async def propose(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> draft_pb2.ProposeResponse:
+    async def call(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> draft_pb2.ProposeResponse:
         """Drain replies nobody wants any more, then one request / reply."""
         while self.pending:
             await self.recv(limit_s)
@@ -137,37 +149,82 @@ class DraftStream:
             self._call = None
         self.pending = 0
 
+    async def end_session(self) -> None:
+        """Close the stream and drop the session on its replica (best effort)."""
+        self.close()
+        await self._client.end_session(self.session_id)
+
+
+class VerifyCalls:
+    """One session's Verify calls, each carrying the session's routing metadata (so each reaches the
+    replica that holds the session's cache)."""
+
+    tier = "target"
+
+    def __init__(self, client: "TargetClient", session_id: str) -> None:
+        self._client = client
+        self.session_id = session_id
+        self.timeout_s = client.timeout_s
+        self._metadata = client.routing.metadata(session_id)
+
+    async def call(self, request: target_pb2.VerifyRequest, limit_s: float | None = None) -> target_pb2.VerifyResponse:
+        try:
+            return await self._client.stub.Verify(request, timeout=call_timeout(self.timeout_s, limit_s),
+                                                  metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise _tier_error("target", e) from None
+
+    def close(self) -> None:
+        """Nothing stays open between unary calls."""
+
+    async def end_session(self) -> None:
+        """Drop the session on its replica (best effort)."""
+        await self._client.end_session(self.session_id)
+
 
 class DraftClient:
-    def __init__(self, channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
+    """The draft tier: one channel to all its replicas (coordinator.routing)."""
+
+    def __init__(self, channel: grpc.aio.Channel, address: str, timeout_s: float, routing: RoutingConfig) -> None:
         self.address = address
         self.stub = draft_pb2_grpc.DraftServiceStub(channel)
         self.timeout_s = timeout_s
+        self.routing = routing
 
-    def stream(self) -> DraftStream:
-        return DraftStream(self.stub, self.timeout_s)
+    def session(self, session_id: str) -> DraftStream:
+        return DraftStream(self, session_id)
 
     async def end_session(self, session_id: str) -> None:
-        await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=self.timeout_s)
+        try:
+            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=self.timeout_s,
+                                       metadata=self.routing.metadata(session_id))
+        except grpc.aio.AioRpcError:
+            pass  # best effort: the replica may be gone, or may have evicted the session already
 
     async def model_info(self) -> common_pb2.ModelInfo:
+        """From any one replica (no routing key: the balancer picks one)."""
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=self.timeout_s)
 
 
 class TargetClient:
-    def __init__(self, channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
+    """The target tier: one channel to all its replicas (coordinator.routing)."""
+
+    def __init__(self, channel: grpc.aio.Channel, address: str, timeout_s: float, routing: RoutingConfig) -> None:
         self.address = address
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
         self.timeout_s = timeout_s
+        self.routing = routing
 
-    async def verify(self, request: target_pb2.VerifyRequest, limit_s: float | None = None) -> target_pb2.VerifyResponse:
-        try:
-            return await self.stub.Verify(request, timeout=call_timeout(self.timeout_s, limit_s))
-        except grpc.aio.AioRpcError as e:
-            raise _tier_error("target", e) from None
+    def session(self, session_id: str) -> VerifyCalls:
+        return VerifyCalls(self, session_id)
 
     async def end_session(self, session_id: str) -> None:
-        await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=self.timeout_s)
+        try:
+            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=self.timeout_s,
+                                       metadata=self.routing.metadata(session_id))
+        except grpc.aio.AioRpcError:
+            pass  # best effort: the replica may be gone, or may have evicted the session already
 
     async def model_info(self) -> common_pb2.ModelInfo:
+        """From any one replica (no routing key: the balancer picks one)."""
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=self.timeout_s)

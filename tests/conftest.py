@@ -7,9 +7,13 @@ import torch
 
 from specdec.models import ModelConfig, default_draft, default_target, load_model
 from specdec.proto import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
+from coordinator.routing import RING_HASH_ENV
 from tests.helpers import Cluster, make_tiny_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# In-process coordinators route sessions with gRPC's ring hash on a header, as `python -m coordinator`
+# does (it sets this too); subprocesses inherit it.
+os.environ.setdefault(RING_HASH_ENV, "true")
 
 
 @pytest.fixture(scope="session")

@@ -14,15 +14,17 @@ import torch
 
 from coordinator.service import CoordinatorConfig
 from coordinator.service import build as build_coordinator
+from draft_service.service import SERVICE_NAME as DRAFT_SERVICE
 from draft_service.service import DraftConfig
 from draft_service.service import build as build_draft
 from specdec.models import ModelConfig, default_draft
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.wire.metrics import serve_metrics
-from specdec.wire.server import ServerConfig
+from specdec.wire.server import ServerConfig, set_serving
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.config import BatchConfig, TierConfig
 from specdec.engine.engine import Engine
+from target_service.service import SERVICE_NAME as TARGET_SERVICE
 from target_service.service import TargetConfig
 from target_service.service import build as build_target
 
@@ -116,6 +118,8 @@ class Cluster:
         server, port = built.server, built.port
         self.tier_registries[config.__class__.__name__] = built.registry
         await server.start()
+        # SERVING, as serve() reports it: the coordinator's channels health-check each replica.
+        await set_serving(built.health, [DRAFT_SERVICE if build is build_draft else TARGET_SERVICE], True)
         self._servers.append(server)
         if build is build_draft:
             self.draft_server = server

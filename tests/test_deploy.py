@@ -19,6 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from coordinator.routing import RING_HASH_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 
@@ -39,6 +41,9 @@ EXTRA_PORTS = {
     "draft": [("metrics", 9400, "METRICS_ADDRESS")],
 }
 OBSERVABILITY = DEPLOY / "observability"
+# The tiers' autoscaling signal: a custom metric that prometheus-adapter serves from the tiers' series.
+TIER_LOAD_METRIC = "specdec_tier_load"
+ADAPTER_VALUES = OBSERVABILITY / "prometheus-adapter-values.yaml"
 
 # name -> (overlay, components layered on top in a scratch kustomization)
 RENDERS = {
@@ -200,19 +205,52 @@ def test_probes_ports_and_services(renders, name):
 
 @pytest.mark.parametrize("name", RENDERS)
 def test_peer_addresses_resolve(renders, name):
+    """The coordinator reaches each tier by its headless Service's DNS name in its own namespace (every
+    ready pod: all the replicas), through gRPC's dns resolver."""
     objs = renders[name]
     services = of_kind(objs, "Service")
     deps = deployments(objs)
     coord = container(deps["coordinator"])
+    env = env_of(coord)
+    names = list(env)
     for tier in ("target", "draft"):
-        host, _, port = env_value(coord, f"SPECDEC_COORDINATOR_{tier.upper()}").rpartition(":")
-        assert host in services, f"SPECDEC_COORDINATOR_{tier.upper()} names no Service: {host}"
+        var = f"SPECDEC_COORDINATOR_{tier.upper()}"
+        m = re.fullmatch(r"dns:///([a-z0-9-]+)\.\$\(([A-Z_]+)\)\.svc\.cluster\.local:(\d+)", env[var]["value"])
+        assert m, f"{var} is not dns:///<service>.$(<namespace var>).svc.cluster.local:<port>: {env[var]['value']}"
+        host, namespace_var, port = m.groups()
+        assert host in services, f"{var} names no Service: {host}"
+        # $(VAR) expands only from a variable defined earlier in the list: the pod's own namespace
+        assert names.index(namespace_var) < names.index(var)
+        assert env[namespace_var]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
         svc = services[host]
+        assert svc["spec"]["clusterIP"] == "None", "a headless Service: DNS answers every ready pod"
         assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
         assert selects(svc["spec"]["selector"], deps[tier]["spec"]["template"]["metadata"]["labels"])
         assert int(port) == TIERS[tier][1]
     # the coordinator's tokenizer is the target's model
     assert env_value(coord, "SPECDEC_COORDINATOR_TOKENIZER") == env_value(container(deps["target"]), "SPECDEC_TARGET_MODEL")
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_coordinator_routes_by_session_with_ring_hash(renders, name):
+    """Where the coordinator runs, grpc-core is told to honour the ring hash's request header; the tiers
+    age their connections so that coordinators find new replicas."""
+    deps = deployments(renders[name])
+    coord = container(deps["coordinator"])
+    assert env_value(coord, RING_HASH_ENV) == "true"
+    for tier in ("target", "draft"):
+        age = float(env_value(container(deps[tier]), ENV_PREFIX[tier] + "MAX_CONNECTION_AGE"))
+        assert 0 < age <= 300
+        assert float(env_value(coord, "SPECDEC_COORDINATOR_MIN_RESOLUTION_INTERVAL")) < age
+
+
+def test_image_sets_the_ring_hash_variable():
+    text = (DEPLOY / "Dockerfile").read_text()
+    final_stage = text[text.rindex("\nFROM "):]
+    assert re.search(rf"^\s*{RING_HASH_ENV}=true\s*$", final_stage, re.M), "the runtime image must set it"
+    # and the coordinator's entry point sets it too, before any channel exists
+    main = (ROOT / "coordinator" / "__main__.py").read_text()
+    assert "os.environ.setdefault(RING_HASH_ENV, \"true\")" in main
 
 
 @pytest.mark.parametrize("name", RENDERS)
@@ -286,10 +324,22 @@ def test_pdb_hpa_and_network_policy_per_tier(renders, name):
         assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"] and hpa["metrics"]
         if comp == "coordinator":
             assert "replicas" not in dep["spec"], "the HPA owns the coordinator's replica count"
+            (metric,) = hpa["metrics"]
+            assert metric["type"] == "Resource" and metric["resource"]["name"] == "cpu"
         else:
-            # No replica discovery yet: the coordinator pins one address per tier, so a tier must stay
-            # at one replica (raise these once session-affine routing lands).
-            assert dep["spec"]["replicas"] == 1 and hpa["maxReplicas"] == 1, comp
+            # Many replicas per tier (sessions routed by the ring hash), autoscaled on the tier's own load.
+            assert dep["spec"]["replicas"] >= 2 and hpa["minReplicas"] >= 2, comp
+            assert hpa["minReplicas"] < hpa["maxReplicas"], comp
+            assert dep["spec"]["replicas"] <= hpa["maxReplicas"], comp
+            (metric,) = hpa["metrics"]
+            assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == TIER_LOAD_METRIC, comp
+            assert metric["pods"]["target"]["type"] == "AverageValue" and quantity(metric["pods"]["target"]["averageValue"]) > 0
+            assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60, "scale-in moves sessions"
+            # one replica at a time through drains and rollouts
+            pdb = next(p for p in pdbs.values() if selects(p["spec"]["selector"], labels))
+            assert pdb["spec"]["maxUnavailable"] == 1
+            rolling = dep["spec"]["strategy"]
+            assert rolling["type"] == "RollingUpdate" and rolling["rollingUpdate"]["maxUnavailable"] <= 1, comp
         port = TIERS[comp][1]
         netpols = [n for n in policies.values() if selects(n["spec"]["podSelector"], labels)]
         assert len(netpols) == 1, comp
@@ -332,7 +382,8 @@ def test_gpu_hetero_places_tiers_on_different_gpu_kinds(renders, name):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert env_value(c, ENV_PREFIX[comp] + "DEVICE") == "cuda"
         assert any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in spec["tolerations"])
-        assert deps[comp]["spec"]["strategy"] == {"type": "Recreate"}
+        # no spare GPU to surge into: one replica at a time, never the whole tier
+        assert deps[comp]["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
         assert c["image"].endswith(":cuda")
     assert products["draft"] != products["target"]
     assert env_value(container(deps["target"]), "SPECDEC_TARGET_DTYPE") == "bfloat16"
@@ -463,3 +514,36 @@ def test_prometheus_scrape_config():
     keeps = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
     assert keeps == {("__meta_kubernetes_service_label_app_kubernetes_io_name",): "specdec",
                      ("__meta_kubernetes_endpoint_port_name",): "metrics"}
+
+
+def test_prometheus_adapter_serves_the_tier_load_metric():
+    """The adapter rule behind the tier autoscalers: it names the metric the HPAs ask for, maps series to
+    pods by the labels the scrape configs set, and queries only series the tiers export (with their
+    `tier` label, which the coordinators' same-named series lack)."""
+    values = yaml.safe_load(ADAPTER_VALUES.read_text())
+    assert values["rules"]["default"] is False
+    (rule,) = values["rules"]["custom"]
+    assert rule["name"]["as"] == TIER_LOAD_METRIC
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    exported = exported_series()
+    queried = re.findall(r"\b(vllm:[a-zA-Z0-9_:]+|specdec_[a-zA-Z0-9_]+)", rule["seriesQuery"] + " " + rule["metricsQuery"])
+    assert set(queried) == {"vllm:num_requests_running", "vllm:num_requests_waiting"}
+    assert set(queried) <= exported
+    assert re.match(rule["name"]["matches"], "vllm:num_requests_running")
+    assert 'tier!=""' in rule["seriesQuery"] and rule["metricsQuery"].count('tier!=""') == 2
+    for placeholder in ("<<.GroupBy>>", "<<.LabelMatchers>>"):
+        assert placeholder in rule["metricsQuery"]
+    query = rule["metricsQuery"]
+    assert query.count("(") == query.count(")") and query.count("{") == query.count("}")
+    # the tier series carry `tier` (TierMetrics) and the scrape configs add `pod` and `namespace`
+    from prometheus_client import CollectorRegistry
+
+    from specdec.wire.metrics import LoadSnapshot, TierMetrics
+
+    registry = CollectorRegistry()
+    TierMetrics(registry, "target", "m", load=LoadSnapshot)
+    labels = {s.name: s.labels for family in registry.collect() for s in family.samples}
+    assert labels["vllm:num_requests_running"]["tier"] == "target" == labels["vllm:num_requests_waiting"]["tier"]
+    scrape = yaml.safe_load((OBSERVABILITY / "prometheus-scrape.yaml").read_text())
+    targets = {r.get("target_label") for r in scrape["scrape_configs"][0]["relabel_configs"]}
+    assert {"pod", "namespace"} <= targets

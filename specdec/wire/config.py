@@ -41,10 +41,18 @@ class EnvArgs:
         return args
 
 
-def add_server_args(a: EnvArgs, default_port: int) -> None:
+# Tiers age their connections so the coordinators re-resolve the tier's name and find new replicas.
+TIER_MAX_CONNECTION_AGE_S = 30.0
+
+
+def add_server_args(a: EnvArgs, default_port: int, max_connection_age_s: float = ServerConfig.max_connection_age_s) -> None:
     a.add("--address", default=f"127.0.0.1:{default_port}", help="host:port to listen on (port 0 = any free port)")
     a.add("--max-message-bytes", type=int, default=ServerConfig.max_message_bytes, help="largest gRPC message accepted")
     a.add("--grace", type=float, default=ServerConfig.grace_s, help="seconds to drain in-flight rpcs on SIGTERM")
+    a.add("--max-connection-age", type=float, default=max_connection_age_s,
+          help="seconds before a client connection is closed (GOAWAY), so clients re-resolve DNS and find new replicas (0 = never)")
+    a.add("--max-connection-age-grace", type=float, default=ServerConfig.max_connection_age_grace_s,
+          help="seconds in-flight rpcs (e.g. a draft stream) may go on over an aged connection")
     a.add("--port-file", default=None, help="write the bound port to this file once serving (for port 0)")
     a.add("--log-level", default="info", help="debug | info | warning | error")
     a.add("--log-format", default="text", choices=list(LOG_FORMATS),
@@ -69,16 +77,17 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     try:
         return ServerConfig(address=args.address, max_message_bytes=args.max_message_bytes, grace_s=args.grace,
                             tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
-                            tls_client_ca=args.tls_client_ca or None)
+                            tls_client_ca=args.tls_client_ca or None, max_connection_age_s=args.max_connection_age,
+                            max_connection_age_grace_s=args.max_connection_age_grace)
     except ValueError as e:
-        config_error(str(e), ("tls_cert", "tls_key", "tls_client_ca"))
+        config_error(str(e), ("tls_cert", "tls_key", "tls_client_ca", "max_connection_age", "max_connection_age_grace"))
 
 
 def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
     from specdec.engine.config import BatchConfig, TierConfig
     from specdec.engine.sessions import SessionStoreConfig
 
-    add_server_args(a, default_port)
+    add_server_args(a, default_port, max_connection_age_s=TIER_MAX_CONNECTION_AGE_S)
     a.add("--model", default=default_model, help="model: HF directory, .gguf file (or a directory holding one), or hub id")
     a.add("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     a.add("--dtype", default="float32", help="float32 | bfloat16 | float16")

@@ -36,12 +36,20 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM certificate chain; set (with tls_key) = serve TLS instead of plaintext
     tls_key: str | None = None  # PEM private key of tls_cert
     tls_client_ca: str | None = None  # PEM CA bundle; set = mutual TLS: clients must present a cert it signed
+    # Close each client connection (GOAWAY) after this long, so clients re-resolve the service's name and
+    # find replicas that joined (README, Many replicas); 0 = never. In-flight rpcs keep the old connection.
+    max_connection_age_s: float = 0.0
+    # How long in-flight rpcs may go on over an aged connection before it is closed (a draft stream lasts
+    # one generation; one cut short only costs that session a re-prefill).
+    max_connection_age_grace_s: float = 600.0
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
+            raise ValueError("max_connection_age and max_connection_age_grace must be >= 0 seconds")
 
 
 def read_pem(path: str, what: str) -> bytes:
@@ -190,6 +198,9 @@ def create_server(
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+    if config.max_connection_age_s > 0:
+        options += [("grpc.max_connection_age_ms", max(1, int(config.max_connection_age_s * 1000))),
+                    ("grpc.max_connection_age_grace_ms", int(config.max_connection_age_grace_s * 1000))]
     credentials = server_credentials(config)  # before anything is bound: bad PEM files fail here
     server = grpc.aio.server(options=options, interceptors=list(interceptors or ()))
     health_servicer = health.aio.HealthServicer()

@@ -8,6 +8,7 @@ convert the result back. Nothing here touches torch; the engine is used through 
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,8 @@ from prometheus_client import CollectorRegistry
 from specdec.math.params import SamplingParams
 from specdec.proto import common_pb2
 from specdec.wire.metrics import TierMetrics
-from specdec.wire.server import Service, ServerConfig, check_token_ids, create_server, handle_errors, invalid_argument
+from specdec.wire.server import (RequestError, Service, ServerConfig, check_token_ids, create_server, handle_errors,
+                                 invalid_argument)
 
 MAX_SESSION_ID_LEN = 128
 
@@ -37,6 +39,17 @@ def check_context(engine, ctx: common_pb2.SessionContext, extra_tokens: int) -> 
     total = ctx.prefix_len + len(ctx.new_tokens) + extra_tokens
     if total > engine.max_context:
         raise invalid_argument(f"context: {total} tokens exceed the model's context of {engine.max_context}")
+    if ctx.tokenizer_fingerprint and ctx.tokenizer_fingerprint != engine.tokenizer_fingerprint:
+        raise tokenizer_mismatch(engine, ctx.tokenizer_fingerprint)
+
+
+def tokenizer_mismatch(engine, theirs: str) -> RequestError:
+    """FAILED_PRECONDITION for a request made with another tokenizer: this replica must not serve it.
+    Names the replica (its host name: the pod's name on Kubernetes) and its model, for the operator."""
+    return RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"tokenizer mismatch: replica {socket.gethostname()} serves {engine.config.model.path} whose "
+                        f"tokenizer fingerprint is {engine.tokenizer_fingerprint[:16]}, the request's is {theirs[:16]}; "
+                        f"this replica belongs to another model pair: fix its --model")
 
 
 def check_num_tokens(engine, k: int, field_name: str, minimum: int) -> None:
