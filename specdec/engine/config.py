@@ -14,11 +14,15 @@ class BatchConfig:
     max_batch_tokens: int = 512  # tokens in one forward (decoding sessions first, then prefill chunks)
     prefill_chunk_tokens: int = 128  # a long prompt is fed this many tokens per step, so decoding never stalls
     max_queue: int = 1024  # waiting requests beyond this are refused with RESOURCE_EXHAUSTED
+    coalesce_ms: float = 5.0  # wait up to this long before a step for the last step's sessions to come back,
+    #                           when they usually do within it (0 = never wait)
 
     def validate(self) -> None:
         for name in ("max_batch_sessions", "max_batch_tokens", "prefill_chunk_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.coalesce_ms <= 1000:
+            raise ValueError(f"coalesce_ms must be in [0, 1000], got {self.coalesce_ms}")
 
 
 @dataclass(frozen=True)

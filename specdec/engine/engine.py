@@ -2,6 +2,9 @@
 
 Servicers submit works from the event loop and await them. One engine thread runs the step loop:
 
+    wait     if the sessions of the last step usually send their next request within a few
+             milliseconds (the target, between a session's rounds), wait that long for them, bounded
+             by coalesce_ms, so they share one step instead of splitting into two half-full ones
     plan     the scheduler picks the running and waiting works that fit the step's budget
     forward  the runner runs ONE forward over all their new tokens (ragged, over the slot KV cache)
     finish   each kind of work consumes its logits for all its works at once (batched verification,
@@ -77,6 +80,11 @@ class Engine:
         self._inbox: list[Work] = []
         self._stopping = False
         self._paused = False
+        # Step coalescing: the sessions whose work finished in the last step (and when), and how long
+        # sessions take to send their next request (exponentially weighted, seconds; None = not seen yet).
+        self._returning: dict[str, float] = {}
+        self._return_gap_s: float | None = None
+        self._last_step_end = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     @classmethod
@@ -137,6 +145,10 @@ class Engine:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"{self.config.batch.max_queue} requests already waiting; try again later")
             self._inbox.append(work)
+            finished_at = self._returning.pop(work.session_id, None)
+            if finished_at is not None:
+                gap = work.submitted_at - finished_at
+                self._return_gap_s = gap if self._return_gap_s is None else 0.9 * self._return_gap_s + 0.1 * gap
             self._wake.notify()
         try:
             return await work.future
@@ -146,6 +158,7 @@ class Engine:
 
     def end_session(self, session_id: str) -> bool:
         with self._lock:
+            self._returning.pop(session_id, None)
             return self.sessions.remove(session_id)
 
     def status(self) -> EngineStatus:
@@ -168,6 +181,7 @@ class Engine:
                     self._wake.wait()
                 if self._stopping:
                     break
+                self._coalesce()
                 self.scheduler.waiting.extend(self._inbox)
                 self._inbox.clear()
                 self._drop_cancelled()
@@ -179,6 +193,20 @@ class Engine:
         with self._lock:
             for work in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
                 self._fail(work, grpc.StatusCode.UNAVAILABLE, "the engine shut down")
+
+    def _coalesce(self) -> None:
+        """Hold the next step (lock held) while the last step's sessions are expected back soon."""
+        limit = self.config.batch.coalesce_ms / 1e3
+        gap = self._return_gap_s
+        if not limit or gap is None or gap >= limit or not self._returning:
+            return
+        deadline = self._last_step_end + limit
+        while self._returning and not self._stopping and not self._paused:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self._wake.wait(left)
+        self._returning.clear()  # those not back by now are not waited for again
 
     def _start(self, work: Work) -> str:
         if work.cancelled:
@@ -235,6 +263,8 @@ class Engine:
                     if w.done:
                         self._finish(w)
                         self._settle(w, result=w.result)
+                        self._returning[w.session_id] = time.perf_counter()
+            self._last_step_end = time.perf_counter()
         for observe in self.observers:
             observe(len(plan), tokens, seconds)
 

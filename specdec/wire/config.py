@@ -100,6 +100,8 @@ def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
     a.add("--max-batch-tokens", type=int, default=BatchConfig.max_batch_tokens, help="tokens in one forward")
     a.add("--prefill-chunk", type=int, default=BatchConfig.prefill_chunk_tokens, help="a long prompt is fed this many tokens per step")
     a.add("--max-queue", type=int, default=BatchConfig.max_queue, help="queued requests before RESOURCE_EXHAUSTED")
+    a.add("--coalesce-ms", type=float, default=BatchConfig.coalesce_ms,
+          help="wait up to this long before a step for the last step's sessions, when they usually return within it (0 = never)")
     a.add("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
 
 
@@ -109,7 +111,7 @@ def tier_config(args: argparse.Namespace):
     from specdec.models import ModelConfig
 
     batch = BatchConfig(max_batch_sessions=args.max_batch_sessions, max_batch_tokens=args.max_batch_tokens,
-                        prefill_chunk_tokens=args.prefill_chunk, max_queue=args.max_queue)
+                        prefill_chunk_tokens=args.prefill_chunk, max_queue=args.max_queue, coalesce_ms=args.coalesce_ms)
     try:
         batch.validate()
     except ValueError as e:
