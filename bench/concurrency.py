@@ -270,14 +270,16 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
             L.append(f"| {name} | {c} | {r['aggregate_tok_s']:.1f} | {r['per_client_tok_s']:.2f} | {ttft} | {tpot} | {k} | {acc} |")
     L.append("")
     spec = results.get("specdec") or {}
-    if 1 in spec and levels[-1] in spec:
-        one, top = spec[1], spec[levels[-1]]
-        L.append(f"- specdec at {levels[-1]} clients: aggregate {top['aggregate_tok_s'] / one['aggregate_tok_s']:.1f}x one "
-                 f"client's; per-client {100 * top['per_client_tok_s'] / one['per_client_tok_s']:.0f}% of one client's.")
-        peers = [results.get(p, {}).get(levels[-1], {}).get("aggregate_tok_s") for p in ("peer:continuous", "peer:padded")]
-        peers = [p for p in peers if p]
-        if peers:
-            L.append(f"- vs the best peer at {levels[-1]} clients: {top['aggregate_tok_s'] / max(peers):.2f}x its aggregate.")
+    for c in sorted({lv for lv in levels if lv >= 16} | {levels[-1]}):
+        if 1 not in spec or c not in spec or c == 1:
+            continue
+        one, top = spec[1], spec[c]
+        peers = {name: results.get(key, {}).get(c, {}).get("aggregate_tok_s")
+                 for key, name in (("peer:continuous", "generate_batch"), ("peer:padded", "padded generate"))}
+        vs = ", ".join(f"{top['aggregate_tok_s'] / v:.2f}x {n}" for n, v in peers.items() if v)
+        L.append(f"- specdec at {c} clients: aggregate {top['aggregate_tok_s'] / one['aggregate_tok_s']:.1f}x one "
+                 f"client's, per-client {100 * top['per_client_tok_s'] / one['per_client_tok_s']:.0f}% of one client's"
+                 + (f"; vs the peer: {vs}" if vs else "") + ".")
     if plot_name:
         L += ["", f"![aggregate throughput vs concurrency]({plot_name})"]
     L.append("")
