@@ -79,11 +79,12 @@ def test_real_pair_eight_concurrent_sessions_equal_their_solo_runs(real_cluster)
     assert steps < sum(o.stats["rounds"] for o in together), "the target batched no verifies"
 
 
-def test_the_targets_own_bfloat16_copy_as_draft_is_exact(real_pair, real_references):
-    """The low-precision self-draft (draft service = the target at bfloat16): greedy output is still
-    the float32 target's own, and the copy agrees with it far more than the distilled draft does."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_targets_own_low_precision_copy_as_draft_is_exact(real_pair, real_references, dtype):
+    """The low-precision self-draft (draft service = the target at float16 / bfloat16): greedy output is
+    still the float32 target's own, and the copy agrees with it far more than the distilled draft does."""
     target, _ = real_pair
-    cluster = Cluster(target, target, draft_dtype="bfloat16")
+    cluster = Cluster(target, target, draft_dtype=dtype)
     try:
         accepted = proposed = 0
         with Client(cluster.address) as c:
@@ -93,7 +94,7 @@ def test_the_targets_own_bfloat16_copy_as_draft_is_exact(real_pair, real_referen
                 assert out.token_ids == expected, question
                 accepted += out.stats["accepted_tokens"]
                 proposed += out.stats["draft_tokens"]
-        assert accepted > 0.8 * proposed, f"bfloat16 self-draft acceptance {accepted}/{proposed}"
+        assert accepted > 0.8 * proposed, f"{dtype} self-draft acceptance {accepted}/{proposed}"
     finally:
         cluster.close()
 

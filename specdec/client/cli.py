@@ -198,8 +198,9 @@ def main(argv=None) -> int:
     r.add_argument("--target-model", default=default_target())
     r.add_argument("--draft-model", default=default_draft(), help="'' for target-only decoding")
     r.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    r.add_argument("--self-draft", default=None, choices=["bfloat16", "float16"],
-                   help="use the target's own copy at this precision as the draft (no draft model needed)")
+    r.add_argument("--self-draft", default=None, choices=["float16", "bfloat16"],
+                   help="use the target's own copy at this precision as the draft (no draft model needed; "
+                        "float16 agrees best on CPU, see README)")
     r.add_argument("--device", default="cpu")
     r.add_argument("--threads", type=int, default=0, help="torch threads per tier (0 = default)")
     add_generation_args(r)
