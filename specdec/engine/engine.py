@@ -281,7 +281,6 @@ class Engine:
 
     def _fail(self, work: Work, code: grpc.StatusCode, message: str, drop: bool = False) -> None:
         if drop and work.session is not None:
-            work.session.busy = False
             self.sessions.drop(work.session)
             work.session = None
         self._finish(work)

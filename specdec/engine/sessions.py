@@ -121,8 +121,7 @@ class SessionTable:
         if session.ended:
             self._free(session.session_id)
             return
-        total = self.cached_tokens
-        if total > self.config.max_cached_tokens:
+        if self.cached_tokens > self.config.max_cached_tokens:
             for sid in [s.session_id for s in self._sessions.values() if not s.busy and s is not session]:
                 if self.cached_tokens <= self.config.max_cached_tokens:
                     break

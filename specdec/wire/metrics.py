@@ -20,6 +20,7 @@ Wiring a tier (the engine and servicers are the tier owner's; a few lines each):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -47,7 +48,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-class TierLoad(Protocol):
+class LoadReading(Protocol):
     """What a tier's load callback returns, read at scrape time (any object with these attributes)."""
 
     num_sessions: int  # live sessions in the KV store
@@ -61,7 +62,7 @@ class TierLoad(Protocol):
 
 @dataclass(frozen=True)
 class LoadSnapshot:
-    """A ready-made TierLoad for engines that prefer returning a plain value."""
+    """A ready-made LoadReading for engines that prefer returning a plain value."""
 
     num_sessions: int = 0
     cached_tokens: int = 0
@@ -95,7 +96,7 @@ class TierMetrics:
     """Everything a draft or target tier exports. `load` (or set_load later) is called at every scrape."""
 
     def __init__(self, registry: CollectorRegistry, tier: str, model_name: str,
-                 load: Callable[[], TierLoad] | None = None) -> None:
+                 load: Callable[[], LoadReading] | None = None) -> None:
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         self.registry = registry
@@ -113,7 +114,7 @@ class TierMetrics:
         self._load_collector = _LoadCollector(labels, load)
         registry.register(self._load_collector)
 
-    def set_load(self, load: Callable[[], TierLoad] | None) -> None:
+    def set_load(self, load: Callable[[], LoadReading] | None) -> None:
         """The callback read at scrape time (from the metrics server's thread: keep it cheap and thread-safe)."""
         self._load_collector.load = load
 
@@ -134,7 +135,7 @@ class TierMetrics:
 class _LoadCollector(Collector):
     """Reads a tier's load at scrape time: vLLM's scheduler gauges plus specdec's session-store ones."""
 
-    def __init__(self, labels: dict[str, str], load: Callable[[], TierLoad] | None) -> None:
+    def __init__(self, labels: dict[str, str], load: Callable[[], LoadReading] | None) -> None:
         self.names = list(labels)
         self.values = list(labels.values())
         self.load = load
@@ -210,23 +211,28 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         except Exception:  # metrics must never break an rpc
             log.exception("rpc metrics")
 
+    @contextlib.contextmanager
+    def _observed(self, rpc: str, context):
+        """Time one call of `rpc` and record its outcome, whatever it is."""
+        t0, error = time.perf_counter(), None
+        try:
+            yield
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self._finish(rpc, context, t0, error)
+
     def _unary(self, rpc: str, behavior):
         async def wrapped(request, context):
-            t0, error = time.perf_counter(), None
-            try:
+            with self._observed(rpc, context):
                 return await behavior(request, context)
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                self._finish(rpc, context, t0, error)
 
         return wrapped
 
     def _stream(self, rpc: str, behavior):
         async def wrapped(request, context):
-            t0, error = time.perf_counter(), None
-            try:
+            with self._observed(rpc, context):
                 if inspect.isasyncgenfunction(behavior):
                     responses = behavior(request, context)
                     try:
@@ -236,11 +242,6 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                         await responses.aclose()  # runs the handler's clean-up now, even when we are cancelled at a yield
                 else:  # a coroutine that writes with context.write()
                     await behavior(request, context)
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                self._finish(rpc, context, t0, error)
 
         return wrapped
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health
+from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
 from specdec.math.params import SamplingParams
@@ -105,7 +105,7 @@ class TierServer:
 
     server: grpc.aio.Server
     port: int
-    health: health.aio.HealthServicer
+    health: health_aio.HealthServicer
     engine: Any
     registry: CollectorRegistry
     metrics: TierMetrics
