@@ -268,25 +268,30 @@ class Generation:
             if p.sampling.temperature == 0:
                 self.policy.observe_unchosen(offers, proposal.source if drafts else None, new)
 
+            # Commit d_1..d_n + next_token, cut at EOS or the token budget, then at a stop string in the text.
             chunk: list[int] = []
             for tok in new:
-                committed.append(tok)
                 chunk.append(tok)
-                n_generated += 1
-                before = len(text)
-                text += detok.push(tok)
-                if stop.stops:
-                    at = stop.find(text, before)
-                    if at >= 0:
-                        text = text[:at]
-                        finish = FinishReason.FINISH_REASON_STOP
-                        break
                 if tok in self.eos:
                     finish = FinishReason.FINISH_REASON_EOS
                     break
-                if n_generated >= p.max_new_tokens:
+                if n_generated + len(chunk) >= p.max_new_tokens:
                     finish = FinishReason.FINISH_REASON_LENGTH
                     break
+            if stop.stops:  # token by token, to end at the first token whose text completes a stop string
+                for i, tok in enumerate(chunk):
+                    before = len(text)
+                    text += detok.push(tok)
+                    at = stop.find(text, before)
+                    if at >= 0:
+                        text = text[:at]
+                        chunk = chunk[: i + 1]
+                        finish = FinishReason.FINISH_REASON_STOP
+                        break
+            else:
+                text += detok.push_many(chunk)
+            committed.extend(chunk)
+            n_generated += len(chunk)
             hashes.extend(chunk)
             self.lookup.commit(chunk)
             if self.suffix is not None:

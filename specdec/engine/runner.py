@@ -51,9 +51,24 @@ class ModelRunner:
         self.plain_head = isinstance(self.head, torch.nn.Linear)  # False for e.g. a quantized head
         self.vocab_size = int(model.config.vocab_size if not self.plain_head else self.head.weight.shape[0])
 
-    @torch.inference_mode()
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """One forward over every feed; returns each feed's logits [num_logits, V] in float32."""
+        return list(torch.split(self._forward(feeds), [f.num_logits for f in feeds]))
+
+    def forward_checked(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], list[bool]]:
+        """forward(), and for each feed whether all its logits are finite (one check for the whole step)."""
+        logits = self._forward(feeds)
+        sizes = [f.num_logits for f in feeds]
+        finite_rows = torch.isfinite(logits).all(dim=-1).tolist()
+        finite, start = [], 0
+        for n in sizes:
+            finite.append(all(finite_rows[start : start + n]))
+            start += n
+        return list(torch.split(logits, sizes)), finite
+
+    @torch.inference_mode()
+    def _forward(self, feeds: list[Feed]) -> torch.Tensor:
+        """The logits of every feed's wanted rows, in feed order: [sum of num_logits, V], float32."""
         ids: list[int] = []
         rows: list[int] = []
         for f in feeds:
@@ -70,8 +85,7 @@ class ModelRunner:
             for f in feeds:  # what this step wrote may be incomplete: never read it unmasked
                 self.cache.initialized[f.slot] = min(self.cache.initialized[f.slot], f.cached)
             raise
-        logits = self._head(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).float()  # [R, V]
-        return list(torch.split(logits, [f.num_logits for f in feeds]))
+        return self._head(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).float()  # [R, V]
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V]
         # On a CPU, x @ W.T for a few rows makes the BLAS pack all of W (a 49152 x 576 head: 24 ms for 2
