@@ -62,7 +62,8 @@ class RoundRecord:
     accepted: int  # of those, accepted by the target: always the leading ones, d_1..d_accepted
     draft_ms: float  # draft model compute
     verify_ms: float  # target model compute
-    network_ms: float  # rpc round trips minus compute
+    tier_ms: float  # time at the tiers outside the forwards: waiting for a step, verification / sampling math
+    network_ms: float  # rpc round trips minus the tiers' time (compute + tier_ms): the wire and the gRPC stacks
     coordinator_ms: float  # the round's wall time minus its rpcs: proposing by lookup, bookkeeping, detokenizing
     fallback: bool  # the draft model was wanted but unreachable: prompt lookup proposed instead
     overlapped: bool  # the drafts were pre-drafted during the previous round's verification
@@ -80,6 +81,7 @@ class RoundStats:
     overlapped_rounds: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    tier_ms: float = 0.0
     network_ms: float = 0.0
     rpc_wall_ms: float = 0.0
     records: list[RoundRecord] = field(default_factory=list)
@@ -89,15 +91,18 @@ class RoundStats:
     tier_errors: Counter = field(default_factory=Counter)
     # The round in progress: its start and what its rpcs cost so far.
     _round_t0: float = 0.0
-    _round_ms: dict = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "network", "rpc_wall"), 0.0))
+    _round_ms: dict = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "tier", "network", "rpc_wall"), 0.0))
 
     def begin_round(self) -> None:
         self._round_t0 = time.perf_counter()
         self._round_ms = dict.fromkeys(self._round_ms, 0.0)
 
-    def observe_rpc(self, wall_ms: float, compute_ms: float, is_draft: bool) -> None:
-        network = max(0.0, wall_ms - compute_ms)
+    def observe_rpc(self, wall_ms: float, compute_ms: float, queue_ms: float, is_draft: bool) -> None:
+        """One rpc: its round trip here, and the tier's forward time and other time (its queue_ms)."""
+        tier = min(max(0.0, queue_ms), max(0.0, wall_ms - compute_ms))
+        network = max(0.0, wall_ms - compute_ms - tier)
         self.rpc_wall_ms += wall_ms
+        self.tier_ms += tier
         self.network_ms += network
         if is_draft:
             self.draft_ms += compute_ms
@@ -105,6 +110,7 @@ class RoundStats:
             self.verify_ms += compute_ms
         r = self._round_ms
         r["rpc_wall"] += wall_ms
+        r["tier"] += tier
         r["network"] += network
         r["draft" if is_draft else "verify"] += compute_ms
 
@@ -126,7 +132,7 @@ class RoundStats:
         wall_ms = (time.perf_counter() - self._round_t0) * 1e3
         record = RoundRecord(
             index=len(self.records), proposer=proposal.source, k=proposal.k, drafts=drafts, accepted=accepted,
-            draft_ms=r["draft"], verify_ms=r["verify"], network_ms=r["network"],
+            draft_ms=r["draft"], verify_ms=r["verify"], tier_ms=r["tier"], network_ms=r["network"],
             coordinator_ms=max(0.0, wall_ms - r["rpc_wall"]), fallback=proposal.fallback, overlapped=proposal.overlapped)
         self.records.append(record)
         return record
@@ -203,7 +209,7 @@ class Generation:
         if choice.source == DRAFT_MODEL and choice.k > 0:
             try:
                 proposal = await self.draft.propose(committed, hashes, choice.k)
-                self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, is_draft=True)
+                self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, proposal.queue_ms, is_draft=True)
                 return proposal, offers
             except TierError:  # counted, and the draft left alone for a back-off, by its TierSession
                 fallback = True  # the draft is down: the best local offer instead
@@ -327,6 +333,7 @@ class Generation:
             time_to_first_token_s=(first_token_at - t_start) if first_token_at else 0.0,
             draft_ms=st.draft_ms,
             verify_ms=st.verify_ms,
+            tier_ms=st.tier_ms,
             network_ms=st.network_ms,
             coordinator_ms=max(0.0, elapsed * 1e3 - st.rpc_wall_ms),
             num_speculative_tokens=-1 if k is None else k,
@@ -351,7 +358,7 @@ class Generation:
             lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q_rows, sampling=self._sampling, seed=seed),
             extra=lambda response: drafts)
         response = reply.message
-        self.stats.observe_rpc(reply.wall_ms, response.compute_ms, is_draft=False)
+        self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)
         if self.limits.target_load is not None:
             self.limits.target_load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
                                             response.compute_ms, response.queue_ms)
