@@ -253,19 +253,23 @@ class Generation:
             else:
                 proposal, offers = await self._propose(committed, hashes, budget)
             drafts = proposal.tokens[: max(budget, 0)]
-            verify = asyncio.ensure_future(self._verify(committed, hashes, drafts, proposal.q[: len(drafts)]))
+            verifying = self._verify(committed, hashes, drafts, proposal.q[: len(drafts)])
             speculating = False
             if self.limits.overlap and drafts and proposal.source == DRAFT_MODEL and self.draft.available:
+                # Verify in a task of its own while the draft is asked for the next block.
+                verify = asyncio.ensure_future(verifying)
                 k_fixed = self.params.num_speculative_tokens
                 k_next = min(self.policy.best_draft_k(self._max_k(budget)) if k_fixed is None else k_fixed,
                              remaining - len(drafts) - 2, room - len(drafts) - 2)
                 if k_next > 0 and len(committed) + len(drafts) + k_next + 1 <= self.limits.draft_max_context:
                     speculating = await self.draft.speculate(committed, hashes, drafts, k_next)
-            try:
-                verdict = await verify
-            except BaseException:
-                verify.cancel()
-                raise
+                try:
+                    verdict = await verify
+                except BaseException:
+                    verify.cancel()
+                    raise
+            else:
+                verdict = await verifying
             n = verdict.num_accepted
             if speculating:
                 pending = await self.draft.collect(n == len(drafts), verdict.next_token)

@@ -81,6 +81,7 @@ class CoordinatorMetrics:
                           "math), network (rpc round trips minus the tiers' time) and coordinator (the rest of the round).",
                           ROUND_PART_BUCKETS, ("part",))
         self.round_parts = {p: parts.labels(*v, p) for p in ROUND_PARTS}
+        self._by_proposer: dict[str, tuple] = {}  # proposer -> (rounds, k) children, looked up once
         self.rounds = counter("specdec_rounds", "Rounds (target forwards), by the proposer of their drafts.", ("proposer",))
         self.k = histogram("specdec_num_speculative_tokens", "K asked of the proposer per round (after clamping to the "
                            "token budget; 0 = target-only round).", K_BUCKETS, ("proposer",))
@@ -107,8 +108,10 @@ class CoordinatorMetrics:
                 child.inc()
         for part, ms in zip(ROUND_PARTS, (r.draft_ms, r.verify_ms, r.tier_ms, r.network_ms, r.coordinator_ms)):
             self.round_parts[part].observe(ms / 1e3)
-        self.rounds.labels(*v, r.proposer).inc()
-        self.k.labels(*v, r.proposer).observe(r.k)
+        rounds, k = self._by_proposer.get(r.proposer) or self._by_proposer.setdefault(
+            r.proposer, (self.rounds.labels(*v, r.proposer), self.k.labels(*v, r.proposer)))
+        rounds.inc()
+        k.observe(r.k)
         if r.fallback:
             self.fallbacks.inc()
         if r.overlapped:
@@ -147,12 +150,14 @@ class RequestMetrics:
         for r in new:
             self.m.observe_round(r)
         v = self.m._labels
-        for tier, n in (stats.reprefills - self._reprefills).items():
-            self.m.reprefills.labels(*v, tier).inc(n)
-        for (tier, rpc, code), n in (stats.tier_errors - self._tier_errors).items():
-            self.m.tier_errors.labels(*v, tier, rpc, code).inc(n)
-        self._reprefills = Tally(stats.reprefills)
-        self._tier_errors = Tally(stats.tier_errors)
+        if stats.reprefills != self._reprefills:  # rare: compare before building differences every round
+            for tier, n in (stats.reprefills - self._reprefills).items():
+                self.m.reprefills.labels(*v, tier).inc(n)
+            self._reprefills = Tally(stats.reprefills)
+        if stats.tier_errors != self._tier_errors:
+            for (tier, rpc, code), n in (stats.tier_errors - self._tier_errors).items():
+                self.m.tier_errors.labels(*v, tier, rpc, code).inc(n)
+            self._tier_errors = Tally(stats.tier_errors)
         return new
 
     def finish(self, finish_reason: str | None) -> None:
