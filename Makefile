@@ -40,7 +40,9 @@ test: setup
 #                     generate (~10 min; CONCURRENCY_ARGS=--help)
 #  bench.self_draft   the target's own bfloat16 / float16 / int8 copies as drafts (~2 min)
 #  bench.replicas     1 vs 2 target replicas under the same load (~4 min; BENCH_REPLICAS_ARGS=--help)
+#  bench.overhead     per-round gRPC + coordinator time on a tiny model (~1 min; OVERHEAD_ARGS=--help)
 bench: setup
+	$(PY) -m bench.overhead $(OVERHEAD_ARGS)
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.concurrency $(CONCURRENCY_ARGS)
 	$(PY) -m bench.self_draft $(SELF_DRAFT_ARGS)
