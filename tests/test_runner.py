@@ -12,12 +12,13 @@ import torch
 
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed, ModelRunner
-from specdec.models import ModelConfig, load_model
+from specdec.models import load_model
+from tests.helpers import device_model
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_target):
-    model = load_model(ModelConfig(tiny_target))
+    model = load_model(device_model(tiny_target))
     cache = SlotKVCache(KVGeometry.of(model), num_slots=8, slot_tokens=256)
     for t in cache.keys + cache.values:
         t.fill_(float("nan"))  # garbage: only what the runner writes may ever be read unmasked
@@ -26,7 +27,7 @@ def runner(tiny_target):
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0]
+        return model(input_ids=torch.tensor([ids], device=model.device)).logits[0]
 
 
 @pytest.mark.parametrize("chunks", [
@@ -35,7 +36,7 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     [[1, 1, 1], [60, 1, 70]],  # a mix in one step
 ])
 def test_ragged_steps_equal_full_forwards(tiny_target, runner, chunks):
-    reference_model = load_model(ModelConfig(tiny_target))  # plain sdpa attention
+    reference_model = load_model(device_model(tiny_target))  # plain sdpa attention
     g = torch.Generator().manual_seed(sum(map(sum, chunks)))
     sessions = [torch.randint(3, 5000, (sum(c[i] for c in chunks),), generator=g).tolist() for i in range(3)]
     slots = [runner.cache.allocate() for _ in sessions]
@@ -60,7 +61,7 @@ def test_ragged_steps_equal_full_forwards(tiny_target, runner, chunks):
 def test_rollback_is_a_length_change(runner, tiny_target):
     """Feed drafts, keep only some, feed a different continuation: logits equal the full forward of
     the kept sequence; nothing of the dropped drafts survives."""
-    reference_model = load_model(ModelConfig(tiny_target))
+    reference_model = load_model(device_model(tiny_target))
     slot = runner.cache.allocate()
     try:
         prefix, drafts, other = [5, 6, 7, 8], [9, 10, 11], [12, 13]

@@ -238,7 +238,7 @@ class Engine:
             self.steps += 1
             self.step_tokens += tokens
             completed: dict[type, list[tuple[Work, torch.Tensor]]] = {}
-            for p, rows in zip(plan, logits):
+            for p, rows, finite in zip(plan, logits, self.runner.finite):
                 w = p.work
                 self.sessions.append(w.session, w.pending[: p.take])
                 del w.pending[: p.take]
@@ -246,7 +246,7 @@ class Engine:
                 w.last_step = (len(plan), tokens, seconds)
                 if w.cancelled:
                     self._finish(w)
-                elif p.num_logits and not bool(torch.isfinite(rows).all()):
+                elif p.num_logits and not finite:
                     self._fail(w, grpc.StatusCode.INTERNAL, "model produced non-finite logits; session dropped", drop=True)
                 elif p.num_logits:
                     completed.setdefault(type(w), []).append((w, rows))

@@ -39,6 +39,14 @@ def check_supported(model) -> None:
             raise UnsupportedModel(f"{type(model).__name__}: sliding-window attention ({window}) is not supported")
 
 
+def use_exact_float32_matmuls() -> None:
+    """float32 on a GPU means IEEE float32: no TF32 in matrix products (PyTorch's default today, set
+    here so that nothing else in the process can change it). TF32 rounds the inputs of a product to a
+    10-bit mantissa, enough to flip near-tie argmaxes between a (K + 1)-token verify forward and the
+    1-token forward of plain decoding. bfloat16 / float16 models are unaffected."""
+    torch.set_float32_matmul_precision("highest")
+
+
 class ModelRunner:
     def __init__(self, model, cache: SlotKVCache) -> None:
         check_supported(model)
@@ -50,10 +58,17 @@ class ModelRunner:
         self.head = model.get_output_embeddings()
         self.plain_head = isinstance(self.head, torch.nn.Linear)  # False for e.g. a quantized head
         self.vocab_size = int(model.config.vocab_size if not self.plain_head else self.head.weight.shape[0])
+        self.finite: list[bool] = []  # per feed of the last forward: are all its logits finite?
+        if self.device.type == "cuda":
+            use_exact_float32_matmuls()
 
     @torch.inference_mode()
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
-        """One forward over every feed; returns each feed's logits [num_logits, V] in float32."""
+        """One forward over every feed; returns each feed's logits [num_logits, V] in float32.
+
+        Ends with one host synchronisation (on a GPU, where kernels run asynchronously): whether each
+        feed's logits are finite, kept in `finite` (one bool per feed). So the step's wall time is its
+        real compute time, and no later check needs a synchronisation of its own."""
         ids: list[int] = []
         rows: list[int] = []
         for f in feeds:
@@ -61,17 +76,23 @@ class ModelRunner:
             ids.extend(f.tokens)
             rows.extend(range(start + n - f.num_logits, start + n))
         dev = self.device
-        layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], dev)
+        layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], dev, extra=(ids, rows))
+        input_ids, row_index = layout.extra
         try:
-            hidden = self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-                                  position_ids=layout.positions[None], use_cache=False,
+            hidden = self.decoder(input_ids=input_ids[None], position_ids=layout.positions[None], use_cache=False,
                                   specdec_step=layout).last_hidden_state[0]  # [T, H]
+            logits = self._head(hidden[row_index]).float()  # [R, V]
+            finite_rows = torch.isfinite(logits).all(dim=-1).tolist()  # the step's one synchronisation
         except BaseException:
             for f in feeds:  # what this step wrote may be incomplete: never read it unmasked
                 self.cache.initialized[f.slot] = min(self.cache.initialized[f.slot], f.cached)
             raise
-        logits = self._head(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).float()  # [R, V]
-        return list(torch.split(logits, [f.num_logits for f in feeds]))
+        counts = [f.num_logits for f in feeds]
+        self.finite, start = [], 0
+        for n in counts:
+            self.finite.append(all(finite_rows[start : start + n]))
+            start += n
+        return list(torch.split(logits, counts))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V]
         # On a CPU, x @ W.T for a few rows makes the BLAS pack all of W (a 49152 x 576 head: 24 ms for 2
