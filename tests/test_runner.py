@@ -13,7 +13,22 @@ import torch
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.models import load_model
-from tests.helpers import device_model
+from tests.helpers import TEST_DTYPE, device_model
+
+# float32 (CI's dtype): the ragged forward equals transformers' to 1e-4 and picks the same argmax. In
+# bfloat16 / float16 (SPECDEC_TEST_DTYPE on a GPU) two attention implementations round differently:
+# the logits must agree to a few percent of their scale, and near-tie argmaxes may differ
+# (bench/exactness.py counts how often).
+EXACT = TEST_DTYPE == "float32"
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
+    got, want = got.float(), want.float()
+    if EXACT:
+        assert torch.allclose(got, want, atol=1e-4), (what, float((got - want).abs().max()))
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), what
+    else:
+        assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max()), (what, float((got - want).abs().max()))
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +65,7 @@ def test_ragged_steps_equal_full_forwards(tiny_target, runner, chunks):
             for i, n in enumerate(step):
                 want = full_logits(reference_model, sessions[i][: fed[i] + n])[fed[i] : fed[i] + n]
                 assert torch.isfinite(logits[i]).all()
-                assert torch.allclose(logits[i], want, atol=1e-4), (i, float((logits[i] - want).abs().max()))
-                assert torch.equal(logits[i].argmax(-1), want.argmax(-1))
+                assert_close(logits[i], want, i)
                 fed[i] += n
     finally:
         for s in slots:
@@ -69,6 +83,6 @@ def test_rollback_is_a_length_change(runner, tiny_target):
         keep = len(prefix) + 1  # one draft accepted
         got = runner.forward([Feed(slot, keep, other, 2)])[0]
         want = full_logits(reference_model, prefix + drafts[:1] + other)[-2:]
-        assert torch.allclose(got, want, atol=1e-4)
+        assert_close(got, want, "rollback")
     finally:
         runner.cache.release(slot)
