@@ -27,7 +27,7 @@ from coordinator.proposers import (DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX, D
 from coordinator.suffix import SuffixCache, SuffixConfig, SuffixProposer
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tier_session import DRAFT_RETRY, TARGET_RETRY, TierSession
-from coordinator.tiers import DraftClient, TargetClient, TierError
+from coordinator.tiers import TierClient, TierError
 from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, generate_pb2, target_pb2
 from specdec.math.params import SamplingParams
@@ -146,7 +146,7 @@ class Limits:
 
 
 class Generation:
-    def __init__(self, params: GenerationParams, draft: DraftClient | None, target: TargetClient, tokenizer,
+    def __init__(self, params: GenerationParams, draft: TierClient | None, target: TierClient, tokenizer,
                  eos_token_ids: set[int], limits: Limits, deadline: float | None = None,
                  suffix_cache: SuffixCache | None = None,
                  tokenizer_fingerprint: str = "") -> None:

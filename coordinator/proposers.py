@@ -19,7 +19,7 @@ import grpc
 
 from coordinator.lookup import LookupConfig, NgramIndex
 from coordinator.tier_session import TierSession
-from coordinator.tiers import DraftStream, TierError
+from coordinator.tiers import SessionStream, TierError
 from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
 
@@ -63,9 +63,9 @@ class DraftModelProposer:
     source = DRAFT_MODEL
 
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int) -> None:
-        """session: the draft's TierSession, over the session's Propose stream (a DraftStream)."""
+        """session: the draft's TierSession, over the session's ProposeStream (a SessionStream)."""
         self.session = session
-        self.stream: DraftStream = session.calls  # send / recv apart, for the overlap
+        self.stream: SessionStream = session.calls  # send / recv apart, for the overlap
         self.sampling = sampling
         self.seed = seed
         self._speculation: tuple[common_pb2.SessionContext, int] | None = None  # (context, committed length)

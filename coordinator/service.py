@@ -18,7 +18,7 @@ from coordinator.lookup import LookupConfig
 from coordinator.proposers import HYBRID
 from coordinator.suffix import SuffixCache, SuffixConfig
 from coordinator.routing import RoutingConfig, probe_ring_hash
-from coordinator.tiers import DraftClient, TargetClient
+from coordinator.tiers import TierClient
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, generate_pb2_grpc, target_pb2
 from specdec.wire.metrics import RpcMetricsInterceptor
@@ -94,11 +94,11 @@ class Pipeline:
             return grpc.aio.secure_channel(address, credentials, options=options)
 
         self._channels = [channel(config.target_address, TARGET_SERVICE)]
-        self.target = TargetClient(self._channels[0], config.target_address, config.rpc_timeout_s, config.routing)
+        self.target = TierClient.target(self._channels[0], config.target_address, config.rpc_timeout_s, config.routing)
         self.draft = None
         if config.draft_address:
             self._channels.append(channel(config.draft_address, DRAFT_SERVICE))
-            self.draft = DraftClient(self._channels[1], config.draft_address, config.rpc_timeout_s, config.routing)
+            self.draft = TierClient.draft(self._channels[1], config.draft_address, config.rpc_timeout_s, config.routing)
         self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
         self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
         self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding

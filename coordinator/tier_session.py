@@ -52,7 +52,7 @@ DRAFT_RETRY = RetryPolicy(down_s=(0.25, 0.5, 1.0))  # the draft: fall back to pr
 
 
 class SessionCalls(Protocol):
-    """One session's rpcs on one tier (coordinator.tiers.VerifyCalls, DraftStream)."""
+    """One session's rpcs on one tier (coordinator.tiers.TierSessionCalls: the session's stream)."""
 
     tier: str  # "draft" or "target"
     session_id: str  # the session the calls belong to (and are routed by)

@@ -1,6 +1,6 @@
 """Clients for the draft and target tiers (one channel each, to all of a tier's replicas), one session's
-calls on each (DraftStream, VerifyCalls, both carrying the session's routing key), and what the
-coordinator knows of a tier's cache for a session (TierCursor)."""
+stream on each (SessionStream: the draft's ProposeStream, the target's VerifyStream, both carrying the
+session's routing key), and what the coordinator knows of a tier's cache for a session (TierCursor)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import grpc
 
 from coordinator.routing import RoutingConfig
 from specdec.wire.prefix import PrefixHashes
-from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 
 class TierError(Exception):
@@ -22,7 +22,7 @@ class TierError(Exception):
         self.tier = tier
         self.code = code
         self.details = details
-        self.rpc = rpc or ("Verify" if tier == "target" else "ProposeStream")  # the internal rpc that failed
+        self.rpc = rpc or ("VerifyStream" if tier == "target" else "ProposeStream")  # the internal rpc that failed
 
 
 class TierCursor:
@@ -77,66 +77,76 @@ def call_timeout(default_s: float, limit_s: float | None) -> float:
     return default_s if limit_s is None else max(0.001, min(default_s, limit_s))
 
 
-def _tier_error(tier: str, e: grpc.aio.AioRpcError) -> TierError:
-    return TierError(tier, e.code(), e.details() or "")
-
-
-class DraftStream:
-    """One session's bidirectional Propose stream. Opened with the session's routing metadata, it lives on
-    the session's draft replica; the replica drops the session when the stream ends.
+class SessionStream:
+    """One session's bidirectional stream on one tier (the draft's ProposeStream, the target's
+    VerifyStream). Opened with the session's routing metadata, it lives on the session's replica; the
+    replica drops the session when the stream ends.
 
     Requests may be pipelined: send() a speculative request, then later recv() its reply; replies
-    come back in request order.
+    come back in request order. Each operation is bounded by the per-call timeout with a timer that
+    cancels the stream (not a task per operation: this runs twice per round).
     """
 
-    tier = "draft"
-
-    def __init__(self, client: "DraftClient", session_id: str) -> None:
-        self._client = client
+    def __init__(self, tier: str, rpc: str, open_stream: Callable[..., grpc.aio.StreamStreamCall], session_id: str,
+                 timeout_s: float, metadata) -> None:
+        self.tier = tier
+        self.rpc = rpc
+        self._open = open_stream
         self.session_id = session_id
-        self.timeout_s = client.timeout_s
-        self._metadata = client.routing.metadata(session_id)
-        self._call = None
+        self.timeout_s = timeout_s
+        self._metadata = metadata
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._expired: float | None = None  # the timeout that cancelled the stream, if one did
         self.pending = 0  # requests sent whose replies were not read yet
 
-    async def _io(self, awaitable, limit_s: float | None):
+    async def _io(self, call: grpc.aio.StreamStreamCall, awaitable, limit_s: float | None):
         """One stream operation under the per-call timeout; any failure closes the stream."""
         timeout = call_timeout(self.timeout_s, limit_s)
-        call = self._call
+        timer = asyncio.get_running_loop().call_later(timeout, self._expire, call, timeout)
         try:
-            return await asyncio.wait_for(awaitable, timeout)
+            return await awaitable
         except grpc.aio.AioRpcError as e:
             self.close()
-            raise _tier_error("draft", e) from None
+            raise TierError(self.tier, e.code(), e.details() or "", self.rpc) from None
         except asyncio.InvalidStateError:  # a write after the replica ended the stream (drained, stopped): why?
             code, details = await call.code(), await call.details()
             self.close()
             if code == grpc.StatusCode.OK:
                 code = grpc.StatusCode.UNAVAILABLE
-            raise TierError("draft", code, details or "the stream ended") from None
-        except asyncio.TimeoutError:
+            raise TierError(self.tier, code, details or "the stream ended", self.rpc) from None
+        except asyncio.CancelledError:
+            if self._expired is None or call is not self._call:
+                raise  # our own caller was cancelled
             self.close()
-            raise TierError("draft", grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:.3g}s") from None
+            raise TierError(self.tier, grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._expired:.3g}s",
+                            self.rpc) from None
+        finally:
+            timer.cancel()
 
-    async def send(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> None:
+    def _expire(self, call: grpc.aio.StreamStreamCall, timeout: float) -> None:
+        if call is self._call:
+            self._expired = timeout
+            call.cancel()  # the pending operation raises CancelledError, turned into DEADLINE_EXCEEDED above
+
+    async def send(self, request, limit_s: float | None = None) -> None:
         if self._call is None:
-            self._call = self._client.stub.ProposeStream(metadata=self._metadata)
-        await self._io(self._call.write(request), limit_s)
+            self._call, self._expired = self._open(metadata=self._metadata), None
+        await self._io(self._call, self._call.write(request), limit_s)
         self.pending += 1
 
-    async def recv(self, limit_s: float | None = None) -> draft_pb2.ProposeResponse:
+    async def recv(self, limit_s: float | None = None):
         call = self._call
         if call is None or self.pending == 0:
-            raise TierError("draft", grpc.StatusCode.INTERNAL, "no request in flight on the draft stream")
-        response = await self._io(call.read(), limit_s)
+            raise TierError(self.tier, grpc.StatusCode.INTERNAL, f"no request in flight on the {self.rpc} stream", self.rpc)
+        response = await self._io(call, call.read(), limit_s)
         if response is grpc.aio.EOF:
             code, details = await call.code(), await call.details()
             self.close()
-            raise TierError("draft", code, details or "stream ended")
+            raise TierError(self.tier, code, details or "stream ended", self.rpc)
         self.pending -= 1
         return response
 
-    async def call(self, request: draft_pb2.ProposeRequest, limit_s: float | None = None) -> draft_pb2.ProposeResponse:
+    async def call(self, request, limit_s: float | None = None):
         """Drain replies nobody wants any more, then one request / reply."""
         while self.pending:
             await self.recv(limit_s)
@@ -145,86 +155,56 @@ class DraftStream:
 
     def close(self) -> None:
         if self._call is not None:
-            self._call.cancel()
-            self._call = None
+            call, self._call = self._call, None
+            call.cancel()
         self.pending = 0
 
+
+class TierClient:
+    """One tier: one channel to all its replicas (coordinator.routing), and each session's stream on it."""
+
+    def __init__(self, tier: str, stub, stream_rpc: str, address: str, timeout_s: float, routing: RoutingConfig) -> None:
+        self.tier = tier
+        self.address = address
+        self.stub = stub
+        self.stream_rpc = stream_rpc
+        self.timeout_s = timeout_s
+        self.routing = routing
+
+    @classmethod
+    def draft(cls, channel: grpc.aio.Channel, address: str, timeout_s: float, routing: RoutingConfig) -> "TierClient":
+        """The draft tier; a session proposes on its ProposeStream."""
+        return cls("draft", draft_pb2_grpc.DraftServiceStub(channel), "ProposeStream", address, timeout_s, routing)
+
+    @classmethod
+    def target(cls, channel: grpc.aio.Channel, address: str, timeout_s: float, routing: RoutingConfig) -> "TierClient":
+        """The target tier; a session verifies on its VerifyStream."""
+        return cls("target", target_pb2_grpc.TargetServiceStub(channel), "VerifyStream", address, timeout_s, routing)
+
+    def session(self, session_id: str) -> "TierSessionCalls":
+        return TierSessionCalls(self, session_id)
+
+    async def end_session(self, session_id: str) -> None:
+        try:
+            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=self.timeout_s,
+                                       metadata=self.routing.metadata(session_id))
+        except grpc.aio.AioRpcError:
+            pass  # best effort: the replica may be gone, or may have evicted the session already
+
+    async def model_info(self) -> common_pb2.ModelInfo:
+        """From any one replica (no routing key: the balancer picks one)."""
+        return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=self.timeout_s)
+
+
+class TierSessionCalls(SessionStream):
+    """A session's stream on a tier, and the tier's EndSession for it."""
+
+    def __init__(self, client: TierClient, session_id: str) -> None:
+        super().__init__(client.tier, client.stream_rpc, getattr(client.stub, client.stream_rpc), session_id,
+                         client.timeout_s, client.routing.metadata(session_id))
+        self._client = client
+
     async def end_session(self) -> None:
-        """Close the stream and drop the session on its replica (best effort)."""
+        """Close the stream (the replica drops the session with it) and say so explicitly (best effort)."""
         self.close()
         await self._client.end_session(self.session_id)
-
-
-class VerifyCalls:
-    """One session's Verify calls, each carrying the session's routing metadata (so each reaches the
-    replica that holds the session's cache)."""
-
-    tier = "target"
-
-    def __init__(self, client: "TargetClient", session_id: str) -> None:
-        self._client = client
-        self.session_id = session_id
-        self.timeout_s = client.timeout_s
-        self._metadata = client.routing.metadata(session_id)
-
-    async def call(self, request: target_pb2.VerifyRequest, limit_s: float | None = None) -> target_pb2.VerifyResponse:
-        try:
-            return await self._client.stub.Verify(request, timeout=call_timeout(self.timeout_s, limit_s),
-                                                  metadata=self._metadata)
-        except grpc.aio.AioRpcError as e:
-            raise _tier_error("target", e) from None
-
-    def close(self) -> None:
-        """Nothing stays open between unary calls."""
-
-    async def end_session(self) -> None:
-        """Drop the session on its replica (best effort)."""
-        await self._client.end_session(self.session_id)
-
-
-class DraftClient:
-    """The draft tier: one channel to all its replicas (coordinator.routing)."""
-
-    def __init__(self, channel: grpc.aio.Channel, address: str, timeout_s: float, routing: RoutingConfig) -> None:
-        self.address = address
-        self.stub = draft_pb2_grpc.DraftServiceStub(channel)
-        self.timeout_s = timeout_s
-        self.routing = routing
-
-    def session(self, session_id: str) -> DraftStream:
-        return DraftStream(self, session_id)
-
-    async def end_session(self, session_id: str) -> None:
-        try:
-            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=self.timeout_s,
-                                       metadata=self.routing.metadata(session_id))
-        except grpc.aio.AioRpcError:
-            pass  # best effort: the replica may be gone, or may have evicted the session already
-
-    async def model_info(self) -> common_pb2.ModelInfo:
-        """From any one replica (no routing key: the balancer picks one)."""
-        return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=self.timeout_s)
-
-
-class TargetClient:
-    """The target tier: one channel to all its replicas (coordinator.routing)."""
-
-    def __init__(self, channel: grpc.aio.Channel, address: str, timeout_s: float, routing: RoutingConfig) -> None:
-        self.address = address
-        self.stub = target_pb2_grpc.TargetServiceStub(channel)
-        self.timeout_s = timeout_s
-        self.routing = routing
-
-    def session(self, session_id: str) -> VerifyCalls:
-        return VerifyCalls(self, session_id)
-
-    async def end_session(self, session_id: str) -> None:
-        try:
-            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=self.timeout_s,
-                                       metadata=self.routing.metadata(session_id))
-        except grpc.aio.AioRpcError:
-            pass  # best effort: the replica may be gone, or may have evicted the session already
-
-    async def model_info(self) -> common_pb2.ModelInfo:
-        """From any one replica (no routing key: the balancer picks one)."""
-        return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=self.timeout_s)

@@ -8,8 +8,9 @@ from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeWork
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire.server import Service, ServerConfig, as_request_error, handle_errors
-from specdec.wire.tier import TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params
+from specdec.wire.server import Service, ServerConfig, handle_errors
+from specdec.wire.tier import (TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params,
+                               serve_session_stream)
 
 SERVICE_NAME = "specdec.v1.DraftService"
 
@@ -33,20 +34,8 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         return await self._propose(request)
 
     async def ProposeStream(self, request_iterator, context):
-        sessions: set[str] = set()
-        try:
-            async for request in request_iterator:
-                sessions.add(request.context.session_id)
-                try:
-                    response = await self._propose(request)
-                except Exception as e:
-                    err = as_request_error(e)
-                    await context.abort(err.code, err.message)
-                yield response
-        finally:
-            # The stream pins its sessions: when it ends (done, cancelled, coordinator gone) they go.
-            for sid in sessions:
-                self.engine.end_session(sid)
+        async for response in serve_session_stream(self.engine, request_iterator, context, self._propose):
+            yield response
 
     async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         engine = self.engine

@@ -1,4 +1,4 @@
-"""TargetService: Verify / EndSession / GetModelInfo / GetStatus, over a batching engine."""
+"""TargetService: Verify / VerifyStream / EndSession / GetModelInfo / GetStatus, over a batching engine."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from specdec.engine.config import TierConfig
 from specdec.engine.verify import SparseQ, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
 from specdec.wire.server import Service, ServerConfig, check_token_ids, handle_errors, invalid_argument
-from specdec.wire.tier import TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params
+from specdec.wire.tier import (TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params,
+                               serve_session_stream)
 
 SERVICE_NAME = "specdec.v1.TargetService"
 Q_SUM_TOLERANCE = 1e-3  # a q row must sum to 1 within this
@@ -30,6 +31,13 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
 
     @handle_errors
     async def Verify(self, request, context):
+        return await self._verify(request)
+
+    async def VerifyStream(self, request_iterator, context):
+        async for response in serve_session_stream(self.engine, request_iterator, context, self._verify):
+            yield response
+
+    async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         engine = self.engine
         k = len(request.draft_tokens)
         check_num_tokens(engine, k, "draft_tokens (count)", minimum=0)

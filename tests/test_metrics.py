@@ -159,7 +159,7 @@ def test_tier_metrics_as_the_tiers_serve_them(tiny_target, tiny_random_draft):
             assert value(s, "specdec_tier_kv_capacity_bytes", **labels) == status.kv_capacity_bytes > 0
             assert value(s, "specdec_tier_kv_used_bytes", **labels) == status.kv_used_bytes
             assert value(s, "vllm:num_requests_running", **labels) == 0
-            rpc = "Verify" if tier == "target" else "ProposeStream"
+            rpc = "VerifyStream" if tier == "target" else "ProposeStream"
             assert value(s, "specdec_rpc_duration_seconds_count", rpc=rpc, **labels) >= 4
     finally:
         for server in servers:
@@ -296,7 +296,7 @@ def test_reprefills_and_lookup_fallbacks(tiny_target):
         def delta(a, b, name, **labels):
             return value(b, name, model_name=model, **labels) - value(a, name, model_name=model, **labels)
 
-        lost = delta(before, mid, "specdec_tier_errors_total", tier="target", rpc="Verify", code="FAILED_PRECONDITION")
+        lost = delta(before, mid, "specdec_tier_errors_total", tier="target", rpc="VerifyStream", code="FAILED_PRECONDITION")
         assert lost > 0, "the two sessions must have evicted each other"
         assert delta(before, mid, "specdec_reprefills_total", tier="target") == lost  # one full resend per loss
         assert all(o.stats["generated_tokens"] == 24 for o in outs)

@@ -9,6 +9,7 @@ convert the result back. Nothing here touches torch; the engine is used through 
 from __future__ import annotations
 
 import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,8 @@ from prometheus_client import CollectorRegistry
 from specdec.math.params import SamplingParams
 from specdec.proto import common_pb2
 from specdec.wire.metrics import TierMetrics
-from specdec.wire.server import (RequestError, Service, ServerConfig, check_token_ids, create_server, handle_errors,
-                                 invalid_argument)
+from specdec.wire.server import (RequestError, Service, ServerConfig, as_request_error, check_token_ids, create_server,
+                                 handle_errors, invalid_argument)
 
 MAX_SESSION_ID_LEN = 128
 
@@ -74,6 +75,27 @@ def model_info(engine) -> common_pb2.ModelInfo:
         eos_token_ids=engine.eos_token_ids, max_context=engine.max_context, device=str(engine.device),
         dtype=c.model.dtype, max_draft_tokens=c.max_draft_tokens, max_batch_sessions=c.batch.max_batch_sessions,
         max_batch_tokens=c.batch.max_batch_tokens)
+
+
+async def serve_session_stream(engine, requests: AsyncIterator, context, handle: Callable[[Any], Awaitable[Any]]
+                               ) -> AsyncIterator[Any]:
+    """The loop of a per-session bidirectional stream (ProposeStream, VerifyStream): one response per
+    request, in order, each from handle(request). A failed request ends the stream with its status (the
+    caller opens a new one). The stream pins the sessions it served: when it ends (done, failed,
+    cancelled, the coordinator gone) the tier drops them, so a vanished coordinator leaks no KV memory."""
+    sessions: set[str] = set()
+    try:
+        async for request in requests:
+            sessions.add(request.context.session_id)
+            try:
+                response = await handle(request)
+            except Exception as e:
+                err = as_request_error(e)
+                await context.abort(err.code, err.message)
+            yield response
+    finally:
+        for sid in sessions:
+            engine.end_session(sid)
 
 
 class TierRpcs:

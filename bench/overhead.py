@@ -1,0 +1,130 @@
+"""Per-round overhead of the pipeline: gRPC + coordinator time per round, with the model compute taken out.
+
+A tiny random 2-layer model (its forward costs well under a millisecond) serves as the target and as its own
+draft, so every draft is accepted and a round is almost nothing but the pipeline's own work: the coordinator's
+round loop, the internal rpcs (Propose on the draft's stream, Verify on the target's), and each tier's
+servicer, engine queue and step loop. Three processes on loopback, as `make run` starts them. Reported per
+round (median over generations): network = rpc round trips minus the tiers' compute, coordinator = the round's
+wall time minus its rpcs; their sum is the overhead the issue's goal (< 1 ms) is about.
+
+    python -m bench.overhead                      # K = 0 (one Verify per round) and K = 3 (Propose + Verify)
+    python -m bench.overhead --profile DIR        # also sample every process with py-spy (folded stacks in DIR)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.pipeline import BenchPipeline
+from specdec.client import Client
+from specdec.client.local import LocalPipelineConfig
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2, 198, 1, 4093, 198, 504, 1425, 282, 1]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ks", default="0,3", help="comma list of K (0 = target-only rounds)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--generations", type=int, default=10, help="timed generations per K (after one warm-up)")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="sample the three processes with py-spy during the timed generations; folded stacks go here")
+    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
+    p.add_argument("--target-args", default="", help="extra flags for the target service")
+    p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator")
+    return p.parse_args(argv)
+
+
+def tiny_model(out_dir: Path) -> str:
+    from tests.helpers import make_tiny_model  # the test suite's tiny random Llama with the real tokenizer
+
+    return make_tiny_model(out_dir, seed=0)
+
+
+def measure(address: str, k: int, n: int, generations: int) -> list[dict]:
+    rows = []
+    with Client(address) as c:
+        c.generate(token_ids=PROMPT, max_new_tokens=8, num_speculative_tokens=k, ignore_eos=True, proposer="draft")
+        for _ in range(generations):
+            t0 = time.perf_counter()
+            out = c.generate(token_ids=PROMPT, max_new_tokens=n, num_speculative_tokens=k, ignore_eos=True,
+                             proposer="draft")
+            s = out.stats
+            rounds = max(1, int(s.get("rounds", 0)))
+            rows.append({
+                "rounds": rounds,
+                "tok_per_round": len(out.token_ids) / rounds,
+                "network": s.get("network_ms", 0.0) / rounds,
+                "coordinator": s.get("coordinator_ms", 0.0) / rounds,
+                "compute": (s.get("draft_ms", 0.0) + s.get("verify_ms", 0.0)) / rounds,
+                "round": s.get("elapsed_s", 0.0) * 1e3 / rounds,
+                "client_round": (time.perf_counter() - t0) * 1e3 / rounds,
+            })
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ks = [int(x) for x in args.ks.split(",") if x.strip()]
+    work = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
+    model = tiny_model(work / "tiny")
+    spies: list[subprocess.Popen] = []
+    results: dict[int, list[dict]] = {}
+    config = LocalPipelineConfig(target_model=model, draft_model=model, target_args=args.target_args.split(),
+                                 draft_args=[], coordinator_args=args.coordinator_args.split())
+    try:
+        with BenchPipeline(config) as pipe:
+            for k in ks:
+                if args.profile:
+                    out_dir = Path(args.profile)
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+                    spies = [subprocess.Popen([spy, "record", "--pid", str(proc.pid), "--rate", "500", "--format", "raw",
+                                               "--nonblocking", "-o", str(out_dir / f"{name}-k{k}.folded")],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             for name, proc in pipe.procs.items()]
+                    time.sleep(1.0)
+                results[k] = measure(pipe.address, k, args.max_new_tokens, args.generations)
+                for spy in spies:
+                    spy.send_signal(2)
+                for spy in spies:
+                    spy.wait(30)
+                spies = []
+    finally:
+        for spy in spies:
+            spy.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+    lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: per-round overhead", "",
+             f"Command: `python -m bench.overhead{''.join(' ' + a for a in (argv if argv is not None else sys.argv[1:]))}`",
+             "",
+             f"A tiny random 2-layer model as target and as its own draft (every draft accepted), three processes on "
+             f"loopback, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
+             "generations (ms):", "",
+             "| K | tokens/round | compute | network (rpc minus compute) | coordinator | overhead (network + coordinator) | round (coordinator's view) | round (client's view) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for k, rows in results.items():
+        med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        lines.append(f"| {k} | {med['tok_per_round']:.2f} | {med['compute']:.2f} | {med['network']:.2f} | "
+                     f"{med['coordinator']:.2f} | **{med['network'] + med['coordinator']:.2f}** | {med['round']:.2f} | "
+                     f"{med['client_round']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
