@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--rows", default="specdec,k0,peer", help="comma list of specdec, k0, peer")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
-    p.add_argument("--plot", default=str(REPO / "docs" / "bench_concurrency.png"))
+    p.add_argument("--plot", default=None, help="PNG to draw (default docs/bench_concurrency.png; "
+                   "docs/bench_concurrency_gpu.png with a GPU --device)")
     p.add_argument("--json", default=None, help="also write the raw per-client samples here")
     p.add_argument("--target-args", default="", help="extra flags for the target service")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service")
@@ -320,7 +321,7 @@ def main(argv=None) -> int:
     info = (f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM, {gpu}; torch {m.get('torch')}, "
             f"transformers {m.get('transformers')}; git {git_commit()}; wall {(time.time() - t0) / 60:.1f} min; "
             f"target {Path(models['target']).name} ({args.dtype}), draft {Path(models['draft']).name} ({args.draft_dtype or args.dtype})")
-    plot_path = Path(args.plot)
+    plot_path = Path(args.plot or REPO / "docs" / ("bench_concurrency.png" if args.device == "cpu" else "bench_concurrency_gpu.png"))
     where = f"{gpu_name(args.device).split(' (')[0]}, {args.dtype}" if args.device != "cpu" else f"{m['cores']} cores"
     made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({where}, N={args.max_new_tokens})")
     lines = markdown(results, levels, command, info, args.max_new_tokens, plot_path.name if made else None)

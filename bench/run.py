@@ -629,7 +629,8 @@ def main(argv=None) -> int:
     # --- the markdown section ---
     out_path = Path(args.out)
     plot_dir = Path(args.plot_dir) if args.plot_dir else out_path.parent
-    speed_png, bound_png = plot_dir / "bench_speed_vs_k.png", plot_dir / "bench_bound.png"
+    prefix = "bench_gpu_" if plan["device"] != "cpu" else "bench_"  # GPU runs keep the CPU plots
+    speed_png, bound_png = plot_dir / f"{prefix}speed_vs_k.png", plot_dir / f"{prefix}bound.png"
     title = (f"{started:%Y-%m-%d %H:%M} UTC, {plan['mode']}, "
              + (f"{info['gpu']}, {plan['dtype']}" if info.get("gpu") else f"{info['cpu']} x{info['cores']}")
              + f", N={plan['max_new_tokens']}")
