@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         n = 24
         for i in range(n):
-            runner.forward([Feed(0, len(prompt) + 3 + i, [7], 1)])  # ends synchronised (the finite check)
+            runner.forward_checked([Feed(0, len(prompt) + 3 + i, [7], 1)])  # synchronised, as the engine's steps
         return (time.perf_counter() - t) / n * 1e3
 
     reference = runner_for(load_model(ModelConfig(target, device=dev)))

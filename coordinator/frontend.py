@@ -71,9 +71,11 @@ class Frontend:
                 async for event in generation.run():
                     if event.HasField("chunk"):
                         tracker.on_chunk(len(event.chunk.token_ids), len(params.prompt_ids))
-                        for r in tracker.sync(generation.stats):
-                            log.debug("round", extra={**fields, "round": r.index, "proposer": r.proposer, "k": r.k,
-                                                      "drafts": r.drafts, "accepted": r.accepted, "fallback": r.fallback})
+                        rounds = tracker.sync(generation.stats)
+                        if log.isEnabledFor(logging.DEBUG):
+                            for r in rounds:
+                                log.debug("round", extra={**fields, "round": r.index, "proposer": r.proposer, "k": r.k,
+                                                          "drafts": r.drafts, "accepted": r.accepted, "fallback": r.fallback})
                     else:
                         finish = finish_reason_name(event.result.finish_reason)
                         outcome = "finished"

@@ -62,7 +62,8 @@ class RoundRecord:
     accepted: int  # of those, accepted by the target: always the leading ones, d_1..d_accepted
     draft_ms: float  # draft model compute
     verify_ms: float  # target model compute
-    network_ms: float  # rpc round trips minus compute
+    tier_ms: float  # time at the tiers outside the forwards: waiting for a step, verification / sampling math
+    network_ms: float  # rpc round trips minus the tiers' time (compute + tier_ms): the wire and the gRPC stacks
     coordinator_ms: float  # the round's wall time minus its rpcs: proposing by lookup, bookkeeping, detokenizing
     fallback: bool  # the draft model was wanted but unreachable: prompt lookup proposed instead
     overlapped: bool  # the drafts were pre-drafted during the previous round's verification
@@ -80,6 +81,7 @@ class RoundStats:
     overlapped_rounds: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    tier_ms: float = 0.0
     network_ms: float = 0.0
     rpc_wall_ms: float = 0.0
     records: list[RoundRecord] = field(default_factory=list)
@@ -89,15 +91,18 @@ class RoundStats:
     tier_errors: Counter = field(default_factory=Counter)
     # The round in progress: its start and what its rpcs cost so far.
     _round_t0: float = 0.0
-    _round_ms: dict = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "network", "rpc_wall"), 0.0))
+    _round_ms: dict = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "tier", "network", "rpc_wall"), 0.0))
 
     def begin_round(self) -> None:
         self._round_t0 = time.perf_counter()
         self._round_ms = dict.fromkeys(self._round_ms, 0.0)
 
-    def observe_rpc(self, wall_ms: float, compute_ms: float, is_draft: bool) -> None:
-        network = max(0.0, wall_ms - compute_ms)
+    def observe_rpc(self, wall_ms: float, compute_ms: float, queue_ms: float, is_draft: bool) -> None:
+        """One rpc: its round trip here, and the tier's forward time and other time (its queue_ms)."""
+        tier = min(max(0.0, queue_ms), max(0.0, wall_ms - compute_ms))
+        network = max(0.0, wall_ms - compute_ms - tier)
         self.rpc_wall_ms += wall_ms
+        self.tier_ms += tier
         self.network_ms += network
         if is_draft:
             self.draft_ms += compute_ms
@@ -105,6 +110,7 @@ class RoundStats:
             self.verify_ms += compute_ms
         r = self._round_ms
         r["rpc_wall"] += wall_ms
+        r["tier"] += tier
         r["network"] += network
         r["draft" if is_draft else "verify"] += compute_ms
 
@@ -126,7 +132,7 @@ class RoundStats:
         wall_ms = (time.perf_counter() - self._round_t0) * 1e3
         record = RoundRecord(
             index=len(self.records), proposer=proposal.source, k=proposal.k, drafts=drafts, accepted=accepted,
-            draft_ms=r["draft"], verify_ms=r["verify"], network_ms=r["network"],
+            draft_ms=r["draft"], verify_ms=r["verify"], tier_ms=r["tier"], network_ms=r["network"],
             coordinator_ms=max(0.0, wall_ms - r["rpc_wall"]), fallback=proposal.fallback, overlapped=proposal.overlapped)
         self.records.append(record)
         return record
@@ -203,7 +209,7 @@ class Generation:
         if choice.source == DRAFT_MODEL and choice.k > 0:
             try:
                 proposal = await self.draft.propose(committed, hashes, choice.k)
-                self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, is_draft=True)
+                self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, proposal.queue_ms, is_draft=True)
                 return proposal, offers
             except TierError:  # counted, and the draft left alone for a back-off, by its TierSession
                 fallback = True  # the draft is down: the best local offer instead
@@ -247,19 +253,23 @@ class Generation:
             else:
                 proposal, offers = await self._propose(committed, hashes, budget)
             drafts = proposal.tokens[: max(budget, 0)]
-            verify = asyncio.ensure_future(self._verify(committed, hashes, drafts, proposal.q[: len(drafts)]))
+            verifying = self._verify(committed, hashes, drafts, proposal.q[: len(drafts)])
             speculating = False
             if self.limits.overlap and drafts and proposal.source == DRAFT_MODEL and self.draft.available:
+                # Verify in a task of its own while the draft is asked for the next block.
+                verify = asyncio.ensure_future(verifying)
                 k_fixed = self.params.num_speculative_tokens
                 k_next = min(self.policy.best_draft_k(self._max_k(budget)) if k_fixed is None else k_fixed,
                              remaining - len(drafts) - 2, room - len(drafts) - 2)
                 if k_next > 0 and len(committed) + len(drafts) + k_next + 1 <= self.limits.draft_max_context:
                     speculating = await self.draft.speculate(committed, hashes, drafts, k_next)
-            try:
-                verdict = await verify
-            except BaseException:
-                verify.cancel()
-                raise
+                try:
+                    verdict = await verify
+                except BaseException:
+                    verify.cancel()
+                    raise
+            else:
+                verdict = await verifying
             n = verdict.num_accepted
             if speculating:
                 pending = await self.draft.collect(n == len(drafts), verdict.next_token)
@@ -268,25 +278,30 @@ class Generation:
             if p.sampling.temperature == 0:
                 self.policy.observe_unchosen(offers, proposal.source if drafts else None, new)
 
+            # Commit d_1..d_n + next_token, cut at EOS or the token budget, then at a stop string in the text.
             chunk: list[int] = []
             for tok in new:
-                committed.append(tok)
                 chunk.append(tok)
-                n_generated += 1
-                before = len(text)
-                text += detok.push(tok)
-                if stop.stops:
-                    at = stop.find(text, before)
-                    if at >= 0:
-                        text = text[:at]
-                        finish = FinishReason.FINISH_REASON_STOP
-                        break
                 if tok in self.eos:
                     finish = FinishReason.FINISH_REASON_EOS
                     break
-                if n_generated >= p.max_new_tokens:
+                if n_generated + len(chunk) >= p.max_new_tokens:
                     finish = FinishReason.FINISH_REASON_LENGTH
                     break
+            if stop.stops:  # token by token, to end at the first token whose text completes a stop string
+                for i, tok in enumerate(chunk):
+                    before = len(text)
+                    text += detok.push(tok)
+                    at = stop.find(text, before)
+                    if at >= 0:
+                        text = text[:at]
+                        chunk = chunk[: i + 1]
+                        finish = FinishReason.FINISH_REASON_STOP
+                        break
+            else:
+                text += detok.push_many(chunk)
+            committed.extend(chunk)
+            n_generated += len(chunk)
             hashes.extend(chunk)
             self.lookup.commit(chunk)
             if self.suffix is not None:
@@ -322,6 +337,7 @@ class Generation:
             time_to_first_token_s=(first_token_at - t_start) if first_token_at else 0.0,
             draft_ms=st.draft_ms,
             verify_ms=st.verify_ms,
+            tier_ms=st.tier_ms,
             network_ms=st.network_ms,
             coordinator_ms=max(0.0, elapsed * 1e3 - st.rpc_wall_ms),
             num_speculative_tokens=-1 if k is None else k,
@@ -346,7 +362,7 @@ class Generation:
             lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q_rows, sampling=self._sampling, seed=seed),
             extra=lambda response: drafts)
         response = reply.message
-        self.stats.observe_rpc(reply.wall_ms, response.compute_ms, is_draft=False)
+        self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)
         if self.limits.target_load is not None:
             self.limits.target_load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
                                             response.compute_ms, response.queue_ms)

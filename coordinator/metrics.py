@@ -33,7 +33,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # specdec's.
 ROUND_PART_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 K_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
-ROUND_PARTS = ("draft", "verify", "network", "coordinator")
+ROUND_PARTS = ("draft", "verify", "tier", "network", "coordinator")
 # Our finish reasons -> vLLM's finished_reason label values (vllm.v1.engine.FinishReason).
 VLLM_FINISHED_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
@@ -77,9 +77,11 @@ class CoordinatorMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
 
         parts = histogram("specdec_round_seconds", "Time of one round by part: draft compute, target (verify) compute, "
-                          "network (rpc round trips minus compute) and coordinator (the rest of the round).",
+                          "tier (the tiers' time outside their forwards: waiting for a step, verification and sampling "
+                          "math), network (rpc round trips minus the tiers' time) and coordinator (the rest of the round).",
                           ROUND_PART_BUCKETS, ("part",))
         self.round_parts = {p: parts.labels(*v, p) for p in ROUND_PARTS}
+        self._by_proposer: dict[str, tuple] = {}  # proposer -> (rounds, k) children, looked up once
         self.rounds = counter("specdec_rounds", "Rounds (target forwards), by the proposer of their drafts.", ("proposer",))
         self.k = histogram("specdec_num_speculative_tokens", "K asked of the proposer per round (after clamping to the "
                            "token budget; 0 = target-only round).", K_BUCKETS, ("proposer",))
@@ -104,10 +106,12 @@ class CoordinatorMetrics:
             for i in range(r.accepted):
                 child = self.accepted_per_pos[i] if i < len(self.accepted_per_pos) else self._per_pos.labels(*v, str(i))
                 child.inc()
-        for part, ms in zip(ROUND_PARTS, (r.draft_ms, r.verify_ms, r.network_ms, r.coordinator_ms)):
+        for part, ms in zip(ROUND_PARTS, (r.draft_ms, r.verify_ms, r.tier_ms, r.network_ms, r.coordinator_ms)):
             self.round_parts[part].observe(ms / 1e3)
-        self.rounds.labels(*v, r.proposer).inc()
-        self.k.labels(*v, r.proposer).observe(r.k)
+        rounds, k = self._by_proposer.get(r.proposer) or self._by_proposer.setdefault(
+            r.proposer, (self.rounds.labels(*v, r.proposer), self.k.labels(*v, r.proposer)))
+        rounds.inc()
+        k.observe(r.k)
         if r.fallback:
             self.fallbacks.inc()
         if r.overlapped:
@@ -146,12 +150,14 @@ class RequestMetrics:
         for r in new:
             self.m.observe_round(r)
         v = self.m._labels
-        for tier, n in (stats.reprefills - self._reprefills).items():
-            self.m.reprefills.labels(*v, tier).inc(n)
-        for (tier, rpc, code), n in (stats.tier_errors - self._tier_errors).items():
-            self.m.tier_errors.labels(*v, tier, rpc, code).inc(n)
-        self._reprefills = Tally(stats.reprefills)
-        self._tier_errors = Tally(stats.tier_errors)
+        if stats.reprefills != self._reprefills:  # rare: compare before building differences every round
+            for tier, n in (stats.reprefills - self._reprefills).items():
+                self.m.reprefills.labels(*v, tier).inc(n)
+            self._reprefills = Tally(stats.reprefills)
+        if stats.tier_errors != self._tier_errors:
+            for (tier, rpc, code), n in (stats.tier_errors - self._tier_errors).items():
+                self.m.tier_errors.labels(*v, tier, rpc, code).inc(n)
+            self._tier_errors = Tally(stats.tier_errors)
         return new
 
     def finish(self, finish_reason: str | None) -> None:

@@ -36,6 +36,7 @@ class Proposal:
     probs: list[float] = field(default_factory=list)  # the source's own estimate: P(d_1..d_i all accepted); empty = none
     wall_ms: float = 0.0  # time the proposal kept the round waiting, as seen here
     compute_ms: float = 0.0  # model compute on the draft tier
+    queue_ms: float = 0.0  # the rest of the draft tier's time (waiting for steps, sampling, bookkeeping)
     overlapped: bool = False  # drafted during the previous round's verification
     k: int = 0  # tokens asked for (the proposer may offer fewer)
     fallback: bool = False  # prompt lookup standing in for an unreachable draft model
@@ -82,7 +83,7 @@ class DraftModelProposer:
             extra=lambda response: list(response.tokens))
         response = reply.message
         return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q), wall_ms=reply.wall_ms,
-                        compute_ms=response.compute_ms, k=k)
+                        compute_ms=response.compute_ms, queue_ms=response.queue_ms, k=k)
 
     # --- overlap: draft round r+1 while the target verifies round r ---------------------------------
 

@@ -17,7 +17,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
+        return self.push_many((token_id,))
+
+    def push_many(self, token_ids) -> str:
+        """The text delta of several new tokens at once (one round's): two decodes, however many tokens."""
+        self.ids.extend(token_ids)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)

@@ -34,7 +34,7 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         return await self._propose(request)
 
     async def ProposeStream(self, request_iterator, context):
-        async for response in serve_session_stream(self.engine, request_iterator, context, self._propose):
+        async for response in serve_session_stream(self, request_iterator, context, self._propose):
             yield response
 
     async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:

@@ -34,7 +34,7 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         return await self._verify(request)
 
     async def VerifyStream(self, request_iterator, context):
-        async for response in serve_session_stream(self.engine, request_iterator, context, self._verify):
+        async for response in serve_session_stream(self, request_iterator, context, self._verify):
             yield response
 
     async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:

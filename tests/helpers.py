@@ -143,9 +143,9 @@ class Cluster:
         await set_serving(built.health, [DRAFT_SERVICE if build is build_draft else TARGET_SERVICE], True)
         self._servers.append(server)
         if build is build_draft:
-            self.draft_server = server
+            self.draft_server, self.draft_servicer = server, built.servicer
         else:
-            self.target_server = server
+            self.target_server, self.target_servicer = server, built.servicer
         return port
 
     def stop_draft(self) -> None:

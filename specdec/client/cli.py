@@ -37,6 +37,7 @@ STAT_ROWS = [
     ("elapsed (s)", "elapsed_s", "{:.3f}"),
     ("draft compute (ms)", "draft_ms", "{:.1f}"),
     ("target compute (ms)", "verify_ms", "{:.1f}"),
+    ("tiers, outside the forwards (ms)", "tier_ms", "{:.1f}"),
     ("network + gRPC (ms)", "network_ms", "{:.1f}"),
     ("coordinator (ms)", "coordinator_ms", "{:.1f}"),
 ]

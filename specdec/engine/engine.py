@@ -226,7 +226,7 @@ class Engine:
         tokens = sum(p.take for p in plan)
         t0 = time.perf_counter()
         try:
-            logits = self.runner.forward(feeds)
+            logits, finite = self.runner.forward_checked(feeds)
         except Exception as e:  # the model itself failed: nothing of this step can be trusted
             log.exception("forward failed")
             with self._lock:
@@ -238,7 +238,7 @@ class Engine:
             self.steps += 1
             self.step_tokens += tokens
             completed: dict[type, list[tuple[Work, torch.Tensor]]] = {}
-            for p, rows, finite in zip(plan, logits, self.runner.finite):
+            for p, rows, ok in zip(plan, logits, finite):
                 w = p.work
                 self.sessions.append(w.session, w.pending[: p.take])
                 del w.pending[: p.take]
@@ -246,7 +246,7 @@ class Engine:
                 w.last_step = (len(plan), tokens, seconds)
                 if w.cancelled:
                     self._finish(w)
-                elif p.num_logits and not finite:
+                elif p.num_logits and not ok:
                     self._fail(w, grpc.StatusCode.INTERNAL, "model produced non-finite logits; session dropped", drop=True)
                 elif p.num_logits:
                     completed.setdefault(type(w), []).append((w, rows))

@@ -58,17 +58,30 @@ class ModelRunner:
         self.head = model.get_output_embeddings()
         self.plain_head = isinstance(self.head, torch.nn.Linear)  # False for e.g. a quantized head
         self.vocab_size = int(model.config.vocab_size if not self.plain_head else self.head.weight.shape[0])
-        self.finite: list[bool] = []  # per feed of the last forward: are all its logits finite?
         if self.device.type == "cuda":
             use_exact_float32_matmuls()
 
-    @torch.inference_mode()
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
-        """One forward over every feed; returns each feed's logits [num_logits, V] in float32.
+        """One forward over every feed; returns each feed's logits [num_logits, V] in float32. On a GPU
+        this returns before the kernels have run; forward_checked synchronises."""
+        return list(torch.split(self._forward(feeds), [f.num_logits for f in feeds]))
 
-        Ends with one host synchronisation (on a GPU, where kernels run asynchronously): whether each
-        feed's logits are finite, kept in `finite` (one bool per feed). So the step's wall time is its
-        real compute time, and no later check needs a synchronisation of its own."""
+    def forward_checked(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], list[bool]]:
+        """forward(), and for each feed whether all its logits are finite: one check for the whole step,
+        which is also the step's one host synchronisation on a GPU (kernels run asynchronously there),
+        so the step's wall time is its real compute time and no later check needs a sync of its own."""
+        logits = self._forward(feeds)
+        sizes = [f.num_logits for f in feeds]
+        finite_rows = torch.isfinite(logits).all(dim=-1).tolist()
+        finite, start = [], 0
+        for n in sizes:
+            finite.append(all(finite_rows[start : start + n]))
+            start += n
+        return list(torch.split(logits, sizes)), finite
+
+    @torch.inference_mode()
+    def _forward(self, feeds: list[Feed]) -> torch.Tensor:
+        """The logits of every feed's wanted rows, in feed order: [sum of num_logits, V], float32."""
         ids: list[int] = []
         rows: list[int] = []
         for f in feeds:
@@ -81,18 +94,11 @@ class ModelRunner:
         try:
             hidden = self.decoder(input_ids=input_ids[None], position_ids=layout.positions[None], use_cache=False,
                                   specdec_step=layout).last_hidden_state[0]  # [T, H]
-            logits = self._head(hidden[row_index]).float()  # [R, V]
-            finite_rows = torch.isfinite(logits).all(dim=-1).tolist()  # the step's one synchronisation
         except BaseException:
             for f in feeds:  # what this step wrote may be incomplete: never read it unmasked
                 self.cache.initialized[f.slot] = min(self.cache.initialized[f.slot], f.cached)
             raise
-        counts = [f.num_logits for f in feeds]
-        self.finite, start = [], 0
-        for n in counts:
-            self.finite.append(all(finite_rows[start : start + n]))
-            start += n
-        return list(torch.split(logits, counts))
+        return self._head(hidden[row_index]).float()  # [R, V]
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V]
         # On a CPU, x @ W.T for a few rows makes the BLAS pack all of W (a 49152 x 576 head: 24 ms for 2

@@ -165,6 +165,7 @@ def run_tier(label: str, service_name: str, build, config, port_file: str | None
                 metrics.close()
 
         await serve(tier.server, tier.health, [service_name], config.server,
-                    on_started=lambda: write_port_file(port_file, tier.port), on_stop=stop)
+                    on_started=lambda: write_port_file(port_file, tier.port), on_stop=stop,
+                    on_draining=tier.servicer.drain)
 
     asyncio.run(run())

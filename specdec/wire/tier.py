@@ -77,15 +77,23 @@ def model_info(engine) -> common_pb2.ModelInfo:
         max_batch_tokens=c.batch.max_batch_tokens)
 
 
-async def serve_session_stream(engine, requests: AsyncIterator, context, handle: Callable[[Any], Awaitable[Any]]
-                               ) -> AsyncIterator[Any]:
+DRAINING = "replica draining: open a new stream (it reaches another replica)"
+
+
+async def serve_session_stream(servicer: "TierRpcs", requests: AsyncIterator, context,
+                               handle: Callable[[Any], Awaitable[Any]]) -> AsyncIterator[Any]:
     """The loop of a per-session bidirectional stream (ProposeStream, VerifyStream): one response per
     request, in order, each from handle(request). A failed request ends the stream with its status (the
     caller opens a new one). The stream pins the sessions it served: when it ends (done, failed,
-    cancelled, the coordinator gone) the tier drops them, so a vanished coordinator leaks no KV memory."""
+    cancelled, the coordinator gone) the tier drops them, so a vanished coordinator leaks no KV memory.
+    Once the replica drains (SIGTERM), the stream's next request ends it with UNAVAILABLE instead of
+    being served, so the session moves to another replica at once rather than when the grace runs out."""
+    engine = servicer.engine
     sessions: set[str] = set()
     try:
         async for request in requests:
+            if servicer.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
             sessions.add(request.context.session_id)
             try:
                 response = await handle(request)
@@ -102,6 +110,11 @@ class TierRpcs:
     """The rpcs every tier serves the same way; servicers mix this in and set self.engine."""
 
     engine = None
+    draining = False  # set when the replica starts draining (serve_session_stream)
+
+    async def drain(self) -> None:
+        """The replica is shutting down: streams end at their next request (unary rpcs keep being served)."""
+        self.draining = True
 
     @handle_errors
     async def EndSession(self, request, context):
@@ -131,6 +144,7 @@ class TierServer:
     engine: Any
     registry: CollectorRegistry
     metrics: TierMetrics
+    servicer: TierRpcs
 
 
 def create_tier_server(engine, service: Service, config: ServerConfig, tier: str) -> TierServer:
@@ -140,4 +154,4 @@ def create_tier_server(engine, service: Service, config: ServerConfig, tier: str
     metrics = TierMetrics(registry, tier, engine.config.model.path, load=engine.status)
     engine.observers.append(metrics.observe_step)
     server, port, health_servicer = create_server([service], config, interceptors=[metrics.interceptor()])
-    return TierServer(server, port, health_servicer, engine, registry, metrics)
+    return TierServer(server, port, health_servicer, engine, registry, metrics, service.servicer)
