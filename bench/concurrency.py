@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--rows", default="specdec,k0,peer", help="comma list of specdec, k0, peer")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
-    p.add_argument("--plot", default=str(REPO / "docs" / "bench_concurrency.png"))
+    p.add_argument("--plot", default=None, help="PNG to draw (default docs/bench_concurrency.png; "
+                   "docs/bench_concurrency_gpu.png with a GPU --device)")
     p.add_argument("--json", default=None, help="also write the raw per-client samples here")
     p.add_argument("--target-args", default="", help="extra flags for the target service")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service")
@@ -51,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--coordinator-args", default="--suffix-cache-entries 0", help="extra flags for the coordinator")
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
+    p.add_argument("--device", default="cpu", help="torch device of both tiers and the peer: cpu, cuda, ...")
+    p.add_argument("--dtype", default="float32", help="dtype of the target tier and the peer's model")
+    p.add_argument("--draft-dtype", default=None, help="dtype of the draft tier (default: --dtype)")
     return p.parse_args(argv)
 
 
@@ -141,8 +145,10 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
 
     out: dict = {}
     config = LocalPipelineConfig(
-        target_model=models["target"], draft_model=models["draft"], target_args=shlex.split(args.target_args),
-        draft_args=shlex.split(args.draft_args), coordinator_args=["--log-level", "warning", *shlex.split(args.coordinator_args)])
+        target_model=models["target"], draft_model=models["draft"],
+        target_args=["--device", args.device, "--dtype", args.dtype, *shlex.split(args.target_args)],
+        draft_args=["--device", args.device, "--dtype", args.draft_dtype or args.dtype, *shlex.split(args.draft_args)],
+        coordinator_args=["--log-level", "warning", *shlex.split(args.coordinator_args)])
     with LocalPipeline(config) as pipeline:
         log(f"services up at {pipeline.address}")
         with Client(pipeline.address, timeout_s=600) as client:  # warm-up: both tiers, both paths
@@ -162,7 +168,7 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
 # --- the peer ------------------------------------------------------------------------------------------
 
 
-def run_peer(levels: list[int], max_new: int, target: str) -> dict:
+def run_peer(levels: list[int], max_new: int, target: str, device: str = "cpu", dtype: str = "float32") -> dict:
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -171,7 +177,12 @@ def run_peer(levels: list[int], max_new: int, target: str) -> dict:
 
     transformers.logging.set_verbosity_error()
     tok = load_tokenizer(target)
-    model = load_model(ModelConfig(target))
+    model = load_model(ModelConfig(target, device=device, dtype=dtype))
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu:
+        from specdec.engine.runner import use_exact_float32_matmuls
+
+        use_exact_float32_matmuls()  # as the tiers do
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def encode(messages):
@@ -188,12 +199,14 @@ def run_peer(levels: list[int], max_new: int, target: str) -> dict:
 
     def padded(prompts: list[list[int]]) -> float:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         t = time.perf_counter()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                            do_sample=False, pad_token_id=pad)
+        if on_gpu:
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
     out: dict = {"continuous": {}, "padded": {}}
@@ -288,7 +301,7 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
 def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from bench.run import git_commit, machine_info
+    from bench.run import git_commit, gpu_name, machine_info
     from specdec.models import default_draft, default_target
 
     levels = [int(x) for x in args.levels.split(",") if x]
@@ -301,14 +314,16 @@ def main(argv=None) -> int:
     if pipeline_rows:
         results.update(run_pipeline_rows(args, levels, pipeline_rows, models))
     if "peer" in rows:
-        peer = run_peer(levels, args.max_new_tokens, models["target"])
+        peer = run_peer(levels, args.max_new_tokens, models["target"], args.device, args.dtype)
         results["peer:continuous"], results["peer:padded"] = peer["continuous"], peer["padded"]
     m = machine_info()
-    info = (f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM, no GPU; torch {m.get('torch')}, "
+    gpu = f"GPU **{gpu_name(args.device)}** (`--device {args.device}`), both tiers and the peer on it" if args.device != "cpu" else "no GPU"
+    info = (f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM, {gpu}; torch {m.get('torch')}, "
             f"transformers {m.get('transformers')}; git {git_commit()}; wall {(time.time() - t0) / 60:.1f} min; "
-            f"target {Path(models['target']).name}, draft {Path(models['draft']).name}")
-    plot_path = Path(args.plot)
-    made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({m['cores']} cores, N={args.max_new_tokens})")
+            f"target {Path(models['target']).name} ({args.dtype}), draft {Path(models['draft']).name} ({args.draft_dtype or args.dtype})")
+    plot_path = Path(args.plot or REPO / "docs" / ("bench_concurrency.png" if args.device == "cpu" else "bench_concurrency_gpu.png"))
+    where = f"{gpu_name(args.device).split(' (')[0]}, {args.dtype}" if args.device != "cpu" else f"{m['cores']} cores"
+    made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({where}, N={args.max_new_tokens})")
     lines = markdown(results, levels, command, info, args.max_new_tokens, plot_path.name if made else None)
     with open(args.out, "a") as f:
         f.write("\n" + "\n".join(lines))

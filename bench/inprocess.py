@@ -130,8 +130,9 @@ class _ForwardCounter:
 
 
 def run_baselines(spec: dict) -> dict:
-    """spec: {pin_cpus, threads, target, draft, max_new_tokens, repeats, warmup_tokens,
-    prompts: [{id, workload, messages}], rows: [{key, method, workload, temperature, k}]}"""
+    """spec: {pin_cpus, threads, target, draft, device, dtype, draft_dtype, max_new_tokens, repeats,
+    warmup_tokens, prompts: [{id, workload, messages}], rows: [{key, method, workload, temperature, k}]}
+    The target runs on `device` in `dtype` (as the target tier does), the draft in `draft_dtype`."""
     if spec.get("pin_cpus"):
         os.sched_setaffinity(0, set(spec["pin_cpus"]))
     import torch
@@ -144,8 +145,14 @@ def run_baselines(spec: dict) -> dict:
         torch.set_num_threads(int(spec["threads"]))
     t0 = time.perf_counter()
     tok = load_tokenizer(spec["target"])
-    target = load_model(ModelConfig(spec["target"]))
-    draft = load_model(ModelConfig(spec["draft"]))
+    device = spec.get("device", "cpu")
+    target = load_model(ModelConfig(spec["target"], device=device, dtype=spec.get("dtype", "float32")))
+    draft = load_model(ModelConfig(spec["draft"], device=device, dtype=spec.get("draft_dtype") or spec.get("dtype", "float32")))
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu:
+        from specdec.engine.runner import use_exact_float32_matmuls
+
+        use_exact_float32_matmuls()  # as the tiers do
     _log(f"models loaded in {time.perf_counter() - t0:.1f}s; torch threads {torch.get_num_threads()}, "
          f"cpus {sorted(os.sched_getaffinity(0))}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}")
     target_calls = _ForwardCounter(target)
@@ -159,7 +166,7 @@ def run_baselines(spec: dict) -> dict:
     inputs = {}
     for p in spec["prompts"]:
         enc = tok.apply_chat_template(p["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        inputs[p["id"]] = (enc["input_ids"], enc["attention_mask"])
+        inputs[p["id"]] = (enc["input_ids"].to(device), enc["attention_mask"].to(device))
 
     def generate(prompt_id: str, row: dict, n: int, seed: int):
         ids, mask = inputs[prompt_id]
@@ -192,6 +199,8 @@ def run_baselines(spec: dict) -> dict:
         t = time.perf_counter()
         with torch.inference_mode():
             out = target.generate(**kw)
+        if on_gpu:
+            torch.cuda.synchronize()  # the last kernels have finished: the wall time is the generation's
         dt = time.perf_counter() - t
         new = out[0, ids.shape[1]:].tolist()
         return new, dt, target_calls.reset(), draft_calls.reset(), meter.fraction()
@@ -238,7 +247,7 @@ def run_baselines(spec: dict) -> dict:
     from specdec.models import eos_token_ids
 
     return {"rows": results, "models": models, "peak_rss_kib": _peak_rss_kib(), "eos_token_ids": eos_token_ids(target, tok),
-            "torch_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0)), "device": device,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "retries": retry.retries, "retry_spent_s": retry.spent,
             "torch_version": torch.__version__, "transformers_version": transformers.__version__,
             "peer_default_schedule": _peer_default_schedule(draft)}

@@ -3,6 +3,8 @@
     python -m bench.run                      # quick run (a few minutes on 2 cores)
     python -m bench.run --long               # the full matrix (hours on 2 cores)
     python -m bench.run --smoke --max-new-tokens 16 --workloads open --placements shared --out /tmp/b.md
+    python -m bench.run --device cuda --dtype float32     # on a GPU: both tiers and the baselines there
+    python -m bench.run --device cuda --draft TARGET --draft-dtype bfloat16   # the target's own copy as draft
 
 Appends one section per run to docs/BENCHMARKS.md (created with a header explaining the columns),
 prints the same tables to stdout and progress to stderr, and redraws docs/bench_speed_vs_k.png and
@@ -35,10 +37,10 @@ T_START = time.time()
 
 MODES = {
     # quick: sized to finish in about 15 minutes on an idle 2-core CPU (8 without the template workload).
-    "quick": dict(max_new_tokens=32, prompts=3, template_prompts=20, template_placements=("shared",), repeats=1, warmup_tokens=8,
-                  greedy_ks=[1, 2, 4], sampled_temps=[0.7, 1.0], sampled_ks=[2],
+    "quick": dict(max_new_tokens=32, prompts=3, template_prompts=20, template_placements=("shared", "gpu"), repeats=1,
+                  warmup_tokens=8, greedy_ks=[1, 2, 4], sampled_temps=[0.7, 1.0], sampled_ks=[2],
                   lookup_ks=[2, 4], peer_sampled_temps=[0.7], peer_fixed_ks=[], peer_lookup_ks=[2, 4],
-                  sampled_cells=[("shared", "open")]),
+                  sampled_cells=[("shared", "open"), ("gpu", "open")]),
     "long": dict(max_new_tokens=128, prompts=0, template_prompts=20, template_placements=None, repeats=2, warmup_tokens=16,
                  greedy_ks=list(range(1, 9)), sampled_temps=[0.7, 1.0], sampled_ks=list(range(1, 9)),
                  lookup_ks=[2, 4, 8], peer_sampled_temps=[0.7, 1.0], peer_fixed_ks=[1, 2, 4], peer_lookup_ks=[2, 4, 8],
@@ -73,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append the run's section to")
     p.add_argument("--plot-dir", default=None, help="where the PNGs go (default: the directory of --out)")
     p.add_argument("--json", default=None, help="also write every raw sample (token ids, stats) to this JSON file")
-    p.add_argument("--placements", default="shared,separate", help="comma list of shared, separate")
+    p.add_argument("--placements", default=None,
+                   help="comma list of shared, separate (CPU; the default there) or gpu (the default with --device cuda)")
     p.add_argument("--workloads", default="open,grounded,template", help="comma list of open, grounded, template")
     p.add_argument("--max-new-tokens", type=int, default=None, help=f"tokens per generation (quick 32, long {SPEC_MAX_NEW_TOKENS})")
     p.add_argument("--repeats", type=int, default=None, help="repeats of each prompt (quick 1, long 2)")
@@ -103,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra flags for every coordinator, e.g. '--overlap' (use --coordinator-args=--overlap)")
     p.add_argument("--target", default=None, help="target model (default: specdec.models.default_target())")
     p.add_argument("--draft", default=None, help="draft model (default: specdec.models.default_draft())")
+    p.add_argument("--device", default="cpu", help="torch device of both tiers and the in-process baselines: cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", help="dtype of the target tier and the in-process target: float32 | bfloat16 | float16")
+    p.add_argument("--draft-dtype", default=None,
+                   help="dtype of the draft tier and the in-process draft (default: --dtype); with --draft set to the "
+                        "target, e.g. bfloat16 makes the target's own low-precision copy the draft")
     p.add_argument("--baseline-only", metavar="SPEC_JSON", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -122,13 +130,18 @@ def build_plan(args) -> dict:
         m["peer_sampled_temps"] = args.temperatures[:1] if mode != "long" else args.temperatures
     if args.no_sampled:
         m["sampled_temps"], m["peer_sampled_temps"] = [], []
-    placements = [x for x in args.placements.split(",") if x]
+    on_gpu = args.device != "cpu"
+    placements = [x for x in (args.placements or ("gpu" if on_gpu else "shared,separate")).split(",") if x]
     workloads = [x for x in args.workloads.split(",") if x]
     for pl in placements:
-        if pl not in ("shared", "separate"):
+        if pl not in PLACEMENTS:
             raise SystemExit(f"unknown placement {pl!r}")
+        if (pl == "gpu") != on_gpu:
+            raise SystemExit(f"placement {pl!r} does not fit --device {args.device} (gpu goes with a GPU device, "
+                             "shared and separate with cpu)")
     proposers = [x for x in args.proposers.split(",") if x]
     m.update(mode=mode, placements=placements, workloads=workloads, proposers=proposers, peer=not args.no_peer,
+             device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype or args.dtype,
              retry=dict(max_retries=args.retry_disturbed, wait_s=15.0, budget_s=args.retry_budget),
              extra_args={"target": shlex.split(args.target_args), "draft": shlex.split(args.draft_args),
                          "coordinator": shlex.split(args.coordinator_args)})
@@ -240,6 +253,26 @@ def machine_info() -> dict:
     return info
 
 
+def gpu_name(device: str = "cuda") -> str:
+    """The GPU's name, memory and driver as nvidia-smi reports them (no CUDA context in this process),
+    else as torch does; "?" if neither can tell."""
+    index = device.split(":", 1)[1] if ":" in device else "0"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            name, memory, driver = [x.strip() for x in out.stdout.strip().splitlines()[0].split(",")]
+            return f"{name} ({memory}, driver {driver})"
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    except Exception:
+        return "?"
+
+
 def git_commit() -> str:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
@@ -248,9 +281,9 @@ def git_commit() -> str:
                             capture_output=True, text=True, timeout=10)
         if st.returncode == 0 and st.stdout.strip():
             commit += " (+ uncommitted changes)"
-        return commit
+        return commit if commit != "unknown" else os.environ.get("SPECDEC_GIT_COMMIT", commit)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("SPECDEC_GIT_COMMIT", "unknown")  # a copy without .git (e.g. on a lent GPU machine)
 
 
 class CpuMeter:
@@ -308,13 +341,24 @@ PLACEMENTS = {
     "separate": dict(env={}, target_args=["--threads", "1"], draft_args=["--threads", "1"],
                      affinity={"target": {0}, "draft": {1}, "coordinator": {1}}, parent_cpus={1},
                      baseline=dict(pin_cpus=[0], threads=1)),
+    # Both tiers on the one GPU (--device), every process free to use every core with torch's default
+    # threads: core pinning and OpenMP settings mean little when the model runs on the GPU.
+    "gpu": dict(env={}, target_args=[], draft_args=[], affinity=None, parent_cpus=None,
+                baseline=dict(pin_cpus=None, threads=0)),
 }
+
+
+def tier_device_args(plan: dict) -> dict[str, list[str]]:
+    """--device / --dtype for each tier: the target in --dtype, the draft in --draft-dtype."""
+    return {"target": ["--device", plan["device"], "--dtype", plan["dtype"]],
+            "draft": ["--device", plan["device"], "--dtype", plan["draft_dtype"]]}
 
 
 def run_baselines(plan: dict, placement: str, prompts: dict, models: dict) -> dict:
     rows = [r for r in plan["rows"] if r["placement"] == placement and r["method"] != "specdec"]
     with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
         spec = {**PLACEMENTS[placement]["baseline"], **models, "max_new_tokens": plan["max_new_tokens"],
+                "device": plan["device"], "dtype": plan["dtype"], "draft_dtype": plan["draft_dtype"],
                 "retry": plan["retry"],
                 "repeats": plan["repeats"], "warmup_tokens": plan["warmup_tokens"], "rows": rows,
                 "prompts": [{"id": p.id, "workload": p.workload, "messages": p.messages}
@@ -365,9 +409,11 @@ def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict
     if cfg["parent_cpus"]:
         os.sched_setaffinity(0, cfg["parent_cpus"])  # the client stays off the target's core
     extra = plan["extra_args"]
+    dev = tier_device_args(plan)
     pipeline = BenchPipeline(LocalPipelineConfig(
-        target_model=models["target"], draft_model=models["draft"], target_args=[*cfg["target_args"], *extra["target"]],
-        draft_args=[*cfg["draft_args"], *extra["draft"]],
+        target_model=models["target"], draft_model=models["draft"],
+        target_args=[*cfg["target_args"], *dev["target"], *extra["target"]],
+        draft_args=[*cfg["draft_args"], *dev["draft"], *extra["draft"]],
         coordinator_args=["--log-level", "warning", *extra["coordinator"], *MAIN_COORDINATOR_FLAGS],
         env=dict(cfg["env"])),
         affinity=cfg["affinity"])
@@ -535,6 +581,8 @@ def main(argv=None) -> int:
     models = {"target": args.target or default_target(), "draft": args.draft or default_draft()}
     prompts = {wl: prompts_for(wl, (plan["template_prompts"] if wl == "template" else plan["prompts"]) or None)
                for wl in plan["workloads"]}
+    if plan["device"] != "cpu":
+        log(f"device {plan['device']}: {gpu_name(plan['device'])}; target {plan['dtype']}, draft {plan['draft_dtype']}")
     if "separate" in plan["placements"] and len(os.sched_getaffinity(0)) < 2:
         log("separate placement needs 2 CPUs; skipping it")
         plan["placements"] = [p for p in plan["placements"] if p != "separate"]
@@ -547,6 +595,8 @@ def main(argv=None) -> int:
     log(f"{len(plan['rows'])} rows, {n_gen} timed generations of {plan['max_new_tokens']} tokens; "
         f"roughly {n_gen * plan['max_new_tokens'] * 0.075 / 60 + 1.0 * len(plan['placements']):.0f} min on an idle 2-core CPU")
     info = machine_info()
+    if plan["device"] != "cpu":
+        info["gpu"] = gpu_name(plan["device"])
     started = dt.datetime.now(dt.timezone.utc)
     meter = CpuMeter()
 
@@ -579,8 +629,11 @@ def main(argv=None) -> int:
     # --- the markdown section ---
     out_path = Path(args.out)
     plot_dir = Path(args.plot_dir) if args.plot_dir else out_path.parent
-    speed_png, bound_png = plot_dir / "bench_speed_vs_k.png", plot_dir / "bench_bound.png"
-    title = f"{started:%Y-%m-%d %H:%M} UTC, {plan['mode']}, {info['cpu']} x{info['cores']}, N={plan['max_new_tokens']}"
+    prefix = "bench_gpu_" if plan["device"] != "cpu" else "bench_"  # GPU runs keep the CPU plots
+    speed_png, bound_png = plot_dir / f"{prefix}speed_vs_k.png", plot_dir / f"{prefix}bound.png"
+    title = (f"{started:%Y-%m-%d %H:%M} UTC, {plan['mode']}, "
+             + (f"{info['gpu']}, {plan['dtype']}" if info.get("gpu") else f"{info['cpu']} x{info['cores']}")
+             + f", N={plan['max_new_tokens']}")
     made_speed = report.plot_speed_vs_k(all_rows, aggs, plan["placements"], plan["workloads"], speed_png,
                                         plan["max_new_tokens"], f"specdec tokens/s vs K: {title}")
     made_bound = report.plot_bound(bounds, plan["placements"], plan["workloads"], bound_png,
@@ -590,11 +643,13 @@ def main(argv=None) -> int:
     L.append(f"Command: `{command}` (wall time {elapsed / 60:.1f} min"
              + (f", of which {waited / 60:.1f} min waiting for other processes to go quiet" if waited > 5 else "") + ")")
     L.append("")
-    L.append(f"- Machine: {info['cpu']}, {info['cores']} cores ({info['cpus_allowed']} allowed), {info['memory']} RAM, no GPU used; "
+    gpu_used = f"GPU **{info['gpu']}** (`--device {plan['device']}`)" if info.get("gpu") else "no GPU used"
+    L.append(f"- Machine: {info['cpu']}, {info['cores']} cores ({info['cpus_allowed']} allowed), {info['memory']} RAM, {gpu_used}; "
              f"Python {info['python']}, torch {info.get('torch')}, transformers {info.get('transformers')}, grpcio {info.get('grpc')}")
     tm, dm = meta.get("models", {}).get("target", {}), meta.get("models", {}).get("draft", {})
-    L.append(f"- Models: target `{models['target']}` ({tm.get('arch', '?')}, {tm.get('params', 0) / 1e6:.1f}M params, {tm.get('layers', '?')} layers, float32); "
-             f"draft `{models['draft']}` ({dm.get('arch', '?')}, {dm.get('params', 0) / 1e6:.1f}M params, {dm.get('layers', '?')} layers, float32)")
+    L.append(f"- Models: target `{models['target']}` ({tm.get('arch', '?')}, {tm.get('params', 0) / 1e6:.1f}M params, {tm.get('layers', '?')} layers, {plan['dtype']}); "
+             f"draft `{models['draft']}` ({dm.get('arch', '?')}, {dm.get('params', 0) / 1e6:.1f}M params, {dm.get('layers', '?')} layers, {plan['draft_dtype']})"
+             + (" (the target's own weights in a lower precision: the self-draft)" if models["draft"] == models["target"] else ""))
     for line in describe_plan(plan):
         L.append(f"- {line[0].upper() + line[1:]}")
     sched = meta.get("peer_default_schedule") or {}

@@ -33,16 +33,21 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (int8 dynamic quantisation is CPU-only)")
     args = p.parse_args(argv)
     import torch
 
     from bench.prompts import prompts_for
-    from bench.run import git_commit, machine_info
+    from bench.run import git_commit, gpu_name, machine_info
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
-    from specdec.engine.runner import Feed, ModelRunner
+    from specdec.engine.runner import Feed, ModelRunner, use_exact_float32_matmuls
     from specdec.models import ModelConfig, default_target, load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
+    dev = args.device
+    on_gpu = torch.device(dev).type == "cuda"
+    if on_gpu:
+        use_exact_float32_matmuls()
     target = default_target()
     tok = load_tokenizer(target)
     prompts = []
@@ -73,10 +78,10 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         n = 24
         for i in range(n):
-            runner.forward([Feed(0, len(prompt) + 3 + i, [7], 1)])
+            runner.forward_checked([Feed(0, len(prompt) + 3 + i, [7], 1)])  # synchronised, as the engine's steps
         return (time.perf_counter() - t) / n * 1e3
 
-    reference = runner_for(load_model(ModelConfig(target)))
+    reference = runner_for(load_model(ModelConfig(target, device=dev)))
     conts = [continuation(reference, pr) for pr in prompts]
     ref_ms = sum(step_ms(reference, pr) for pr in prompts[:2]) / 2
 
@@ -84,10 +89,11 @@ def main(argv=None) -> int:
         model = load_model(ModelConfig(target))
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
-    candidates = [("float32", lambda: load_model(ModelConfig(target))),
-                  ("bfloat16", lambda: load_model(ModelConfig(target, dtype="bfloat16"))),
-                  ("float16", lambda: load_model(ModelConfig(target, dtype="float16"))),
-                  ("int8 dynamic (linear layers)", int8_dynamic)]
+    candidates = [("float32", lambda: load_model(ModelConfig(target, device=dev))),
+                  ("bfloat16", lambda: load_model(ModelConfig(target, device=dev, dtype="bfloat16"))),
+                  ("float16", lambda: load_model(ModelConfig(target, device=dev, dtype="float16")))]
+    if not on_gpu:
+        candidates.append(("int8 dynamic (linear layers)", int8_dynamic))
     rows = []
     for name, make in candidates:
         try:
@@ -107,7 +113,8 @@ def main(argv=None) -> int:
     m = machine_info()
     cmd = " ".join(["python -m bench.self_draft", shlex.join(list(argv if argv is not None else sys.argv[1:]))]).strip()
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: the target's own low-precision copy as the draft", "",
-             f"Command: `{cmd}` (git {git_commit()}; {m['cpu']}, {args.threads} torch threads, torch {m.get('torch')})", "",
+             f"Command: `{cmd}` (git {git_commit()}; "
+             + (f"GPU {gpu_name(dev)}" if on_gpu else f"{m['cpu']}, {args.threads} torch threads") + f", torch {m.get('torch')})", "",
              f"Teacher-forced greedy agreement with the float32 target over {len(prompts)} open-ended chat prompts x "
              f"{args.tokens} tokens, and one-token decode time through the engine's runner.", "",
              "| copy | greedy agreement | ms / token | vs float32 |", "|---|---|---|---|"]

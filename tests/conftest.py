@@ -5,10 +5,10 @@ import grpc
 import pytest
 import torch
 
-from specdec.models import ModelConfig, default_draft, default_target, load_model
+from specdec.models import default_draft, default_target, load_model
 from specdec.proto import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
 from coordinator.routing import RING_HASH_ENV
-from tests.helpers import Cluster, make_tiny_model
+from tests.helpers import Cluster, device_model, make_tiny_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # In-process coordinators route sessions with gRPC's ring hash on a header, as `python -m coordinator`
@@ -33,7 +33,7 @@ def tiny_random_draft(tiny_dir) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_target_model(tiny_target):
-    return load_model(ModelConfig(tiny_target))
+    return load_model(device_model(tiny_target))
 
 
 @pytest.fixture(scope="session")

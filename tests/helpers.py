@@ -1,9 +1,16 @@
 """Test helpers: tiny random-init models saved like real ones, and an in-process cluster of the three
-real gRPC servers (bound to port 0) running on a background event loop."""
+real gRPC servers (bound to port 0) running on a background event loop.
+
+The tiers' torch device and dtype come from SPECDEC_TEST_DEVICE (default cpu) and SPECDEC_TEST_DTYPE
+(default float32), so the engine tests run unchanged on a GPU:
+    SPECDEC_TEST_DEVICE=cuda python -m pytest -q tests/test_runner.py tests/test_batching.py ...
+CI never sets them. Reference models (transformers' own generate / forward) run on the same device.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -29,6 +36,18 @@ from target_service.service import TargetConfig
 from target_service.service import build as build_target
 
 TOKENIZER_DIR = default_draft()  # the real SmolLM2 tokenizer (shared by the real pair)
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")  # torch device of the tiers and reference models
+TEST_DTYPE = os.environ.get("SPECDEC_TEST_DTYPE", "float32")  # their dtype (exactness tests assume float32)
+
+
+def device_model(path: str, dtype: str | None = None) -> ModelConfig:
+    """A ModelConfig on the test device (SPECDEC_TEST_DEVICE) in the test dtype unless one is named."""
+    return ModelConfig(path, device=TEST_DEVICE, dtype=dtype or TEST_DTYPE)
+
+
+def tier_device_args() -> list[str]:
+    """The same, as flags of a tier process (python -m target_service / draft_service)."""
+    return ["--device", TEST_DEVICE, "--dtype", TEST_DTYPE]
 
 
 def make_tiny_model(out_dir: Path, seed: int, eos_token_ids: list[int] | None = None, tokenizer=None) -> str:
@@ -54,7 +73,8 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_toke
     """The target's own greedy output via transformers' generate()."""
     with torch.inference_mode():
         out = model.generate(
-            input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            input_ids=torch.tensor([prompt_ids], device=model.device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device),
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_ids, pad_token_id=2,
         )
     ids = out[0, len(prompt_ids):].tolist()
@@ -71,16 +91,17 @@ class Cluster:
     def __init__(self, target_model: str, draft_model: str | None, *, coordinator_overrides: dict | None = None,
                  sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64,
                  tier_server: ServerConfig | None = None, batch: BatchConfig | None = None,
-                 draft_dtype: str = "float32") -> None:
-        """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0."""
+                 draft_dtype: str | None = None) -> None:
+        """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0. Both tiers run
+        on the test device in the test dtype (draft_dtype overrides the draft's)."""
         self.tier_server = tier_server or ServerConfig()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         sessions = sessions or SessionStoreConfig()
         batch = batch or BatchConfig()
-        self.target_tier = Engine.load(TierConfig(ModelConfig(target_model), sessions, max_draft_tokens, batch))
-        self.draft_tier = (Engine.load(TierConfig(ModelConfig(draft_model, dtype=draft_dtype), sessions, max_draft_tokens, batch))
+        self.target_tier = Engine.load(TierConfig(device_model(target_model), sessions, max_draft_tokens, batch))
+        self.draft_tier = (Engine.load(TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens, batch))
                            if draft_model else None)
         self._servers = []
         self.pipeline = None

@@ -14,8 +14,10 @@ from specdec.math.params import SamplingParams
 from specdec.math.rejection import (dense_q, rejection_sample, rejection_sample_batched, round_randomness,
                                     verify_greedy, verify_greedy_batched)
 from specdec.math.sampling import make_generator, process_logits, process_logits_rows, truncate_top_n
+from tests.helpers import TEST_DEVICE
 
 V = 50
+DEVICE = torch.device(TEST_DEVICE)  # the cases are built on the CPU; both verifiers run here
 
 
 def ragged_case(seed: int, ks: list[int], kinds: list[str]):
@@ -42,13 +44,13 @@ def ragged_case(seed: int, ks: list[int], kinds: list[str]):
     return sessions
 
 
-def batched(sessions, seeds):
+def batched(sessions, seeds, device=torch.device("cpu")):
     ks = [d.shape[0] for _, _, d in sessions]
-    cu = torch.tensor([0] + ks).cumsum(0)
-    p = torch.cat([s[0] for s in sessions])
-    q = torch.cat([s[1] for s in sessions]) if sum(ks) else torch.zeros(0, V)
-    drafts = torch.cat([s[2] for s in sessions])
-    uniform, noise = round_randomness([make_generator(s) for s in seeds], ks, V)
+    cu = torch.tensor([0] + ks).cumsum(0).to(device)
+    p = torch.cat([s[0] for s in sessions]).to(device)
+    q = (torch.cat([s[1] for s in sessions]) if sum(ks) else torch.zeros(0, V)).to(device)
+    drafts = torch.cat([s[2] for s in sessions]).to(device)
+    uniform, noise = round_randomness([make_generator(s, device) for s in seeds], ks, V, device)
     return rejection_sample_batched(p, q, drafts, cu, uniform, noise)
 
 
@@ -63,9 +65,10 @@ def test_batched_equals_reference_per_session(seed):
     kinds = [KINDS[int(i)] for i in torch.randint(0, len(KINDS), (b,), generator=g)]
     sessions = ragged_case(seed, ks, kinds)
     seeds = [seed * 100 + i for i in range(b)]
-    n, nxt = batched(sessions, seeds)
+    n, nxt = batched(sessions, seeds, DEVICE)
     for i, (p, q, d) in enumerate(sessions):
-        assert (int(n[i]), int(nxt[i])) == rejection_sample(p, q, d, make_generator(seeds[i])), (i, ks[i], kinds[i])
+        reference = rejection_sample(p.to(DEVICE), q.to(DEVICE), d.to(DEVICE), make_generator(seeds[i], DEVICE))
+        assert (int(n[i]), int(nxt[i])) == reference, (i, ks[i], kinds[i])
 
 
 def test_batched_outcome_does_not_depend_on_the_rest_of_the_batch():
@@ -107,13 +110,15 @@ def test_zero_residual_falls_back_to_p():
 
 def test_multinomial_is_argmax_over_exponential_noise():
     """The identity round_randomness relies on: torch.multinomial(dist, 1, generator) draws
-    Exp(1) noise of dist's shape from the generator and returns argmax(dist / noise)."""
+    Exp(1) noise of dist's shape from the generator and returns argmax(dist / noise) (on the test
+    device: the GPU's multinomial takes the same path)."""
     for seed in range(200):
         g = torch.Generator().manual_seed(seed)
         dist = torch.rand(V, generator=g) ** 4
         dist[torch.rand(V, generator=g) < 0.5] = 0
-        a = int(torch.multinomial(dist, 1, generator=make_generator(seed))[0])
-        noise = torch.empty(V).exponential_(1, generator=make_generator(seed))
+        dist = dist.to(DEVICE)
+        a = int(torch.multinomial(dist, 1, generator=make_generator(seed, DEVICE))[0])
+        noise = torch.empty(V, device=DEVICE).exponential_(1, generator=make_generator(seed, DEVICE))
         assert a == int((dist / noise).argmax())
 
 

@@ -29,7 +29,7 @@ from specdec.models import ModelConfig, load_model, load_tokenizer
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire.prefix import PrefixHashes
 from specdec.wire.server import RequestError
-from tests.helpers import Cluster, reference_greedy
+from tests.helpers import Cluster, device_model, reference_greedy
 
 VOCAB = 49152
 MAX_NEW = 24
@@ -119,7 +119,7 @@ def test_a_bad_q_row_fails_alone_among_concurrent_verifies(batch_cluster):
 
 @pytest.fixture(scope="module")
 def engine_parts(tiny_target):
-    return load_model(ModelConfig(tiny_target)), load_tokenizer(tiny_target)
+    return load_model(device_model(tiny_target)), load_tokenizer(tiny_target)
 
 
 def fresh_engine(parts, **batch) -> Engine:

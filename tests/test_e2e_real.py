@@ -5,8 +5,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdec.client import Client
-from specdec.models import ModelConfig, load_model, load_tokenizer
-from tests.helpers import Cluster, reference_greedy
+from specdec.models import load_model, load_tokenizer
+from tests.helpers import Cluster, device_model, reference_greedy
 
 QUESTIONS = ["Write a short poem about the sea.", "What is the capital of France? Answer in one sentence."]
 MAX_NEW = 32
@@ -24,7 +24,7 @@ def real_cluster(real_pair):
 def real_references(real_pair):
     target, _ = real_pair
     tok = load_tokenizer(target)
-    model = load_model(ModelConfig(target))
+    model = load_model(device_model(target))
     refs = []
     for q in QUESTIONS:
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)

@@ -37,10 +37,10 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 from transformers import AutoTokenizer
 
-from specdec.models import ModelConfig, load_model
+from specdec.models import load_model
 from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.helpers import reference_greedy
+from tests.helpers import device_model, reference_greedy
 
 VOCAB = 49152
 MAX_CONTEXT = 1024
@@ -87,7 +87,7 @@ FUZZ_SETTINGS = dict(
 
 @pytest.fixture(scope="module")
 def draft_model(tiny_random_draft):
-    return load_model(ModelConfig(tiny_random_draft))
+    return load_model(device_model(tiny_random_draft))  # on the draft tier's device, as its reference
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def end_session(stub, session_id: str) -> bool:
 @torch.inference_mode()
 def model_logits(model, tokens: list[int], keep: int) -> torch.Tensor:
     """Logits [keep, V] (float32) at the last `keep` positions of one full forward over tokens."""
-    out = model(input_ids=torch.tensor([tokens]), use_cache=False, logits_to_keep=keep)
+    out = model(input_ids=torch.tensor([tokens], device=model.device), use_cache=False, logits_to_keep=keep)
     return out.logits[0].float()
 
 
@@ -125,11 +125,12 @@ def model_logits(model, tokens: list[int], keep: int) -> torch.Tensor:
 def greedy_chain(model, tokens: list[int], n: int) -> list[int]:
     """n greedy tokens after `tokens`, never stopping at EOS (generate() would, from the model's
     generation config, even with eos_token_id=None)."""
-    out = model(input_ids=torch.tensor([tokens]), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([tokens], device=model.device), use_cache=True, logits_to_keep=1)
     chain = []
     for _ in range(n):
         chain.append(int(out.logits[0, -1].argmax()))
-        out = model(input_ids=torch.tensor([chain[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=torch.tensor([chain[-1:]], device=model.device), past_key_values=out.past_key_values,
+                    use_cache=True)
     return chain
 
 

@@ -6,13 +6,14 @@ import subprocess
 import sys
 
 from specdec.client.local import LocalPipeline, LocalPipelineConfig
-from tests.helpers import reference_greedy
+from tests.helpers import reference_greedy, tier_device_args
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30]
 
 
 def test_processes_and_cli(tiny_target, tiny_random_draft, tiny_target_model):
     config = LocalPipelineConfig(target_model=tiny_target, draft_model=tiny_random_draft,
+                                 target_args=tier_device_args(), draft_args=tier_device_args(),
                                  coordinator_args=["--default-k", "3"], start_timeout_s=180)
     with LocalPipeline(config) as pipeline:
         cli = [sys.executable, "-m", "specdec.client.cli"]

@@ -12,12 +12,28 @@ import torch
 
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed, ModelRunner
-from specdec.models import ModelConfig, load_model
+from specdec.models import load_model
+from tests.helpers import TEST_DTYPE, device_model
+
+# float32 (CI's dtype): the ragged forward equals transformers' to 1e-4 and picks the same argmax. In
+# bfloat16 / float16 (SPECDEC_TEST_DTYPE on a GPU) two attention implementations round differently:
+# the logits must agree to a few percent of their scale, and near-tie argmaxes may differ
+# (bench/exactness.py counts how often).
+EXACT = TEST_DTYPE == "float32"
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
+    got, want = got.float(), want.float()
+    if EXACT:
+        assert torch.allclose(got, want, atol=1e-4), (what, float((got - want).abs().max()))
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), what
+    else:
+        assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max()), (what, float((got - want).abs().max()))
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_target):
-    model = load_model(ModelConfig(tiny_target))
+    model = load_model(device_model(tiny_target))
     cache = SlotKVCache(KVGeometry.of(model), num_slots=8, slot_tokens=256)
     for t in cache.keys + cache.values:
         t.fill_(float("nan"))  # garbage: only what the runner writes may ever be read unmasked
@@ -26,7 +42,7 @@ def runner(tiny_target):
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0]
+        return model(input_ids=torch.tensor([ids], device=model.device)).logits[0]
 
 
 @pytest.mark.parametrize("chunks", [
@@ -35,7 +51,7 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     [[1, 1, 1], [60, 1, 70]],  # a mix in one step
 ])
 def test_ragged_steps_equal_full_forwards(tiny_target, runner, chunks):
-    reference_model = load_model(ModelConfig(tiny_target))  # plain sdpa attention
+    reference_model = load_model(device_model(tiny_target))  # plain sdpa attention
     g = torch.Generator().manual_seed(sum(map(sum, chunks)))
     sessions = [torch.randint(3, 5000, (sum(c[i] for c in chunks),), generator=g).tolist() for i in range(3)]
     slots = [runner.cache.allocate() for _ in sessions]
@@ -49,8 +65,7 @@ def test_ragged_steps_equal_full_forwards(tiny_target, runner, chunks):
             for i, n in enumerate(step):
                 want = full_logits(reference_model, sessions[i][: fed[i] + n])[fed[i] : fed[i] + n]
                 assert torch.isfinite(logits[i]).all()
-                assert torch.allclose(logits[i], want, atol=1e-4), (i, float((logits[i] - want).abs().max()))
-                assert torch.equal(logits[i].argmax(-1), want.argmax(-1))
+                assert_close(logits[i], want, i)
                 fed[i] += n
     finally:
         for s in slots:
@@ -60,7 +75,7 @@ def test_ragged_steps_equal_full_forwards(tiny_target, runner, chunks):
 def test_rollback_is_a_length_change(runner, tiny_target):
     """Feed drafts, keep only some, feed a different continuation: logits equal the full forward of
     the kept sequence; nothing of the dropped drafts survives."""
-    reference_model = load_model(ModelConfig(tiny_target))
+    reference_model = load_model(device_model(tiny_target))
     slot = runner.cache.allocate()
     try:
         prefix, drafts, other = [5, 6, 7, 8], [9, 10, 11], [12, 13]
@@ -68,6 +83,6 @@ def test_rollback_is_a_length_change(runner, tiny_target):
         keep = len(prefix) + 1  # one draft accepted
         got = runner.forward([Feed(slot, keep, other, 2)])[0]
         want = full_logits(reference_model, prefix + drafts[:1] + other)[-2:]
-        assert torch.allclose(got, want, atol=1e-4)
+        assert_close(got, want, "rollback")
     finally:
         runner.cache.release(slot)

@@ -62,6 +62,7 @@ class StepLayout:
     positions: torch.Tensor  # [T] int64 position of each token in its session
     segments: list[Segment]
     group: Group | None
+    extra: list[torch.Tensor]  # the caller's own int lists (build_layout's `extra`), on the device
 
 
 def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor | None:
@@ -72,48 +73,85 @@ def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor | N
     return keys[None, :] <= (cached + torch.arange(new, device=device))[:, None]
 
 
-def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: torch.device) -> StepLayout:
-    """feeds: (slot, cached, new) per session, in flat-step order."""
+def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Int lists as int64 tensors on `device`: one host-to-device copy for all of them (from pinned
+    memory, asynchronous, on a GPU) rather than one small synchronous copy each."""
+    device = torch.device(device)
+    flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        flat = flat.to(device)
+    return list(torch.split(flat, [len(xs) for xs in lists]))
+
+
+def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: torch.device,
+                 extra: tuple[list[int], ...] = ()) -> StepLayout:
+    """feeds: (slot, cached, new) per session, in flat-step order. `extra` int lists travel to the device
+    in the same copy as the layout's own indices (StepLayout.extra)."""
+    device = torch.device(device)
     slots, positions = [], []
-    small, segments, start = [], [], 0
+    small, long_feeds, start = [], [], 0
     for slot, cached, new in feeds:
         slots.extend([slot] * new)
         positions.extend(range(cached, cached + new))
         if new <= GROUP_MAX_NEW:
             small.append((slot, cached, new, start))
         else:
-            segments.append(Segment(slot, start, start + new, cached + new, causal_mask(cached, new, device)))
+            long_feeds.append((slot, cached, new, start))
         start += new
-    group = None
+    lists = [slots, positions, *extra]
+    group_spec = None
     if len(small) > 1:
         first, last = min(s[0] for s in small), max(s[0] for s in small)
         if last - first + 1 <= GROUP_MAX_SPREAD * len(small):
-            group = _group(cache, small, first, last, device, cache.geometry.dtype)
+            group_spec = (first, last, small)
+            lists.extend(_group_lists(small, first, last))
             small = []
-    for slot, cached, new, begin in small:
-        segments.append(Segment(slot, begin, begin + new, cached + new, causal_mask(cached, new, device)))
+    long_feeds.extend(small)  # small feeds that did not form a group attend alone
+    long_feeds.sort(key=lambda f: f[3])
+    tensors = to_device(lists, device)
+    segments = [Segment(slot, begin, begin + new, cached + new, causal_mask(cached, new, device))
+                for slot, cached, new, begin in long_feeds]
+    group = None
+    if group_spec is not None:
+        first, last, members = group_spec
+        token_index, slot_index, query_index, slot_cached, slot_new = tensors[len(lists) - 5:]
+        group = _group(cache, members, first, last, token_index, slot_index, query_index, slot_cached, slot_new, device)
     for slot, cached, new in feeds:
         cache.mark_written(slot, cached + new)
-    return StepLayout(cache, torch.tensor(slots, dtype=torch.long, device=device),
-                      torch.tensor(positions, dtype=torch.long, device=device), segments, group)
+    return StepLayout(cache, tensors[0], tensors[1], segments, group, tensors[2 : 2 + len(extra)])
 
 
-def _group(cache: SlotKVCache, small, first: int, last: int, device, dtype) -> Group:
+def _group_lists(small, first: int, last: int) -> list[list[int]]:
+    """token_index, slot_index, query_index of the group's tokens; each slot's cached and new counts
+    (0 and 0 for a slot in the range that holds no member)."""
+    count = last - first + 1
+    token_index, slot_index, query_index = [], [], []
+    slot_cached, slot_new = [0] * count, [0] * count
+    for slot, cached, new, begin in small:
+        token_index.extend(range(begin, begin + new))
+        slot_index.extend([slot - first] * new)
+        query_index.extend(range(new))
+        slot_cached[slot - first], slot_new[slot - first] = cached, new
+    return [token_index, slot_index, query_index, slot_cached, slot_new]
+
+
+def _group(cache: SlotKVCache, small, first: int, last: int, token_index, slot_index, query_index, slot_cached,
+           slot_new, device) -> Group:
     count = last - first + 1
     n_max = max(s[2] for s in small)
     kv_len = max(s[1] + s[2] for s in small)
     cache.initialize(first, last, kv_len)  # everything the view reads is finite, masked or not
-    mask = torch.zeros(count, 1, n_max, kv_len, dtype=torch.bool)
-    token_index, slot_index, query_index = [], [], []
-    keys = torch.arange(kv_len)
-    for slot, cached, new, begin in small:
-        mask[slot - first, 0, :new] = keys[None, :] <= (cached + torch.arange(new))[:, None]
-        token_index.extend(range(begin, begin + new))
-        slot_index.extend([slot - first] * new)
-        query_index.extend(range(new))
-    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))  # cheaper than a bool mask
-    return Group(first, count, t(token_index), t(slot_index), t(query_index), n_max, kv_len, additive.to(device))
+    # Query i of a slot (at position cached + i) sees keys j <= cached + i, and only if i < new; built on
+    # the device from two small vectors (no [count, n_max, kv_len] host tensor to copy each step).
+    keys = torch.arange(kv_len, device=device)
+    queries = torch.arange(n_max, device=device)
+    allowed = ((keys[None, None, :] <= slot_cached[:, None, None] + queries[None, :, None])
+               & (queries[None, :, None] < slot_new[:, None, None]))  # [count, n_max, kv_len]
+    additive = torch.full(allowed.shape, float("-inf"), dtype=cache.geometry.dtype, device=device)
+    additive.masked_fill_(allowed, 0.0)  # an additive mask: cheaper than a bool one in SDPA
+    return Group(first, count, token_index, slot_index, query_index, n_max, kv_len, additive[:, None])
 
 
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -75,13 +75,16 @@ def _sample(works, rows, sampled, tokens, engine) -> None:
     probs = process_logits_rows(rows[sampled], [w.params for w in subset])  # [S, V]
     top_n = min(max(w.top_n for w in subset), probs.shape[-1])
     vals, ids = torch.topk(probs, top_n, dim=-1)  # [S, n], most likely first
+    # The draws below are per session and tiny (n <= top_n): on the host, in one copy, so a GPU tier
+    # does not synchronise per session, and draft draws are the same whatever the device.
+    vals, ids = vals.cpu(), ids.cpu()
     for j, (i, w) in enumerate(zip(sampled, subset)):
         n = min(w.top_n, top_n)
         v, t = vals[j, :n], ids[j, :n]
         keep = v > 0
         v, t = v[keep], t[keep]
         q = v / v.sum()  # the truncated, renormalised q this token is drawn from
-        gen = make_generator(derive_seed(w.seed, len(w.session), DRAFT_STREAM), q.device)
+        gen = make_generator(derive_seed(w.seed, len(w.session), DRAFT_STREAM))
         noise = torch.empty_like(q).exponential_(1, generator=gen)
         tokens[i] = int(t[(q / noise).argmax()])  # = torch.multinomial(q, 1, generator=gen)
         w.q.append((t.tolist(), q.tolist()))

@@ -39,6 +39,14 @@ def check_supported(model) -> None:
             raise UnsupportedModel(f"{type(model).__name__}: sliding-window attention ({window}) is not supported")
 
 
+def use_exact_float32_matmuls() -> None:
+    """float32 on a GPU means IEEE float32: no TF32 in matrix products (PyTorch's default today, set
+    here so that nothing else in the process can change it). TF32 rounds the inputs of a product to a
+    10-bit mantissa, enough to flip near-tie argmaxes between a (K + 1)-token verify forward and the
+    1-token forward of plain decoding. bfloat16 / float16 models are unaffected."""
+    torch.set_float32_matmul_precision("highest")
+
+
 class ModelRunner:
     def __init__(self, model, cache: SlotKVCache) -> None:
         check_supported(model)
@@ -50,13 +58,18 @@ class ModelRunner:
         self.head = model.get_output_embeddings()
         self.plain_head = isinstance(self.head, torch.nn.Linear)  # False for e.g. a quantized head
         self.vocab_size = int(model.config.vocab_size if not self.plain_head else self.head.weight.shape[0])
+        if self.device.type == "cuda":
+            use_exact_float32_matmuls()
 
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
-        """One forward over every feed; returns each feed's logits [num_logits, V] in float32."""
+        """One forward over every feed; returns each feed's logits [num_logits, V] in float32. On a GPU
+        this returns before the kernels have run; forward_checked synchronises."""
         return list(torch.split(self._forward(feeds), [f.num_logits for f in feeds]))
 
     def forward_checked(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], list[bool]]:
-        """forward(), and for each feed whether all its logits are finite (one check for the whole step)."""
+        """forward(), and for each feed whether all its logits are finite: one check for the whole step,
+        which is also the step's one host synchronisation on a GPU (kernels run asynchronously there),
+        so the step's wall time is its real compute time and no later check needs a sync of its own."""
         logits = self._forward(feeds)
         sizes = [f.num_logits for f in feeds]
         finite_rows = torch.isfinite(logits).all(dim=-1).tolist()
@@ -76,16 +89,16 @@ class ModelRunner:
             ids.extend(f.tokens)
             rows.extend(range(start + n - f.num_logits, start + n))
         dev = self.device
-        layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], dev)
+        layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], dev, extra=(ids, rows))
+        input_ids, row_index = layout.extra
         try:
-            hidden = self.decoder(input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-                                  position_ids=layout.positions[None], use_cache=False,
+            hidden = self.decoder(input_ids=input_ids[None], position_ids=layout.positions[None], use_cache=False,
                                   specdec_step=layout).last_hidden_state[0]  # [T, H]
         except BaseException:
             for f in feeds:  # what this step wrote may be incomplete: never read it unmasked
                 self.cache.initialized[f.slot] = min(self.cache.initialized[f.slot], f.cached)
             raise
-        return self._head(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).float()  # [R, V]
+        return self._head(hidden[row_index]).float()  # [R, V]
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V]
         # On a CPU, x @ W.T for a few rows makes the BLAS pack all of W (a 49152 x 576 head: 24 ms for 2

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from specdec.engine.attention import to_device
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
 from specdec.math.rejection import rejection_sample_batched, round_randomness, verify_greedy_batched
@@ -77,10 +78,11 @@ class VerifyWork(Work):
 
 def _cu_drafts(works: list[VerifyWork], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     ks = [len(w.drafts) for w in works]
-    cu = torch.zeros(len(works) + 1, dtype=torch.long)
-    cu[1:] = torch.tensor(ks).cumsum(0)
-    drafts = torch.tensor([d for w in works for d in w.drafts], dtype=torch.long)
-    return cu.to(device), drafts.to(device), ks
+    cu = [0]
+    for k in ks:
+        cu.append(cu[-1] + k)
+    cu_t, drafts = to_device([cu, [d for w in works for d in w.drafts]], device)
+    return cu_t, drafts, ks
 
 
 def _verify_greedy(works, logits, vocab_size):
@@ -94,9 +96,10 @@ def _verify_sampled(works, logits, vocab_size):
     device = rows.device
     cu, drafts, ks = _cu_drafts(works, device)
     p = process_logits_rows(rows, [w.params for w, k in zip(works, ks) for _ in range(k + 1)])  # [N + B, V]
-    q = torch.zeros(int(cu[-1]), vocab_size, dtype=torch.float32, device=device)  # [N, V]
+    q = torch.zeros(sum(ks), vocab_size, dtype=torch.float32, device=device)  # [N, V]
     row_index, token_ids, probs = [], [], []
-    for w, start in zip(works, cu[:-1].tolist()):
+    starts = [sum(ks[:i]) for i in range(len(ks))]
+    for w, start in zip(works, starts):
         if w.q is None:  # one-hot q on the drafts
             row_index.append(torch.arange(start, start + len(w.drafts)))
             token_ids.append(torch.tensor(w.drafts, dtype=torch.long))
