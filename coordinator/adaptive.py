@@ -128,11 +128,14 @@ class SourceEstimate:
     def acceptance(self) -> float:
         return min(self._acc_num / self._acc_den, 1.0)
 
-    def observe(self, k: int, n_accepted: int, propose_ms: float, verify_ms: float) -> None:
-        """One round: K proposed (after clamping), n accepted, and the two rpcs' wall times."""
+    def observe(self, k: int, n_accepted: int, propose_ms: float, verify_ms: float, steady: bool = True) -> None:
+        """One round: K proposed (after clamping), n accepted, and the two rpcs' wall times. steady=False:
+        the proposer first caught up on many tokens (the prompt, or rounds it sat out), so its time is
+        not what a K-token proposal costs when it drafts every round, and does not enter the fit."""
         if k > 0:
             self.observe_acceptance(k, n_accepted)
-            self.propose_cost.observe(k, propose_ms)
+            if steady:
+                self.propose_cost.observe(k, propose_ms)
         self.verify_cost.observe(k, verify_ms)
 
     def observe_acceptance(self, k: int, n_accepted: int) -> None:

@@ -12,7 +12,11 @@ and its wall time, C(K):
          once the target's load is known (TierLoad: its step time against tokens per step, and B
          sessions per step), verify(K) = overhead + T_step(B (K + 1)), the cost when every session
          of the step sends K, so K falls as the batch grows.
-It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included. The draft
+It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included. The draft's
+propose(K) is fitted on its steady rounds only (fed 1-2 committed tokens first): a call that first
+catches up on the prompt or on rounds the draft sat out is a one-off cost, and counting it would make
+a costly draft (the target's own low-precision copy) look dearer the less it is asked, until it is
+never asked. The draft
 is asked only when its rate wins. (A sampled request with a fixed K is meant to be reproducible: there
 C(K) comes from the priors alone, so no timing sways which source proposes.) When K = 0 wins, the best K = 1 is still probed every probe_every
 rounds so the estimates can recover. In greedy rounds, the local chains that were not chosen are
@@ -27,6 +31,11 @@ from dataclasses import dataclass
 
 from coordinator.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, TierLoad, expected_tokens
 from coordinator.proposers import DRAFT_MODEL, Proposal
+
+
+# A draft that drafts every round is fed 1-2 committed tokens before its K steps (the correction, or the
+# last draft and the bonus); a larger catch-up (the prompt, or the rounds it sat out) is a one-off cost.
+STEADY_CATCH_UP = 2
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,8 @@ class ProposerPolicy:
 
     def observe(self, proposal: Proposal, k: int, n_accepted: int, verify_ms: float) -> None:
         """The round's outcome: k drafts of proposal verified, n accepted."""
-        self.estimates[proposal.source].observe(k, n_accepted, proposal.wall_ms, verify_ms)
+        steady = proposal.catch_up <= STEADY_CATCH_UP
+        self.estimates[proposal.source].observe(k, n_accepted, proposal.wall_ms, verify_ms, steady)
         if k > 0 and proposal.probs:
             self.ratios[proposal.source].observe(n_accepted, sum(proposal.probs[:k]))
 

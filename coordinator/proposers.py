@@ -39,6 +39,7 @@ class Proposal:
     queue_ms: float = 0.0  # the rest of the draft tier's time (waiting for steps, sampling, bookkeeping)
     overlapped: bool = False  # drafted during the previous round's verification
     k: int = 0  # tokens asked for (the proposer may offer fewer)
+    catch_up: int = 0  # draft model: committed tokens it had to be fed first (1-2 when it drafts every round)
     fallback: bool = False  # prompt lookup standing in for an unreachable draft model
 
 
@@ -83,7 +84,7 @@ class DraftModelProposer:
             extra=lambda response: list(response.tokens))
         response = reply.message
         return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q), wall_ms=reply.wall_ms,
-                        compute_ms=response.compute_ms, queue_ms=response.queue_ms, k=k)
+                        compute_ms=response.compute_ms, queue_ms=response.queue_ms, k=k, catch_up=reply.fed)
 
     # --- overlap: draft round r+1 while the target verifies round r ---------------------------------
 

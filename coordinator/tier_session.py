@@ -69,6 +69,7 @@ class SessionCalls(Protocol):
 class TierReply:
     message: Any  # the tier's response
     wall_ms: float  # the successful call's round trip
+    fed: int = 0  # tokens the request sent after the tier's cached prefix (context.new_tokens)
 
 
 class TierSession:
@@ -141,7 +142,7 @@ class TierSession:
                 continue
             self._failures = 0
             self.cursor.update(ctx, extra(response), response.cached_len, committed_len=committed_len)
-            return TierReply(response, (time.perf_counter() - t0) * 1e3)
+            return TierReply(response, (time.perf_counter() - t0) * 1e3, len(ctx.new_tokens))
 
     def mark_down(self, e: TierError) -> None:
         """After a failure the session gives up on: leave the tier alone for the policy's back-off."""

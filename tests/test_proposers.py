@@ -91,6 +91,38 @@ def test_adaptive_k_turns_speculation_off_when_it_cannot_pay_and_keeps_probing()
     assert 1 in tail  # but still probing
 
 
+def _costly_draft(count_catch_up: bool) -> list[int]:
+    """K per round for the target's own low-precision copy as the draft: always right, a draft token
+    costs ~0.6 of a target step, and each call first catches up on the tokens the draft missed (a
+    multi-token forward, ~6 ms per token: the prompt at first, then the rounds it sat out).
+    count_catch_up: report those calls as steady ones (what the policy did before)."""
+    policy = ProposerPolicy(AdaptiveConfig(max_k=8, probe_every=8), SOURCES)
+    step, token = 42.0, 25.0  # target step, draft token (ms)
+    ks, lag = [], 400
+    for _ in range(80):
+        choice = policy.choose([], max_k=8, draft=True, fixed=False)
+        ks.append(choice.k)
+        if choice.k:
+            propose_ms = 1.0 + token * choice.k + 6.0 * lag
+            policy.observe(Proposal(DRAFT_MODEL, [0] * choice.k, wall_ms=propose_ms, catch_up=0 if count_catch_up else lag),
+                           choice.k, choice.k, step * (1 + 0.1 * choice.k))
+            lag = 2  # the last draft and the bonus
+        else:
+            policy.observe(Proposal(DRAFT_MODEL, []), 0, 0, step)
+            lag += 1
+    return ks
+
+
+def test_a_costly_draft_that_pays_when_drafting_every_round_keeps_being_asked():
+    """Catch-up calls are one-off costs and stay out of the fit; counted, they make the draft look dearer
+    the less it is asked, until it is never asked (the adaptive self-draft ran at 0.75x the target alone
+    that way; now 1.12x, README)."""
+    ks = _costly_draft(count_catch_up=False)
+    assert min(ks[-20:]) >= 4, ks  # long blocks, every round
+    old = _costly_draft(count_catch_up=True)
+    assert old[-20:].count(0) >= 15, old  # the trap: mostly target-only
+
+
 # --- the hybrid policy ----------------------------------------------------------------------------
 # With no rounds observed: acceptance 0.5 for every source, verify(K) = 50 + 3K ms, propose(K) = 0 for
 # local sources and 1 + 5K ms for the draft, the suffix tree's estimate taken at face value.
