@@ -38,7 +38,8 @@ test: setup
 #                     BENCH_ARGS=--long for the full matrix, BENCH_ARGS=--help for the options)
 #  bench.concurrency  1/4/16/32 concurrent clients: specdec, specdec K=0, HF generate_batch and padded
 #                     generate (~10 min; CONCURRENCY_ARGS=--help)
-#  bench.self_draft   the target's own bfloat16 / float16 / int8 copies as drafts (~2 min)
+#  bench.self_draft   the target's own bfloat16 / float16 / int8 copies as drafts (~2 min), then the float16
+#                     copy as the draft end to end (bench.run, separate cores, open workload, 128 tokens; ~2 min)
 #  bench.replicas     1 vs 2 target replicas under the same load (~4 min; BENCH_REPLICAS_ARGS=--help)
 #  bench.overhead     per-round gRPC + coordinator time on a tiny model (~1 min; OVERHEAD_ARGS=--help)
 bench: setup
@@ -46,6 +47,9 @@ bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.concurrency $(CONCURRENCY_ARGS)
 	$(PY) -m bench.self_draft $(SELF_DRAFT_ARGS)
+	$(PY) -m bench.run --placements separate --workloads open --ks 3,4 --no-sampled --no-peer --proposers '' \
+	    --draft "$$($(PY) -c 'from specdec.models import default_target; print(default_target())')" \
+	    --draft-args '--dtype float16' --max-new-tokens 128
 	$(PY) -m bench.replicas $(BENCH_REPLICAS_ARGS)
 
 clean:

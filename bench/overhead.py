@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="sample the three processes with py-spy during the timed generations; folded stacks go here")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
-    p.add_argument("--target-args", default="", help="extra flags for the target service")
+    p.add_argument("--target-args", default="", help="extra flags for the target service, e.g. '--device cuda'")
+    p.add_argument("--draft-args", default="", help="extra flags for the draft service")
     p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator")
     return p.parse_args(argv)
 
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     spies: list[subprocess.Popen] = []
     results: dict[int, list[dict]] = {}
     config = LocalPipelineConfig(target_model=model, draft_model=model, target_args=args.target_args.split(),
-                                 draft_args=[], coordinator_args=args.coordinator_args.split())
+                                 draft_args=args.draft_args.split(), coordinator_args=args.coordinator_args.split())
     try:
         with BenchPipeline(config) as pipe:
             for k in ks:
