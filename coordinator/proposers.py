@@ -19,7 +19,7 @@ import grpc
 
 from coordinator.lookup import LookupConfig, NgramIndex
 from coordinator.tier_session import TierSession
-from coordinator.tiers import SessionStream, TierError
+from coordinator.tiers import Extended, SessionStream, TierError
 from specdec.wire.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
 
@@ -92,7 +92,7 @@ class DraftModelProposer:
         """Ask for the next block assuming every draft is accepted: K + 1 tokens after
         committed + drafts, the first being the draft's guess of the target's bonus token. Only sends;
         collect() reads the reply. Returns False if the request could not be sent."""
-        ctx = self.session.context(committed + drafts, hashes.extended(drafts))
+        ctx = self.session.context(Extended(committed, drafts), hashes.extended(drafts))
         request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k + 1, sampling=self.sampling, seed=self.seed)
         try:
             await self.stream.send(request)

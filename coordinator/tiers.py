@@ -5,7 +5,7 @@ session's routing key), and what the coordinator knows of a tier's cache for a s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -23,6 +23,31 @@ class TierError(Exception):
         self.code = code
         self.details = details
         self.rpc = rpc or ("VerifyStream" if tier == "target" else "ProposeStream")  # the internal rpc that failed
+
+
+class Extended(Sequence[int]):
+    """base + extra as one read-only sequence without copying base (the committed tokens): a
+    hypothetical continuation, for TierCursor.context."""
+
+    __slots__ = ("_base", "_extra")
+
+    def __init__(self, base: Sequence[int], extra: Sequence[int]) -> None:
+        self._base, self._extra = base, extra
+
+    def __len__(self) -> int:
+        return len(self._base) + len(self._extra)
+
+    def __getitem__(self, i):
+        n = len(self._base)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return list(self)[i]
+            head = list(self._base[start:min(stop, n)]) if start < n else []
+            return head + list(self._extra[max(start - n, 0):max(stop - n, 0)])
+        if i < 0:
+            i += len(self)
+        return self._base[i] if i < n else self._extra[i - n]
 
 
 class TierCursor:

@@ -285,3 +285,22 @@ def test_drop_forgets_a_session_with_an_unusable_cache():
     h.store.append(a, [1, 2])
     h.store.drop(a)
     assert "a" not in h.store and h.store.cached_tokens == 0 and h.cache.free_slots == h.cache.num_slots
+
+
+def test_a_hypothetical_continuation_equals_the_copied_sequence_and_its_fingerprints():
+    """The overlap's speculative request reads committed + drafts through views (no O(context) copy)."""
+    from coordinator.tiers import Extended, TierCursor
+
+    committed, drafts = list(range(100, 140)), [7, 8, 9]
+    hashes = PrefixHashes(committed)
+    seq, ext = Extended(committed, drafts), hashes.extended(drafts)
+    full = committed + drafts
+    assert len(seq) == len(ext) == len(full) and list(seq) == full
+    assert [seq[i] for i in range(-3, len(full))] == full[-3:] + full
+    for a in (0, 5, 39, 40, 41, 43):
+        for b in (a, 41, 43, None):
+            assert seq[a:b] == full[a:b]
+    assert [ext.at(n) for n in range(len(full) + 1)] == [PrefixHashes(full).at(n) for n in range(len(full) + 1)]
+    cursor = TierCursor()
+    cursor.base, cursor.tail = 38, [138, 139, 7]
+    assert cursor.context("s", seq, ext) == cursor.context("s", full, PrefixHashes(full))

@@ -36,12 +36,9 @@ class PrefixHashes:
             h = _mix(h, t)
             self._hashes.append(h)
 
-    def extended(self, tokens: Iterable[int]) -> "PrefixHashes":
-        """A copy that also covers `tokens` (for hypothetical continuations)."""
-        other = PrefixHashes()
-        other._hashes = self._hashes.copy()
-        other.extend(tokens)
-        return other
+    def extended(self, tokens: Iterable[int]) -> "ExtendedHashes":
+        """Fingerprints that also cover `tokens` (a hypothetical continuation), without copying these."""
+        return ExtendedHashes(self, tokens)
 
     def crop(self, length: int) -> None:
         del self._hashes[length:]
@@ -49,3 +46,24 @@ class PrefixHashes:
     def at(self, length: int) -> int:
         """Fingerprint of the first `length` tokens (0 for the empty prefix)."""
         return self._hashes[length - 1] if length > 0 else 0
+
+
+class ExtendedHashes:
+    """PrefixHashes of base + tokens, over `base` itself (O(len(tokens)), not O(context)); read-only."""
+
+    __slots__ = ("_base", "_extra")
+
+    def __init__(self, base: PrefixHashes, tokens: Iterable[int]) -> None:
+        self._base = base
+        self._extra: list[int] = []
+        h = base.at(len(base))
+        for t in tokens:
+            h = _mix(h, t)
+            self._extra.append(h)
+
+    def __len__(self) -> int:
+        return len(self._base) + len(self._extra)
+
+    def at(self, length: int) -> int:
+        n = len(self._base)
+        return self._base.at(length) if length <= n else self._extra[length - n - 1]
