@@ -130,23 +130,31 @@ class SessionStream:
         timer = asyncio.get_running_loop().call_later(timeout, self._expire, call, timeout)
         try:
             return await awaitable
+        except asyncio.CancelledError:
+            if self._expired is None or call is not self._call:
+                raise  # our own caller was cancelled
+            raise self._timed_out() from None
         except grpc.aio.AioRpcError as e:
+            if self._expired is not None and call is self._call and e.code() == grpc.StatusCode.CANCELLED:
+                raise self._timed_out() from None  # our timer cancelled it
             self.close()
             raise TierError(self.tier, e.code(), e.details() or "", self.rpc) from None
-        except asyncio.InvalidStateError:  # a write after the replica ended the stream (drained, stopped): why?
+        except asyncio.InvalidStateError:  # a write after the stream ended (drained, stopped, timed out): why?
+            if self._expired is not None and call is self._call:
+                raise self._timed_out() from None
             code, details = await call.code(), await call.details()
             self.close()
             if code == grpc.StatusCode.OK:
                 code = grpc.StatusCode.UNAVAILABLE
             raise TierError(self.tier, code, details or "the stream ended", self.rpc) from None
-        except asyncio.CancelledError:
-            if self._expired is None or call is not self._call:
-                raise  # our own caller was cancelled
-            self.close()
-            raise TierError(self.tier, grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._expired:.3g}s",
-                            self.rpc) from None
         finally:
             timer.cancel()
+
+    def _timed_out(self) -> TierError:
+        """The per-call timer cancelled the stream: DEADLINE_EXCEEDED, however grpc reported the cancel."""
+        timeout = self._expired
+        self.close()
+        return TierError(self.tier, grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout:.3g}s", self.rpc)
 
     def _expire(self, call: grpc.aio.StreamStreamCall, timeout: float) -> None:
         if call is self._call:
