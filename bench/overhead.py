@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import shutil
 import statistics
 import subprocess
