@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ks", default="0,3", help="comma list of K (0 = target-only rounds)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--generations", type=int, default=10, help="timed generations per K (after one warm-up)")
+    p.add_argument("--size", default="64,2", metavar="HIDDEN,LAYERS",
+                   help="the random model's hidden size and layers (default: the tests' tiny model); a larger one makes "
+                        "rounds longer, so each process sleeps longer between its messages")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="sample the three processes with py-spy during the timed generations; folded stacks go here")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
@@ -47,10 +50,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def tiny_model(out_dir: Path) -> str:
-    from tests.helpers import make_tiny_model  # the test suite's tiny random Llama with the real tokenizer
+def random_model(out_dir: Path, hidden: int, layers: int) -> str:
+    """A random-init Llama with the real tokenizer: the test suite's tiny model at 64,2."""
+    if (hidden, layers) == (64, 2):
+        from tests.helpers import make_tiny_model
 
-    return make_tiny_model(out_dir, seed=0)
+        return make_tiny_model(out_dir, seed=0)
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers import TOKENIZER_DIR
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=[2], pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
 
 
 def measure(address: str, k: int, n: int, generations: int) -> list[dict]:
@@ -80,7 +98,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
     work = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
-    model = tiny_model(work / "tiny")
+    hidden, layers = (int(x) for x in args.size.split(","))
+    model = random_model(work / "model", hidden, layers)
     spies: list[subprocess.Popen] = []
     results: dict[int, list[dict]] = {}
     config = LocalPipelineConfig(target_model=model, draft_model=model, target_args=args.target_args.split(),
@@ -111,7 +130,8 @@ def main(argv=None) -> int:
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: per-round overhead", "",
              f"Command: `python -m bench.overhead{''.join(' ' + a for a in (argv if argv is not None else sys.argv[1:]))}`",
              "",
-             f"A tiny random 2-layer model as target and as its own draft (every draft accepted), three processes on "
+             f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2) as target and as its own "
+             "draft (every draft accepted), three processes on "
              f"loopback, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
              "generations (ms):", "",
              "| K | tokens/round | compute (forwards) | tiers outside the forwards | network (rpc minus the tiers' time) | coordinator | **network + coordinator** | all three | round (coordinator's view) | round (client's view) |",
