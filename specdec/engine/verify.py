@@ -76,29 +76,30 @@ class VerifyWork(Work):
             w.result = VerifyResult(n, nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3, w.queue_ms())
 
 
-def _cu_drafts(works: list[VerifyWork], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def _cu_drafts(works: list[VerifyWork], device) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """cu_num_draft_tokens and the flat drafts on the device, and on the host each work's K and its
+    first row among the drafts (cu_num_draft_tokens[:-1])."""
     ks = [len(w.drafts) for w in works]
     cu = [0]
     for k in ks:
         cu.append(cu[-1] + k)
     cu_t, drafts = to_device([cu, [d for w in works for d in w.drafts]], device)
-    return cu_t, drafts, ks
+    return cu_t, drafts, ks, cu[:-1]
 
 
 def _verify_greedy(works, logits, vocab_size):
     rows = torch.cat(logits)  # [N + B, V]
-    cu, drafts, _ = _cu_drafts(works, rows.device)
+    cu, drafts, _, _ = _cu_drafts(works, rows.device)
     return verify_greedy_batched(rows, drafts, cu)
 
 
 def _verify_sampled(works, logits, vocab_size):
     rows = torch.cat(logits)  # [N + B, V]
     device = rows.device
-    cu, drafts, ks = _cu_drafts(works, device)
+    cu, drafts, ks, starts = _cu_drafts(works, device)
     p = process_logits_rows(rows, [w.params for w, k in zip(works, ks) for _ in range(k + 1)])  # [N + B, V]
     q = torch.zeros(sum(ks), vocab_size, dtype=torch.float32, device=device)  # [N, V]
     row_index, token_ids, probs = [], [], []
-    starts = [sum(ks[:i]) for i in range(len(ks))]
     for w, start in zip(works, starts):
         if w.q is None:  # one-hot q on the drafts
             row_index.append(torch.arange(start, start + len(w.drafts)))
