@@ -50,15 +50,19 @@ def tier_device_args() -> list[str]:
     return ["--device", TEST_DEVICE, "--dtype", TEST_DTYPE]
 
 
-def make_tiny_model(out_dir: Path, seed: int, eos_token_ids: list[int] | None = None, tokenizer=None) -> str:
-    """A 2-layer random-init Llama with the SmolLM2 tokenizer, saved as a HF directory."""
+def make_tiny_model(out_dir: Path, seed: int, eos_token_ids: list[int] | None = None, tokenizer=None, *,
+                    hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4,
+                    num_kv_heads: int = 2) -> str:
+    """A random-init Llama (by default 2 layers of width 64) with the SmolLM2 tokenizer, saved as a HF
+    directory."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = tokenizer or AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=eos_token_ids or [2], pad_token_id=2, initializer_range=0.3,
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=eos_token_ids or [2], pad_token_id=2,
+        initializer_range=0.3,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
