@@ -28,13 +28,14 @@ import torch
 def session_of_nodes(cu_num_nodes: torch.Tensor) -> torch.Tensor:
     """[N] int64: the session of every flat node (cu_num_nodes [B + 1])."""
     counts = cu_num_nodes[1:] - cu_num_nodes[:-1]  # [B]
-    return torch.repeat_interleave(torch.arange(counts.shape[0], device=cu_num_nodes.device), counts)
+    n = int(cu_num_nodes[-1])
+    return torch.repeat_interleave(torch.arange(counts.shape[0], device=cu_num_nodes.device), counts, output_size=n)
 
 
 def global_parents(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> torch.Tensor:
     """[N] int64: each node's parent as a flat index, -1 for children of the root."""
-    session = session_of_nodes(cu_num_nodes)
-    return torch.where(parents >= 0, parents + cu_num_nodes[session], -1)
+    first = cu_num_nodes.index_select(0, session_of_nodes(cu_num_nodes))  # [N] the session's first flat node
+    return torch.where(parents >= 0, parents + first, -1)
 
 
 def tree_depth(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> torch.Tensor:
@@ -48,14 +49,14 @@ def tree_depth(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> torch.Tenso
         if not bool(has.any()):
             break
         depth += has.long()
-        ancestor = torch.where(has, gparent[ancestor.clamp(min=0)], -1)
+        ancestor = torch.where(has, gparent.index_select(0, ancestor.clamp(min=0)), -1)
     return depth
 
 
 def tree_positions(depth: torch.Tensor, cu_num_nodes: torch.Tensor, committed_len: torch.Tensor) -> torch.Tensor:
     """[N] int64: position of every node, committed_len[b] + depth (committed_len [B], the session's
     committed tokens including the root). A chain's positions are committed_len + 0..K-1, as today."""
-    return committed_len[session_of_nodes(cu_num_nodes)] + depth
+    return committed_len.index_select(0, session_of_nodes(cu_num_nodes)) + depth
 
 
 def ancestor_mask(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> torch.Tensor:
@@ -64,16 +65,17 @@ def ancestor_mask(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> torch.Te
     which the engine adds). A chain's block is lower-triangular. One scatter per depth level."""
     gparent = global_parents(parents, cu_num_nodes)  # [N]
     n = gparent.shape[0]
-    index = torch.arange(n, device=gparent.device)
-    mask = torch.eye(n, dtype=torch.bool, device=gparent.device)
+    row_start = torch.arange(n, device=gparent.device) * n  # [N] flat offset of each row
+    flat = torch.eye(n, dtype=torch.bool, device=gparent.device).reshape(-1)
+    flat = torch.cat([flat, flat.new_zeros(1)])  # a spare slot at n * n takes the writes of finished rows
     ancestor = gparent
     for _ in range(n):
         has = ancestor >= 0
         if not bool(has.any()):
             break
-        mask[index[has], ancestor[has]] = True
-        ancestor = torch.where(has, gparent[ancestor.clamp(min=0)], -1)
-    return mask
+        flat.index_fill_(0, torch.where(has, row_start + ancestor, n * n), True)
+        ancestor = torch.where(has, gparent.index_select(0, ancestor.clamp(min=0)), -1)
+    return flat[: n * n].reshape(n, n)
 
 
 def sibling_links(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,13 +106,14 @@ def path_from_accepted(accepted: torch.Tensor, depth: torch.Tensor, cu_num_nodes
     """From the accepted nodes (a root-down chain per session; accepted [N] bool) to (path [B, L]: each
     session's accepted nodes as local indices by depth, -1 padded; num_accepted [B]); L = max depth + 1."""
     batch = cu_num_nodes.shape[0] - 1
+    device = depth.device
     session = session_of_nodes(cu_num_nodes)
     width = int(depth.max()) + 1 if depth.numel() else 0
-    path = torch.full((batch, width), -1, dtype=torch.long, device=depth.device)
-    local = torch.arange(depth.shape[0], device=depth.device) - cu_num_nodes[session]
-    path[session[accepted], depth[accepted]] = local[accepted]
-    num_accepted = torch.zeros(batch, dtype=torch.long, device=depth.device).index_add_(0, session, accepted.long())
-    return path, num_accepted
+    local = torch.arange(depth.shape[0], device=device) - cu_num_nodes.index_select(0, session)
+    flat = torch.full((batch * width + 1,), -1, dtype=torch.long, device=device)  # spare slot last
+    flat.scatter_(0, torch.where(accepted, session * width + depth, batch * width), torch.where(accepted, local, -1))
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=device).index_add_(0, session, accepted.long())
+    return flat[: batch * width].reshape(batch, width), num_accepted
 
 
 def chain_parents(k: int) -> torch.Tensor:

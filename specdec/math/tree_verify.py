@@ -85,21 +85,22 @@ def _walk_matching(
     session = session_of_nodes(cu_num_nodes)
     slot, _, _ = sibling_links(parents, cu_num_nodes)  # [N] slot of each node's parent (N + b = root)
     is_root = slot >= n
-    parent_row = torch.where(is_root, cu_num_nodes[session] + session, slot + session + 1)  # [N] row of p at the parent
-    match = tokens == x_rows[parent_row]  # [N]
+    parent_row = torch.where(is_root, cu_num_nodes.index_select(0, session) + session, slot + session + 1)  # [N] p row at the parent
+    match = tokens == x_rows.index_select(0, parent_row)  # [N]
     first = torch.full((n + batch,), n, dtype=torch.long, device=device)
     first.scatter_reduce_(0, slot, torch.where(match, flat, n), reduce="amin")  # first matching child per slot
-    good = match & (first[slot] == flat)
+    good = match & (first.index_select(0, slot) == flat)
     depth = tree_depth(parents, cu_num_nodes)
     on_path = good
+    parent_node = slot.clamp(max=max(n - 1, 0))
     for _ in range(int(depth.max()) if n else 0):  # one pass per depth level
-        on_path = good & torch.where(is_root, True, on_path[slot.clamp(max=max(n - 1, 0))])
+        on_path = good & (is_root | on_path.index_select(0, parent_node))
     stop = torch.full((batch,), -1, dtype=torch.long, device=device)
     stop.scatter_reduce_(0, session, torch.where(on_path, flat, -1), reduce="amax")  # deepest accepted node
     b = torch.arange(batch, device=device)
     stop_row = torch.where(stop >= 0, stop + b + 1, cu_num_nodes[:-1] + b)
     path, num_accepted = path_from_accepted(on_path, depth, cu_num_nodes)
-    return TreeVerdict(path, num_accepted, x_rows[stop_row])
+    return TreeVerdict(path, num_accepted, x_rows.index_select(0, stop_row))
 
 
 def verify_tree_greedy_batched(
@@ -191,7 +192,8 @@ def verify_tree_candidates_batched(
     node_row = torch.arange(n, device=device) + session + 1
     row_session[root_row], row_level[root_row] = b, 0
     row_session[node_row], row_level[node_row] = session, tree_depth(parents, cu_num_nodes) + 1
-    x_rows = (p / noise[row_session, row_level]).argmax(dim=-1)  # [N + B] one draw per row
+    level_rows = noise.reshape(-1, noise.shape[-1]).index_select(0, row_session * noise.shape[1] + row_level)  # [N + B, V]
+    x_rows = (p / level_rows).argmax(dim=-1)  # [N + B] one draw per row
     return _walk_matching(x_rows, tokens, parents, cu_num_nodes)
 
 
@@ -298,40 +300,40 @@ def verify_tree_sampled_batched(
     _, first_child, next_sibling = sibling_links(parents, cu_num_nodes)
     node_row = torch.arange(n, device=device) + session + 1  # [N] row of p after each node
     wor = torch.as_tensor(without_replacement, device=device).expand(batch)  # [B]
-    r = p[cu_num_nodes[:-1] + b].clone()  # [B, V] current target at each session's node (unnormalised)
+    r = p.index_select(0, cu_num_nodes[:-1] + b)  # [B, V] current target at each session's node (unnormalised)
     mass = torch.ones(batch, dtype=p.dtype, device=device)  # [B] r's mass
     taken = torch.zeros(batch, p.shape[1], dtype=torch.bool, device=device)  # [B, V] rejected siblings' tokens
-    child = first_child[n + b]  # [B] the child tried next, -1 = stop
-    accepted = torch.zeros(n, dtype=torch.bool, device=device)
-    accept_prob = torch.full((n,), float("nan"), dtype=p.dtype, device=device)
+    child = first_child[n:]  # [B] the child tried next, -1 = stop
+    accepted = torch.zeros(n + 1, dtype=torch.bool, device=device)  # per node; the spare slot n takes idle sessions' writes
+    accept_prob = torch.full((n + 1,), float("nan"), dtype=p.dtype, device=device)
     while True:
         active = child >= 0
         if not bool(active.any()):
             break
         c = child.clamp(min=0)
-        tok = tokens[c]  # [B]
-        q_k = q[c]  # [B, V]
+        tok = tokens.index_select(0, c)  # [B]
+        q_k = q.index_select(0, c)  # [B, V]
         if bool(wor.any()):
             masked = q_k.masked_fill(taken, 0)
             left = masked.sum(dim=-1, keepdim=True)
             renormalised = torch.where(left > 0, masked / left, torch.zeros_like(masked))
             q_k = torch.where((wor & taken.any(dim=-1))[:, None], renormalised, q_k)
-        r_c, q_c = r[b, tok], q_k[b, tok]  # [B]
-        acc = active & (q_c > 0) & (uniform[c] * q_c * mass < r_c)
+        r_c, q_c = r.gather(1, tok[:, None])[:, 0], q_k.gather(1, tok[:, None])[:, 0]  # [B]
+        acc = active & (q_c > 0) & (uniform.index_select(0, c) * q_c * mass < r_c)
         rej = active & ~acc
         prob = torch.where(q_c > 0, (r_c / (q_c * mass)).clamp(max=1), torch.zeros_like(r_c))
-        accept_prob[c[active]] = prob[active]
-        accepted[c[acc]] = True
+        accept_prob.scatter_(0, torch.where(active, c, n), prob)
+        accepted.index_fill_(0, torch.where(acc, c, n), True)
         residual = (r - mass[:, None] * q_k).clamp_min(0)  # [B, V]
         left = residual.sum(dim=-1)
         update = rej & (left > 0)
         r = torch.where(update[:, None], residual, r)
         mass = torch.where(update, left, mass)
-        taken[b[rej], tok[rej]] = True
-        r = torch.where(acc[:, None], p[node_row[c]], r)
+        taken.scatter_(1, tok[:, None], rej[:, None] | taken.gather(1, tok[:, None]))
+        r = torch.where(acc[:, None], p.index_select(0, node_row.index_select(0, c)), r)
         mass = torch.where(acc, torch.ones_like(mass), mass)
         taken &= ~acc[:, None]
-        child = torch.where(acc, first_child[c], torch.where(rej, next_sibling[c], child))
+        child = torch.where(acc, first_child.index_select(0, c), torch.where(rej, next_sibling.index_select(0, c), child))
     next_token = (r / noise).argmax(dim=-1)  # one multinomial draw per session
-    path, num_accepted = path_from_accepted(accepted, tree_depth(parents, cu_num_nodes), cu_num_nodes)
-    return TreeVerdict(path, num_accepted, next_token, accept_prob, r)
+    path, num_accepted = path_from_accepted(accepted[:n], tree_depth(parents, cu_num_nodes), cu_num_nodes)
+    return TreeVerdict(path, num_accepted, next_token, accept_prob[:n], r)
