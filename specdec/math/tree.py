@@ -102,7 +102,11 @@ def sibling_links(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> tuple[to
     return slot, first_child, next_sibling
 
 
-def path_from_accepted(accepted: torch.Tensor, depth: torch.Tensor, cu_num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def path_from_accepted(
+    accepted: torch.Tensor,  # [N] bool
+    depth: torch.Tensor,  # [N] int64
+    cu_num_nodes: torch.Tensor,  # [B + 1] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
     """From the accepted nodes (a root-down chain per session; accepted [N] bool) to (path [B, L]: each
     session's accepted nodes as local indices by depth, -1 padded; num_accepted [B]); L = max depth + 1."""
     batch = cu_num_nodes.shape[0] - 1

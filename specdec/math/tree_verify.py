@@ -34,7 +34,8 @@ class TreeVerdict(NamedTuple):
     path: torch.Tensor  # [B, L] int64: each session's accepted nodes, root-down, as local indices; -1 after the last
     num_accepted: torch.Tensor  # [B] int64: accepted nodes (the path's length)
     next_token: torch.Tensor  # [B] int64: the bonus (stopped at a leaf) or the recovered token
-    accept_prob: torch.Tensor | None = None  # [N] float32, sampled trees: the probability each tried node was accepted with; NaN if not tried
+    # [N] float32, sampled trees: the probability each tried node was accepted with; NaN where not tried
+    accept_prob: torch.Tensor | None = None
     dist: torch.Tensor | None = None  # [B, V] float32, sampled trees: next_token's distribution (unnormalised)
 
 
@@ -85,7 +86,8 @@ def _walk_matching(
     session = session_of_nodes(cu_num_nodes)
     slot, _, _ = sibling_links(parents, cu_num_nodes)  # [N] slot of each node's parent (N + b = root)
     is_root = slot >= n
-    parent_row = torch.where(is_root, cu_num_nodes.index_select(0, session) + session, slot + session + 1)  # [N] p row at the parent
+    root_row = cu_num_nodes.index_select(0, session) + session  # [N] p row of each node's root
+    parent_row = torch.where(is_root, root_row, slot + session + 1)  # [N] p row at the parent
     match = tokens == x_rows.index_select(0, parent_row)  # [N]
     first = torch.full((n + batch,), n, dtype=torch.long, device=device)
     first.scatter_reduce_(0, slot, torch.where(match, flat, n), reduce="amin")  # first matching child per slot
