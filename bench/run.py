@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.inprocess import DISTURBED
 from bench.prompts import PROMPTS
-from coordinator.suffix import SuffixConfig
+from coordinator.proposers.suffix import SuffixConfig
 
 REPO = Path(__file__).resolve().parent.parent
 T_START = time.time()

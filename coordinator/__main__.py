@@ -7,13 +7,13 @@ import logging
 import os
 import sys
 
-from coordinator.adaptive import AdaptiveConfig
+from coordinator.proposers.adaptive import AdaptiveConfig
 from coordinator.admission import AdmissionConfig
-from coordinator.lookup import LookupConfig
-from coordinator.proposers import PROPOSERS
+from coordinator.proposers.lookup import LookupConfig
+from coordinator.proposers.names import NAMES, Proposer
 from coordinator.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported
 from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
-from coordinator.suffix import SuffixConfig
+from coordinator.proposers.suffix import SuffixConfig
 from specdec.wire.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
 from specdec.models import default_target
 from specdec.wire.metrics import serve_metrics
@@ -43,8 +43,8 @@ def main(argv=None) -> None:
     a.add("--default-k", default="auto", help="K when a request leaves it unset: a number, or 'auto' for adaptive K")
     a.add("--max-k", type=int, default=D.max_num_speculative_tokens, help="largest K accepted")
     a.add("--adaptive-max-k", type=int, default=AdaptiveConfig.max_k, help="largest K adaptive K tries")
-    a.add("--default-proposer", default=D.default_proposer, choices=list(PROPOSERS),
-          help="proposer when a request leaves it unset (suffix is reachable only this way until the API names it)")
+    a.add("--default-proposer", default=D.default_proposer, choices=list(NAMES),
+          help="proposer when a request leaves it unset (a name or alias of coordinator.proposers.names)")
     a.add("--lookup-min-ngram", type=int, default=LookupConfig.min_ngram, help="prompt lookup: shortest suffix matched")
     a.add("--lookup-max-ngram", type=int, default=LookupConfig.max_ngram, help="prompt lookup: longest suffix matched")
     S = SuffixConfig
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
         server=server_config(args), default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
         default_num_speculative_tokens=None if args.default_k == "auto" else int(args.default_k),
-        max_num_speculative_tokens=args.max_k, default_proposer=args.default_proposer,
+        max_num_speculative_tokens=args.max_k, default_proposer=Proposer.parse(args.default_proposer),
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
         suffix=suffix,

@@ -19,12 +19,14 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from coordinator.adaptive import AdaptiveConfig, TierLoad
-from coordinator.lookup import LookupConfig
-from coordinator.policy import ProposerPolicy
-from coordinator.proposers import (DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX, DraftModelProposer, PromptLookupProposer,
-                                   Proposal)
-from coordinator.suffix import SuffixCache, SuffixConfig, SuffixProposer
+from coordinator.proposers.adaptive import AdaptiveConfig, TierLoad
+from coordinator.proposers.lookup import LookupConfig
+from coordinator.proposers.policy import ProposerPolicy
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.draft_model import DraftModelProposer
+from coordinator.proposers.lookup import PromptLookupProposer
+from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
+from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tier_session import DRAFT_RETRY, TARGET_RETRY, TierSession
 from coordinator.tiers import TierClient, TierError

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from coordinator.adaptive import AdaptiveConfig, TierLoad
+from coordinator.proposers.adaptive import AdaptiveConfig, TierLoad
 from coordinator.admission import AdmissionConfig
 from coordinator.frontend import Frontend, deadline_from
-from coordinator.lookup import LookupConfig
-from coordinator.proposers import HYBRID
-from coordinator.suffix import SuffixCache, SuffixConfig
+from coordinator.proposers.lookup import LookupConfig
+from coordinator.proposers.names import HYBRID, Proposer
+from coordinator.proposers.suffix import SuffixCache, SuffixConfig
 from coordinator.routing import RoutingConfig, probe_ring_hash
 from coordinator.tiers import TierClient
 from specdec.models import load_tokenizer, tokenizer_fingerprint
@@ -49,7 +49,7 @@ class CoordinatorConfig:
     max_prompt_tokens: int = 8192  # longer prompts are rejected
     default_num_speculative_tokens: int | None = None  # K when a request leaves it unset; None = adaptive
     max_num_speculative_tokens: int = 16  # larger K is rejected
-    default_proposer: str = HYBRID  # draft_model | prompt_lookup | suffix | hybrid, when a request leaves it unset
+    default_proposer: Proposer = HYBRID  # when a request leaves it unset
     adaptive: AdaptiveConfig = AdaptiveConfig()  # adaptive-K controller settings
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
     suffix: SuffixConfig = SuffixConfig()  # suffix decoding: tree depth, proposal length, shared-tree bounds

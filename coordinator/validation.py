@@ -8,7 +8,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from coordinator.generation import GenerationParams
-from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
+from coordinator.proposers.names import Proposer
 from specdec.math.params import SamplingParams
 from specdec.proto import generate_pb2
 from specdec.wire.server import check_token_ids, invalid_argument
@@ -19,12 +19,6 @@ if TYPE_CHECKING:
 CHAT_ROLES = {"system", "user", "assistant"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-PROPOSER_NAMES = {
-    generate_pb2.PROPOSER_DRAFT_MODEL: DRAFT_MODEL,
-    generate_pb2.PROPOSER_PROMPT_LOOKUP: PROMPT_LOOKUP,
-    generate_pb2.PROPOSER_HYBRID: HYBRID,
-    generate_pb2.PROPOSER_SUFFIX: SUFFIX,
-}
 
 
 class RequestValidator:
@@ -70,12 +64,10 @@ class RequestValidator:
         else:
             k = c.default_num_speculative_tokens
             k = None if k is None else min(k, self.max_k())
-        if r.proposer == generate_pb2.PROPOSER_UNSPECIFIED:
-            proposer = c.default_proposer
-        elif r.proposer in PROPOSER_NAMES:
-            proposer = PROPOSER_NAMES[r.proposer]
-        else:
-            raise invalid_argument(f"proposer: unknown value {r.proposer}")
+        try:
+            proposer = Proposer.from_proto(r.proposer) or Proposer.parse(str(c.default_proposer))
+        except ValueError as e:
+            raise invalid_argument(str(e)) from None
         if len(r.stop) > MAX_STOP_STRINGS:
             raise invalid_argument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(r.stop)}")
         for s in r.stop:
