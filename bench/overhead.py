@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def random_model(out_dir: Path, hidden: int, layers: int) -> str:
     """A random-init Llama with the real tokenizer: the test suite's tiny model at 64,2; larger ones with
     an MLP 3x the width and 8 heads (4 KV heads), only to make the forward take longer."""
-    from tests.helpers import make_tiny_model
+    from specdec.models import make_tiny_model
 
     if (hidden, layers) == (64, 2):
         return make_tiny_model(out_dir, seed=0)

@@ -22,13 +22,14 @@ import argparse
 import datetime as dt
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from specdec.serving.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = ["127.0.0.2", "127.0.0.3"]
@@ -50,21 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random-init models instead of the real pair (wiring only)")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
     return p.parse_args(argv)
-
-
-def free_port(addresses: list[str]) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((addresses[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for a in addresses[1:]:
-                with socket.socket() as s:
-                    s.bind((a, port))
-            return port
-        except OSError:
-            continue
-    raise OSError("no common free port")
 
 
 class Fleet:
@@ -142,7 +128,7 @@ def main(argv=None) -> None:
 
     if args.tiny:
         sys.path.insert(0, str(REPO))
-        from tests.helpers import make_tiny_model
+        from specdec.models import make_tiny_model
 
         tiny = Path(tempfile.mkdtemp(prefix="specdec-tiny-"))
         target_model, draft_model = make_tiny_model(tiny / "target", seed=0), make_tiny_model(tiny / "draft", seed=1)

@@ -8,23 +8,27 @@ import os
 import sys
 
 from coordinator.proposers.adaptive import AdaptiveConfig
-from coordinator.admission import AdmissionConfig
+from coordinator.api.admission import AdmissionConfig
 from coordinator.proposers.lookup import LookupConfig
 from coordinator.proposers.names import NAMES, Proposer
-from coordinator.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported
-from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
+from coordinator.tiers.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported
+from coordinator.api.grpc_api import SERVICE_NAME
+from coordinator.config import CoordinatorConfig
+from coordinator.pipeline import Pipeline, PipelineMismatch
+from coordinator.service import build
 from coordinator.proposers.suffix import SuffixConfig
-from specdec.wire.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
+from specdec.serving.flags import (EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file)
 from specdec.models import default_target
-from specdec.wire.metrics import serve_metrics
-from specdec.wire.server import check_token, serve
+from specdec.serving.metrics import serve_metrics
+from specdec.serving.auth import check_token
+from specdec.serving.server import serve
 
 log = logging.getLogger("coordinator")
 D = CoordinatorConfig
 
 
 def main(argv=None) -> None:
-    # Session-affine routing (coordinator.routing) needs grpc-core's ring hash on a request header, which
+    # Session-affine routing (coordinator.tiers.routing) needs grpc-core's ring hash on a request header, which
     # it reads behind this variable; set before any channel parses its service config. An explicit value
     # from the environment wins (and the start-up probe refuses to start if routing does not work).
     os.environ.setdefault(RING_HASH_ENV, "true")

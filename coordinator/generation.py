@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -27,10 +26,11 @@ from coordinator.proposers.draft_model import DraftModelProposer
 from coordinator.proposers.lookup import PromptLookupProposer
 from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
 from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer
+from coordinator.stats import RoundStats
 from coordinator.text import IncrementalDetokenizer, StopMatcher
-from coordinator.tier_session import DRAFT_RETRY, TARGET_RETRY, TierSession
-from coordinator.tiers import TierClient, TierError
-from specdec.wire.prefix import PrefixHashes
+from coordinator.tiers.session import DRAFT_RETRY, TARGET_RETRY, TierSession
+from coordinator.tiers.client import TierClient, TierError
+from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, generate_pb2, target_pb2
 from specdec.math.params import SamplingParams
 from specdec.math.seeds import DRAFT_STREAM, TARGET_STREAM, derive_seed
@@ -51,93 +51,6 @@ class GenerationParams:
     proposer: str = HYBRID  # DRAFT_MODEL | PROMPT_LOOKUP | SUFFIX | HYBRID
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """One round, as the metrics and the debug log see it."""
-
-    index: int  # round number in the generation, from 0
-    proposer: str  # DRAFT_MODEL, PROMPT_LOOKUP or SUFFIX: where this round's drafts came from
-    k: int  # drafts asked of the proposer (K after clamping to the token budget)
-    drafts: int  # draft tokens the target verified (a proposer may offer fewer than k)
-    accepted: int  # of those, accepted by the target: always the leading ones, d_1..d_accepted
-    draft_ms: float  # draft model compute
-    verify_ms: float  # target model compute
-    tier_ms: float  # time at the tiers outside the forwards: waiting for a step, verification / sampling math
-    network_ms: float  # rpc round trips minus the tiers' time (compute + tier_ms): the wire and the gRPC stacks
-    coordinator_ms: float  # the round's wall time minus its rpcs: proposing by lookup, bookkeeping, detokenizing
-    fallback: bool  # the draft model was wanted but unreachable: prompt lookup proposed instead
-    overlapped: bool  # the drafts were pre-drafted during the previous round's verification
-
-
-@dataclass
-class RoundStats:
-    """Counters over a generation (vLLM's meanings: acceptance length includes the bonus), and one
-    RoundRecord per round (per-position acceptance, K, proposer and timings for the metrics)."""
-
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    committed_before_truncation: int = 0
-    overlapped_rounds: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    tier_ms: float = 0.0
-    network_ms: float = 0.0
-    rpc_wall_ms: float = 0.0
-    records: list[RoundRecord] = field(default_factory=list)
-    # Full resends of the committed tokens after a tier lost the session (evicted, restarted), by tier.
-    reprefills: Counter = field(default_factory=Counter)
-    # Failed internal rpcs, by (tier, rpc, status name); the generation may have recovered from them.
-    tier_errors: Counter = field(default_factory=Counter)
-    # The round in progress: its start and what its rpcs cost so far.
-    _round_t0: float = 0.0
-    _round_ms: dict = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "tier", "network", "rpc_wall"), 0.0))
-
-    def begin_round(self) -> None:
-        self._round_t0 = time.perf_counter()
-        self._round_ms = dict.fromkeys(self._round_ms, 0.0)
-
-    def observe_rpc(self, wall_ms: float, compute_ms: float, queue_ms: float, is_draft: bool) -> None:
-        """One rpc: its round trip here, and the tier's forward time and other time (its queue_ms)."""
-        tier = min(max(0.0, queue_ms), max(0.0, wall_ms - compute_ms))
-        network = max(0.0, wall_ms - compute_ms - tier)
-        self.rpc_wall_ms += wall_ms
-        self.tier_ms += tier
-        self.network_ms += network
-        if is_draft:
-            self.draft_ms += compute_ms
-        else:
-            self.verify_ms += compute_ms
-        r = self._round_ms
-        r["rpc_wall"] += wall_ms
-        r["tier"] += tier
-        r["network"] += network
-        r["draft" if is_draft else "verify"] += compute_ms
-
-    def observe_overlapped(self, draft_compute_ms: float) -> None:
-        """This round's drafts were pre-drafted during the previous round (their rpc was not waited for)."""
-        self.overlapped_rounds += 1
-        self.draft_ms += draft_compute_ms
-        self._round_ms["draft"] += draft_compute_ms
-
-    def observe_tier_error(self, error: TierError) -> None:
-        self.tier_errors[(error.tier, error.rpc, error.code.name)] += 1
-
-    def end_round(self, proposal: Proposal, drafts: int, accepted: int, committed: int) -> RoundRecord:
-        r = self._round_ms
-        self.rounds += 1
-        self.draft_tokens += drafts
-        self.accepted_tokens += accepted
-        self.committed_before_truncation += committed
-        wall_ms = (time.perf_counter() - self._round_t0) * 1e3
-        record = RoundRecord(
-            index=len(self.records), proposer=proposal.source, k=proposal.k, drafts=drafts, accepted=accepted,
-            draft_ms=r["draft"], verify_ms=r["verify"], tier_ms=r["tier"], network_ms=r["network"],
-            coordinator_ms=max(0.0, wall_ms - r["rpc_wall"]), fallback=proposal.fallback, overlapped=proposal.overlapped)
-        self.records.append(record)
-        return record
 
 
 @dataclass

@@ -8,9 +8,9 @@ from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeWork
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire.server import Service, ServerConfig, handle_errors
-from specdec.wire.tier import (TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params,
-                               serve_session_stream)
+from specdec.serving.server import Service, ServerConfig, handle_errors
+from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
+from specdec.serving.tier_checks import check_context, check_num_tokens, sampling_params
 
 SERVICE_NAME = "specdec.v1.DraftService"
 

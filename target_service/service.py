@@ -11,9 +11,10 @@ from specdec.engine.engine import Engine
 from specdec.engine.config import TierConfig
 from specdec.engine.verify import SparseQ, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
-from specdec.wire.server import Service, ServerConfig, check_token_ids, handle_errors, invalid_argument
-from specdec.wire.tier import (TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params,
-                               serve_session_stream)
+from specdec.core.errors import check_token_ids, invalid_argument
+from specdec.serving.server import Service, ServerConfig, handle_errors
+from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
+from specdec.serving.tier_checks import check_context, check_num_tokens, sampling_params
 
 SERVICE_NAME = "specdec.v1.TargetService"
 Q_SUM_TOLERANCE = 1e-3  # a q row must sum to 1 within this

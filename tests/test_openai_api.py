@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from coordinator.admission import AdmissionConfig
+from coordinator.api.admission import AdmissionConfig
 from coordinator.proposers.names import NAMES, Proposer
 from specdec.client import Client
 from tests.helpers import Cluster

@@ -6,9 +6,10 @@ import grpc
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.names import DRAFT_MODEL
-from coordinator.tier_session import TierSession
-from coordinator.tiers import Extended, SessionStream, TierError
-from specdec.wire.prefix import PrefixHashes
+from coordinator.tiers.session import TierSession
+from coordinator.tiers.client import SessionStream, TierError
+from coordinator.tiers.cursor import Extended
+from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
 
 

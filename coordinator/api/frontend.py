@@ -18,13 +18,14 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import CollectorRegistry
 
-from coordinator.admission import Admission
+from coordinator.api.admission import Admission
 from coordinator.generation import Generation, Limits
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.tiers import TierError
-from coordinator.validation import RequestValidator
+from coordinator.pipeline import Pipeline
+from coordinator.tiers.client import TierError
+from coordinator.api.validation import RequestValidator
 from specdec.proto import generate_pb2
-from specdec.wire.server import RequestError, as_request_error
+from specdec.core.errors import RequestError, as_request_error
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ def finish_reason_name(value: int) -> str:
 
 
 class Frontend:
-    def __init__(self, pipeline, registry: CollectorRegistry, model_name: str) -> None:
-        """pipeline: a connected coordinator.service.Pipeline. model_name: the served model's name (the
+    def __init__(self, pipeline: Pipeline, registry: CollectorRegistry, model_name: str) -> None:
+        """pipeline: a connected coordinator.pipeline.Pipeline. model_name: the served model's name (the
         OpenAI API's model id and the metrics' model_name label)."""
         self.pipeline = pipeline
         self.config = pipeline.config

@@ -5,16 +5,13 @@ before any token is generated."""
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING
 
 from coordinator.generation import GenerationParams
+from coordinator.pipeline import Pipeline
 from coordinator.proposers.names import Proposer
 from specdec.math.params import SamplingParams
 from specdec.proto import generate_pb2
-from specdec.wire.server import check_token_ids, invalid_argument
-
-if TYPE_CHECKING:
-    from coordinator.service import Pipeline
+from specdec.core.errors import check_token_ids, invalid_argument
 
 CHAT_ROLES = {"system", "user", "assistant"}
 MAX_STOP_STRINGS = 16
@@ -24,7 +21,7 @@ MAX_STOP_LEN = 256
 class RequestValidator:
     """Checks a request against the server's limits and the pipeline's models (known after connect())."""
 
-    def __init__(self, pipeline: "Pipeline") -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         self.config = pipeline.config
 
