@@ -4,15 +4,29 @@ learnt from them at start-up: their models, the tokenizer, the target's load."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import uuid
 
 import grpc
 
 from coordinator.config import CoordinatorConfig
+from coordinator.generation import Generation
+from coordinator.output import Output
+from coordinator.params import GenerationParams
 from coordinator.proposers.adaptive import TierLoad
-from coordinator.proposers.suffix import SuffixCache
+from coordinator.proposers.draft_model import DraftModelProposer
+from coordinator.proposers.drafter import Drafter
+from coordinator.proposers.lookup import PromptLookupProposer
+from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
+from coordinator.proposers.policy import ProposerPolicy
+from coordinator.proposers.suffix import SuffixCache, SuffixProposer
+from coordinator.stats import RoundStats
 from coordinator.tiers.client import TierClient
 from coordinator.tiers.routing import probe_ring_hash
+from coordinator.tiers.session import DRAFT_RETRY, TARGET_RETRY, TierSession, deadline_clock
+from coordinator.tiers.target import TargetVerifier
+from specdec.math.seeds import DRAFT_STREAM, derive_seed
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, target_pb2
 from specdec.serving.server import read_pem
@@ -107,6 +121,44 @@ class Pipeline:
                 if asyncio.get_running_loop().time() > deadline:
                     raise ConnectionError(f"{name} service at {client.address} did not answer: {e.details()}") from None
                 await asyncio.sleep(0.5)
+
+    def max_k(self) -> int:
+        """The largest K accepted: the server's cap and each tier's."""
+        caps = [self.config.max_num_speculative_tokens]
+        for info in (self.draft_info, self.target_info):
+            if info is not None:
+                caps.append(info.max_draft_tokens)
+        return min(caps)
+
+    def generation(self, params: GenerationParams, deadline: float | None = None) -> Generation:
+        """A new session's round loop with its collaborators: the target and (for the draft_model and hybrid
+        proposers) the draft tier, each through a TierSession; the proposers and policy; the output.
+        deadline: time.monotonic() by which the client must have its answer (None: no deadline)."""
+        c, fingerprint = self.config, self.tokenizer_fingerprint
+        session_id = uuid.uuid4().hex
+        stats = RoundStats()
+        time_left = deadline_clock(deadline)
+        sampling = common_pb2.SamplingParams(temperature=params.sampling.temperature, top_k=params.sampling.top_k,
+                                             top_p=params.sampling.top_p)
+        target = TargetVerifier(
+            TierSession(self.target.session(session_id), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
+                        fingerprint, time_left),
+            sampling, params.seed, stats, self.target_load)
+        draft = None
+        if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
+            draft = DraftModelProposer(TierSession(self.draft.session(session_id), DRAFT_RETRY, stats, fingerprint, time_left),
+                                       sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
+        suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
+        max_k = self.max_k()
+        policy = ProposerPolicy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)),
+                                (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=self.target_load)
+        drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
+                          suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
+                          overlap=c.overlap, suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context)
+        eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
+        output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
+        return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
+                          max_context=self.target_info.max_context, session_id=session_id)
 
     def run_cleanup(self, coro) -> None:
         """Run a session clean-up in the background; close() waits for it."""

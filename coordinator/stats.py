@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.proposers.base import Proposal
+from specdec.proto import generate_pb2
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,13 @@ class RoundStats:
     reprefills: Counter = field(default_factory=Counter)
     # Failed internal rpcs, by (tier, rpc, status name); the generation may have recovered from them.
     tier_errors: Counter = field(default_factory=Counter)
+    clock: Callable[[], float] = time.perf_counter  # seconds; a fake in the round loop's unit tests
     # The round in progress: its start and what its rpcs cost so far.
     _round_t0: float = 0.0
     _round_ms: dict = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "tier", "network", "rpc_wall"), 0.0))
 
     def begin_round(self) -> None:
-        self._round_t0 = time.perf_counter()
+        self._round_t0 = self.clock()
         self._round_ms = dict.fromkeys(self._round_ms, 0.0)
 
     def observe_rpc(self, wall_ms: float, compute_ms: float, queue_ms: float, is_draft: bool) -> None:
@@ -89,10 +92,36 @@ class RoundStats:
         self.draft_tokens += drafts
         self.accepted_tokens += accepted
         self.committed_before_truncation += committed
-        wall_ms = (time.perf_counter() - self._round_t0) * 1e3
+        wall_ms = (self.clock() - self._round_t0) * 1e3
         record = RoundRecord(
             index=len(self.records), proposer=proposal.source, k=proposal.k, drafts=drafts, accepted=accepted,
             draft_ms=r["draft"], verify_ms=r["verify"], tier_ms=r["tier"], network_ms=r["network"],
             coordinator_ms=max(0.0, wall_ms - r["rpc_wall"]), fallback=proposal.fallback, overlapped=proposal.overlapped)
         self.records.append(record)
         return record
+
+    def summary(self, prompt_tokens: int, generated: int, elapsed_s: float, first_token_s: float | None, k: int | None,
+                proposer: str) -> generate_pb2.GenerationStats:
+        """The generation's GenerationStats. first_token_s: seconds to the first streamed chunk (None: none);
+        k: the request's K (None: adaptive)."""
+        return generate_pb2.GenerationStats(
+            prompt_tokens=prompt_tokens,
+            generated_tokens=generated,
+            rounds=self.rounds,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            mean_tokens_per_forward=self.committed_before_truncation / self.rounds if self.rounds else 0.0,
+            elapsed_s=elapsed_s,
+            tokens_per_s=generated / elapsed_s if elapsed_s > 0 else 0.0,
+            time_to_first_token_s=first_token_s or 0.0,
+            draft_ms=self.draft_ms,
+            verify_ms=self.verify_ms,
+            tier_ms=self.tier_ms,
+            network_ms=self.network_ms,
+            coordinator_ms=max(0.0, elapsed_s * 1e3 - self.rpc_wall_ms),
+            num_speculative_tokens=-1 if k is None else k,
+            mean_num_speculative_tokens=self.draft_tokens / self.rounds if self.rounds else 0.0,
+            proposer=proposer,
+            overlapped_rounds=self.overlapped_rounds,
+        )

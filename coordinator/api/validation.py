@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 
-from coordinator.generation import GenerationParams
+from coordinator.params import GenerationParams
 from coordinator.pipeline import Pipeline
 from coordinator.proposers.names import Proposer
 from specdec.math.params import SamplingParams
@@ -27,11 +27,7 @@ class RequestValidator:
 
     def max_k(self) -> int:
         """The largest K accepted: the server's cap and each tier's."""
-        caps = [self.config.max_num_speculative_tokens]
-        for info in (self.pipeline.draft_info, self.pipeline.target_info):
-            if info is not None:
-                caps.append(info.max_draft_tokens)
-        return min(caps)
+        return self.pipeline.max_k()
 
     def __call__(self, r: generate_pb2.GenerateRequest) -> GenerationParams:
         """The request as GenerationParams, or RequestError(INVALID_ARGUMENT) naming the field."""

@@ -1,4 +1,6 @@
-"""The draft model as a proposer: the remote draft tier over one bidirectional stream per session."""
+"""The draft model as a proposer: the remote draft tier over one bidirectional stream per session, with its
+prefetch (the overlap): while the target verifies round r, the draft already drafts round r + 1 from the
+most likely outcome, and the block is kept if that outcome happened."""
 
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ class DraftModelProposer:
         return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q), wall_ms=reply.wall_ms,
                         compute_ms=response.compute_ms, queue_ms=response.queue_ms, k=k, catch_up=reply.fed)
 
-    # --- overlap: draft round r+1 while the target verifies round r ---------------------------------
+    # --- prefetch (the overlap): draft round r+1 while the target verifies round r ---------------------
 
-    async def speculate(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], k: int) -> bool:
+    async def prefetch(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], k: int) -> bool:
         """Ask for the next block assuming every draft is accepted: K + 1 tokens after
         committed + drafts, the first being the draft's guess of the target's bonus token. Only sends;
         collect() reads the reply. Returns False if the request could not be sent."""

@@ -50,6 +50,19 @@ TARGET_RETRY = RetryPolicy(retry=True)  # the target: wait for it (retry_s comes
 DRAFT_RETRY = RetryPolicy(down_s=(0.25, 0.5, 1.0))  # the draft: fall back to prompt lookup, try it again soon
 
 
+def deadline_clock(deadline: float | None) -> Callable[[], float | None]:
+    """time_left for a TierSession: seconds until a time.monotonic() deadline (None: none), keeping a margin
+    to report an error in time."""
+
+    def time_left() -> float | None:
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        return left - min(0.5, 0.1 * max(left, 0.0))
+
+    return time_left
+
+
 class SessionCalls(Protocol):
     """One session's rpcs on one tier (coordinator.tiers.TierSessionCalls: the session's stream)."""
 
