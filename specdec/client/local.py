@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specdec.serving.ports import free_port
 
 
 @dataclass
@@ -25,12 +26,6 @@ class LocalPipelineConfig:
     coordinator_args: list[str] = field(default_factory=list)  # extra flags for python -m coordinator
     start_timeout_s: float = 600.0  # the first GGUF conversion takes ~20 s; slow disks more
     env: dict[str, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalPipeline:
