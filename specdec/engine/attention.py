@@ -14,6 +14,12 @@ Two shapes of work, two ways to run them, neither copying a cache:
   are handed out lowest-first, so live sessions sit in a dense range;
 * a **long** segment (a prefill chunk) attends alone to its own slot prefix, also a view.
 
+**Token trees** (issue 17): a feed may end in a tree's nodes (`trees[i]`: their parents, -1 = the
+root, the last committed token). Node j is stored at slot position cached + m + j (m: the feed's new
+tokens before its nodes), in node order, but sits at position cached + m + depth(j) for the rotary
+embedding, and sees its committed prefix plus its ancestors only: the causal mask with the pairs
+(node, earlier non-ancestor) switched off. A chain's nodes are a plain causal feed.
+
 The step's layout reaches the attention through `active(layout)` (the engine thread's current step),
 not through the model's keyword arguments, so that the decoder's forward can be compiled: inside a
 torch.compile'd forward the attention is one opaque custom op (`specdec::ragged_attention`), and the
@@ -69,10 +75,28 @@ class Group:
 class StepLayout:
     cache: SlotKVCache
     slots: torch.Tensor  # [T] int64 slot of each token
-    positions: torch.Tensor  # [T] int64 position of each token in its session
+    positions: torch.Tensor  # [T] int64 position of each token in its session (the rotary embedding's)
     segments: list[Segment]
     group: Group | None
     extra: list[torch.Tensor]  # the caller's own int lists (build_layout's `extra`), on the device
+    kv_positions: torch.Tensor | None = None  # [T] int64 where each token's key and value are stored; None = positions
+
+
+def tree_layout(cached: int, new: int, parents: list[int] | None) -> tuple[list[int], list[tuple[int, int]]]:
+    """A feed of `new` tokens ending in a tree's nodes (parents: local, -1 = root; None = no tree):
+    (rotary positions [new], hidden pairs (i, j), j < i, of new-token indices where token i must not
+    see token j although the causal mask would let it: an earlier node that is not its ancestor)."""
+    if not parents:
+        return list(range(cached, cached + new)), []
+    m = new - len(parents)
+    depth: list[int] = []
+    ancestors: list[set[int]] = []
+    for j, parent in enumerate(parents):
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+        ancestors.append({j} if parent < 0 else ancestors[parent] | {j})
+    positions = list(range(cached, cached + m)) + [cached + m + d for d in depth]
+    hidden = [(m + i, m + j) for i in range(len(parents)) for j in range(i) if j not in ancestors[i]]
+    return positions, hidden
 
 
 def causal_mask(cached: int, new: int, device: torch.device) -> torch.Tensor | None:
@@ -96,21 +120,33 @@ def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor
 
 
 def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: torch.device,
-                 extra: tuple[list[int], ...] = ()) -> StepLayout:
+                 extra: tuple[list[int], ...] = (), trees: list[list[int] | None] | None = None) -> StepLayout:
     """feeds: (slot, cached, new) per session, in flat-step order. `extra` int lists travel to the device
-    in the same copy as the layout's own indices (StepLayout.extra)."""
+    in the same copy as the layout's own indices (StepLayout.extra). trees: per feed, the parents of the
+    tree nodes its new tokens end with, or None (tree_layout)."""
     device = torch.device(device)
-    slots, positions = [], []
+    trees = trees if trees is not None and any(trees) else None
+    slots, positions, kv_positions = [], [], []
     small, long_feeds, start = [], [], 0
-    for slot, cached, new in feeds:
+    hidden: dict[int, list[tuple[int, int]]] = {}  # feed start -> its tree's hidden pairs
+    for f, (slot, cached, new) in enumerate(feeds):
         slots.extend([slot] * new)
-        positions.extend(range(cached, cached + new))
+        if trees is None:
+            positions.extend(range(cached, cached + new))
+        else:
+            rope, pairs = tree_layout(cached, new, trees[f])
+            positions.extend(rope)
+            kv_positions.extend(range(cached, cached + new))
+            if pairs:
+                hidden[start] = pairs
         if new <= GROUP_MAX_NEW:
             small.append((slot, cached, new, start))
         else:
             long_feeds.append((slot, cached, new, start))
         start += new
     lists = [slots, positions, *extra]
+    if trees is not None:
+        lists.append(kv_positions)
     group_spec = None
     if len(small) > 1:
         first, last = min(s[0] for s in small), max(s[0] for s in small)
@@ -120,17 +156,38 @@ def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: 
             small = []
     long_feeds.extend(small)  # small feeds that did not form a group attend alone
     long_feeds.sort(key=lambda f: f[3])
+    group_hidden = None
+    if group_spec is not None and hidden:
+        first, last, members = group_spec
+        n_max, kv_len = max(s[2] for s in members), max(s[1] + s[2] for s in members)
+        group_hidden = [((slot - first) * n_max + i) * kv_len + cached + j  # flat index into [count, n_max, kv_len]
+                        for slot, cached, new, begin in members for i, j in hidden.get(begin, ())]
+        lists.append(group_hidden)
     tensors = to_device(lists, device)
-    segments = [Segment(slot, begin, begin + new, cached + new, causal_mask(cached, new, device))
+    segments = [Segment(slot, begin, begin + new, cached + new, _tree_mask(causal_mask(cached, new, device), cached,
+                                                                           hidden.get(begin)))
                 for slot, cached, new, begin in long_feeds]
     group = None
     if group_spec is not None:
         first, last, members = group_spec
-        token_index, slot_index, query_index, slot_cached, slot_new = tensors[len(lists) - 5:]
-        group = _group(cache, members, first, last, token_index, slot_index, query_index, slot_cached, slot_new, device)
+        end = len(lists) - (group_hidden is not None)
+        token_index, slot_index, query_index, slot_cached, slot_new = tensors[end - 5 : end]
+        group = _group(cache, members, first, last, token_index, slot_index, query_index, slot_cached, slot_new, device,
+                       tensors[-1] if group_hidden is not None else None)
     for slot, cached, new in feeds:
         cache.mark_written(slot, cached + new)
-    return StepLayout(cache, tensors[0], tensors[1], segments, group, tensors[2 : 2 + len(extra)])
+    kv = tensors[2 + len(extra)] if trees is not None else None
+    return StepLayout(cache, tensors[0], tensors[1], segments, group, tensors[2 : 2 + len(extra)], kv)
+
+
+def _tree_mask(mask: torch.Tensor | None, cached: int, pairs: list[tuple[int, int]] | None) -> torch.Tensor | None:
+    """A segment's causal mask [new, cached + new] with a tree's hidden pairs switched off."""
+    if not pairs:
+        return mask
+    rows = torch.tensor([i for i, _ in pairs], device=mask.device)
+    cols = torch.tensor([cached + j for _, j in pairs], device=mask.device)
+    mask[rows, cols] = False
+    return mask
 
 
 def _group_lists(small, first: int, last: int) -> list[list[int]]:
@@ -148,7 +205,7 @@ def _group_lists(small, first: int, last: int) -> list[list[int]]:
 
 
 def _group(cache: SlotKVCache, small, first: int, last: int, token_index, slot_index, query_index, slot_cached,
-           slot_new, device) -> Group:
+           slot_new, device, hidden: torch.Tensor | None = None) -> Group:
     count = last - first + 1
     n_max = max(s[2] for s in small)
     kv_len = max(s[1] + s[2] for s in small)
@@ -159,6 +216,8 @@ def _group(cache: SlotKVCache, small, first: int, last: int, token_index, slot_i
     queries = torch.arange(n_max, device=device)
     allowed = ((keys[None, None, :] <= slot_cached[:, None, None] + queries[None, :, None])
                & (queries[None, :, None] < slot_new[:, None, None]))  # [count, n_max, kv_len]
+    if hidden is not None:  # token trees: a node sees only its ancestors among the nodes
+        allowed.view(-1)[hidden] = False
     additive = torch.full(allowed.shape, float("-inf"), dtype=cache.geometry.dtype, device=device)
     additive.masked_fill_(allowed, 0.0)  # an additive mask: cheaper than a bool one in SDPA
     return Group(first, count, token_index, slot_index, query_index, n_max, kv_len, additive[:, None])
@@ -189,7 +248,8 @@ def attend(step: StepLayout, layer: int, query: torch.Tensor, key: torch.Tensor,
            scaling: float | None) -> torch.Tensor:
     """query [1, H, T, D], key / value [1, H_kv, T, D] (the step's new tokens, rotary applied) ->
     [T, H, D]. Stores the step's keys and values in the sessions' slots, then attends."""
-    step.cache.write(layer, step.slots, step.positions, key[0], value[0])
+    kv_positions = step.positions if step.kv_positions is None else step.kv_positions
+    step.cache.write(layer, step.slots, kv_positions, key[0], value[0])
     heads, dim = query.shape[1], query.shape[3]
     out = query.new_empty(query.shape[2], heads, dim)  # [T, H, D]
     tokens = query[0].transpose(0, 1)  # [T, H, D]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.engine.attention import active
+from specdec.engine.attention import active, tree_layout
 from specdec.engine.kv_cache import SlotKVCache
 from specdec.engine.static_attention import StaticBuffers, StaticLayout
 
@@ -91,17 +91,23 @@ class CudaGraphStep:
         s_b, n_b = bucket.sessions, bucket.tokens
         scratch = self.cache.scratch_slot
         ids, positions, slots = [0] * (s_b * n_b), [i % n_b for i in range(s_b * n_b)], [scratch] * (s_b * n_b)
+        kv_positions = list(positions)
         session_slots, cached, new = [scratch] * s_b, [0] * s_b, [0] * s_b
+        hidden = [0] * (s_b * n_b * n_b)
         rows = []
         for s, f in enumerate(feeds):
             base = s * n_b
+            rope, pairs = tree_layout(f.cached, len(f.tokens), f.tree)
             for i, token in enumerate(f.tokens):
-                ids[base + i], positions[base + i], slots[base + i] = token, f.cached + i, f.slot
+                ids[base + i], positions[base + i], slots[base + i] = token, rope[i], f.slot
+                kv_positions[base + i] = f.cached + i
+            for i, j in pairs:
+                hidden[(base + i) * n_b + j] = 1
             rows.extend(range(base, base + len(f.tokens)))
             session_slots[s], cached[s], new[s] = f.slot, f.cached, len(f.tokens)
         for slot in {f.slot for f in feeds} | {scratch}:  # every key the graph reads is finite
             self.cache.initialize(slot, slot, bucket.kv_len)
-        self.buffers.fill([ids, positions, slots, session_slots, cached, new])
+        self.buffers.fill([ids, positions, slots, session_slots, cached, new, kv_positions, hidden])
         hidden = self._replay(bucket)
         for f in feeds:
             self.cache.mark_written(f.slot, f.cached + len(f.tokens))
@@ -156,15 +162,15 @@ class CudaGraphStep:
         return entry
 
     def _buffer_list(self) -> list[torch.Tensor]:
-        b = self.buffers
-        return [b.input_ids, b.positions, b.slots, b.session_slots, b.cached, b.new]
+        return self.buffers.all()
 
     def _fill_padding(self, bucket: Bucket) -> None:
         scratch = self.cache.scratch_slot
         t = bucket.sessions * bucket.tokens
         self.cache.initialize(scratch, scratch, bucket.kv_len)
         self.buffers.fill([[0] * t, [i % bucket.tokens for i in range(t)], [scratch] * t, [scratch] * bucket.sessions,
-                           [0] * bucket.sessions, [0] * bucket.sessions])
+                           [0] * bucket.sessions, [0] * bucket.sessions, [i % bucket.tokens for i in range(t)],
+                           [0] * (t * bucket.tokens)])
 
     def capture_at_start(self) -> None:
         """Capture the decode / verify buckets at the shortest key length, so the first requests pay none."""

@@ -262,7 +262,8 @@ class Engine:
         return STARTED
 
     def _step(self, plan: list[Planned]) -> None:
-        feeds = [Feed(p.work.session.slot, len(p.work.session), p.work.pending[: p.take], p.num_logits) for p in plan]
+        feeds = [Feed(p.work.session.slot, len(p.work.session), p.work.pending[: p.take], p.num_logits,
+                      p.work.feed_tree() if p.num_logits else None) for p in plan]
         tokens = sum(p.take for p in plan)
         t0 = time.perf_counter()
         try:

@@ -130,6 +130,19 @@ class SlotKVCache:
         self.keys[layer][slots, :, positions] = key.transpose(0, 1)
         self.values[layer][slots, :, positions] = value.transpose(0, 1)
 
+    def move(self, slot: int, source: list[int], target: list[int]) -> None:
+        """Copy the keys and values at positions `source` of `slot` to positions `target` (same length),
+        in every layer: a token tree's accepted path moved into place after verification. The sources
+        are read before any target is written, so the two may overlap."""
+        if source == target:
+            return
+        device = self.geometry.device
+        src = torch.tensor(source, dtype=torch.long, device=device)
+        dst = torch.tensor(target, dtype=torch.long, device=device)
+        for layer in range(self.geometry.num_layers):
+            self.keys[layer][slot, :, dst] = self.keys[layer][slot, :, src]
+            self.values[layer][slot, :, dst] = self.values[layer][slot, :, src]
+
     def view(self, layer: int, first: int, count: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` keys and values of slots first..first+count-1, in place:
         ([count, H_kv, length, D], same)."""

@@ -2,7 +2,8 @@
 
 The runner knows nothing of sessions or sampling: it takes feeds (a slot, how many tokens it already
 caches, the new tokens, how many trailing logits rows are wanted), runs the decoder once over all of
-them through the ragged attention of specdec.engine.attention, and applies the LM head only to the
+them through the ragged attention of specdec.engine.attention (a feed may end in a token tree's nodes,
+each attending to its prefix and its ancestors: Feed.tree), and applies the LM head only to the
 rows someone needs. How the forward runs (eager, compiled, or replayed from a CUDA graph) is the step
 program's business (specdec.engine.step); what it computes is the same in every mode.
 """
@@ -25,6 +26,7 @@ class Feed:
     cached: int  # tokens already in the slot (the position of the first new token)
     tokens: list[int]  # new tokens, in order
     num_logits: int  # logits wanted for the last num_logits new tokens (0..len(tokens))
+    tree: list[int] | None = None  # token trees: parents (-1 = root) of the nodes the tokens end with; None = a chain
 
 
 class UnsupportedModel(ValueError):
@@ -107,7 +109,7 @@ class ModelRunner:
                 ids.extend(f.tokens)
                 rows.extend(range(start + n - f.num_logits, start + n))
             layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], self.device,
-                                  extra=(ids, rows))
+                                  extra=(ids, rows), trees=[f.tree for f in feeds])
             input_ids, row_index = layout.extra
             with active(layout):
                 return self.program(input_ids, layout.positions, row_index).float()  # [R, V]

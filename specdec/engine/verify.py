@@ -6,6 +6,15 @@ rejection_sample_batched (specdec.math.rejection) over the batch's SpecDecodeMet
 and its q (the sessions' DraftProbs, one-hot for deterministic drafts, made dense by the math module),
 each with its own sampling parameters and seed. The session then keeps the committed prefix plus the accepted drafts: a crop,
 which is a length change.
+
+A work may carry a token tree instead of a chain (`parents`, specdec.math.tree's layout: the drafts are
+its nodes in node order, fed after the uncached committed tokens, each seeing its prefix and its
+ancestors). Tree works are verified batched by scheme (specdec.math.tree_verify): greedy sessions walk the
+target's argmax; without q, the nodes are deterministic candidates, checked against one draw from p per
+level (noise keyed by the round's seed and the level); with q, SpecInfer's multi-step speculative sampling
+(siblings drawn independently) or recursive rejection sampling (siblings drawn without replacement). The
+accepted path's KV entries (stored at committed_len + node index) are then moved to committed_len +
+0..n-1 (SlotKVCache.move: a copy inside the slot, no forward) and the session cropped to them.
 """
 
 from __future__ import annotations
@@ -21,6 +30,15 @@ from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
 from specdec.math.rejection import rejection_sample_batched, round_randomness, verify_greedy_batched
 from specdec.math.sampling import make_generator, process_logits_rows
+from specdec.math.seeds import derive_seed
+from specdec.math.tree_verify import (level_noise, num_levels, verify_tree_candidates_batched,
+                                      verify_tree_greedy_batched, verify_tree_sampled_batched)
+
+# Tree schemes (VerifyWork.scheme), as the wire names them
+CANDIDATES = "candidates"  # deterministic candidates: no q (suffix / lookup matches, an unsampled draft's top-b)
+IID = "iid"  # sampled siblings, each drawn independently from its q row (SpecInfer's MSS)
+WITHOUT_REPLACEMENT = "without_replacement"  # siblings drawn without replacement from their parent's q (RSD)
+LEVEL_STREAM = 3  # derive_seed stream of the candidates scheme's per-level draws (keyed by the round seed and level)
 
 
 @dataclass(frozen=True)
@@ -33,6 +51,7 @@ class VerifyResult:
     batch_tokens: int  # tokens in that step
     step_ms: float  # that step's forward time
     queue_ms: float  # waiting, not computing
+    path: tuple[int, ...] = ()  # token trees: the accepted nodes, root-down (a chain: 0..n-1)
 
 
 @dataclass(eq=False)
@@ -42,31 +61,50 @@ class VerifyWork(Work):
     params: SamplingParams = SamplingParams()
     seed: int = 0  # this round's seed (accept/reject draws and the final sample)
     committed_len: int = 0  # prefix_len + new committed tokens
+    parents: list[int] | None = None  # a token tree: each draft's parent (-1 = the root); None = a chain
+    scheme: str = ""  # a tree's scheme: CANDIDATES (no q), IID or WITHOUT_REPLACEMENT (with q); greedy ignores it
 
     kind: ClassVar[str] = "verify"
 
     @classmethod
     def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], drafts: list[int],
-               q: DraftProbs | None, params: SamplingParams, seed: int) -> "VerifyWork":
+               q: DraftProbs | None, params: SamplingParams, seed: int, parents: list[int] | None = None,
+               scheme: str = "") -> "VerifyWork":
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
-                   params=params, seed=seed, committed_len=prefix_len + len(new_tokens))
+                   params=params, seed=seed, committed_len=prefix_len + len(new_tokens),
+                   parents=list(parents) if parents else None, scheme=scheme)
+
+    def feed_tree(self) -> list[int] | None:
+        return self.parents
 
     @classmethod
     def finish_step(cls, works: list["VerifyWork"], logits: list[torch.Tensor], engine) -> None:
-        greedy = [i for i, w in enumerate(works) if w.params.greedy and w.q is None]
-        sampled = [i for i, w in enumerate(works) if not (w.params.greedy and w.q is None)]
-        outcome: dict[int, tuple[int, int]] = {}
+        trees = [i for i, w in enumerate(works) if w.parents is not None]
+        chains = [i for i, w in enumerate(works) if w.parents is None]
+        greedy = [i for i in chains if works[i].params.greedy and works[i].q is None]
+        sampled = [i for i in chains if not (works[i].params.greedy and works[i].q is None)]
+        outcome: dict[int, tuple[list[int], int]] = {}
         for subset, verify in ((greedy, _verify_greedy), (sampled, _verify_sampled)):
             if subset:
                 n, nxt = verify([works[i] for i in subset], [logits[i] for i in subset], engine.vocab_size)
-                outcome.update(zip(subset, zip(n.tolist(), nxt.tolist())))
+                outcome.update((i, (list(range(k)), t)) for i, k, t in zip(subset, n.tolist(), nxt.tolist()))
+        if trees:
+            outcome.update(zip(trees, _verify_trees([works[i] for i in trees], [logits[i] for i in trees],
+                                                    engine.vocab_size)))
         for i, w in enumerate(works):
-            n, nxt = outcome[i]
-            keep = w.committed_len + n
-            engine.sessions.crop(w.session, keep)  # the committed prefix plus the accepted drafts
+            path, nxt = outcome[i]
+            keep = w.committed_len + len(path)
+            if w.parents is None:
+                engine.sessions.crop(w.session, keep)  # the committed prefix plus the accepted drafts
+            else:  # the accepted path's entries moved into place, then the same crop
+                engine.cache.move(w.session.slot, [w.committed_len + j for j in path],
+                                  list(range(w.committed_len, keep)))
+                engine.sessions.crop(w.session, w.committed_len)
+                engine.sessions.append(w.session, [w.drafts[j] for j in path])
             sessions, tokens, seconds = w.last_step
-            w.result = VerifyResult(n, nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3, w.queue_ms())
+            w.result = VerifyResult(len(path), nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3,
+                                    w.queue_ms(), tuple(path))
 
 
 def _verify_greedy(works, logits, vocab_size):
@@ -85,3 +123,51 @@ def _verify_sampled(works, logits, vocab_size):
     uniform, noise = round_randomness(generators, meta.num_draft_tokens, vocab_size, device)
     return rejection_sample_batched(p, q.dense(vocab_size, device), meta.draft_token_ids, meta.cu_num_draft_tokens,
                                     uniform, noise)
+
+
+def _verify_trees(works: list[VerifyWork], logits: list[torch.Tensor], vocab_size: int) -> list[tuple[list[int], int]]:
+    """Each tree work's (accepted path, next token), verified batched per scheme."""
+    out: list[tuple[list[int], int] | None] = [None] * len(works)
+    greedy = [i for i, w in enumerate(works) if w.params.greedy]
+    candidates = [i for i, w in enumerate(works) if not w.params.greedy and w.q is None]
+    sampled = [i for i, w in enumerate(works) if not w.params.greedy and w.q is not None]
+    for subset, verify in ((greedy, _tree_greedy), (candidates, _tree_candidates), (sampled, _tree_sampled)):
+        if subset:
+            sub = [works[i] for i in subset]
+            rows = torch.cat([logits[i] for i in subset])  # [N + B, V]
+            device = rows.device
+            meta = SpecDecodeMetadata.build([w.drafts for w in sub], device)
+            parents = torch.tensor([p for w in sub for p in w.parents], dtype=torch.long, device=device)  # [N]
+            verdict = verify(sub, rows, meta, parents, vocab_size)
+            paths, counts = verdict.path.tolist(), verdict.num_accepted.tolist()
+            for i, path, n, nxt in zip(subset, paths, counts, verdict.next_token.tolist()):
+                out[i] = (path[:n], nxt)
+    return out
+
+
+def _tree_greedy(works, rows, meta, parents, vocab_size):
+    return verify_tree_greedy_batched(rows, meta.draft_token_ids, parents, meta.cu_num_draft_tokens)
+
+
+def _row_probs(works, rows, meta):
+    return process_logits_rows(rows, [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)])
+
+
+def _tree_candidates(works, rows, meta, parents, vocab_size):
+    p = _row_probs(works, rows, meta)  # [N + B, V]
+    levels = num_levels(parents, meta.cu_num_draft_tokens)
+    generators = [[make_generator(derive_seed(w.seed, d, LEVEL_STREAM), rows.device) for d in range(n)]
+                  for w, n in zip(works, levels)]
+    noise = level_noise(generators, vocab_size, rows.device)  # [B, L, V]
+    return verify_tree_candidates_batched(p, meta.draft_token_ids, parents, meta.cu_num_draft_tokens, noise)
+
+
+def _tree_sampled(works, rows, meta, parents, vocab_size):
+    device = rows.device
+    p = _row_probs(works, rows, meta)  # [N + B, V]
+    q = DraftProbs.cat([w.q for w in works]).dense(vocab_size, device)  # [N, V]
+    generators = [make_generator(w.seed, device) for w in works]
+    uniform, noise = round_randomness(generators, meta.num_draft_tokens, vocab_size, device)
+    without = torch.tensor([w.scheme == WITHOUT_REPLACEMENT for w in works], device=device)
+    return verify_tree_sampled_batched(p, q, meta.draft_token_ids, parents, meta.cu_num_draft_tokens, uniform, noise,
+                                       without)

@@ -44,6 +44,10 @@ class Work:
         """Time since submission not spent in this work's own steps."""
         return max(0.0, (time.perf_counter() - self.submitted_at - self.compute_s) * 1e3)
 
+    def feed_tree(self) -> list[int] | None:
+        """The parents of the token tree the feed ends with (its last feed), or None."""
+        return None
+
     @classmethod
     def finish_step(cls, works: list["Work"], logits: list[torch.Tensor], engine) -> None:
         """Consume the logits of works whose feed completed this step: set .result, or a new feed."""
