@@ -1,7 +1,7 @@
 """TargetService: Verify / VerifyStream / EndSession / GetModelInfo / GetStatus, over a batching engine.
 
 The servicer is thin: to_work() holds every check of a VerifyRequest (q through specdec.serving.draft_probs,
-the wire codec) and its conversion to a VerifyWork, to_response() the conversion back."""
+the wire codec; a token tree through specdec.serving.token_tree) and its conversion to a VerifyWork, to_response() the conversion back."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.verify import VerifyResult, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
 from specdec.serving import draft_probs
+from specdec.serving.token_tree import tree_of
 from specdec.serving.server import Service, ServerConfig, handle_errors
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
 from specdec.serving.tier_checks import check_context, check_num_tokens, sampling_params
@@ -49,15 +50,18 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         check_context(engine, request.context, extra_tokens=k)
         check_token_ids(request.draft_tokens, engine.vocab_size, "draft_tokens")
         q = draft_probs.decode(request.q, k, engine.vocab_size)
+        params = sampling_params(request.sampling)
+        parents, scheme = tree_of(request, q is not None, params.greedy, engine)
         ctx = request.context
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
-                                 list(request.draft_tokens), q, sampling_params(request.sampling), request.seed)
+                                 list(request.draft_tokens), q, params, request.seed, parents, scheme)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
         return target_pb2.VerifyResponse(num_accepted=r.num_accepted, next_token=r.next_token, cached_len=r.cached_len,
                                          compute_ms=r.compute_ms, batch_sessions=r.batch_sessions,
-                                         batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms)
+                                         batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms,
+                                         accepted_path=r.path if r.tree else ())
 
 
 def build(config: TargetConfig, engine: Engine | None = None) -> TierServer:

@@ -52,6 +52,7 @@ class VerifyResult:
     step_ms: float  # that step's forward time
     queue_ms: float  # waiting, not computing
     path: tuple[int, ...] = ()  # token trees: the accepted nodes, root-down (a chain: 0..n-1)
+    tree: bool = False  # the drafts were a token tree
 
 
 @dataclass(eq=False)
@@ -104,7 +105,7 @@ class VerifyWork(Work):
                 engine.sessions.append(w.session, [w.drafts[j] for j in path])
             sessions, tokens, seconds = w.last_step
             w.result = VerifyResult(len(path), nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3,
-                                    w.queue_ms(), tuple(path))
+                                    w.queue_ms(), tuple(path), w.parents is not None)
 
 
 def _verify_greedy(works, logits, vocab_size):
