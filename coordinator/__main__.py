@@ -73,6 +73,8 @@ def main(argv=None) -> None:
     a.add("--tier-retry-timeout", type=float, default=D.tier_retry_s,
           help="seconds to keep retrying an unreachable target when the client set no deadline")
     a.add("--overlap", type=bool, default=D.overlap, help="pre-draft the next round while the target verifies")
+    a.add("--tree-nodes", type=int, default=D.tree_nodes,
+          help="> 0: prompt lookup and suffix decoding propose token trees of this many nodes, K their depth (0 = chains)")
     a.add("--tier-ca", default=None, help="PEM CA that signed the tiers' certificates: connect to the tiers over TLS")
     a.add("--tier-client-cert", default=None, help="PEM client certificate presented to the tiers (mutual TLS)")
     a.add("--tier-client-key", default=None, help="PEM private key of --tier-client-cert")
@@ -100,6 +102,7 @@ def main(argv=None) -> None:
         max_num_speculative_tokens=args.max_k, default_proposer=Proposer.parse(args.default_proposer),
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
+        tree_nodes=args.tree_nodes,
         suffix=suffix,
         rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout, tier_retry_s=args.tier_retry_timeout,
         admission=AdmissionConfig(max_concurrency=args.max_concurrency, max_requests_per_s=args.max_rps,

@@ -31,6 +31,7 @@ class CoordinatorConfig:
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
     suffix: SuffixConfig = SuffixConfig()  # suffix decoding: tree depth, proposal length, shared-tree bounds
     overlap: bool = False  # pre-draft round r+1 while the target verifies round r
+    tree_nodes: int = 0  # > 0: prompt lookup and suffix decoding propose token trees of this many nodes (0 = chains)
     tier_retry_s: float = 30.0  # retry an unreachable target this long when the client set no deadline
     admission: AdmissionConfig = AdmissionConfig()  # concurrency and request-rate limits
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc

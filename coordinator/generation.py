@@ -1,7 +1,8 @@
 """One generation: the speculative round loop.
 
 Per round: the drafter proposes up to K draft tokens (with q), the target verifies them in one forward
-and returns (n_accepted, next_token); the output commits d_1..d_n + next_token, cut at EOS, a stop string
+and returns (n_accepted, next_token); the output commits d_1..d_n + next_token (for a token tree: the
+accepted path's tokens + next_token), cut at EOS, a stop string
 or the token budget, and streams them. The committed sequence lives here only; each tier is told, per
 request, which prefix of it it already caches. Everything else lives in the collaborators, passed in (the
 unit tests pass fakes): the target (coordinator.tiers.target: routing, retries, re-prefills), the drafter
@@ -28,7 +29,7 @@ class Target(Protocol):
     """The target as the loop calls it (coordinator.tiers.target.TargetVerifier; a fake in tests)."""
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
-                     q: list[common_pb2.DraftDistribution]) -> Verdict: ...
+                     q: list[common_pb2.DraftDistribution], parents: list[int] = ()) -> Verdict: ...
 
     async def close(self) -> None: ...
 
@@ -62,9 +63,11 @@ class Generation:
                 break
             proposal = await self.drafter.propose(committed, hashes, limit)  # propose
             verdict = await self.drafter.verify(  # verify (the draft may prefetch the next block meanwhile)
-                self.target.verify(committed, hashes, proposal.tokens, proposal.q), proposal, committed, hashes, limit)
+                self.target.verify(committed, hashes, proposal.tokens, proposal.q, proposal.parents), proposal, committed,
+                hashes, limit)
             n = verdict.num_accepted  # accept
-            accepted = proposal.tokens[:n] + [verdict.next_token]
+            path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
+            accepted = [proposal.tokens[i] for i in path] + [verdict.next_token]
             self.drafter.observe(proposal, verdict, accepted)
             chunk = out.take(accepted)  # commit, cut at EOS, the budget or a stop string
             committed.extend(chunk)

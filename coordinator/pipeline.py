@@ -154,7 +154,8 @@ class Pipeline:
                                 (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=self.target_load)
         drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
                           suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
-                          overlap=c.overlap, suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context)
+                          overlap=c.overlap, suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
+                          tree_nodes=c.tree_nodes)
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,

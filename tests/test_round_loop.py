@@ -66,7 +66,7 @@ class FakeTarget:
         self.fail_on_call = fail_on_call
         self.closed = False
 
-    async def verify(self, committed, hashes, drafts, q) -> Verdict:
+    async def verify(self, committed, hashes, drafts, q, parents=()) -> Verdict:
         self.calls.append(list(drafts))
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise TierError("target", grpc.StatusCode.UNAVAILABLE, "connection refused")

@@ -1,5 +1,6 @@
 """What every proposer returns: tokens plus their q rows (empty = one-hot, for deterministic proposals);
-the target verifies them all the same way, losslessly."""
+the target verifies them all the same way, losslessly. With `parents` the tokens are a token tree's nodes
+(coordinator.proposers.token_tree), several candidate continuations scored in one forward."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from specdec.proto import common_pb2
 @dataclass
 class Proposal:
     source: Proposer  # DRAFT_MODEL, PROMPT_LOOKUP or SUFFIX
-    tokens: list[int]  # d_1..d_K (possibly fewer than asked, or none)
+    tokens: list[int]  # d_1..d_K (possibly fewer than asked, or none); a tree's nodes in node order
     q: list[common_pb2.DraftDistribution] = field(default_factory=list)  # empty = one-hot on tokens
     probs: list[float] = field(default_factory=list)  # the source's own estimate: P(d_1..d_i all accepted); empty = none
     wall_ms: float = 0.0  # time the proposal kept the round waiting, as seen here
@@ -22,3 +23,4 @@ class Proposal:
     k: int = 0  # tokens asked for (the proposer may offer fewer)
     catch_up: int = 0  # draft model: committed tokens it had to be fed first (1-2 when it drafts every round)
     fallback: bool = False  # prompt lookup standing in for an unreachable draft model
+    parents: list[int] = field(default_factory=list)  # a token tree: each node's parent (-1 = root); empty = a chain

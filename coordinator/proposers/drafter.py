@@ -20,6 +20,7 @@ from coordinator.proposers.lookup import PromptLookupProposer
 from coordinator.proposers.names import DRAFT_MODEL, HYBRID
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.suffix import SuffixCache, SuffixProposer
+from coordinator.proposers.token_tree import cut
 from coordinator.stats import RoundStats
 from coordinator.tiers.client import TierError
 from coordinator.tiers.target import Verdict
@@ -44,12 +45,13 @@ class Drafter:
     def __init__(self, params: GenerationParams, policy: ProposerPolicy, lookup: PromptLookupProposer, stats: RoundStats, *,
                  max_k: int, suffix: SuffixProposer | None = None, draft: DraftModel | None = None,
                  draft_max_context: int = 0, overlap: bool = False, suffix_cache: SuffixCache | None = None,
-                 cache_context: int = 0) -> None:
+                 cache_context: int = 0, tree_nodes: int = 0) -> None:
         """max_k: the server's and tiers' cap on K. lookup: always there, the fallback whenever the draft tier is
         unreachable. draft_max_context: the draft's context (beyond it the draft model is not asked).
         overlap: prefetch round r+1 from the draft model while the target verifies round r. suffix_cache:
         the coordinator's tree of recent outputs, which this session's output joins at close(), after
-        cache_context prompt tokens."""
+        cache_context prompt tokens. tree_nodes > 0: the local sources offer token trees of at most that many
+        nodes (K is then their depth), verified as deterministic candidates."""
         self.params = params
         self.policy = policy
         self.lookup = lookup
@@ -61,6 +63,7 @@ class Drafter:
         self.overlap = overlap
         self.suffix_cache = suffix_cache
         self.cache_context = cache_context
+        self.tree_nodes = min(tree_nodes, max_k)
         self.local = [x for x in (suffix, lookup) if x is not None and params.proposer in (x.source, HYBRID)]
         self._offers: list[Proposal] = []  # the local sources' offers of the round in progress
         self._pending: Proposal | None = None  # the next round's drafts, prefetched during this round's verify
@@ -87,7 +90,10 @@ class Drafter:
             self.stats.observe_overlapped(proposal.compute_ms)
         else:
             proposal = await self._choose(committed, hashes, budget)
-        if len(proposal.tokens) > budget:
+        if proposal.parents:  # a tree: no deeper than the budget
+            tokens, parents, probs = cut(proposal.tokens, proposal.parents, proposal.probs, budget, self.max_k)
+            proposal = dataclasses.replace(proposal, tokens=tokens, parents=parents, probs=probs)
+        elif len(proposal.tokens) > budget:
             proposal = dataclasses.replace(proposal, tokens=proposal.tokens[:budget], q=proposal.q[:budget],
                                            probs=proposal.probs[:budget])
         return proposal
@@ -98,7 +104,7 @@ class Drafter:
                     and len(committed) + budget <= self.draft_max_context)
         local = self.local if self.local or draft_ok else [self.lookup]  # draft mode, draft down: lookup
         shared = not self.params.reproducible
-        offers = [x.propose(max_k, shared) for x in local] if max_k > 0 else []
+        offers = [x.propose(max_k, shared, self.tree_nodes) for x in local] if max_k > 0 else []
         fixed = self.params.num_speculative_tokens is not None
         choice = self.policy.choose(offers, max_k, draft_ok, fixed, measured_costs=shared)
         # The draft model is down and backing off: the local proposers stand in.
@@ -111,14 +117,14 @@ class Drafter:
                 return proposal
             except TierError:  # counted, and the draft left alone for a back-off, by its TierSession
                 fallback = True  # the draft is down: the best local offer instead
-                offers = offers or [self.lookup.propose(max_k)]
+                offers = offers or [self.lookup.propose(max_k, tree_nodes=self.tree_nodes)]
                 choice = self.policy.choose(offers, max_k, False, fixed, measured_costs=shared)
         self._offers = offers
         offer = next((o for o in offers if o.source == choice.source), None)
         if offer is None:
             return Proposal(choice.source, [], k=choice.k, fallback=fallback)
         return dataclasses.replace(offer, tokens=offer.tokens[: choice.k], probs=offer.probs[: choice.k], k=choice.k,
-                                   fallback=fallback)
+                                   parents=offer.parents[: choice.k], fallback=fallback)  # a tree: its first k nodes
 
     async def verify(self, verifying: Awaitable[Verdict], proposal: Proposal, committed: list[int],
                      hashes: PrefixHashes, limit: int) -> Verdict:

@@ -4,8 +4,11 @@ Propose the continuation of the most recent earlier occurrence of the sequence's
 trying n from max_n down to min_n (as transformers' prompt_lookup_num_tokens and vLLM's ngram method
 do). The proposal is deterministic, so its q is one-hot and needs no transfer.
 
-An incremental index (one dict per n: n-gram -> where its latest earlier occurrence ends) makes a
-lookup O(max_n) and each committed token O(max_n - min_n + 1), independent of the context length.
+An incremental index (one dict per n: n-gram -> where its latest earlier occurrences end, the last
+MATCHES of them) makes a lookup O(max_n) and each committed token O(max_n - min_n + 1), independent of the
+context length. As a token tree (tree_nodes > 0) the proposal offers several matches' continuations as
+sibling branches: the latest match of the longest n-gram first (the chain), then the other occurrences,
+longest n-gram first, most recent first, within the node budget.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.names import PROMPT_LOOKUP
+from coordinator.proposers.token_tree import TreeBuilder
+
+MATCHES = 4  # occurrences kept per n-gram (the branches a tree may offer from one n)
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,8 @@ class NgramIndex:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {config.min_ngram}, {config.max_ngram}")
         self.config = config
         self.tokens: list[int] = []
-        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
+        # n -> n-gram -> where its latest occurrences end (oldest first)
+        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
@@ -40,7 +47,10 @@ class NgramIndex:
             end = len(seq) - 1
             for n, index in self._index.items():
                 if end >= n:
-                    index[tuple(seq[end - n : end])] = end
+                    ends = index.setdefault(tuple(seq[end - n : end]), [])
+                    ends.append(end)
+                    if len(ends) > MATCHES:
+                        del ends[0]
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens continuing the latest earlier match of the longest matching suffix."""
@@ -50,10 +60,26 @@ class NgramIndex:
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
             if len(seq) < n:
                 continue
-            end = self._index[n].get(tuple(seq[-n:]))
-            if end is not None:
-                return seq[end : end + k]
+            ends = self._index[n].get(tuple(seq[-n:]))
+            if ends:
+                return seq[ends[-1] : ends[-1] + k]
         return []
+
+    def propose_tree(self, k: int, max_nodes: int) -> tuple[list[int], list[int]]:
+        """(tokens, parents): the continuations (up to k tokens each) of every kept occurrence of every
+        matching suffix, merged into one tree of at most max_nodes nodes, the chain propose(k) first."""
+        seq = self.tokens
+        tree = TreeBuilder(max_nodes)
+        if k <= 0:
+            return [], []
+        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
+            if len(seq) < n:
+                continue
+            for end in reversed(self._index[n].get(tuple(seq[-n:]), ())):
+                tree.add_branch(seq[end : end + k])
+                if tree.full:
+                    return tree.tokens, tree.parents
+        return tree.tokens, tree.parents
 
 
 class PromptLookupProposer:
@@ -65,8 +91,12 @@ class PromptLookupProposer:
     def commit(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
 
-    def propose(self, k: int, shared: bool = True) -> Proposal:
-        """Up to k tokens; `shared` is for the suffix proposer's interface (lookup has no shared state)."""
+    def propose(self, k: int, shared: bool = True, tree_nodes: int = 0) -> Proposal:
+        """Up to k tokens, or with tree_nodes > 0 a tree of at most that many nodes and depth k; `shared` is
+        for the suffix proposer's interface (lookup has no shared state)."""
         t0 = time.perf_counter()
+        if tree_nodes > 0:
+            tokens, parents = self.index.propose_tree(k, tree_nodes)
+            return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k, parents=parents)
         tokens = self.index.propose(k)
         return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k)

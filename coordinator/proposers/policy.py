@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, TierLoad, expected_tokens
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.names import DRAFT_MODEL
+from coordinator.proposers.token_tree import match
 
 
 # A draft that drafts every round is fed 1-2 committed tokens before its K steps (the correction, or the
@@ -149,9 +150,12 @@ class ProposerPolicy:
             if offer.source == chosen or not offer.tokens:
                 continue
             k = min(len(offer.tokens), len(committed))
-            n = 0
-            while n < k and offer.tokens[n] == committed[n]:
-                n += 1
+            if offer.parents:  # a tree: the path the greedy walk would have taken
+                n = len(match(offer.tokens, offer.parents, committed))
+            else:
+                n = 0
+                while n < k and offer.tokens[n] == committed[n]:
+                    n += 1
             est = self.estimates[offer.source]
             est.observe_acceptance(k, n)
             est.propose_cost.observe(len(offer.tokens), offer.wall_ms)

@@ -22,6 +22,7 @@ compact int arrays (at most max_depth tokens each). Costs, with D = max_depth:
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.names import SUFFIX
+from coordinator.proposers.token_tree import TreeBuilder
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class SuffixDraft:
     tokens: list[int] = field(default_factory=list)  # the proposed chain
     probs: list[float] = field(default_factory=list)  # probs[i]: estimated P(tokens[0..i] all right), non-increasing
     match_len: int = 0  # tokens of the context matched
+    spot: tuple | None = None  # (node, j): where the match ends in its tree, for SuffixTree.expand
+    limit: int = 0  # the most tokens this match may propose
 
     @property
     def score(self) -> float:
@@ -259,6 +263,41 @@ class SuffixTree:
             node, j = best, 0
         return tokens, probs
 
+    @staticmethod
+    def expand(node: _Node, j: int, max_nodes: int, max_depth: int, min_prob: float
+               ) -> tuple[list[int], list[int], list[float]]:
+        """The continuations from position j of node's edge as a token tree, best-first: (tokens,
+        parents, probs), at most max_nodes nodes of depth < max_depth, each node's estimated probability
+        (product of count ratios) >= min_prob. Probabilities come out non-increasing. O(nodes log nodes)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        heap: list[tuple[float, int, int, int, _Node, int]] = []  # (-prob, tie, parent, depth, node, j after it)
+        tie = 0
+
+        def push(at: _Node, pos: int, p: float, parent: int, depth: int) -> None:
+            nonlocal tie
+            if depth >= max_depth:
+                return
+            if pos < len(at.label):  # inside an edge: one continuation
+                heapq.heappush(heap, (-p, tie, parent, depth, at, pos))
+                tie += 1
+                return
+            for child in (at.children or {}).values():
+                q = p * child.count / at.total
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, tie, parent, depth, child, 0))
+                    tie += 1
+
+        push(node, j, 1.0, -1, 0)
+        while heap and len(tokens) < max_nodes:
+            neg, _, parent, depth, at, pos = heapq.heappop(heap)
+            tokens.append(at.label[pos])
+            parents.append(parent)
+            probs.append(-neg)
+            push(at, pos + 1, -neg, len(tokens) - 1, depth + 1)
+        return tokens, parents, probs
+
     def check(self) -> None:
         """Verify every invariant against the stored sequences (for tests; O(size))."""
         expected: dict[tuple, int] = {}
@@ -298,10 +337,12 @@ def _count(node: _Node) -> int:
     return node.count
 
 
-def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, seq_id: int | None = None) -> SuffixDraft:
+def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, seq_id: int | None = None,
+              matches: list | None = None) -> SuffixDraft:
     """The best chain continuing context (an array('i') of token ids) in tree, over match lengths 1..D-1.
     seq_id: context *is* that open sequence of the tree (its own suffixes are located for free);
-    None: match context's suffixes by walking from the root."""
+    None: match context's suffixes by walking from the root. matches: if given, receives (spot, limit)
+    of every match length, longest first (for a token tree's other branches)."""
     # Where each suffix of the context ends, shortest first, while it occurs and some occurrence
     # continues (if none of the m-token suffix's occurrences continue, none of a longer one's do).
     spots: list[tuple[_Node, int]] = []
@@ -323,6 +364,9 @@ def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, 
     # Longest match first: a match of m tokens proposes at most limit(m) tokens and scores at most
     # that, so stop once it cannot beat the best score (ties, to rounding, go to the longer match).
     best, best_score = SuffixDraft(), 0.0
+    if matches is not None:
+        for m in range(len(spots), 0, -1):
+            matches.append((spots[m - 1], min(max_tokens, int(m * config.max_spec_factor + config.max_spec_offset + 1e-6))))
     for m in range(len(spots), 0, -1):
         limit = min(max_tokens, int(m * config.max_spec_factor + config.max_spec_offset + 1e-6))
         if limit <= best_score + 1e-9:
@@ -331,7 +375,7 @@ def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, 
         tokens, probs = SuffixTree.follow(node, j, limit, config.min_token_prob)
         score = sum(probs)
         if score > best_score + 1e-9:
-            best, best_score = SuffixDraft(tokens, probs, m), score
+            best, best_score = SuffixDraft(tokens, probs, m, (node, j), limit), score
     return best
 
 
@@ -429,15 +473,40 @@ class SuffixProposer:
     def commit(self, tokens) -> None:
         self.tree.extend(self.SEQ, tokens)
 
-    def propose(self, k: int, shared: bool = True) -> Proposal:
+    def propose(self, k: int, shared: bool = True, tree_nodes: int = 0) -> Proposal:
         """Up to k tokens: the better-scoring chain of the session's own tree and (shared=True) the
         shared one. The shared tree changes with other sessions: without it, proposals are a function
-        of the session's tokens alone."""
+        of the session's tokens alone. tree_nodes > 0: that chain's match expanded into a token tree of
+        at most tree_nodes nodes (and depth k)."""
         t0 = time.perf_counter()
         seq = self.tree.seqs[self.SEQ]
-        best = speculate(self.tree, seq, k, self.config, seq_id=self.SEQ)
+        own: list = []
+        best = speculate(self.tree, seq, k, self.config, seq_id=self.SEQ, matches=own if tree_nodes > 0 else None)
+        matches = own
         if shared and self.cache is not None and self.cache.entries:
-            shared = self.cache.speculate(seq[-(self.config.max_depth - 1) :], k)
+            others: list = []
+            shared = speculate(self.cache.tree, seq[-(self.config.max_depth - 1) :], k, self.cache.config,
+                               matches=others if tree_nodes > 0 else None)
             if shared.score > best.score:
-                best = shared
+                best, matches = shared, others
+        if tree_nodes > 0 and best.spot is not None:
+            tokens, parents, probs = self._tree(best, matches, tree_nodes)
+            return Proposal(SUFFIX, tokens, probs=probs, parents=parents, wall_ms=(time.perf_counter() - t0) * 1e3)
         return Proposal(SUFFIX, best.tokens, probs=best.probs, wall_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _tree(self, best: SuffixDraft, matches: list, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
+        """The best match expanded best-first, then (budget left) the other match lengths' expansions merged
+        in, longest first: a long match often has one continuation where a shorter one has several."""
+        builder = TreeBuilder(max_nodes)
+        probs: list[float] = []
+        for spot, limit in [(best.spot, best.limit)] + [m for m in matches if m[0] is not best.spot]:
+            tokens, parents, node_probs = SuffixTree.expand(*spot, max_nodes, limit, self.config.min_token_prob)
+            paths: list[list[int]] = []
+            for t, parent, prob in zip(tokens, parents, node_probs):
+                paths.append((paths[parent] if parent >= 0 else []) + [t])
+                before = len(builder.tokens)
+                builder.add_branch(paths[-1])
+                probs.extend([prob] * (len(builder.tokens) - before))
+                if builder.full:
+                    return builder.tokens, builder.parents, probs
+        return builder.tokens, builder.parents, probs

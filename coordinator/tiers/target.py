@@ -19,6 +19,7 @@ class Verdict:
     num_accepted: int  # n: the leading drafts the target accepted
     next_token: int  # the recovered token (n < K) or the bonus token (n == K)
     wall_ms: float  # the Verify's round trip
+    path: tuple[int, ...] = ()  # a token tree: the accepted nodes, root-down; () for a chain (its first n drafts)
 
 
 class TargetVerifier:
@@ -33,19 +34,21 @@ class TargetVerifier:
         self.load = load
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
-                     q: list[common_pb2.DraftDistribution]) -> Verdict:
-        """Verify drafts (with their q rows; none = one-hot) after the committed tokens. Raises TierError."""
+                     q: list[common_pb2.DraftDistribution], parents: list[int] = ()) -> Verdict:
+        """Verify drafts (with their q rows; none = one-hot) after the committed tokens; with parents, the
+        drafts are a token tree's nodes (deterministic candidates without q). Raises TierError."""
         seed = derive_seed(self.seed, len(committed), TARGET_STREAM)
         reply = await self.session.call(
             committed, hashes,
-            lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed),
-            extra=lambda response: drafts)
+            lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
+                                                 draft_parents=parents),
+            extra=lambda response: [drafts[i] for i in response.accepted_path] if parents else drafts)
         response = reply.message
         self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)
         if self.load is not None:
             self.load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
                               response.compute_ms, response.queue_ms)
-        return Verdict(response.num_accepted, response.next_token, reply.wall_ms)
+        return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.accepted_path))
 
     async def close(self) -> None:
         await self.session.close()
