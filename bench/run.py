@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-args", default="", metavar="ARGS", help="extra flags for every draft service")
     p.add_argument("--coordinator-args", default="", metavar="ARGS",
                    help="extra flags for every coordinator, e.g. '--overlap' (use --coordinator-args=--overlap)")
+    p.add_argument("--tree-nodes", type=int, default=0,
+                   help="> 0: every coordinator proposes token trees of this many nodes from lookup / suffix (issue 17)")
     p.add_argument("--target", default=None, help="target model (default: specdec.models.default_target())")
     p.add_argument("--draft", default=None, help="draft model (default: specdec.models.default_draft())")
     p.add_argument("--device", default="cpu", help="torch device of both tiers and the in-process baselines: cpu, cuda, cuda:1, ...")

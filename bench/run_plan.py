@@ -53,7 +53,8 @@ def build_plan(args) -> dict:
              device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype or args.dtype,
              retry=dict(max_retries=args.retry_disturbed, wait_s=15.0, budget_s=args.retry_budget),
              extra_args={"target": shlex.split(args.target_args), "draft": shlex.split(args.draft_args),
-                         "coordinator": shlex.split(args.coordinator_args)})
+                         "coordinator": shlex.split(args.coordinator_args)
+                         + ([f"--tree-nodes={args.tree_nodes}"] if getattr(args, "tree_nodes", 0) else [])})
     if args.sampled_everywhere:
         m["sampled_cells"] = None
     rows = []
