@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     a.add("--http-address", default="",
           help="host:port of the OpenAI-compatible HTTP API ('' = none; port 0 = any free port); same token as gRPC")
     a.add("--served-model-name", default=None,
-          help="model id of the OpenAI API and the metrics' model_name label (default: the target's model)")
+          help="model id of the OpenAI API and the metrics' model_name label (default: the target model's directory or .gguf name, or its hub id)")
     args = a.parse(argv)
     auth_token = auth_token_from(args)
     try:

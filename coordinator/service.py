@@ -19,7 +19,7 @@ from coordinator.proposers import HYBRID
 from coordinator.suffix import SuffixCache, SuffixConfig
 from coordinator.routing import RoutingConfig, probe_ring_hash
 from coordinator.tiers import TierClient
-from specdec.models import load_tokenizer, tokenizer_fingerprint
+from specdec.models import load_tokenizer, served_model_name, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, generate_pb2_grpc, target_pb2
 from specdec.wire.metrics import RpcMetricsInterceptor
 from specdec.wire.server import (BearerTokenInterceptor, RequestError, Service, ServerConfig, create_server, handle_errors,
@@ -64,7 +64,7 @@ class CoordinatorConfig:
     tier_client_key: str | None = None  # PEM private key of tier_client_cert
     tier_server_name: str | None = None  # name to verify in the tiers' certs instead of the address's host
     auth_token: str | None = field(default=None, repr=False)  # set = public API needs 'authorization: Bearer <it>'
-    served_model_name: str | None = None  # model id in the OpenAI API and metrics labels; None = the target's model
+    served_model_name: str | None = None  # OpenAI model id and metrics label; None = specdec.models.served_model_name(target's model)
     routing: RoutingConfig = RoutingConfig()  # how sessions reach the replicas of each tier (coordinator.routing)
 
 
@@ -222,7 +222,7 @@ async def build(config: CoordinatorConfig) -> Coordinator:
     try:
         await pipeline.connect()
         registry = CollectorRegistry()  # this coordinator's own: several may run in one process
-        frontend = Frontend(pipeline, registry, config.served_model_name or pipeline.target_info.model)
+        frontend = Frontend(pipeline, registry, config.served_model_name or served_model_name(pipeline.target_info.model))
         # Metrics first: it also sees the calls the token check refuses.
         interceptors = [RpcMetricsInterceptor(frontend.metrics.rpc.observe)]
         if config.auth_token:

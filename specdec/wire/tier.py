@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
 from specdec.math.params import SamplingParams
+from specdec.models import served_model_name
 from specdec.proto import common_pb2
 from specdec.wire.metrics import TierMetrics
 from specdec.wire.server import (RequestError, Service, ServerConfig, as_request_error, check_token_ids, create_server,
@@ -151,7 +152,7 @@ def create_tier_server(engine, service: Service, config: ServerConfig, tier: str
     """The server for one tier's servicer, with metrics: every rpc (latency, errors by code), every engine
     step (batch size, tokens, time) and, at scrape time, the engine's load (GetStatus's numbers)."""
     registry = CollectorRegistry()
-    metrics = TierMetrics(registry, tier, engine.config.model.path, load=engine.status)
+    metrics = TierMetrics(registry, tier, served_model_name(engine.config.model.path), load=engine.status)
     engine.observers.append(metrics.observe_step)
     server, port, health_servicer = create_server([service], config, interceptors=[metrics.interceptor()])
     return TierServer(server, port, health_servicer, engine, registry, metrics, service.servicer)
