@@ -23,15 +23,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer, generate_latest, make_wsgi_app
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -274,20 +277,47 @@ def _context_code(context: Any) -> grpc.StatusCode | None:
 # --- the /metrics endpoint --------------------------------------------------------------------------
 
 
+# The exposition every /metrics serves: Prometheus' text format 0.0.4, whatever the scraper asks for.
+# prometheus_client 0.26 writes OpenMetrics sample names with `:` turned into `_` (vllm:x -> vllm_x, while
+# HELP/TYPE keep the colon: prometheus/client_python#1177), and Prometheus asks for OpenMetrics first, so
+# a negotiated scrape would store none of the vllm: names the dashboards query. The text format keeps them.
+METRICS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """`registry` in the text format 0.0.4 (METRICS_CONTENT_TYPE)."""
+    return generate_latest(registry)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # scrapes are not worth a log line each
+        pass
+
+
 class MetricsServer:
     """A registry served at http://address/metrics from a daemon thread (independent of the event loop,
-    so a scrape is answered even while the service is busy)."""
+    so a scrape is answered even while the service is busy), in the text format (see METRICS_CONTENT_TYPE)."""
 
     def __init__(self, registry: CollectorRegistry, address: str) -> None:
         host, port = split_address(address)
-        self._httpd, self._thread = start_http_server(port, host, registry=registry)
+        app = make_wsgi_app(registry)
+
+        def text_format(environ, start_response):  # no OpenMetrics: the encoder falls back to text 0.0.4
+            return app({**environ, "HTTP_ACCEPT": ""}, start_response)
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._httpd = make_server(host, port, text_format, Server, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
         self.host = host
         self.port: int = self._httpd.server_port
 
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def close(self) -> None:
         self._httpd.shutdown()
