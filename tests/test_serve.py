@@ -1,0 +1,129 @@
+"""`specdec serve` as a user runs it: one command, real processes on free ports, called with the official
+`openai` client; SIGTERM stops it cleanly with no child left behind; a child that dies makes serve say
+so and exit non-zero, again with no child left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from specdec.client.local import free_port
+from tests.helpers import tier_device_args
+
+START_TIMEOUT_S = 180
+
+
+def children(pid: int) -> dict[int, str]:
+    """pid -> command line of the live (not zombie) processes whose parent is `pid`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_text().replace("\0", " ")
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Serve:
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.http_port, self.port = free_port(), free_port()
+        self.log_path = tmp_path / "serve.log"
+        self.log = open(self.log_path, "w")
+        device = tier_device_args()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specdec.client.cli", "serve", "--port", str(self.port), "--http-port", str(self.http_port),
+             "--target-args", " ".join(device), "--draft-args", " ".join(device), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.children: dict[int, str] = {}
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}:\n{self.output()}"
+            self.children.update(children(self.proc.pid))
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.children.update(children(self.proc.pid))
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"serve not ready in {START_TIMEOUT_S}s:\n{self.output()}"
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def child(self, module: str) -> int:
+        (pid,) = [pid for pid, cmd in self.children.items() if f"-m {module} " in cmd]
+        return pid
+
+    def close(self) -> None:
+        for pid in [self.proc.pid, *self.children]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def serve_factory(tmp_path):
+    started = []
+
+    def start(*args: str) -> Serve:
+        s = Serve(tmp_path, *args)
+        started.append(s)
+        s.wait_ready()
+        return s
+
+    yield start
+    for s in started:
+        s.close()
+
+
+def test_serve_answers_under_its_name_and_stops_cleanly_on_sigterm(serve_factory, tiny_target):
+    s = serve_factory("--target-model", tiny_target, "--draft-model", tiny_target, "--served-model-name", "smollm2")
+    assert sorted(cmd.split(" -m ")[1].split()[0] for cmd in s.children.values()) == ["coordinator", "draft_service", "target_service"]
+    with openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60) as oai:
+        assert [m.id for m in oai.models.list().data] == ["smollm2"]  # --served-model-name overrides the derived name
+        r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                        extra_body={"ignore_eos": True})
+        assert r.model == "smollm2" and r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.NotFoundError):
+            oai.chat.completions.create(model="target", messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    assert "ready: OpenAI API at" in s.output() and "'smollm2'" in s.output()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, s.output()
+    assert "stopped" in s.output()
+    assert not [pid for pid in s.children if alive(pid)], "children left behind after SIGTERM"
+
+
+def test_serve_exits_non_zero_when_a_child_dies(serve_factory, tiny_target):
+    s = serve_factory("--target-model", tiny_target, "--draft-model", "")
+    assert len(s.children) == 2  # target-only: no draft process
+    os.kill(s.child("target_service"), signal.SIGKILL)
+    assert s.proc.wait(30) == 1, s.output()
+    assert "the target was killed by SIGKILL; stopping the others" in s.output()
+    assert not [pid for pid in s.children if alive(pid)], "children left behind after a child died"
