@@ -103,27 +103,84 @@ def serve_factory(tmp_path):
         s.close()
 
 
-def test_serve_answers_under_its_name_and_stops_cleanly_on_sigterm(serve_factory, tiny_target):
+def child_name(cmd: str) -> str:
+    return cmd.split(" -m ")[1].split()[0]
+
+
+def test_serve_answers_restarts_and_stops_cleanly(serve_factory, tiny_target):
     s = serve_factory("--target-model", tiny_target, "--draft-model", tiny_target, "--served-model-name", "smollm2")
-    assert sorted(cmd.split(" -m ")[1].split()[0] for cmd in s.children.values()) == ["coordinator", "draft_service", "target_service"]
-    with openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60) as oai:
-        assert [m.id for m in oai.models.list().data] == ["smollm2"]  # --served-model-name overrides the derived name
-        r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                        extra_body={"ignore_eos": True})
-        assert r.model == "smollm2" and r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
-        with pytest.raises(openai.NotFoundError):
-            oai.chat.completions.create(model="target", messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    assert sorted(child_name(cmd) for cmd in s.children.values()) == ["coordinator", "draft_service", "target_service"]
+    oai = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def complete():
+        return oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                           extra_body={"ignore_eos": True})
+
+    assert [m.id for m in oai.models.list().data] == ["smollm2"]  # --served-model-name overrides the derived name
+    r = complete()
+    assert r.model == "smollm2" and r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="target", messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
     assert "ready: OpenAI API at" in s.output() and "'smollm2'" in s.output()
+
+    # a tier dies: serve says so and starts it again on its port; the coordinator carries on with it
+    for tier in ("draft", "target"):
+        os.kill(s.child(f"{tier}_service"), signal.SIGKILL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while f"the {tier} was killed by SIGKILL; restarting it" not in s.output():
+            assert time.monotonic() < deadline, s.output()
+            time.sleep(0.05)
+        while True:
+            assert s.proc.poll() is None, s.output()
+            try:
+                if complete().usage.completion_tokens == 5:
+                    break
+            except openai.APIError:
+                pass
+            assert time.monotonic() < deadline, f"no answer after the {tier} restarted:\n{s.output()}"
+            time.sleep(0.2)
+        s.children.update(children(s.proc.pid))
+    oai.close()
+    live = children(s.proc.pid)
+    assert len(live) == 3 and set(live) - set(s.children) == set()
+
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0, s.output()
     assert "stopped" in s.output()
     assert not [pid for pid in s.children if alive(pid)], "children left behind after SIGTERM"
 
 
-def test_serve_exits_non_zero_when_a_child_dies(serve_factory, tiny_target):
-    s = serve_factory("--target-model", tiny_target, "--draft-model", "")
-    assert len(s.children) == 2  # target-only: no draft process
-    os.kill(s.child("target_service"), signal.SIGKILL)
-    assert s.proc.wait(30) == 1, s.output()
-    assert "the target was killed by SIGKILL; stopping the others" in s.output()
-    assert not [pid for pid in s.children if alive(pid)], "children left behind after a child died"
+class FakePipeline:
+    """The two calls Supervisor makes: which children exited (and how), and respawn one."""
+
+    def __init__(self) -> None:
+        self.dead: dict[str, int] = {}
+        self.respawned: list[str] = []
+
+    def exited(self) -> dict[str, int]:
+        return dict(self.dead)
+
+    def respawn(self, name: str) -> None:
+        self.respawned.append(name)
+        del self.dead[name]
+
+
+def test_supervisor_restarts_with_back_off_and_gives_up_on_a_crash_loop(capsys):
+    from specdec.client.serve import MAX_RESTARTS, RESTART_DELAYS_S, RESTART_WINDOW_S, Supervisor
+
+    now = [0.0]
+    pipeline = FakePipeline()
+    sup = Supervisor(pipeline, clock=lambda: now[0])
+    for i in range(MAX_RESTARTS):
+        pipeline.dead["target"] = -9
+        assert sup.tick()
+        now[0] += RESTART_DELAYS_S[i] - 0.01
+        if RESTART_DELAYS_S[i]:  # not before its delay
+            assert sup.tick() and pipeline.respawned.count("target") == i
+        now[0] += 0.01
+        assert sup.tick() and pipeline.respawned.count("target") == i + 1
+    pipeline.dead["target"] = 1
+    assert not sup.tick()  # the 6th exit within the window: crash loop
+    assert "giving up" in capsys.readouterr().err
+    now[0] += RESTART_WINDOW_S  # later exits, one at a time, are restarted again
+    assert sup.tick() and pipeline.respawned[-1] == "target"

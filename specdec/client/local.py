@@ -44,6 +44,7 @@ class LocalPipeline:
         self.dir = Path(tempfile.mkdtemp(prefix="specdec-"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
+        self._commands: dict[str, tuple[str, list[str], str]] = {}  # name -> (module, args, address), for respawn()
 
     @property
     def address(self) -> str:
@@ -57,8 +58,9 @@ class LocalPipeline:
         self.stop()
 
     def _spawn(self, name: str, module: str, args: list[str], address: str = "127.0.0.1:0") -> None:
+        self._commands[name] = (module, args, address)
         port_file = self.dir / f"{name}.port"
-        log = None if self.config.inherit_output else open(self.dir / f"{name}.log", "w")
+        log = None if self.config.inherit_output else open(self.dir / f"{name}.log", "a")
         # Co-located tiers take turns on the same cores: OpenMP threads that spin while idle would
         # steal the other tier's time, so they sleep (unless the caller says otherwise).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
@@ -104,6 +106,15 @@ class LocalPipeline:
         except BaseException:
             self.stop()
             raise
+
+    def respawn(self, name: str) -> None:
+        """Start an exited child again, with its command line and on the port it had (the others keep its
+        address); returns at once, without waiting for it to serve."""
+        module, args, address = self._commands[name]
+        if name in self.ports:
+            address = f"{address.rpartition(':')[0]}:{self.ports[name]}"
+        (self.dir / f"{name}.port").unlink(missing_ok=True)
+        self._spawn(name, module, args, address)
 
     def exited(self) -> dict[str, int]:
         """The children that have exited so far, with their exit codes (negative: killed by that signal)."""

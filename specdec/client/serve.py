@@ -11,11 +11,13 @@ and the other tier; the processes are the services of the three-process and Kube
 same flags, so what runs on a laptop is what runs in a cluster. The tiers listen on free loopback ports;
 only the coordinator's gRPC and HTTP ports are exposed (on --host).
 
-Supervision: if any of the three exits, serve says which and with what code, stops the other two and
-exits 1, leaving restarts to whatever runs serve (systemd, a container's restart policy): restarting one
-piece in place would hide a crash loop. SIGTERM or SIGINT stops the coordinator first (it drains its
-streams for its --grace), then the tiers, and serve exits 0 once all three have exited. The children
-also get SIGTERM if serve itself is killed (Linux).
+Supervision: if one of the three exits, serve says which and how, and starts it again on the same port
+(the others keep talking to it: the coordinator re-prefills the sessions a restarted tier lost, and
+reports 503 on /health while no target is up). A child that has to be restarted more than
+MAX_RESTARTS times within RESTART_WINDOW_S is crash-looping: serve says so, stops the others and exits 1,
+for whatever runs serve (systemd, a container's restart policy) to see. SIGTERM or SIGINT stops the
+coordinator first (it drains its streams for its --grace), then the tiers, and serve exits 0 once all
+three have exited. The children also get SIGTERM if serve itself is killed (Linux).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from specdec.client.local import LocalPipeline, LocalPipelineConfig
 from specdec.models import default_draft, default_target, served_model_name
 
 POLL_S = 0.2  # how often serve looks at its children
+MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before serve gives up (exit 1)
+RESTART_WINDOW_S = 300.0
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # wait before the 1st, 2nd, ... restart within the window
 STOP_TIMEOUT_S = 30.0  # after SIGTERM, how long each child may take to exit before SIGKILL (> the coordinator's grace)
 
 
@@ -91,15 +96,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pipeline.start()
         say(f"ready: OpenAI API at http://{args.host}:{args.http_port}/v1 (model {name!r}), "
             f"gRPC at {args.host}:{args.port}; SIGTERM or Ctrl-C stops")
-        while True:
-            dead = pipeline.exited()
-            if dead:
-                for child, code in dead.items():
-                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                    say(f"the {child} {how}; stopping the others")
-                quiet_stop(pipeline)
-                return 1
+        supervisor = Supervisor(pipeline)
+        while supervisor.tick():
             time.sleep(POLL_S)
+        quiet_stop(pipeline)
+        return 1
     except _Stop as e:
         say(f"{e}: stopping the coordinator, then the tiers")
         codes = quiet_stop(pipeline)
@@ -115,6 +116,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+class Supervisor:
+    """Restarts the children that exit, with a growing delay, until one crash-loops."""
+
+    def __init__(self, pipeline: LocalPipeline, clock=time.monotonic) -> None:
+        self.pipeline = pipeline
+        self.clock = clock
+        self.restarts: dict[str, list[float]] = {}  # child -> its restart times within the window
+        self.due: dict[str, float] = {}  # child -> when to restart it (it has exited)
+
+    def tick(self) -> bool:
+        """Look at the children once; False when one crash-loops (serve gives up)."""
+        now = self.clock()
+        for child, code in self.pipeline.exited().items():
+            if child in self.due:
+                continue
+            recent = [t for t in self.restarts.get(child, []) if now - t < RESTART_WINDOW_S]
+            self.restarts[child] = recent
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            if len(recent) >= MAX_RESTARTS:
+                say(f"the {child} {how}, its {len(recent) + 1}th exit within {RESTART_WINDOW_S:.0f}s; "
+                    f"giving up: stopping the others")
+                return False
+            delay = RESTART_DELAYS_S[min(len(recent), len(RESTART_DELAYS_S) - 1)]
+            say(f"the {child} {how}; restarting it" + (f" in {delay:.0f}s" if delay else ""))
+            self.due[child] = now + delay
+        for child, when in list(self.due.items()):
+            if now >= when:
+                del self.due[child]
+                self.restarts[child].append(now)
+                self.pipeline.respawn(child)
+        return True
 
 
 def quiet_stop(pipeline: LocalPipeline) -> dict[str, int]:
