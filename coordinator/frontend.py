@@ -47,7 +47,8 @@ class Frontend:
         self.model_name = model_name
         self.admission = Admission(self.config.admission)
         self.validate = RequestValidator(pipeline)
-        self.metrics = CoordinatorMetrics(registry, model_name, self.validate.max_k(), self.admission)
+        self.metrics = CoordinatorMetrics(registry, model_name, self.validate.max_k(), self.admission,
+                                          max_model_len=pipeline.target_info.max_context)
         self.accepting = True  # False once draining for shutdown (HTTP /health answers 503)
 
     async def generate(self, request: generate_pb2.GenerateRequest, *, deadline: float | None = None,
@@ -57,6 +58,7 @@ class Frontend:
         tracker = self.metrics.request()
         params = self.validate(request)
         async with self.admission.admit():
+            tracker.admitted(len(params.prompt_ids), params.max_new_tokens)
             pl = self.pipeline
             generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids),
                                     self._limits(), deadline, suffix_cache=pl.suffix_cache,

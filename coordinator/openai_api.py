@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API on the coordinator (FastAPI): POST /v1/chat/completions, POST
-/v1/completions, GET /v1/models, GET /health.
+/v1/completions, GET /v1/models, GET /health, and GET /metrics (the coordinator's Prometheus metrics, as
+vLLM serves them on its API port; no token, like /health).
 
 Thin handlers: check the bearer token (the gRPC API's check), parse the body (openai_schema), convert it to
 a GenerateRequest and hand it to the Frontend, the generation path the gRPC API uses too (same
@@ -23,13 +24,13 @@ from collections.abc import AsyncIterator
 import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.frontend import Frontend, finish_reason_name
 from coordinator.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
 from specdec.proto import generate_pb2
-from specdec.wire.metrics import RpcMetrics
+from specdec.wire.metrics import METRICS_CONTENT_TYPE, RpcMetrics, exposition
 from specdec.wire.server import RequestError, bearer_failure
 
 HTTP_STATUS = {
@@ -87,7 +88,7 @@ class HttpMetrics:
         self.rpc = rpc
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
             return await self.app(scope, receive, send)
         route = f"{scope['method']} {scope['path']}" if scope["path"] in ROUTES else "other"
         status = {"code": "500"}
@@ -141,6 +142,10 @@ def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
         if not frontend.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(exposition(frontend.metrics.registry), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():

@@ -572,7 +572,7 @@ def exported_series() -> set[str]:
     from specdec.wire.metrics import LoadSnapshot, TierMetrics
 
     registries = [CollectorRegistry(), CollectorRegistry()]
-    CoordinatorMetrics(registries[0], "m", 4, Admission(AdmissionConfig()))
+    CoordinatorMetrics(registries[0], "m", 4, Admission(AdmissionConfig()), max_model_len=2048)
     TierMetrics(registries[1], "target", "m", load=LoadSnapshot)
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     return {family.name + suffix for r in registries for family in r.collect() for suffix in suffixes[family.type]}

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer, generate_latest, make_wsgi_app
 from prometheus_client.registry import Collector
@@ -99,9 +99,12 @@ class TierMetrics:
     """Everything a draft or target tier exports. `load` (or set_load later) is called at every scrape."""
 
     def __init__(self, registry: CollectorRegistry, tier: str, model_name: str,
-                 load: Callable[[], LoadReading] | None = None) -> None:
+                 load: Callable[[], LoadReading] | None = None, cache_info: dict[str, str] | None = None) -> None:
+        """cache_info: the KV cache's configuration, exported as vllm:cache_config_info's labels (as vLLM
+        exports its CacheConfig: values as strings, plus engine="0")."""
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         self.registry = registry
         self.tier = tier
         self.model_name = model_name
@@ -114,6 +117,12 @@ class TierMetrics:
                                        registry=registry, buckets=BATCH_TOKENS_BUCKETS).labels(*values)
         self._step_seconds = Histogram("specdec_tier_step_seconds", "Time of one batched forward, seconds.", names,
                                        registry=registry, buckets=STEP_SECONDS_BUCKETS).labels(*values)
+        # vLLM's name for the tokens of one engine step (here: one batched forward of this tier)
+        self._iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                           names, registry=registry, buckets=BATCH_TOKENS_BUCKETS).labels(*values)
+        info = {"engine": "0", **(cache_info or {})}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*names, *info], registry=registry,
+              ).labels(*values, *info.values()).set(1)
         self._load_collector = _LoadCollector(labels, load)
         registry.register(self._load_collector)
 
@@ -125,6 +134,7 @@ class TierMetrics:
         """One batched forward over num_sessions sessions and num_tokens tokens that took `seconds`."""
         self._batch_size.observe(num_sessions)
         self._batch_tokens.observe(num_tokens)
+        self._iteration_tokens.observe(num_tokens)
         self._step_seconds.observe(seconds)
 
     def observe_rpc(self, method: str, code_name: str, seconds: float) -> None:

@@ -148,11 +148,23 @@ class TierServer:
     servicer: TierRpcs
 
 
+def cache_info(engine) -> dict[str, str]:
+    """The KV cache as vllm:cache_config_info's labels, in vLLM's words where they fit: a KV slot (one
+    session's cache) is a block of block_size tokens, num_gpu_blocks of them (on whatever device); the
+    capacity as the engine reports it (EngineStatus)."""
+    s = engine.status()
+    slots = engine.config.sessions.max_sessions
+    return {"block_size": str(s.kv_capacity_tokens // max(slots, 1)), "num_gpu_blocks": str(slots),
+            "cache_dtype": engine.config.model.dtype, "kv_capacity_tokens": str(s.kv_capacity_tokens),
+            "kv_capacity_bytes": str(s.kv_capacity_bytes)}
+
+
 def create_tier_server(engine, service: Service, config: ServerConfig, tier: str) -> TierServer:
     """The server for one tier's servicer, with metrics: every rpc (latency, errors by code), every engine
     step (batch size, tokens, time) and, at scrape time, the engine's load (GetStatus's numbers)."""
     registry = CollectorRegistry()
-    metrics = TierMetrics(registry, tier, served_model_name(engine.config.model.path), load=engine.status)
+    metrics = TierMetrics(registry, tier, served_model_name(engine.config.model.path), load=engine.status,
+                          cache_info=cache_info(engine))
     engine.observers.append(metrics.observe_step)
     server, port, health_servicer = create_server([service], config, interceptors=[metrics.interceptor()])
     return TierServer(server, port, health_servicer, engine, registry, metrics, service.servicer)
