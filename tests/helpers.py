@@ -29,7 +29,7 @@ from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.wire.metrics import serve_metrics
 from specdec.wire.server import ServerConfig, set_serving
 from specdec.engine.sessions import SessionStoreConfig
-from specdec.engine.config import BatchConfig, TierConfig
+from specdec.engine.config import BatchConfig, StepConfig, TierConfig
 from specdec.engine.engine import Engine
 from target_service.service import SERVICE_NAME as TARGET_SERVICE
 from target_service.service import TargetConfig
@@ -95,18 +95,21 @@ class Cluster:
     def __init__(self, target_model: str, draft_model: str | None, *, coordinator_overrides: dict | None = None,
                  sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64,
                  tier_server: ServerConfig | None = None, batch: BatchConfig | None = None,
-                 draft_dtype: str | None = None) -> None:
+                 draft_dtype: str | None = None, step: StepConfig | None = None) -> None:
         """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0. Both tiers run
-        on the test device in the test dtype (draft_dtype overrides the draft's)."""
+        on the test device in the test dtype (draft_dtype overrides the draft's), in step mode `step`
+        (default: auto)."""
         self.tier_server = tier_server or ServerConfig()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         sessions = sessions or SessionStoreConfig()
         batch = batch or BatchConfig()
-        self.target_tier = Engine.load(TierConfig(device_model(target_model), sessions, max_draft_tokens, batch))
-        self.draft_tier = (Engine.load(TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens, batch))
-                           if draft_model else None)
+        step = step or StepConfig()
+        self.target_tier = Engine.load(TierConfig(device_model(target_model), sessions, max_draft_tokens, batch,
+                                                  step=step))
+        self.draft_tier = (Engine.load(TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens,
+                                                  batch, step=step)) if draft_model else None)
         self._servers = []
         self.pipeline = None
         self.coordinator = None  # coordinator.service.Coordinator

@@ -10,34 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine.kv_cache import KVGeometry, SlotKVCache
-from specdec.engine.runner import Feed, ModelRunner
+from specdec.engine.runner import Feed
 from specdec.models import load_model
-from tests.helpers import TEST_DTYPE, device_model
-
-# float32 (CI's dtype): the ragged forward equals transformers' to 1e-4 and picks the same argmax. In
-# bfloat16 / float16 (SPECDEC_TEST_DTYPE on a GPU) two attention implementations round differently:
-# the logits must agree to a few percent of their scale, and near-tie argmaxes may differ
-# (bench/exactness.py counts how often).
-EXACT = TEST_DTYPE == "float32"
+from tests.helpers import device_model
+from tests.step_modes import MODES, assert_close, make_runner
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
-    got, want = got.float(), want.float()
-    if EXACT:
-        assert torch.allclose(got, want, atol=1e-4), (what, float((got - want).abs().max()))
-        assert torch.equal(got.argmax(-1), want.argmax(-1)), what
-    else:
-        assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max()), (what, float((got - want).abs().max()))
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_target):
-    model = load_model(device_model(tiny_target))
-    cache = SlotKVCache(KVGeometry.of(model), num_slots=8, slot_tokens=256)
-    for t in cache.keys + cache.values:
-        t.fill_(float("nan"))  # garbage: only what the runner writes may ever be read unmasked
-    return ModelRunner(model, cache)
+@pytest.fixture(scope="module", params=MODES)
+def runner(tiny_target, request):
+    """A runner in every step mode over a pool of NaN garbage: only what the runner writes may ever be
+    read unmasked."""
+    return make_runner(tiny_target, request.param)
 
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
@@ -86,3 +69,52 @@ def test_rollback_is_a_length_change(runner, tiny_target):
         assert_close(got, want, "rollback")
     finally:
         runner.cache.release(slot)
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_target):
+    return make_runner(tiny_target, "eager")
+
+
+def random_steps(seed: int, sessions: int, steps: int):
+    """Per step, per session: tokens to feed (prefill-sized first, then verify-sized)."""
+    g = torch.Generator().manual_seed(seed)
+    plan = [[int(torch.randint(1, 40, (1,), generator=g)) for _ in range(sessions)]]
+    for _ in range(steps):
+        plan.append([int(torch.randint(0, 10, (1,), generator=g)) for _ in range(sessions)])  # 0: not in this step
+    return plan
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ragged_batches_equal_the_eager_forward(eager, runner, seed):
+    """Random ragged batches (prefills, then 1..9-token feeds, sessions skipping steps, rollbacks): every
+    mode's logits equal eager's and pick the same argmax."""
+    fast = runner
+    g = torch.Generator().manual_seed(100 + seed)
+    n = 5
+    seqs = [torch.randint(3, 5000, (400,), generator=g).tolist() for _ in range(n)]
+    pairs = [(r.cache.allocate(), r) for r in (eager, fast) for _ in range(n)]
+    slots = {id(r): [s for s, owner in pairs if owner is r] for r in (eager, fast)}
+    try:
+        fed = [0] * n
+        for step in random_steps(seed, n, 6):
+            feeds = {id(r): [] for r in (eager, fast)}
+            for i, take in enumerate(step):
+                if take == 0:
+                    continue
+                if fed[i] > 4 and int(torch.randint(0, 3, (1,), generator=g)) == 0:
+                    fed[i] -= int(torch.randint(1, 4, (1,), generator=g))  # a rollback: drafts rejected
+                for r in (eager, fast):
+                    feeds[id(r)].append(Feed(slots[id(r)][i], fed[i], seqs[i][fed[i] : fed[i] + take], take))
+                fed[i] += take
+            if not feeds[id(eager)]:
+                continue
+            want = eager.forward(feeds[id(eager)])
+            got = fast.forward(feeds[id(fast)])
+            for w, o in zip(want, got):
+                assert torch.isfinite(o).all()
+                assert_close(o, w, (seed, step))
+    finally:
+        for s, r in pairs:
+            r.cache.initialized[s] = 0
+            r.cache.release(s)

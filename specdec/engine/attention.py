@@ -13,10 +13,20 @@ Two shapes of work, two ways to run them, neither copying a cache:
   slots that holds them, with a mask per slot (its own length, causal over its new tokens). Slots
   are handed out lowest-first, so live sessions sit in a dense range;
 * a **long** segment (a prefill chunk) attends alone to its own slot prefix, also a view.
+
+The step's layout reaches the attention through `active(layout)` (the engine thread's current step),
+not through the model's keyword arguments, so that the decoder's forward can be compiled: inside a
+torch.compile'd forward the attention is one opaque custom op (`specdec::ragged_attention`), and the
+rest of the layer (norms, rotary, projections, MLP) is fused and runs with prepacked weights around it.
+A `StaticLayout` (specdec.engine.static_attention) takes the other path: fixed shapes and device
+buffers only, the attention a CUDA graph captures.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -154,11 +164,31 @@ def _group(cache: SlotKVCache, small, first: int, last: int, token_index, slot_i
     return Group(first, count, token_index, slot_index, query_index, n_max, kv_len, additive[:, None])
 
 
-def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [1, H, T, D], key / value [1, H_kv, T, D] (the step's new tokens, rotary applied).
-    Returns ([1, T, H, D], None) as transformers' attention functions do."""
-    step: StepLayout = kwargs["specdec_step"]
-    layer = module.layer_idx
+_current = threading.local()  # .layout: the step being run on this thread (the engine thread)
+
+
+@contextmanager
+def active(layout) -> Iterator[None]:
+    """Run a forward over `layout` (a StepLayout, or a StaticLayout for captured steps)."""
+    previous = getattr(_current, "layout", None)
+    _current.layout = layout
+    try:
+        yield
+    finally:
+        _current.layout = previous
+
+
+def current_layout():
+    layout = getattr(_current, "layout", None)
+    if layout is None:
+        raise RuntimeError("a specdec forward ran outside attention.active(layout)")
+    return layout
+
+
+def attend(step: StepLayout, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:
+    """query [1, H, T, D], key / value [1, H_kv, T, D] (the step's new tokens, rotary applied) ->
+    [T, H, D]. Stores the step's keys and values in the sessions' slots, then attends."""
     step.cache.write(layer, step.slots, step.positions, key[0], value[0])
     heads, dim = query.shape[1], query.shape[3]
     out = query.new_empty(query.shape[2], heads, dim)  # [T, H, D]
@@ -176,7 +206,30 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
         o = F.scaled_dot_product_attention(query[:, :, seg.start : seg.end], k, v, attn_mask=seg.mask,
                                            scale=scaling, enable_gqa=True)  # [1, H, new, D]
         out[seg.start : seg.end] = o[0].transpose(0, 1)
-    return out[None], None
+    return out
+
+
+@torch.library.custom_op("specdec::ragged_attention", mutates_args=())
+def ragged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                        scaling: float) -> torch.Tensor:
+    """attend() over the active step, as one op a compiled forward calls without tracing into it (it
+    writes the KV pool, a side effect the compiler never sees: its output is always used)."""
+    return attend(current_layout(), layer, query, key, value, scaling)
+
+
+@ragged_attention_op.register_fake
+def _(query, key, value, layer, scaling):
+    return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+
+
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: ([1, T, H, D], None) over the active step."""
+    if torch.compiler.is_compiling():  # the compiled step: never look at the layout while tracing
+        return ragged_attention_op(query, key, value, module.layer_idx, float(scaling))[None], None
+    layout = current_layout()
+    if not isinstance(layout, StepLayout):  # a StaticLayout: fixed shapes, capturable
+        return layout.attend(module.layer_idx, query, key, value, scaling)[None], None
+    return attend(layout, module.layer_idx, query, key, value, scaling)[None], None
 
 
 AttentionInterface.register(ATTENTION, ragged_attention)

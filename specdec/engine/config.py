@@ -26,9 +26,22 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
+class StepConfig:
+    """How the tier runs its forward (specdec.engine.step). Every mode computes the same function."""
+
+    mode: str = "auto"  # auto | eager | packed | compile | cuda-graphs (specdec.engine.step); auto: the CPU's
+    #                     measured best (step.AUTO_CPU), cuda-graphs on CUDA
+    capture_sessions: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # CUDA graphs: batch sizes (sessions) captured
+    capture_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # ...and query tokens per session (K + 1 fits one)
+    max_graphs: int = 128  # CUDA graphs kept (least recently used dropped); steps beyond the buckets run eager
+    max_capture_tokens: int = 512  # buckets captured at start: at most this many (padded) tokens
+
+
+@dataclass(frozen=True)
 class TierConfig:
     model: ModelConfig
     sessions: SessionStoreConfig = field(default_factory=SessionStoreConfig)
     max_draft_tokens: int = 16  # cap on K per request
     batch: BatchConfig = field(default_factory=BatchConfig)
     torch_threads: int = 0  # intra-op threads for this process; 0 leaves torch's default
+    step: StepConfig = field(default_factory=StepConfig)

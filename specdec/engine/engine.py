@@ -32,6 +32,7 @@ from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.engine.scheduler import DROPPED, STARTED, WAIT, Planned, Scheduler
 from specdec.engine.sessions import PrefixMismatch, SessionTable
+from specdec.engine.step import StepProgram, resolve_mode
 from specdec.engine.work import Work
 from specdec.models import eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.wire.server import RequestError
@@ -49,6 +50,9 @@ class EngineStatus:
     kv_used_bytes: int  # cached_tokens in bytes
     kv_capacity_bytes: int  # all slots, in bytes
     kv_capacity_tokens: int
+    kv_resident_bytes: int  # memory the KV pool occupies now (CPU: positions ever written; GPU: all of it)
+    step_mode: str  # eager | compile | cuda-graphs
+    compile_s: float  # seconds spent compiling / capturing
     steps: int  # forwards run so far
     step_tokens: int  # tokens fed in them
 
@@ -64,8 +68,13 @@ class Engine:
             raise ValueError(f"max_batch_tokens must be >= max_draft_tokens + 1 = {need}")
         self.config = config
         self.max_context = min(max_context(model), config.sessions.max_session_tokens)
-        self.cache = SlotKVCache(KVGeometry.of(model), config.sessions.max_sessions, self.max_context)
-        self.runner = ModelRunner(model, self.cache)
+        geometry = KVGeometry.of(model)
+        slots = config.sessions.max_sessions
+        if config.sessions.kv_memory_gib > 0:  # the pool sized from a memory budget instead
+            slots = SlotKVCache.slots_for_budget(geometry, self.max_context, int(config.sessions.kv_memory_gib * 2**30))
+        graphs = resolve_mode(config.step.mode, geometry.device) == "cuda-graphs"
+        self.cache = SlotKVCache(geometry, slots, self.max_context, scratch=graphs)
+        self.runner = ModelRunner(model, self.cache, config.step)
         self.device = self.cache.geometry.device
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -95,18 +104,35 @@ class Engine:
         engine = cls(config, load_model(config.model), load_tokenizer(config.model.path))
         engine.warm_up()
         engine.start()
-        m = config.model
-        log.info("loaded %s in %.1fs on %s/%s: %d KV slots x %d tokens (%.0f MiB)", m.path, time.perf_counter() - t0,
-                 m.device, m.dtype, engine.cache.num_slots, engine.cache.slot_tokens, engine.cache.capacity_bytes / 2**20)
+        m, cache = config.model, engine.cache
+        log.info("loaded %s in %.1fs on %s/%s, %s steps (compiling / capturing took %.1fs); KV pool: %d slots x %d "
+                 "tokens, at most %.0f MiB, %.0f MiB resident now", m.path, time.perf_counter() - t0, m.device, m.dtype,
+                 engine.runner.mode, engine.runner.compile_s, cache.num_slots, cache.slot_tokens,
+                 cache.capacity_bytes / 2**20, cache.resident_bytes / 2**20)
         return engine
 
     def warm_up(self) -> None:
-        """A prefill and a few decode-sized forwards, so the first request pays no lazy initialisation."""
+        """A prefill and a few decode-sized forwards, so the first request pays no lazy initialisation: this
+        is where the step program compiles (both of its graphs) or captures its CUDA graphs. If compiling
+        fails under step mode `auto`, the tier runs eager and says so."""
+        try:
+            self._warm_up()
+        except Exception:
+            if self.config.step.mode != "auto" or not self.runner.program.compiled:
+                raise
+            log.warning("compiling the step failed; running eager (--step-mode eager skips the attempt)", exc_info=True)
+            self.runner.program = StepProgram(self.runner.model, kind="eager")
+            self.runner.mode = "eager"
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         slot = self.cache.allocate()
         try:
             self.runner.forward([Feed(slot, 0, [0] * 16, 1)])
             for n in (1, 5):
                 self.runner.forward([Feed(slot, 16, [0] * n, n)])
+            if self.runner.graphs is not None:
+                self.runner.graphs.capture_at_start()
         finally:
             self.cache.release(slot)
 
@@ -170,6 +196,7 @@ class Engine:
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + len(self._inbox),
                 kv_used_bytes=s.cached_tokens * self.cache.geometry.bytes_per_token,
                 kv_capacity_bytes=self.cache.capacity_bytes, kv_capacity_tokens=self.cache.capacity_tokens,
+                kv_resident_bytes=self.cache.resident_bytes, step_mode=self.runner.mode, compile_s=self.runner.compile_s,
                 steps=self.steps, step_tokens=self.step_tokens)
 
     # --- the engine thread --------------------------------------------------------------------------

@@ -7,8 +7,14 @@ never a gathered copy. Rollback of speculative entries is a length change in the
 stale positions are simply overwritten by the next write.
 
 On a CPU the buffers are allocated with torch.empty, so the operating system commits a page only when
-it is first written; on a GPU the whole pool is taken at start, as vLLM does. Either way the bound is
-known up front: capacity_bytes.
+it is first written: resident_bytes counts what has been touched (every position below a slot's
+`initialized` mark), which grows with the longest sessions each slot has held and is what the process
+really uses. On a GPU the whole pool is taken at start, as vLLM does, and resident_bytes is all of it.
+Either way the bound is known up front: capacity_bytes. A memory budget sizes the pool:
+slots_for_budget().
+
+CUDA-graph steps (specdec.engine.cuda_graphs) need one more slot that no session owns, where the
+padding tokens of a captured step write: `scratch=True` adds it (scratch_slot).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ class KVGeometry:
     device: torch.device
 
     @classmethod
-    def of(cls, model) -> "KVGeometry":
+    def of(cls, model) -> KVGeometry:
         c = model.config
         heads = c.num_attention_heads
         return cls(
@@ -49,20 +55,26 @@ class KVGeometry:
 class SlotKVCache:
     """num_slots preallocated sessions of at most slot_tokens tokens each."""
 
-    def __init__(self, geometry: KVGeometry, num_slots: int, slot_tokens: int) -> None:
+    def __init__(self, geometry: KVGeometry, num_slots: int, slot_tokens: int, scratch: bool = False) -> None:
         if num_slots < 1 or slot_tokens < 1:
             raise ValueError(f"need at least one slot of one token, got {num_slots} x {slot_tokens}")
         self.geometry = geometry
         self.num_slots = num_slots
         self.slot_tokens = slot_tokens
-        shape = (num_slots, geometry.num_kv_heads, slot_tokens, geometry.head_dim)
+        self.scratch_slot = num_slots if scratch else None  # written by padding tokens only, never allocated
+        shape = (num_slots + int(scratch), geometry.num_kv_heads, slot_tokens, geometry.head_dim)
         g = geometry
         self.keys = [torch.empty(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
         self.values = [torch.empty(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
         self._free = list(range(num_slots))  # a heap: the lowest free slot first, so live sessions stay dense
         # Positions [0, initialized[s]) of slot s hold finite numbers (written or zeroed): a batched
         # attention over a range of slots may read (and mask out) anything below it.
-        self.initialized = [0] * num_slots
+        self.initialized = [0] * (num_slots + int(scratch))
+
+    @staticmethod
+    def slots_for_budget(geometry: KVGeometry, slot_tokens: int, budget_bytes: int) -> int:
+        """How many slots of slot_tokens tokens fit in budget_bytes (at least one)."""
+        return max(1, budget_bytes // (slot_tokens * geometry.bytes_per_token))
 
     @property
     def capacity_tokens(self) -> int:
@@ -70,7 +82,15 @@ class SlotKVCache:
 
     @property
     def capacity_bytes(self) -> int:
+        """The sessions' bound: every slot full."""
         return self.capacity_tokens * self.geometry.bytes_per_token
+
+    @property
+    def resident_bytes(self) -> int:
+        """Memory the pool really occupies now: all of it on a GPU; on a CPU the positions ever touched."""
+        if self.geometry.device.type != "cpu":
+            return len(self.initialized) * self.slot_tokens * self.geometry.bytes_per_token  # scratch slot included
+        return sum(self.initialized) * self.geometry.bytes_per_token
 
     @property
     def free_slots(self) -> int:
@@ -96,8 +116,7 @@ class SlotKVCache:
 
     def mark_written(self, slot: int, end: int) -> None:
         """Positions below `end` of `slot` now hold written keys and values."""
-        if end > self.initialized[slot]:
-            self.initialized[slot] = end
+        self.initialized[slot] = max(self.initialized[slot], end)
 
     def write(
         self,

@@ -3,7 +3,8 @@
 The runner knows nothing of sessions or sampling: it takes feeds (a slot, how many tokens it already
 caches, the new tokens, how many trailing logits rows are wanted), runs the decoder once over all of
 them through the ragged attention of specdec.engine.attention, and applies the LM head only to the
-rows someone needs.
+rows someone needs. How the forward runs (eager, compiled, or replayed from a CUDA graph) is the step
+program's business (specdec.engine.step); what it computes is the same in every mode.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.engine.attention import ATTENTION, build_layout
+from specdec.engine.attention import ATTENTION, active, build_layout
+from specdec.engine.config import StepConfig
 from specdec.engine.kv_cache import SlotKVCache
+from specdec.engine.step import StepProgram, resolve_mode
 
 
 @dataclass
@@ -48,18 +51,29 @@ def use_exact_float32_matmuls() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: SlotKVCache) -> None:
+    def __init__(self, model, cache: SlotKVCache, step: StepConfig = StepConfig()) -> None:
         check_supported(model)
         model.set_attn_implementation(ATTENTION)
         self.model = model
         self.cache = cache
         self.device = cache.geometry.device
-        self.decoder = model.base_model  # embeddings + layers + final norm
-        self.head = model.get_output_embeddings()
-        self.plain_head = isinstance(self.head, torch.nn.Linear)  # False for e.g. a quantized head
-        self.vocab_size = int(model.config.vocab_size if not self.plain_head else self.head.weight.shape[0])
+        self.mode = resolve_mode(step.mode, self.device)
+        self.program = StepProgram(model, kind=self.mode if self.mode != "cuda-graphs" else "eager")
+        self.head = self.program.head
+        self.vocab_size = int(model.config.vocab_size if not self.program.plain_head else self.head.weight.shape[0])
         if self.device.type == "cuda":
             use_exact_float32_matmuls()
+        self.graphs = None
+        if self.mode == "cuda-graphs":
+            from specdec.engine.cuda_graphs import CudaGraphStep
+
+            self.graphs = CudaGraphStep(model.base_model, cache, step.capture_sessions, step.capture_tokens,
+                                        step.max_graphs, max_capture_tokens=step.max_capture_tokens)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling or capturing so far."""
+        return self.program.compile_s + (self.graphs.capture_s if self.graphs is not None else 0.0)
 
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """One forward over every feed; returns each feed's logits [num_logits, V] in float32. On a GPU
@@ -82,27 +96,31 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> torch.Tensor:
         """The logits of every feed's wanted rows, in feed order: [sum of num_logits, V], float32."""
-        ids: list[int] = []
-        rows: list[int] = []
-        for f in feeds:
-            start, n = len(ids), len(f.tokens)
-            ids.extend(f.tokens)
-            rows.extend(range(start + n - f.num_logits, start + n))
-        dev = self.device
-        layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], dev, extra=(ids, rows))
-        input_ids, row_index = layout.extra
         try:
-            hidden = self.decoder(input_ids=input_ids[None], position_ids=layout.positions[None], use_cache=False,
-                                  specdec_step=layout).last_hidden_state[0]  # [T, H]
+            bucket = self.graphs.bucket(feeds) if self.graphs is not None else None
+            if bucket is not None:
+                return self._captured(feeds, bucket)
+            ids: list[int] = []
+            rows: list[int] = []
+            for f in feeds:
+                start, n = len(ids), len(f.tokens)
+                ids.extend(f.tokens)
+                rows.extend(range(start + n - f.num_logits, start + n))
+            layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], self.device,
+                                  extra=(ids, rows))
+            input_ids, row_index = layout.extra
+            with active(layout):
+                return self.program(input_ids, layout.positions, row_index).float()  # [R, V]
         except BaseException:
             for f in feeds:  # what this step wrote may be incomplete: never read it unmasked
                 self.cache.initialized[f.slot] = min(self.cache.initialized[f.slot], f.cached)
             raise
-        return self._head(hidden[row_index]).float()  # [R, V]
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V]
-        # On a CPU, x @ W.T for a few rows makes the BLAS pack all of W (a 49152 x 576 head: 24 ms for 2
-        # rows on one core) while W @ x.T costs 6 ms: same product, same weights.
-        if self.plain_head and self.device.type == "cpu" and self.head.bias is None and 1 < x.shape[0] <= 16:
-            return (self.head.weight @ x.T).T
-        return self.head(x)
+    def _captured(self, feeds: list[Feed], bucket) -> torch.Tensor:
+        hidden = self.graphs.run(feeds, bucket)  # [sum of new tokens, H]
+        rows, start = [], 0
+        for f in feeds:
+            rows.extend(range(start + len(f.tokens) - f.num_logits, start + len(f.tokens)))
+            start += len(f.tokens)
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.head(hidden[index]).float()

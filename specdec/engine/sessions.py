@@ -28,6 +28,7 @@ class SessionStoreConfig:
     max_session_tokens: int = 2048  # tokens one slot holds (capped by the model's context)
     max_cached_tokens: int = 1_000_000  # tokens across all sessions; idle sessions evicted (LRU) beyond it
     idle_ttl_s: float = 600.0  # a session unused this long is evicted
+    kv_memory_gib: float = 0.0  # > 0: size the KV pool from this budget (slots of max_session_tokens) instead of max_sessions
 
 
 @dataclass

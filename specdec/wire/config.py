@@ -84,8 +84,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
-    from specdec.engine.config import BatchConfig, TierConfig
+    from specdec.engine.config import BatchConfig, StepConfig, TierConfig
     from specdec.engine.sessions import SessionStoreConfig
+    from specdec.engine.step import MODES as STEP_MODES
 
     add_server_args(a, default_port, max_connection_age_s=TIER_MAX_CONNECTION_AGE_S)
     a.add("--model", default=default_model, help="model: HF directory, .gguf file (or a directory holding one), or hub id")
@@ -103,10 +104,19 @@ def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
     a.add("--coalesce-ms", type=float, default=BatchConfig.coalesce_ms,
           help="wait up to this long before a step for the last step's sessions, when they usually return within it (0 = never)")
     a.add("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
+    a.add("--kv-memory-gib", type=float, default=SessionStoreConfig.kv_memory_gib,
+          help="size the KV pool from this memory budget (slots of --max-session-tokens) instead of --max-sessions")
+    a.add("--step-mode", default=StepConfig.mode, choices=STEP_MODES,
+          help="how each step runs: auto (packed linears on a CPU, CUDA graphs on CUDA), eager (no compiling: for "
+               "debugging), packed, compile (torch.compile: minutes at start on a small CPU), cuda-graphs")
+    a.add("--capture-sessions", default=",".join(map(str, StepConfig.capture_sessions)),
+          help="CUDA graphs: batch sizes (sessions per step) captured")
+    a.add("--capture-tokens", default=",".join(map(str, StepConfig.capture_tokens)),
+          help="CUDA graphs: query tokens per session captured (a verify of K drafts needs K + 1)")
 
 
 def tier_config(args: argparse.Namespace):
-    from specdec.engine.config import BatchConfig, TierConfig
+    from specdec.engine.config import BatchConfig, StepConfig, TierConfig
     from specdec.engine.sessions import SessionStoreConfig
     from specdec.models import ModelConfig
 
@@ -119,11 +129,25 @@ def tier_config(args: argparse.Namespace):
     return TierConfig(
         model=ModelConfig(path=args.model, device=args.device, dtype=args.dtype),
         sessions=SessionStoreConfig(max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens,
-                                    max_cached_tokens=args.max_cached_tokens, idle_ttl_s=args.idle_ttl),
+                                    max_cached_tokens=args.max_cached_tokens, idle_ttl_s=args.idle_ttl,
+                                    kv_memory_gib=args.kv_memory_gib),
         max_draft_tokens=args.max_draft_tokens,
         batch=batch,
         torch_threads=args.threads,
+        step=StepConfig(mode=args.step_mode, capture_sessions=_sizes(args.capture_sessions, "capture_sessions"),
+                        capture_tokens=_sizes(args.capture_tokens, "capture_tokens"),
+                        max_capture_tokens=args.max_batch_tokens),
     )
+
+
+def _sizes(text: str, name: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        config_error(f"--{name.replace('_', '-')} takes positive integers separated by commas, got {text!r}", (name,))
+    return sizes
 
 
 def write_port_file(path: str | None, port: int) -> None:

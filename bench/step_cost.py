@@ -1,0 +1,275 @@
+"""The cost of a step: forward time against tokens scored and sessions batched, per device, dtype and
+step mode, beside the weight-bytes / memory-bandwidth floor, and the K = 0 decode loop against Hugging
+Face `generate` at its best settings.
+
+Speculative decoding pays only where scoring K + 1 tokens costs about what one does, so v(T), the time
+of a forward that scores T tokens, is the engine's most important curve. For each tier's model this
+bench times, in one process and interleaved (so a noisy machine shifts every mode alike):
+
+1. **tokens**: one session with a 100-token prefix, a forward over T = 1, 2, 3, 5, 9, 17, 33 new tokens
+   (a verify of K = T - 1 drafts), every T's logits wanted; median of --repeats;
+2. **batch**: B = 1, 4, 16, 64 sessions, each feeding 1 token (decode) and 4 tokens (a K = 3 verify);
+3. **floor**: the weights' bytes over the memory bandwidth this machine measures (a large copy, bytes
+   read plus written): no one-token step can run faster on this device;
+4. **decode loop** (target only): N greedy tokens, our runner one token per step (the K = 0 path,
+   without the network) against transformers' `generate` eager, and with a static cache and
+   torch.compile'd forward (its best settings on this device).
+
+Modes: eager, packed (oneDNN-packed linears), compile (torch.compile, frozen weights) on a CPU;
+eager and cuda-graphs on CUDA. Writes a section to docs/BENCHMARKS.md and docs/bench_step_cost[_gpu].png.
+
+    python -m bench.step_cost [--device cpu] [--dtype float32] [--modes eager,packed,compile] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENS = (1, 2, 3, 5, 9, 17, 33)
+BATCHES = (1, 4, 16, 64)
+PREFIX = 100
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, repeats: int, device) -> float:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bandwidth_gbs(device) -> float:
+    """Bytes read plus written per second by a large device-to-device copy (GB/s)."""
+    import torch
+
+    n = 256 * 2**20 // 4  # 256 MiB of float32
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    for _ in range(2):
+        dst.copy_(src)
+    ms = median_ms(lambda: dst.copy_(src), 7, device)
+    return 2 * src.numel() * 4 / (ms / 1e3) / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Bytes a forward must stream: every parameter once (a tied embedding / head counts once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
+    from specdec.engine.config import StepConfig
+    from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+    from specdec.engine.runner import Feed, ModelRunner
+    from specdec.models import ModelConfig, load_model
+
+    model = load_model(ModelConfig(path, device=device, dtype=dtype))
+    cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode == "cuda-graphs")
+    t0 = time.perf_counter()
+    runner = ModelRunner(model, cache, StepConfig(mode=mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32)))
+    for s in range(slots):  # every session holds the same 100-token prefix (prefill chunks run eager-sized)
+        runner.forward([Feed(s, 0, list(range(1000, 1000 + PREFIX)), 1)])
+    for n in (1, 5):  # compile both graphs (or capture) before timing
+        runner.forward([Feed(0, PREFIX, [5] * n, n)])
+    return runner, Feed, time.perf_counter() - t0
+
+
+def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats: int, quick: bool) -> dict:
+    import torch
+
+    dev = torch.device(device)
+    batches = BATCHES[:3] if quick else BATCHES
+    runners, setup_s = {}, {}
+    for mode in modes:
+        runners[mode], Feed, setup_s[mode] = make_runner(path, device, dtype, mode, max(batches))
+    tokens = {m: {t: [] for t in TOKENS} for m in modes}
+    batch = {m: {(b, n): [] for b in batches for n in (1, 4)} for m in modes}
+    for _ in range(repeats):  # interleaved: each round times every mode at every shape once
+        for t in TOKENS:
+            for m, r in runners.items():
+                tokens[m][t].append(median_ms(lambda: r.forward([Feed(0, PREFIX, [5] * t, t)]), 1, dev))
+        for b in batches:
+            for n in (1, 4):
+                for m, r in runners.items():
+                    feeds = [Feed(s, PREFIX, [7] * n, n) for s in range(b)]
+                    batch[m][(b, n)].append(median_ms(lambda: r.forward(feeds), 1, dev))
+    model = runners[modes[0]].model
+    return {"tokens": {m: {t: statistics.median(v) for t, v in d.items()} for m, d in tokens.items()},
+            "batch": {m: {k: statistics.median(v) for k, v in d.items()} for m, d in batch.items()},
+            "setup_s": setup_s, "weight_bytes": weight_bytes(model),
+            "compile_s": {m: r.compile_s for m, r in runners.items()}}
+
+
+def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: int) -> dict:
+    """Tokens/s of N greedy tokens: our runner (per mode) vs transformers' generate eager and compiled."""
+    import torch
+    import torch._inductor.config
+
+    from specdec.models import ModelConfig, load_model
+
+    dev = torch.device(device)
+    prompt = list(range(1000, 1000 + PREFIX))
+    out = {}
+    for mode in modes:
+        runner, Feed, _ = make_runner(path, device, dtype, mode, 1)
+        seq = list(prompt)
+
+        def run():
+            del seq[PREFIX:]
+            logits = runner.forward([Feed(0, 0, prompt, 1)])[0]
+            for i in range(n_tokens):
+                nxt = int(logits[-1].argmax())
+                seq.append(nxt)
+                logits = runner.forward([Feed(0, PREFIX + i, [nxt], 1)])[0]
+
+        run()
+        out[f"specdec runner, {mode}"] = n_tokens / (median_ms(run, 3, dev) / 1e3)
+    model = load_model(ModelConfig(path, device=device, dtype=dtype))
+    ids = torch.tensor([prompt], device=dev)
+    mask = torch.ones_like(ids)
+
+    def gen(**kw):
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                           do_sample=False, pad_token_id=2, **kw)
+
+    gen()
+    out["HF generate, eager"] = n_tokens / (median_ms(gen, 3, dev) / 1e3)
+    try:
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True, dynamic=False)
+        config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        if dev.type == "cpu":
+            torch._inductor.config.freezing = True  # packed weights: its best CPU setting, as ours
+        compiled = dict(cache_implementation="static", compile_config=config)
+        gen(**compiled)  # compiles
+        out["HF generate, static cache + torch.compile"] = n_tokens / (median_ms(lambda: gen(**compiled), 3, dev) / 1e3)
+    except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
+        out["HF generate, static cache + torch.compile"] = f"failed: {type(e).__name__}: {e}"[:120]
+    return out
+
+
+def plot(results: dict, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (name, r) in zip(axes[0], results.items()):
+        for mode, curve in r["tokens"].items():
+            ax.plot(list(curve), [curve[t] for t in curve], marker="o", label=mode)
+        ax.axhline(r["floor_ms"], color="grey", linestyle="--", label="weights / bandwidth")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens scored in one forward")
+        ax.set_ylabel("ms per forward")
+        ax.set_title(f"{name}")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--modes", default=None, help="comma list (default: eager,packed,compile on CPU; eager,cuda-graphs on CUDA)")
+    p.add_argument("--target", default=None, help="target model (default: the shared pair's)")
+    p.add_argument("--draft", default=None, help="draft model (default: the shared pair's; '' to skip)")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (the tiers' default here)")
+    p.add_argument("--quick", action="store_true", help="batches up to 16, 5 repeats")
+    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    args = p.parse_args(argv)
+    import torch
+
+    from specdec.models import default_draft, default_target
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    modes = args.modes.split(",") if args.modes else (["eager", "cuda-graphs"] if device.type == "cuda"
+                                                       else ["eager", "packed", "compile"])
+    repeats = 5 if args.quick else args.repeats
+    bw = bandwidth_gbs(device)
+    models = {"target": args.target or default_target()}
+    if args.draft != "":
+        models["draft"] = args.draft or default_draft()
+    results = {}
+    for name, path in models.items():
+        print(f"measuring {name} ({path}) in {modes}", flush=True)
+        r = measure_model(path, args.device, args.dtype, modes, repeats, args.quick)
+        r["floor_ms"] = r["weight_bytes"] / (bw * 1e9) * 1e3
+        results[name] = r
+    decode = decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens)
+
+    cmd = "python -m bench.step_cost" + "".join(" " + a for a in (argv if argv is not None else sys.argv[1:]))
+    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+               else f"{platform.processor() or platform.machine()}, {args.threads} threads")
+    lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: step cost ({args.device}, {args.dtype})", "",
+             f"Command: `{cmd}`. Machine: {machine}; memory bandwidth (copy, read + write) {bw:.1f} GB/s. "
+             f"Median of {repeats} interleaved repeats; one session holds a {PREFIX}-token prefix.", ""]
+    for name, r in results.items():
+        floor = r["floor_ms"]
+        lines += [f"**{name}**: weights {r['weight_bytes'] / 2**20:.0f} MiB, floor {floor:.2f} ms per forward "
+                  "(weights / bandwidth). Start-up (load prefix, compile or capture): " +
+                  ", ".join(f"{m} {s:.1f} s" for m, s in r["setup_s"].items()) + ".", "",
+                  "| mode | " + " | ".join(f"T={t}" for t in TOKENS) + " | one token / floor | one token / eager's |",
+                  "|---|" + "---|" * (len(TOKENS) + 2)]
+        eager_one = r["tokens"].get("eager", {}).get(1)
+        for mode, curve in r["tokens"].items():
+            one = curve[1]
+            cells = [f"{curve[1]:.1f} ms"] + [f"{curve[t] / one:.2f}x" for t in TOKENS[1:]]
+            rel = f"{one / eager_one:.2f}x" if eager_one else "–"
+            lines.append(f"| {mode} | " + " | ".join(cells) + f" | {one / floor:.1f}x | {rel} |")
+        lines += ["", f"{name}, batched (ms per forward; B sessions x n tokens each):", "",
+                  "| mode | " + " | ".join(f"B={b}, n={n}" for (b, n) in next(iter(r["batch"].values()))) + " |",
+                  "|---|" + "---|" * len(next(iter(r["batch"].values())))]
+        for mode, cells in r["batch"].items():
+            lines.append(f"| {mode} | " + " | ".join(f"{v:.1f}" for v in cells.values()) + " |")
+        lines.append("")
+    lines += [f"Decode loop, target, {args.decode_tokens} greedy tokens after a {PREFIX}-token prompt (tokens/s; "
+              "ours is the runner's K = 0 step loop in-process, without the network):", "",
+              "| path | tok/s |", "|---|---|"]
+    for k, v in decode.items():
+        lines.append(f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |")
+    suffix = "" if device.type == "cpu" else "_gpu"
+    png = REPO / "docs" / f"bench_step_cost{suffix}.png"
+    if plot(results, png, f"step cost, {args.device} {args.dtype}"):
+        lines += ["", f"![step cost](bench_step_cost{suffix}.png)"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Decode and verify steps replayed from CUDA graphs, captured per shape bucket.
+
+An eager step of a 30-layer model launches ~1,000 kernels from Python; on a GPU that, not the GPU,
+sets the step's time (25-35 ms for a model whose weights stream in ~0.2 ms). A CUDA graph launches
+them all at once. A graph holds fixed shapes and addresses, so a step is padded up to a bucket
+(sessions S, query tokens per session n, keys L: each the next captured size up) and its indices go
+into preallocated buffers (specdec.engine.static_attention); the graph runs the decoder, and the LM
+head then runs eager on just the rows someone needs (one product). Graphs are captured on first use
+(or at start for `capture_sessions` x `capture_tokens` at the shortest L), at most `max_graphs`; a
+step that fits no bucket (a prefill chunk, more sessions or tokens than any bucket) runs eager, the
+same function.
+
+Model: vLLM's CUDA-graph runner (capture_model, padding a batch up to a captured size) and gpt-fast's
+`reduce-overhead` decode step. With `capture=False` the same static step runs without capture: that
+is how the CPU tests check its arithmetic against the eager one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from specdec.engine.attention import active
+from specdec.engine.kv_cache import SlotKVCache
+from specdec.engine.static_attention import StaticBuffers, StaticLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    sessions: int  # S
+    tokens: int  # n, query tokens per session
+    kv_len: int  # L
+
+
+def next_size(sizes: tuple[int, ...], x: int) -> int | None:
+    """The smallest of the sorted `sizes` >= x, or None."""
+    i = bisect.bisect_left(sizes, x)
+    return sizes[i] if i < len(sizes) else None
+
+
+def kv_sizes(slot_tokens: int, smallest: int = 128) -> tuple[int, ...]:
+    """Key lengths captured: powers of two from `smallest`, and the slot's length."""
+    sizes, size = [], smallest
+    while size < slot_tokens:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, slot_tokens)
+
+
+class CudaGraphStep:
+    """Runs steps that fit a bucket through a captured graph (or, capture=False, the same static
+    step uncaptured). The cache must have a scratch slot: cache.scratch_slot."""
+
+    def __init__(self, decoder, cache: SlotKVCache, capture_sessions: tuple[int, ...], capture_tokens: tuple[int, ...],
+                 max_graphs: int, capture: bool = True, max_capture_tokens: int = 512) -> None:
+        if cache.scratch_slot is None:
+            raise ValueError("CUDA-graph steps need a KV cache with a scratch slot")
+        self.decoder = decoder
+        self.cache = cache
+        self.sessions = tuple(sorted(set(capture_sessions)))
+        self.tokens = tuple(sorted(set(capture_tokens)))
+        self.kv_lens = kv_sizes(cache.slot_tokens)
+        self.max_graphs = max_graphs
+        self.max_capture_tokens = max_capture_tokens  # capture_at_start skips buckets of more padded tokens
+        self.capture = capture
+        self.device = cache.geometry.device
+        self.buffers = StaticBuffers.allocate(self.sessions[-1], self.tokens[-1], self.device)
+        self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor, StaticLayout]] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_s = 0.0  # time spent capturing
+        self.replays = 0
+
+    def bucket(self, feeds) -> Bucket | None:
+        """The bucket a step of these feeds (slot, cached, tokens) fits, or None (run it eager)."""
+        s = next_size(self.sessions, len(feeds))
+        n = next_size(self.tokens, max(len(f.tokens) for f in feeds))
+        length = next_size(self.kv_lens, max(f.cached + len(f.tokens) for f in feeds))
+        if s is None or n is None or length is None:
+            return None
+        return Bucket(s, n, length)
+
+    def run(self, feeds, bucket: Bucket) -> torch.Tensor:
+        """The decoder's hidden states of every feed's tokens: [sum of new tokens, H], feed order."""
+        s_b, n_b = bucket.sessions, bucket.tokens
+        scratch = self.cache.scratch_slot
+        ids, positions, slots = [0] * (s_b * n_b), [i % n_b for i in range(s_b * n_b)], [scratch] * (s_b * n_b)
+        session_slots, cached, new = [scratch] * s_b, [0] * s_b, [0] * s_b
+        rows = []
+        for s, f in enumerate(feeds):
+            base = s * n_b
+            for i, token in enumerate(f.tokens):
+                ids[base + i], positions[base + i], slots[base + i] = token, f.cached + i, f.slot
+            rows.extend(range(base, base + len(f.tokens)))
+            session_slots[s], cached[s], new[s] = f.slot, f.cached, len(f.tokens)
+        for slot in {f.slot for f in feeds} | {scratch}:  # every key the graph reads is finite
+            self.cache.initialize(slot, slot, bucket.kv_len)
+        self.buffers.fill([ids, positions, slots, session_slots, cached, new])
+        hidden = self._replay(bucket)
+        for f in feeds:
+            self.cache.mark_written(f.slot, f.cached + len(f.tokens))
+        index = torch.tensor(rows, dtype=torch.long)
+        return hidden[index.to(self.device, non_blocking=True)]
+
+    def _replay(self, bucket: Bucket) -> torch.Tensor:
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            entry = self._capture(bucket)
+        self.graphs.move_to_end(bucket)
+        graph, out, layout = entry
+        if graph is None:  # uncaptured: run the static step now
+            return self._static_step(layout)
+        graph.replay()
+        self.replays += 1
+        return out
+
+    def _static_step(self, layout: StaticLayout) -> torch.Tensor:
+        t = layout.num_tokens
+        b = self.buffers
+        with active(layout):
+            layout.prepare()
+            return self.decoder(input_ids=b.input_ids[:t][None], position_ids=b.positions[:t][None],
+                                use_cache=False).last_hidden_state[0]  # [S * n, H]
+
+    def _capture(self, bucket: Bucket):
+        layout = StaticLayout(self.cache, self.buffers, bucket.sessions, bucket.tokens, bucket.kv_len)
+        if not self.capture:
+            entry = (None, None, layout)
+        else:
+            if len(self.graphs) >= self.max_graphs:
+                self.graphs.popitem(last=False)  # the least recently used graph
+            t0 = time.perf_counter()
+            saved = [buf.clone() for buf in self._buffer_list()]
+            self._fill_padding(bucket)  # warm-up and capture write only the scratch slot
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._static_step(layout)  # warm-up: lazy initialisation stays out of the graph
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another engine thread of this process (a draft beside its target) may launch
+            # kernels while this one captures
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self._static_step(layout)
+            for buf, old in zip(self._buffer_list(), saved):
+                buf.copy_(old)
+            self.capture_s += time.perf_counter() - t0
+            entry = (graph, out, layout)
+        self.graphs[bucket] = entry
+        return entry
+
+    def _buffer_list(self) -> list[torch.Tensor]:
+        b = self.buffers
+        return [b.input_ids, b.positions, b.slots, b.session_slots, b.cached, b.new]
+
+    def _fill_padding(self, bucket: Bucket) -> None:
+        scratch = self.cache.scratch_slot
+        t = bucket.sessions * bucket.tokens
+        self.cache.initialize(scratch, scratch, bucket.kv_len)
+        self.buffers.fill([[0] * t, [i % bucket.tokens for i in range(t)], [scratch] * t, [scratch] * bucket.sessions,
+                           [0] * bucket.sessions, [0] * bucket.sessions])
+
+    def capture_at_start(self) -> None:
+        """Capture the decode / verify buckets at the shortest key length, so the first requests pay none."""
+        for s in self.sessions:
+            for n in self.tokens:
+                if len(self.graphs) < self.max_graphs and s * n <= self.max_capture_tokens:
+                    self._capture(Bucket(s, n, self.kv_lens[0]))
+        if self.capture:
+            torch.cuda.synchronize()
+            log.info("captured %d CUDA graphs in %.1fs", len(self.graphs), self.capture_s)
