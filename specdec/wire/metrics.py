@@ -61,6 +61,7 @@ class LoadReading(Protocol):
     num_waiting: int  # requests queued for the next batch
     kv_used_bytes: int  # KV cache memory in use
     kv_capacity_bytes: int  # KV cache memory the tier may use (0 = unknown)
+    kv_resident_bytes: int  # memory the KV pool occupies now
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class LoadSnapshot:
     num_waiting: int = 0
     kv_used_bytes: int = 0
     kv_capacity_bytes: int = 0
+    kv_resident_bytes: int = 0
 
 
 class RpcMetrics:
@@ -174,6 +176,8 @@ class _LoadCollector(Collector):
             ("specdec_tier_queue_depth", "Requests queued for the next batch (= vllm:num_requests_waiting).", s.num_waiting),
             ("specdec_tier_kv_used_bytes", "KV cache memory in use, bytes.", s.kv_used_bytes),
             ("specdec_tier_kv_capacity_bytes", "KV cache memory the tier may use, bytes (0 = unknown).", s.kv_capacity_bytes),
+            ("specdec_tier_kv_resident_bytes", "Memory the KV pool occupies now, bytes (CPU: the positions ever written; "
+             "GPU: all of it).", s.kv_resident_bytes),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=self.names)

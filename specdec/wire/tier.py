@@ -151,12 +151,11 @@ class TierServer:
 def cache_info(engine) -> dict[str, str]:
     """The KV cache as vllm:cache_config_info's labels, in vLLM's words where they fit: a KV slot (one
     session's cache) is a block of block_size tokens, num_gpu_blocks of them (on whatever device); the
-    capacity as the engine reports it (EngineStatus)."""
-    s = engine.status()
-    slots = engine.config.sessions.max_sessions
-    return {"block_size": str(s.kv_capacity_tokens // max(slots, 1)), "num_gpu_blocks": str(slots),
+    capacity as the engine reports it (EngineStatus), and the memory budget it was sized from (0: by slots)."""
+    s, cache = engine.status(), engine.cache
+    return {"block_size": str(cache.slot_tokens), "num_gpu_blocks": str(cache.num_slots),
             "cache_dtype": engine.config.model.dtype, "kv_capacity_tokens": str(s.kv_capacity_tokens),
-            "kv_capacity_bytes": str(s.kv_capacity_bytes)}
+            "kv_capacity_bytes": str(s.kv_capacity_bytes), "kv_memory_gib": str(engine.config.sessions.kv_memory_gib)}
 
 
 def create_tier_server(engine, service: Service, config: ServerConfig, tier: str) -> TierServer:
