@@ -128,8 +128,9 @@ class Frontend:
             draft=summary(pl.draft_info, c.draft_address), target=summary(pl.target_info, c.target_address),
             default_max_new_tokens=c.default_max_new_tokens,
             default_num_speculative_tokens=-1 if c.default_num_speculative_tokens is None else c.default_num_speculative_tokens,
-            max_new_tokens_cap=c.max_new_tokens_cap, max_prompt_tokens=c.max_prompt_tokens,
-            max_num_speculative_tokens=self.validate.max_k(),
+            max_new_tokens_cap=c.max_new_tokens_cap,
+            max_prompt_tokens=min(c.max_prompt_tokens, pl.target_info.max_context - 1),  # what the validator accepts
+            max_num_speculative_tokens=self.validate.max_k(), max_context=pl.target_info.max_context,
         )
 
 
