@@ -48,7 +48,12 @@ prometheus:
 #                     copy as the draft end to end (bench.run, separate cores, open workload, 128 tokens; ~2 min)
 #  bench.replicas     1 vs 2 target replicas under the same load (~4 min; BENCH_REPLICAS_ARGS=--help)
 #  bench.overhead     per-round gRPC + coordinator time on a tiny model (~1 min; OVERHEAD_ARGS=--help)
+#  bench.step_cost    forward time against tokens scored and batch size per step mode, the memory-bandwidth
+#                     floor, the K = 0 loop vs HF generate eager and compiled (~10 min; STEP_COST_ARGS=--help)
+#  bench.exactness    argmax flips between forward shapes and step modes (~6 min; EXACTNESS_ARGS=--help)
 bench: setup
+	$(PY) -m bench.step_cost $(STEP_COST_ARGS)
+	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)
 	$(PY) -m bench.overhead $(OVERHEAD_ARGS)
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.concurrency $(CONCURRENCY_ARGS)

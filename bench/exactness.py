@@ -17,10 +17,13 @@ counts such flips for the target on --device in each --dtypes, over the bench's 
 4. **generate**: transformers' model.generate(do_sample=False) on the same device and dtype, compared
    with S (the services' K = 0 against the target alone).
 
-For 2 the unit is a position (teacher-forced on S); for 3 and 4 a whole sequence (after the first
+5. **vs eager**: each step mode (specdec.engine.step: packed / compile on a CPU, cuda-graphs on CUDA)
+   runs 1-4 with its own runner, and its solo decode S is compared with the eager mode's.
+
+For 2 the unit is a position (teacher-forced on S); for 3, 4 and 5 a whole sequence (after the first
 difference the sequences go apart). Flipped positions report the reference's top-1 / top-2 logit gap.
 
-    python -m bench.exactness --device cuda --dtypes float32,bfloat16 [--tokens 128] [--prompts 0]
+    python -m bench.exactness --device cuda --dtypes float32,bfloat16 [--modes eager,cuda-graphs] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="greedy tokens per prompt")
     p.add_argument("--prompts", type=int, default=0, help="open prompts to use (0 = all)")
     p.add_argument("--ks", default="1,3,7", help="verify shapes: K drafts + 1 tokens per step")
+    p.add_argument("--modes", default=None,
+                   help="step modes (default: eager,packed,compile on a CPU; eager,cuda-graphs on CUDA)")
     p.add_argument("--target", default=None, help="model (default: specdec.models.default_target())")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
     args = p.parse_args(argv)
@@ -50,6 +55,7 @@ def main(argv=None) -> int:
 
     from bench.prompts import prompts_for
     from bench.run import git_commit, gpu_name, machine_info
+    from specdec.engine.config import StepConfig
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner, use_exact_float32_matmuls
     from specdec.models import ModelConfig, default_target, load_model, load_tokenizer
@@ -66,14 +72,18 @@ def main(argv=None) -> int:
         prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
     n = args.tokens
     ks = [int(x) for x in args.ks.split(",") if x]
+    modes = args.modes.split(",") if args.modes else (
+        ["eager", "cuda-graphs"] if device.type == "cuda" else ["eager", "packed", "compile"])
     results = {}
+    eager_solo = {}
 
-    for dtype in [x for x in args.dtypes.split(",") if x]:
+    for dtype, mode in [(d, m) for d in args.dtypes.split(",") if d for m in modes]:
         t0 = time.time()
         model = load_model(ModelConfig(target, device=str(device), dtype=dtype))
         hf_model = load_model(ModelConfig(target, device=str(device), dtype=dtype))  # sdpa attention, for generate
         slot_tokens = max(len(x) for x in prompts) + n + 8
-        runner = ModelRunner(model, SlotKVCache(KVGeometry.of(model), len(prompts), slot_tokens))
+        runner = ModelRunner(model, SlotKVCache(KVGeometry.of(model), len(prompts), slot_tokens,
+                                                scratch=mode == "cuda-graphs"), StepConfig(mode=mode))
 
         def top2_gap(row) -> float:
             v = row.float().topk(2).values
@@ -127,11 +137,14 @@ def main(argv=None) -> int:
                                         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
             generated.append(out[0, len(prompt):].tolist())
         r["generate"] = _sequence_diffs(generated, solo)
+        eager_solo.setdefault(dtype, solo)  # modes run eager first
+        r["vs_eager"] = _sequence_diffs(solo, eager_solo[dtype])
         r["seconds"] = time.time() - t0
-        results[dtype] = r
-        print(f"[exactness] {dtype}: " + "; ".join(f"verify K={k}: {v['flips']}/{v['total']} flips" for k, v in r["verify"].items())
+        results[(dtype, mode)] = r
+        print(f"[exactness] {dtype} {mode}: " + "; ".join(f"verify K={k}: {v['flips']}/{v['total']} flips" for k, v in r["verify"].items())
               + f"; batched: {r['batched']['differ']}/{len(prompts)} sequences differ; generate: "
-              f"{r['generate']['differ']}/{len(prompts)} differ ({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
+              f"{r['generate']['differ']}/{len(prompts)} differ; vs eager: {r['vs_eager']['differ']} differ "
+              f"({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
         del model, hf_model, runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -147,18 +160,19 @@ def main(argv=None) -> int:
          "(no TF32). What each column compares: see `bench/exactness.py`'s docstring. A verify flip is a position "
          "where the (K + 1)-token forward's argmax differs from 1-token decoding's, teacher-forced; batched and "
          "generate compare whole sequences with the solo 1-token decode.", ""]
-    L.append("| dtype | " + " | ".join(f"verify K={k}: flipped positions" for k in ks)
-             + " | batched decode: sequences that differ (first difference at) | HF generate: sequences that differ (first difference at) |")
-    L.append("|---|" + "---|" * len(ks) + "---|---|")
-    for dtype, r in results.items():
+    L.append("| dtype | step mode | " + " | ".join(f"verify K={k}: flipped positions" for k in ks)
+             + " | batched decode: sequences that differ (first difference at) | HF generate: sequences that differ "
+               "(first difference at) | eager mode's decode: sequences that differ |")
+    L.append("|---|---|" + "---|" * len(ks) + "---|---|---|")
+    for (dtype, mode), r in results.items():
         cells = []
         for k in ks:
             v = r["verify"][k]
             gap = f" (top-2 gap {max(v['gaps']):.2g} at most)" if v["gaps"] else ""
             cells.append(f"{v['flips']}/{v['total']}{gap}")
         seqs = [f"{d['differ']}/{len(prompts)}" + (f" ({', '.join(map(str, d['first']))})" if d["first"] else "")
-                for d in (r["batched"], r["generate"])]
-        L.append(f"| {dtype} | " + " | ".join(cells) + " | " + " | ".join(seqs) + " |")
+                for d in (r["batched"], r["generate"], r["vs_eager"])]
+        L.append(f"| {dtype} | {mode} | " + " | ".join(cells) + " | " + " | ".join(seqs) + " |")
     L.append("")
     text = "\n".join(L) + "\n"
     print(text)

@@ -27,11 +27,12 @@ CUDA = TEST_DEVICE.startswith("cuda")
 
 
 
-def test_compiled_step_compiles_two_graphs_for_every_shape(tiny_target):
-    """T = 1 and T >= 2 (with any number of logits rows) share two graphs: no recompile per shape."""
+def test_compiled_step_compiles_two_graphs_for_every_shape(tiny_random_draft):
+    """T = 1 and T >= 2 (with any number of logits rows) share two graphs: no recompile per shape. (A
+    model no other test compiles, so that its graphs are counted from none.)"""
     from torch._dynamo.utils import counters
 
-    runner = make_runner(tiny_target, "compile", slots=4)
+    runner = make_runner(tiny_random_draft, "compile", slots=4)
     before = counters["stats"]["unique_graphs"]
     slot = runner.cache.allocate()
     runner.forward([Feed(slot, 0, list(range(3, 40)), 0)])  # a prefill chunk with no logits
@@ -95,7 +96,8 @@ def test_mode_resolution():
 
 @pytest.fixture(scope="module")
 def compiled_cluster(tiny_target):
-    """The target as its own draft, both tiers compiled (CUDA graphs on a GPU)."""
+    """The target as its own draft, both tiers compiled (CUDA graphs on a GPU); the two engines share one
+    model and so one compile."""
     cluster = Cluster(tiny_target, tiny_target, step=StepConfig(mode="cuda-graphs" if CUDA else "compile"))
     yield cluster
     cluster.close()
@@ -110,6 +112,8 @@ def test_compiled_tiers_greedy_equal_generate(compiled_cluster, tiny_target_mode
     with Client(compiled_cluster.address) as client:
         out = client.generate(token_ids=PROMPT, max_new_tokens=40, num_speculative_tokens=k, proposer="draft")
     assert out.token_ids == expected
+    if not CUDA:
+        assert compiled_cluster.target_tier.runner.model is compiled_cluster.draft_tier.runner.model
 
 
 def test_compiled_tiers_sample_what_eager_tiers_sample(compiled_cluster, self_draft_cluster):

@@ -59,6 +59,19 @@ class EngineStatus:
 
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
 
+# Compiled steps: engines of one process that serve the same model share its weights, and so its
+# compiled graphs (frozen weights make every model object a compile of its own): a self-draft beside
+# its target, or a test's many clusters, compile once.
+_compiled_models: dict = {}
+
+
+def _load_model(config: TierConfig):
+    if resolve_mode(config.step.mode, torch.device(config.model.device)) != "compile":
+        return load_model(config.model)
+    if config.model not in _compiled_models:
+        _compiled_models[config.model] = load_model(config.model)
+    return _compiled_models[config.model]
+
 
 class Engine:
     def __init__(self, config: TierConfig, model, tokenizer) -> None:
@@ -101,7 +114,7 @@ class Engine:
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         t0 = time.perf_counter()
-        engine = cls(config, load_model(config.model), load_tokenizer(config.model.path))
+        engine = cls(config, _load_model(config), load_tokenizer(config.model.path))
         engine.warm_up()
         engine.start()
         m, cache = config.model, engine.cache
