@@ -127,8 +127,15 @@ class CoordinatorMetrics:
                                  "was unreachable.")
         self.overlapped = counter("specdec_overlapped_rounds", "Rounds whose drafts were pre-drafted during the previous "
                                   "round's verification (--overlap).")
+        self._reachable = Gauge("specdec_tier_reachable", "1 while some replica of the tier answers the coordinator's "
+                                "health probe, else 0 (no target: the coordinator is NOT_SERVING; no draft: prompt "
+                                "lookup drafts).", [*m, "tier"], registry=registry)
         self.tier_errors = counter("specdec_tier_errors", "Failed internal rpcs to the tiers, by tier, rpc and status "
                                    "(the generation may have recovered).", ("tier", "rpc", "code"))
+
+    def watch_reachability(self, tier: str, reachable) -> None:
+        """specdec_tier_reachable{tier} reads reachable() (a bool) at every scrape."""
+        self._reachable.labels(*self._labels, tier).set_function(lambda: float(reachable()))
 
     def request(self) -> "RequestMetrics":
         return RequestMetrics(self)

@@ -616,7 +616,15 @@ def test_dashboard_queries_only_exported_metrics():
 def test_observability_kustomization_renders(renders):
     objs = kustomize(OBSERVABILITY)
     kinds = {o["kind"]: o for o in objs}
-    assert set(kinds) == {"ConfigMap", "ServiceMonitor"}
+    assert set(kinds) == {"ConfigMap", "ServiceMonitor", "PrometheusRule"}
+    rules = kinds["PrometheusRule"]
+    assert rules["apiVersion"] == "monitoring.coreos.com/v1" and rules["metadata"]["labels"]["release"]
+    exported = exported_series()
+    for group in rules["spec"]["groups"]:
+        for rule in group["rules"]:
+            assert rule["labels"]["severity"] in ("critical", "warning") and rule["annotations"]["summary"], rule["alert"]
+            for name in re.findall(r"\b(vllm:[a-zA-Z0-9_:]+|specdec_[a-zA-Z0-9_]+)", rule["expr"]):
+                assert name in exported, f"{rule['alert']} queries {name}, which no service exports"
     cm = kinds["ConfigMap"]
     for version in SCHEMA_VERSIONS:
         kubernetes_validate.validate(cm, version, strict=True)

@@ -3,9 +3,11 @@ cluster (coordinator and both tiers' /metrics on loopback, every second, labelle
 `pod` as deploy/observability's scrape configs label them), while generations run that move every
 panel: concurrent streams through the OpenAI API on tight tier KV budgets (evictions, re-prefills), a
 request for an unknown model (a public API error), then the draft tier stopped (prompt-lookup fallback,
-tier call errors). Then EVERY PromQL expression of the Grafana dashboard and the prometheus-adapter rule
-behind the tier autoscalers is evaluated through Prometheus' HTTP API, and each must return data: at
-least one series with a finite value."""
+tier call errors), then the target tier stopped (a request refused with 503). Then EVERY PromQL
+expression of the Grafana dashboard, the prometheus-adapter rule behind the tier autoscalers and the
+alert rules (loaded into this Prometheus) is evaluated through Prometheus' HTTP API, and each must return
+data: at least one series with a finite value (for an alert: the side it measures; the tier-down alerts'
+conditions must hold after their tier stopped and not before)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from tests.helpers import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 OBSERVABILITY = ROOT / "deploy" / "observability"
+RULES = OBSERVABILITY / "prometheus-rules.yaml"
 SCRAPE_S = 1  # scrape interval, seconds
 RATE_INTERVAL = "5s"  # Grafana's $__rate_interval for a 1 s scrape: max(4 x scrape, step + scrape)
 NAMESPACE = "specdec-test"
@@ -50,7 +53,13 @@ class Prometheus:
     """A Prometheus server on loopback scraping `targets` (component -> host:port) every SCRAPE_S."""
 
     def __init__(self, targets: dict[str, str], workdir: Path) -> None:
+        rules = yaml.safe_load(RULES.read_text())["spec"]  # the PrometheusRule's spec is a plain rules file
+        (workdir / "rules.yml").write_text(yaml.safe_dump(rules))
+        check = subprocess.run([str(Path(prometheus_binary()).with_name("promtool")), "check", "rules",
+                                str(workdir / "rules.yml")], capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, f"promtool check rules:\n{check.stdout}{check.stderr}"
         config = {
+            "rule_files": [str(workdir / "rules.yml")],
             "global": {"scrape_interval": f"{SCRAPE_S}s", "scrape_timeout": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
             "scrape_configs": [{
                 "job_name": "specdec", "metrics_path": "/metrics", "honor_labels": True,  # as deploy/observability
@@ -143,10 +152,20 @@ def scraped(tiny_target, tmp_path_factory):
             assert list(pool.map(stream, range(6))) == ["length"] * 6
         with pytest.raises(openai.NotFoundError):  # a public API error
             oai.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+        time.sleep(2 * SCRAPE_S)
+        all_up = time.time()  # every tier up until here
         cluster.stop_draft()  # the draft tier gone: prompt lookup drafts, the coordinator counts its errors
         r = oai.completions.create(model=model, prompt="one two three one two three one two", max_tokens=12,
                                    extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length"
+        cluster.stop_target()  # the target gone too: the coordinator refuses requests with 503
+        deadline = time.monotonic() + 10
+        while cluster.coordinator.pipeline.target_reachability.reachable:
+            assert time.monotonic() < deadline, "the coordinator did not notice the target's absence"
+            time.sleep(0.05)
+        with pytest.raises(openai.APIStatusError) as refused:
+            oai.completions.create(model=model, prompt="Hi", max_tokens=2)
+        assert refused.value.status_code == 503
         oai.close()
         # Prometheus has scraped the end of the traffic once it holds every finished request
         deadline = time.monotonic() + 10
@@ -159,7 +178,7 @@ def scraped(tiny_target, tmp_path_factory):
         # a few more scrapes: the series born during the traffic (labelled counters) get the two samples a
         # rate needs
         time.sleep(3 * SCRAPE_S)
-        yield prometheus, model, start
+        yield prometheus, model, start, all_up
     finally:
         if prometheus is not None:
             prometheus.close()
@@ -169,14 +188,14 @@ def scraped(tiny_target, tmp_path_factory):
 
 
 def test_every_scrape_target_is_up(scraped):
-    prometheus, _, _ = scraped
+    prometheus, *_ = scraped
     targets = prometheus.api("targets")["activeTargets"]
     assert sorted(t["labels"]["pod"] for t in targets) == sorted(PODS.values())
     assert all(t["health"] == "up" for t in targets), [(t["scrapeUrl"], t["lastError"]) for t in targets]
 
 
 def test_every_dashboard_expression_returns_data(scraped):
-    prometheus, model, start = scraped
+    prometheus, model, start, _ = scraped
     dashboard = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
     # The model_name variable: Grafana's label_values(metric, label) is the label's values on that metric.
     (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model_name"]
@@ -199,7 +218,7 @@ def test_prometheus_adapter_rule_returns_the_tier_load(scraped):
     """The rule behind the tier autoscalers, as prometheus-adapter runs it: its series query finds the tiers'
     series (by pod), and its metrics query, with the adapter's templates filled in for the tier pods,
     gives one value per tier pod."""
-    prometheus, _, _ = scraped
+    prometheus, *_ = scraped
     values = yaml.safe_load((OBSERVABILITY / "prometheus-adapter-values.yaml").read_text())
     (rule,) = values["rules"]["custom"]
     series = prometheus.api("series", **{"match[]": rule["seriesQuery"]})
@@ -211,3 +230,26 @@ def test_prometheus_adapter_rule_returns_the_tier_load(scraped):
     assert "<<" not in query
     result = prometheus.api("query", query=query)["result"]
     assert {r["metric"]["pod"] for r in result} == {PODS["target"], PODS["draft"]} and finite(result)
+
+
+def test_alert_rules_evaluate_and_measure(scraped):
+    """Every rule evaluates without error in Prometheus; each alert's measured side (its expression without
+    the final threshold) returns data; the reachability alerts' conditions hold now (both tiers stopped) and
+    did not while every tier was up."""
+    prometheus, _, _, all_up = scraped
+    groups = prometheus.api("rules")["groups"]
+    loaded = {r["name"]: r for g in groups for r in g["rules"]}
+    expected = {r["alert"]: r for g in yaml.safe_load(RULES.read_text())["spec"]["groups"] for r in g["rules"]}
+    assert set(loaded) == set(expected)
+    for name, rule in loaded.items():
+        assert rule["health"] == "ok" and rule["lastEvaluation"] != "0001-01-01T00:00:00Z", (name, rule.get("lastError"))
+    empty = []
+    for name, rule in expected.items():
+        measured, op, threshold = re.fullmatch(r"(.+?)\s*(==|!=|>=|<=|>|<)\s*([0-9.]+)", " ".join(rule["expr"].split())).groups()
+        if not finite(prometheus.api("query", query=measured)["result"]):
+            empty.append(f"{name}: {measured}")
+    assert not empty, "alert expressions without data:\n" + "\n".join(empty)
+    for name in ("SpecdecNoTargetReachable", "SpecdecDraftUnreachable"):
+        expr = expected[name]["expr"]
+        assert prometheus.api("query", query=expr)["result"], f"{name}: its tier is down, the condition must hold"
+        assert not prometheus.api("query", query=expr, time=all_up)["result"], f"{name} held while every tier was up"
