@@ -1,6 +1,8 @@
 """`specdec serve` as a user runs it: one command, real processes on free ports, called with the official
-`openai` client; SIGTERM stops it cleanly with no child left behind; a child that dies makes serve say
-so and exit non-zero, again with no child left behind."""
+`openai` client. The coordinator's health follows the tiers: a draft killed with SIGKILL only degrades;
+a target killed mid-stream ends the stream with an error, turns /health to 503 and makes new requests
+fail at once with 503, within seconds; serve restarts what died and the coordinator recovers by itself.
+SIGTERM stops everything with no child left behind; a crash loop makes serve give up (unit test)."""
 
 from __future__ import annotations
 
@@ -123,23 +125,65 @@ def test_serve_answers_restarts_and_stops_cleanly(serve_factory, tiny_target):
         oai.chat.completions.create(model="target", messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
     assert "ready: OpenAI API at" in s.output() and "'smollm2'" in s.output()
 
-    # a tier dies: serve says so and starts it again on its port; the coordinator carries on with it
-    for tier in ("draft", "target"):
-        os.kill(s.child(f"{tier}_service"), signal.SIGKILL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while f"the {tier} was killed by SIGKILL; restarting it" not in s.output():
-            assert time.monotonic() < deadline, s.output()
+    def wait_output(line: str) -> None:
+        deadline = time.monotonic() + 30
+        while line not in s.output():
+            assert time.monotonic() < deadline, f"no {line!r} in:\n{s.output()}"
             time.sleep(0.05)
-        while True:
+
+    def health() -> httpx.Response:
+        return httpx.get(s.url + "/health", timeout=5)
+
+    def until(predicate, timeout_s: float) -> float:
+        """Seconds until predicate() holds (fails the test after timeout_s)."""
+        t0 = time.monotonic()
+        while not predicate():
             assert s.proc.poll() is None, s.output()
-            try:
-                if complete().usage.completion_tokens == 5:
-                    break
-            except openai.APIError:
-                pass
-            assert time.monotonic() < deadline, f"no answer after the {tier} restarted:\n{s.output()}"
-            time.sleep(0.2)
-        s.children.update(children(s.proc.pid))
+            assert time.monotonic() - t0 < timeout_s, f"not within {timeout_s}s:\n{s.output()[-3000:]}"
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def answers() -> bool:
+        try:
+            return complete().usage.completion_tokens == 5
+        except openai.APIError:
+            return False
+
+    # The draft dies: only a degradation (prompt lookup drafts), /health stays 200; serve restarts it.
+    os.kill(s.child("draft_service"), signal.SIGKILL)
+    wait_output("the draft was killed by SIGKILL; restarting it")
+    assert answers()
+    assert health().status_code == 200
+    until(lambda: health().json().get("draft") is None, START_TIMEOUT_S)  # back: no longer reported missing
+
+    # The target dies in the middle of a stream: the stream gets its error, /health turns 503 and new
+    # requests are refused at once with 503, all within seconds; serve restarts the target and the
+    # coordinator recovers by itself.
+    stream = iter(oai.completions.create(model="smollm2", prompt="Hi", max_tokens=900, stream=True,
+                                         extra_body={"ignore_eos": True, "num_speculative_tokens": 0}))
+    assert next(stream).choices[0].text is not None
+    killed = time.monotonic()
+    os.kill(s.child("target_service"), signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    stream_error_s = time.monotonic() - killed
+    until(lambda: health().status_code == 503, 10)
+    health_s = time.monotonic() - killed
+    down = health().json()
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as refused:
+        complete()
+    refused_s = time.monotonic() - t0
+    assert refused.value.status_code == 503 and "no target replica is reachable" in refused.value.body["message"]
+    assert down["status"] == "unavailable" and "no target replica is reachable" in down["message"]
+    assert stream_error_s < 3, f"the stream's error came {stream_error_s:.1f}s after the target died"
+    assert health_s < 5, f"/health said 503 {health_s:.1f}s after the target died"
+    assert refused_s < 1.5, f"a request took {refused_s:.1f}s to be refused"
+    wait_output("the target was killed by SIGKILL; restarting it")
+    until(lambda: health().status_code == 200, START_TIMEOUT_S)
+    assert answers()
+    s.children.update(children(s.proc.pid))
     oai.close()
     live = children(s.proc.pid)
     assert len(live) == 3 and set(live) - set(s.children) == set()
