@@ -4,4 +4,12 @@ Measures, on the same machine and in the same run: the target model alone (in-pr
 Hugging Face assisted generation with the same draft ("the peer", plus its prompt-lookup mode), and
 specdec's three services on loopback, for a fixed prompt set (bench/prompts.py). Appends a section per
 run to docs/BENCHMARKS.md and redraws docs/bench_*.png.
+
+  common.py      what every bench shares: paths, log, machine info, CPU load, markdown tables, free ports,
+                 appending a section to docs/BENCHMARKS.md
+  run.py         the main bench's command line; run_plan.py (its rows), run_rows.py (what it measures:
+                 in-process baselines via inprocess.py, specdec rows via pipeline.py), run_section.py (its
+                 markdown), report.py (aggregates, bounds, tables), plots.py
+  concurrency.py, replicas.py, overhead.py, self_draft.py, suffix_cost.py, step_cost.py, exactness.py:
+                 one question each (see each module's docstring)
 """

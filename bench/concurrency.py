@@ -29,11 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def log(msg: str) -> None:
-    print(f"[concurrency {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+from bench.common import REPO, append_section, git_commit, gpu_name, log, machine_info, md_table
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -262,14 +258,13 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
          f"Command: `{command}`", "", f"- {info}",
          f"- Each client its own chat prompt, greedy, {max_new} new tokens (EOS ignored), all starting together; "
          "TPOT = (end - first token) / (tokens - 1); the peer's per-client figures are its batch's wall time.", ""]
-    L.append("| row | clients | aggregate tok/s | per-client tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | mean K | acceptance |")
-    L.append("|---|---|---|---|---|---|---|---|")
+    table = []
     names = {"specdec": "specdec hybrid, adaptive K", "k0": "specdec K=0", "peer:continuous": "HF generate_batch",
              "peer:padded": "HF padded generate"}
     for key, name in names.items():
         data = results.get(key) or {}
         if "error" in data:
-            L.append(f"| {name} | – | error: {data['error']} | | | | | |")
+            table.append([name, "–", f"error: {data['error']}", "", "", "", "", ""])
             continue
         for c in levels:
             r = data.get(c)
@@ -279,7 +274,9 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
             tpot = f"{r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f}" if "tpot_p50_ms" in r else "–"
             k = f"{r['mean_k']:.2f}" if "mean_k" in r else "–"
             acc = f"{r['acceptance']:.2f}" if "acceptance" in r else "–"
-            L.append(f"| {name} | {c} | {r['aggregate_tok_s']:.1f} | {r['per_client_tok_s']:.2f} | {ttft} | {tpot} | {k} | {acc} |")
+            table.append([name, c, f"{r['aggregate_tok_s']:.1f}", f"{r['per_client_tok_s']:.2f}", ttft, tpot, k, acc])
+    L += md_table(["row", "clients", "aggregate tok/s", "per-client tok/s", "TTFT p50 / p99 (s)", "TPOT p50 / p99 (ms)",
+                   "mean K", "acceptance"], table)
     L.append("")
     spec = results.get("specdec") or {}
     for c in sorted({lv for lv in levels if lv >= 16} | {levels[-1]}):
@@ -300,8 +297,6 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    from bench.run import git_commit, gpu_name, machine_info
     from specdec.models import default_draft, default_target
 
     levels = [int(x) for x in args.levels.split(",") if x]
@@ -325,8 +320,7 @@ def main(argv=None) -> int:
     where = f"{gpu_name(args.device).split(' (')[0]}, {args.dtype}" if args.device != "cpu" else f"{m['cores']} cores"
     made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({where}, N={args.max_new_tokens})")
     lines = markdown(results, levels, command, info, args.max_new_tokens, plot_path.name if made else None)
-    with open(args.out, "a") as f:
-        f.write("\n" + "\n".join(lines))
+    append_section("\n".join(lines), args.out)
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1, default=str))
     print("\n".join(lines))

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import DISTURBED
+
 
 def _log(msg: str) -> None:
     print(f"[baseline] {msg}", file=sys.stderr, flush=True)
@@ -61,7 +63,6 @@ class BackgroundMeter:
         return max(0.0, other) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
 
 
-DISTURBED = 0.10  # a timed generation during which other processes used more CPU than this is "disturbed"
 
 
 def wait_quiet(max_s: float, own=own_cpu_seconds, threshold: float = DISTURBED) -> float:

@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import REPO, append_section, md_table
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2, 198, 1, 4093, 198, 504, 1425, 282, 1]
 
 
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def random_model(out_dir: Path, hidden: int, layers: int) -> str:
     """A random-init Llama with the real tokenizer: the test suite's tiny model at 64,2; larger ones with
     an MLP 3x the width and 8 heads (4 KV heads), only to make the forward take longer."""
-    from tests.helpers import make_tiny_model
+    from specdec.models import make_tiny_model
 
     if (hidden, layers) == (64, 2):
         return make_tiny_model(out_dir, seed=0)
@@ -123,21 +123,22 @@ def main(argv=None) -> int:
              f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2) as target and as its own "
              "draft (every draft accepted), three processes on "
              f"loopback, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
-             "generations (ms):", "",
-             "| K | tokens/round | compute (forwards) | tiers outside the forwards | network (rpc minus the tiers' time) | coordinator | **network + coordinator** | all three | round (coordinator's view) | round (client's view) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "generations (ms):", ""]
+    table = []
     for k, rows in results.items():
         med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
         overhead = statistics.median(r["network"] + r["coordinator"] for r in rows)
         everything = statistics.median(r["tier"] + r["network"] + r["coordinator"] for r in rows)
-        lines.append(f"| {k} | {med['tok_per_round']:.2f} | {med['compute']:.2f} | {med['tier']:.2f} | {med['network']:.2f} | "
-                     f"{med['coordinator']:.2f} | **{overhead:.2f}** | {everything:.2f} | {med['round']:.2f} | "
-                     f"{med['client_round']:.2f} |")
+        table.append([k, f"{med['tok_per_round']:.2f}", f"{med['compute']:.2f}", f"{med['tier']:.2f}",
+                      f"{med['network']:.2f}", f"{med['coordinator']:.2f}", f"**{overhead:.2f}**", f"{everything:.2f}",
+                      f"{med['round']:.2f}", f"{med['client_round']:.2f}"])
+    lines += md_table(["K", "tokens/round", "compute (forwards)", "tiers outside the forwards",
+                       "network (rpc minus the tiers' time)", "coordinator", "**network + coordinator**", "all three",
+                       "round (coordinator's view)", "round (client's view)"], table)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+        append_section(text, args.out)
     return 0
 
 

@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,13 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.common import REPO, append_section, free_port, git_commit, log, md_table
+
 TARGETS = ["127.0.0.2", "127.0.0.3"]
 DRAFT = "127.0.0.4"
-
-
-def log(msg: str) -> None:
-    print(f"[replicas {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,21 +46,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random-init models instead of the real pair (wiring only)")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
     return p.parse_args(argv)
-
-
-def free_port(addresses: list[str]) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((addresses[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for a in addresses[1:]:
-                with socket.socket() as s:
-                    s.bind((a, port))
-            return port
-        except OSError:
-            continue
-    raise OSError("no common free port")
 
 
 class Fleet:
@@ -141,8 +122,7 @@ def main(argv=None) -> None:
     from specdec.models import default_draft, default_target
 
     if args.tiny:
-        sys.path.insert(0, str(REPO))
-        from tests.helpers import make_tiny_model
+        from specdec.models import make_tiny_model
 
         tiny = Path(tempfile.mkdtemp(prefix="specdec-tiny-"))
         target_model, draft_model = make_tiny_model(tiny / "target", seed=0), make_tiny_model(tiny / "draft", seed=1)
@@ -172,34 +152,31 @@ def main(argv=None) -> None:
             fleet.stop()
     section = report(args, results, split, target_model, draft_model)
     print(section)
-    with open(args.out, "a") as f:
-        f.write("\n" + section)
+    append_section(section, args.out)
     log(f"appended to {args.out}")
 
 
 def report(args, results: dict[int, list[dict]], split: dict[int, list[list[int]]], target_model: str,
            draft_model: str) -> str:
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    lines = [f"## {now}: 1 vs 2 target replicas (git {commit or '?'})", "",
+    lines = [f"## {now}: 1 vs 2 target replicas (git {git_commit()})", "",
              "`" + " ".join(["python -m bench.replicas", *sys.argv[1:]]) + "`", "",
              f"Models: target `{Path(target_model).name}`, draft `{Path(draft_model).name}`. {args.num_requests} requests "
              f"per run, {args.concurrency} at a time, {args.max_new_tokens} new tokens each (EOS ignored), proposer "
              f"{args.proposer}, adaptive K; {args.repeats} runs per configuration, alternating. Target tier: "
              f"{args.threads} torch threads in all (1 replica x {args.threads}, 2 replicas x {max(1, args.threads // 2)}); "
-             f"one draft replica (1 thread); {os.cpu_count()} CPU cores shared by every process.", "",
-             "| target replicas | output tok/s (median, runs) | requests/s | TTFT p50 ms | e2e p50 s | failed | target steps per replica |",
-             "|---|---|---|---|---|---|---|"]
+             f"one draft replica (1 thread); {os.cpu_count()} CPU cores shared by every process.", ""]
+    table = []
     for n in (1, 2):
         rs = results[n]
         tok = [r["output_tokens_per_s"] for r in rs]
-        lines.append(
-            f"| {n} | {statistics.median(tok):.1f} ({', '.join(f'{t:.1f}' for t in tok)}) "
-            f"| {statistics.median(r['requests_per_s'] for r in rs):.2f} "
-            f"| {statistics.median(r['ttft_s']['p50'] for r in rs) * 1e3:.0f} "
-            f"| {statistics.median(r['e2e_s']['p50'] for r in rs):.2f} "
-            f"| {sum(r['failed'] for r in rs)} "
-            f"| {'; '.join(' / '.join(str(x) for x in run) for run in split[n])} |")
+        table.append([n, f"{statistics.median(tok):.1f} ({', '.join(f'{t:.1f}' for t in tok)})",
+                      f"{statistics.median(r['requests_per_s'] for r in rs):.2f}",
+                      f"{statistics.median(r['ttft_s']['p50'] for r in rs) * 1e3:.0f}",
+                      f"{statistics.median(r['e2e_s']['p50'] for r in rs):.2f}", sum(r['failed'] for r in rs),
+                      '; '.join(' / '.join(str(x) for x in run) for run in split[n])])
+    lines += md_table(["target replicas", "output tok/s (median, runs)", "requests/s", "TTFT p50 ms", "e2e p50 s", "failed",
+                       "target steps per replica"], table)
     ratio = statistics.median(r["output_tokens_per_s"] for r in results[2]) / max(
         1e-9, statistics.median(r["output_tokens_per_s"] for r in results[1]))
     lines += ["", f"Two replicas / one: {ratio:.2f}x. On {os.cpu_count()} cores both replicas, the draft and the "

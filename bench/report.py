@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from pathlib import Path
 
 HEADER = """# Benchmarks
 
@@ -213,7 +212,7 @@ def bound_rows(rows: list[dict], aggs: dict) -> list[dict]:
 
 # --- summary / goals ------------------------------------------------------------------------------
 
-def _find(rows, aggs, **kw):
+def find_row(rows, aggs, **kw):
     out = []
     for r in rows:
         if all(r.get(k) == v for k, v in kw.items()) and aggs[r["key"]].get("n") and not aggs[r["key"]].get("error"):
@@ -221,7 +220,7 @@ def _find(rows, aggs, **kw):
     return out
 
 
-def _best(rows, aggs):
+def best_row(rows, aggs):
     return max(rows, key=lambda r: aggs[r["key"]]["tps"]) if rows else None
 
 
@@ -230,15 +229,15 @@ def summarise(rows: list[dict], aggs: dict, bounds: list[dict], placements, work
     goals = {"a": [], "b": [], "c": [], "d": [], "e": [], "f": []}
     for pl in placements:
         for wl in workloads:
-            tgt = _best(_find(rows, aggs, placement=pl, workload=wl, method="target"), aggs)
-            peer = _find(rows, aggs, placement=pl, workload=wl, method="peer", temperature=0.0, k=None)
+            tgt = best_row(find_row(rows, aggs, placement=pl, workload=wl, method="target"), aggs)
+            peer = find_row(rows, aggs, placement=pl, workload=wl, method="peer", temperature=0.0, k=None)
             peer = peer[0] if peer else None
-            k0 = _find(rows, aggs, placement=pl, workload=wl, method="specdec", k=0)
+            k0 = find_row(rows, aggs, placement=pl, workload=wl, method="specdec", k=0)
             k0 = k0[0] if k0 else None
-            greedy = [r for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec", proposer="draft", temperature=0.0) if r["k"] != 0]
-            best = _best(greedy, aggs)
+            greedy = [r for r in find_row(rows, aggs, placement=pl, workload=wl, method="specdec", proposer="draft", temperature=0.0) if r["k"] != 0]
+            best = best_row(greedy, aggs)
             fixed = [r for r in greedy if r["k"] is not None]
-            best_fixed = _best(fixed, aggs)
+            best_fixed = best_row(fixed, aggs)
             adaptive = [r for r in greedy if r["k"] is None]
             tps = lambda r: aggs[r["key"]]["tps"] if r else None  # noqa: E731
             cell = {"placement": pl, "workload": wl, "target": tps(tgt), "peer": tps(peer), "k0": tps(k0),
@@ -246,10 +245,10 @@ def summarise(rows: list[dict], aggs: dict, bounds: list[dict], placements, work
                     "best_fixed": tps(best_fixed), "best_fixed_k": best_fixed["k"] if best_fixed else None,
                     "adaptive": tps(adaptive[0]) if adaptive else None}
             if wl == "grounded":
-                lk = [r for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec", temperature=0.0)
+                lk = [r for r in find_row(rows, aggs, placement=pl, workload=wl, method="specdec", temperature=0.0)
                       if r["proposer"] in ("lookup", "hybrid") and r["k"] != 0]
-                best_lk = _best(lk, aggs)
-                peer_lk = _best(_find(rows, aggs, placement=pl, workload=wl, method="peer_lookup"), aggs)
+                best_lk = best_row(lk, aggs)
+                peer_lk = best_row(find_row(rows, aggs, placement=pl, workload=wl, method="peer_lookup"), aggs)
                 cell.update(lookup=tps(best_lk), lookup_label=f"{best_lk['proposer']} K={_klabel(best_lk['k'])}" if best_lk else None,
                             peer_lookup=tps(peer_lk), peer_lookup_k=peer_lk["k"] if peer_lk else None)
                 if best_lk and tgt and peer_lk:
@@ -258,17 +257,17 @@ def summarise(rows: list[dict], aggs: dict, bounds: list[dict], placements, work
                     goals["d"].append((pl, wl, ok, f"{cell['lookup_label']}: {r1:.2f}x target alone, {r2:.2f}x peer prompt lookup (K={cell['peer_lookup_k']})"))
                 else:
                     goals["d"].append((pl, wl, None, "not measured (no successful lookup/hybrid or peer-lookup row)"))
-                sfx = _find(rows, aggs, placement=pl, workload=wl, method="specdec", proposer="suffix", temperature=0.0, k=None)
-                lku = _find(rows, aggs, placement=pl, workload=wl, method="specdec", proposer="lookup", temperature=0.0, k=None)
+                sfx = find_row(rows, aggs, placement=pl, workload=wl, method="specdec", proposer="suffix", temperature=0.0, k=None)
+                lku = find_row(rows, aggs, placement=pl, workload=wl, method="specdec", proposer="lookup", temperature=0.0, k=None)
                 if sfx and lku:
                     r = tps(sfx[0]) / tps(lku[0])
                     goals["f"].append((pl, wl, r >= 1.2, f"suffix {tps(sfx[0]):.2f} / lookup {tps(lku[0]):.2f} tok/s = {r:.2f}x"))
                 else:
                     goals["f"].append((pl, wl, None, "not measured"))
             if wl == "template":
-                adaptive = {p: _find(rows, aggs, placement=pl, workload=wl, method="specdec", proposer=p, temperature=0.0, k=None)
+                adaptive = {p: find_row(rows, aggs, placement=pl, workload=wl, method="specdec", proposer=p, temperature=0.0, k=None)
                             for p in ("suffix", "hybrid")}
-                best_t = _best([r for v in adaptive.values() for r in v], aggs)
+                best_t = best_row([r for v in adaptive.values() for r in v], aggs)
                 if best_t and tgt:
                     r = tps(best_t) / tps(tgt)
                     goals["e"].append((pl, wl, r >= 2.0, f"{best_t['proposer']} {tps(best_t):.2f} / target alone {tps(tgt):.2f} tok/s = {r:.2f}x"))
@@ -293,7 +292,7 @@ def summarise(rows: list[dict], aggs: dict, bounds: list[dict], placements, work
             goals["b"].append((pl, wl, None, "not measured"))
     for pl in placements:
         samples, tier = [], []
-        for r in _find(rows, aggs, placement=pl, method="specdec"):
+        for r in find_row(rows, aggs, placement=pl, method="specdec"):
             if r["k"] != 0:
                 samples.extend(aggs[r["key"]].get("overhead_rd_samples") or [])
                 tier.extend(aggs[r["key"]].get("tier_rd_samples") or [])
@@ -375,7 +374,7 @@ def template_table(rows: list[dict], aggs: dict, placements) -> list[str]:
                          ("lookup", dict(method="specdec", proposer="lookup", k=None)),
                          ("suffix", dict(method="specdec", proposer="suffix", k=None)),
                          ("hybrid", dict(method="specdec", proposer="hybrid", k=None))):
-            r = _find(rows, aggs, placement=pl, workload="template", temperature=0.0, **kw)
+            r = find_row(rows, aggs, placement=pl, workload="template", temperature=0.0, **kw)
             found[name] = r[0] if r else None
         if not any(found.values()):
             continue
@@ -427,94 +426,3 @@ def goal_lines(goals: dict) -> list[str]:
 
 
 # --- plots ----------------------------------------------------------------------------------------
-
-def plot_speed_vs_k(rows, aggs, placements, workloads, path: Path, n_tokens: int, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    styles = {"shared": "-", "separate": "--"}
-    colors = {("draft", 0.0): "tab:blue", ("draft", 0.7): "tab:orange", ("draft", 1.0): "tab:red",
-              ("lookup", 0.0): "tab:green", ("hybrid", 0.0): "tab:purple", ("suffix", 0.0): "tab:brown"}
-    markers = {"shared": dict(marker="o"), "separate": dict(marker="D", markerfacecolor="white")}
-    star = {"shared": {}, "separate": dict(markerfacecolor="white")}
-    fig, axes = plt.subplots(1, len(workloads), figsize=(7.5 * len(workloads), 8.0), squeeze=False)
-    for ax, wl in zip(axes[0], workloads):
-        max_k = 1
-        for pl in placements:
-            ls = styles.get(pl, ":")
-            mk = markers.get(pl, dict(marker="o"))
-            for (prop, temp), color in colors.items():
-                pts = sorted((r["k"], aggs[r["key"]]["tps"]) for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec",
-                                                                              proposer=prop, temperature=temp) if r["k"])
-                if pts:
-                    max_k = max(max_k, pts[-1][0])
-                    label = f"specdec {prop} T={temp:g} ({pl})"
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, label=label, **mk)
-                for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec", proposer=prop, temperature=temp, k=None):
-                    a = aggs[r["key"]]
-                    ax.plot([a.get("mean_k") or 0], [a["tps"]], marker="*", markersize=14, color=color, linestyle="none",
-                            label=f"adaptive {prop} T={temp:g} ({pl})", **star.get(pl, {}))
-            for r in _find(rows, aggs, placement=pl, workload=wl, method="specdec", k=0):
-                ax.plot([0], [aggs[r["key"]]["tps"]], marker="s", markersize=8, color="black", linestyle="none",
-                        markerfacecolor="black" if pl == "shared" else "white", label=f"specdec K=0 ({pl})")
-            hl = [("target", None, 0.0, "black", "target alone"), ("peer", None, 0.0, "gray", "HF assisted greedy"),
-                  ("peer", None, 0.7, "silver", "HF assisted T=0.7")]
-            for method, k, temp, color, label in hl:
-                for r in _find(rows, aggs, placement=pl, workload=wl, method=method, k=k, temperature=temp):
-                    ax.axhline(aggs[r["key"]]["tps"], color=color, linestyle=ls, linewidth=1.2, label=f"{label} ({pl})")
-            best_lk = _best(_find(rows, aggs, placement=pl, workload=wl, method="peer_lookup"), aggs)
-            if best_lk:
-                ax.axhline(aggs[best_lk["key"]]["tps"], color="olive", linestyle=ls, linewidth=1.2,
-                           label=f"HF prompt lookup K={best_lk['k']} ({pl})")
-        ax.set_title(f"{wl} workload")
-        ax.set_xlabel("K (draft tokens per round)\n* = adaptive, at its mean K; square = K=0 through the services")
-        ax.set_ylabel(f"tokens/s (median, {n_tokens} new tokens)")
-        ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)
-        ax.set_xticks(range(0, max_k + 1))
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def plot_bound(bounds, placements, workloads, path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    if not bounds:
-        return False
-    from matplotlib.ticker import MaxNLocator
-    fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.5), squeeze=False)
-    styles = {"shared": "-", "separate": "--"}
-    for ax, wl in zip(axes[0], workloads):
-        for pl in placements:
-            for prop, color in (("draft", "tab:blue"), ("lookup", "tab:green"), ("hybrid", "tab:purple"), ("suffix", "tab:brown")):
-                pts = sorted((b["k"], b["measured"], b["bound"]) for b in bounds
-                             if b["placement"] == pl and b["workload"] == wl and b["proposer"] == prop)
-                if not pts:
-                    continue
-                ks = [p[0] for p in pts]
-                ax.plot(ks, [p[1] for p in pts], styles.get(pl, ":"), marker="o", color=color, label=f"measured {prop} ({pl})")
-                ax.plot(ks, [p[2] for p in pts], styles.get(pl, ":"), marker="x", color=color, alpha=0.45, label=f"bound {prop} ({pl})")
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(f"{wl}: greedy speed-up over K=0 through the services")
-        ax.set_xlabel("K")
-        ax.set_ylabel("speed-up (x)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

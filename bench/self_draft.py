@@ -22,9 +22,8 @@ import datetime as dt
 import shlex
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.common import REPO
 
 
 def main(argv=None) -> int:
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench.prompts import prompts_for
-    from bench.run import git_commit, gpu_name, machine_info
+    from bench.common import append_section, git_commit, gpu_name, machine_info, md_table
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner, use_exact_float32_matmuls
     from specdec.models import ModelConfig, default_target, load_model, load_tokenizer
@@ -116,16 +115,12 @@ def main(argv=None) -> int:
              f"Command: `{cmd}` (git {git_commit()}; "
              + (f"GPU {gpu_name(dev)}" if on_gpu else f"{m['cpu']}, {args.threads} torch threads") + f", torch {m.get('torch')})", "",
              f"Teacher-forced greedy agreement with the float32 target over {len(prompts)} open-ended chat prompts x "
-             f"{args.tokens} tokens, and one-token decode time through the engine's runner.", "",
-             "| copy | greedy agreement | ms / token | vs float32 |", "|---|---|---|---|"]
-    for name, agree, ms, rel in rows:
-        if agree is None:
-            lines.append(f"| {name} | – | – | {rel} |")
-        else:
-            lines.append(f"| {name} | {agree:.3f} | {ms:.1f} | {rel:.2f}x |")
+             f"{args.tokens} tokens, and one-token decode time through the engine's runner.", ""]
+    lines += md_table(["copy", "greedy agreement", "ms / token", "vs float32"],
+                      [[name, "–", "–", rel] if agree is None else [name, f"{agree:.3f}", f"{ms:.1f}", f"{rel:.2f}x"]
+                       for name, agree, ms, rel in rows])
     lines.append("")
-    with open(args.out, "a") as f:
-        f.write("\n" + "\n".join(lines))
+    append_section("\n".join(lines), args.out)
     print("\n".join(lines))
     return 0
 

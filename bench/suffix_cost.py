@@ -22,11 +22,12 @@ import statistics
 import time
 
 from bench.prompts import PROMPTS
-from coordinator.adaptive import AdaptiveConfig
-from coordinator.policy import ProposerPolicy
-from coordinator.proposers import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, PromptLookupProposer
-from coordinator.lookup import LookupConfig
-from coordinator.suffix import SuffixCache, SuffixConfig, SuffixProposer
+from coordinator.proposers.adaptive import AdaptiveConfig
+from coordinator.proposers.policy import ProposerPolicy
+from coordinator.proposers.lookup import PromptLookupProposer
+from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
+from coordinator.proposers.lookup import LookupConfig
+from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer
 
 NAMES = ["Maria Lopez", "Tom Becker", "Priya Nair", "Kenji Watanabe", "Claire Dubois", "Samuel Okafor"]
 CITIES = ["Valencia", "Hamburg", "Toronto", "Osaka", "Lyon", "Lagos"]

@@ -7,24 +7,28 @@ import logging
 import os
 import sys
 
-from coordinator.adaptive import AdaptiveConfig
-from coordinator.admission import AdmissionConfig
-from coordinator.lookup import LookupConfig
-from coordinator.proposers import PROPOSERS
-from coordinator.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported
-from coordinator.service import SERVICE_NAME, CoordinatorConfig, Pipeline, PipelineMismatch, build
-from coordinator.suffix import SuffixConfig
-from specdec.wire.config import EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file
+from coordinator.proposers.adaptive import AdaptiveConfig
+from coordinator.api.admission import AdmissionConfig
+from coordinator.proposers.lookup import LookupConfig
+from coordinator.proposers.names import NAMES, Proposer
+from coordinator.tiers.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported
+from coordinator.api.grpc_api import SERVICE_NAME
+from coordinator.config import CoordinatorConfig
+from coordinator.pipeline import Pipeline, PipelineMismatch
+from coordinator.service import build
+from coordinator.proposers.suffix import SuffixConfig
+from specdec.serving.flags import (EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file)
 from specdec.models import default_target
-from specdec.wire.metrics import serve_metrics
-from specdec.wire.server import check_token, serve
+from specdec.serving.metrics import serve_metrics
+from specdec.serving.auth import check_token
+from specdec.serving.server import serve
 
 log = logging.getLogger("coordinator")
 D = CoordinatorConfig
 
 
 def main(argv=None) -> None:
-    # Session-affine routing (coordinator.routing) needs grpc-core's ring hash on a request header, which
+    # Session-affine routing (coordinator.tiers.routing) needs grpc-core's ring hash on a request header, which
     # it reads behind this variable; set before any channel parses its service config. An explicit value
     # from the environment wins (and the start-up probe refuses to start if routing does not work).
     os.environ.setdefault(RING_HASH_ENV, "true")
@@ -43,8 +47,8 @@ def main(argv=None) -> None:
     a.add("--default-k", default="auto", help="K when a request leaves it unset: a number, or 'auto' for adaptive K")
     a.add("--max-k", type=int, default=D.max_num_speculative_tokens, help="largest K accepted")
     a.add("--adaptive-max-k", type=int, default=AdaptiveConfig.max_k, help="largest K adaptive K tries")
-    a.add("--default-proposer", default=D.default_proposer, choices=list(PROPOSERS),
-          help="proposer when a request leaves it unset (suffix is reachable only this way until the API names it)")
+    a.add("--default-proposer", default=D.default_proposer, choices=list(NAMES),
+          help="proposer when a request leaves it unset (a name or alias of coordinator.proposers.names)")
     a.add("--lookup-min-ngram", type=int, default=LookupConfig.min_ngram, help="prompt lookup: shortest suffix matched")
     a.add("--lookup-max-ngram", type=int, default=LookupConfig.max_ngram, help="prompt lookup: longest suffix matched")
     S = SuffixConfig
@@ -93,7 +97,7 @@ def main(argv=None) -> None:
         server=server_config(args), default_max_new_tokens=args.default_max_new_tokens,
         max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
         default_num_speculative_tokens=None if args.default_k == "auto" else int(args.default_k),
-        max_num_speculative_tokens=args.max_k, default_proposer=args.default_proposer,
+        max_num_speculative_tokens=args.max_k, default_proposer=Proposer.parse(args.default_proposer),
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
         suffix=suffix,

@@ -25,9 +25,9 @@ from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from coordinator.admission import Admission
-from coordinator.generation import RoundRecord, RoundStats
-from specdec.wire.metrics import MODEL_LABEL, RpcMetrics
+from coordinator.api.admission import Admission
+from coordinator.stats import RoundRecord, RoundStats
+from specdec.serving.metrics import MODEL_LABEL, RpcMetrics
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from draft_service.service import SERVICE_NAME, DraftConfig, build
-from specdec.wire.config import EnvArgs, add_tier_args, check_server_tls, run_tier, server_config, tier_config
+from specdec.serving.flags import EnvArgs, add_tier_args, check_server_tls, server_config, tier_config
+from specdec.serving.tier import run_tier
 from specdec.models import default_draft
 
 

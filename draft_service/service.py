@@ -1,4 +1,7 @@
-"""DraftService: Propose / ProposeStream / EndSession / GetModelInfo / GetStatus, over a batching engine."""
+"""DraftService: Propose / ProposeStream / EndSession / GetModelInfo / GetStatus, over a batching engine.
+
+The servicer is thin: to_work() holds every check of a ProposeRequest and its conversion to a ProposeWork,
+to_response() the conversion back (q through specdec.serving.draft_probs, the wire codec)."""
 
 from __future__ import annotations
 
@@ -6,11 +9,12 @@ from dataclasses import dataclass
 
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
-from specdec.engine.propose import ProposeWork
-from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire.server import Service, ServerConfig, handle_errors
-from specdec.wire.tier import (TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params,
-                               serve_session_stream)
+from specdec.engine.propose import ProposeResult, ProposeWork
+from specdec.proto import draft_pb2, draft_pb2_grpc
+from specdec.serving import draft_probs
+from specdec.serving.server import Service, ServerConfig, handle_errors
+from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
+from specdec.serving.tier_checks import check_context, check_num_tokens, sampling_params
 
 SERVICE_NAME = "specdec.v1.DraftService"
 
@@ -38,17 +42,22 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
             yield response
 
     async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        return self.to_response(await self.engine.submit(self.to_work(request)))
+
+    def to_work(self, request: draft_pb2.ProposeRequest) -> ProposeWork:
+        """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""
         engine = self.engine
         check_num_tokens(engine, request.num_tokens, "num_tokens", minimum=1)
         check_context(engine, request.context, extra_tokens=request.num_tokens - 1)
         ctx = request.context
-        work = ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
+        return ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
                                   request.num_tokens, sampling_params(request.sampling), request.seed, self.draft_top_n)
-        r = await engine.submit(work)
+
+    @staticmethod
+    def to_response(r: ProposeResult) -> draft_pb2.ProposeResponse:
         return draft_pb2.ProposeResponse(
-            tokens=r.tokens, q=[common_pb2.DraftDistribution(token_ids=ids, probs=probs) for ids, probs in r.q],
-            cached_len=r.cached_len, compute_ms=r.compute_ms, batch_sessions=r.batch_sessions, step_ms=r.step_ms,
-            queue_ms=r.queue_ms)
+            tokens=r.tokens, q=draft_probs.encode(r.q), cached_len=r.cached_len, compute_ms=r.compute_ms,
+            batch_sessions=r.batch_sessions, step_ms=r.step_ms, queue_ms=r.queue_ms)
 
 
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:

@@ -203,3 +203,27 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def max_context(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+
+
+def make_tiny_model(out_dir: Path | str, seed: int, eos_token_ids: list[int] | None = None, tokenizer=None, *,
+                    hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4,
+                    num_kv_heads: int = 2) -> str:
+    """A random-init Llama (by default 2 layers of width 64) with the SmolLM2 tokenizer (the default draft's),
+    saved as a HF directory: the tests' and the wiring benchmarks' tiny models."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer or AutoTokenizer.from_pretrained(default_draft())
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=eos_token_ids or [2], pad_token_id=2,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = eos_token_ids or [2]
+    model.generation_config.pad_token_id = 2
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)

@@ -1,22 +1,23 @@
-"""TargetService: Verify / VerifyStream / EndSession / GetModelInfo / GetStatus, over a batching engine."""
+"""TargetService: Verify / VerifyStream / EndSession / GetModelInfo / GetStatus, over a batching engine.
+
+The servicer is thin: to_work() holds every check of a VerifyRequest (q through specdec.serving.draft_probs,
+the wire codec) and its conversion to a VerifyWork, to_response() the conversion back."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import torch
-
-from specdec.engine.engine import Engine
+from specdec.core.errors import check_token_ids
 from specdec.engine.config import TierConfig
-from specdec.engine.verify import SparseQ, VerifyWork
+from specdec.engine.engine import Engine
+from specdec.engine.verify import VerifyResult, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
-from specdec.wire.server import Service, ServerConfig, check_token_ids, handle_errors, invalid_argument
-from specdec.wire.tier import (TierRpcs, TierServer, check_context, check_num_tokens, create_tier_server, sampling_params,
-                               serve_session_stream)
+from specdec.serving import draft_probs
+from specdec.serving.server import Service, ServerConfig, handle_errors
+from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
+from specdec.serving.tier_checks import check_context, check_num_tokens, sampling_params
 
 SERVICE_NAME = "specdec.v1.TargetService"
-Q_SUM_TOLERANCE = 1e-3  # a q row must sum to 1 within this
 
 
 @dataclass(frozen=True)
@@ -38,45 +39,25 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
             yield response
 
     async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        return self.to_response(await self.engine.submit(self.to_work(request)))
+
+    def to_work(self, request: target_pb2.VerifyRequest) -> VerifyWork:
+        """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""
         engine = self.engine
         k = len(request.draft_tokens)
         check_num_tokens(engine, k, "draft_tokens (count)", minimum=0)
         check_context(engine, request.context, extra_tokens=k)
         check_token_ids(request.draft_tokens, engine.vocab_size, "draft_tokens")
+        q = draft_probs.decode(request.q, k, engine.vocab_size)
         ctx = request.context
-        work = VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
-                                 list(request.draft_tokens), self._sparse_q(request, k),
-                                 sampling_params(request.sampling), request.seed)
-        r = await engine.submit(work)
+        return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
+                                 list(request.draft_tokens), q, sampling_params(request.sampling), request.seed)
+
+    @staticmethod
+    def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
         return target_pb2.VerifyResponse(num_accepted=r.num_accepted, next_token=r.next_token, cached_len=r.cached_len,
                                          compute_ms=r.compute_ms, batch_sessions=r.batch_sessions,
                                          batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms)
-
-    def _sparse_q(self, request: target_pb2.VerifyRequest, k: int) -> SparseQ | None:
-        """q as flat sparse tensors, or None for one-hot q; INVALID_ARGUMENT on anything malformed."""
-        if not request.q:
-            return None
-        if len(request.q) != k:
-            raise invalid_argument(f"q has {len(request.q)} rows but draft_tokens has {k}; send one row per draft token or none")
-        rows, ids, probs = [], [], []
-        for i, row in enumerate(request.q):
-            if not row.token_ids or len(row.token_ids) != len(row.probs):
-                raise invalid_argument(f"q[{i}]: token_ids and probs must be non-empty and of equal length")
-            check_token_ids(row.token_ids, self.engine.vocab_size, f"q[{i}].token_ids")
-            if len(set(row.token_ids)) != len(row.token_ids):
-                raise invalid_argument(f"q[{i}].token_ids has duplicate ids")
-            total = 0.0
-            for prob in row.probs:
-                if not (math.isfinite(prob) and prob >= 0):
-                    raise invalid_argument(f"q[{i}].probs must be finite and >= 0, got {prob}")
-                total += prob
-            if abs(total - 1.0) > Q_SUM_TOLERANCE:
-                raise invalid_argument(f"q[{i}].probs sum to {total:.6f}, not 1")
-            rows.extend([i] * len(row.token_ids))
-            ids.extend(row.token_ids)
-            probs.extend(row.probs)
-        return SparseQ(torch.tensor(rows, dtype=torch.long), torch.tensor(ids, dtype=torch.long),
-                       torch.tensor(probs, dtype=torch.float32))
 
 
 def build(config: TargetConfig, engine: Engine | None = None) -> TierServer:

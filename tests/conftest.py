@@ -7,8 +7,9 @@ import torch
 
 from specdec.models import default_draft, default_target, load_model
 from specdec.proto import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
-from coordinator.routing import RING_HASH_ENV
-from tests.helpers import Cluster, device_model, make_tiny_model
+from coordinator.tiers.routing import RING_HASH_ENV
+from specdec.models import make_tiny_model
+from tests.helpers import Cluster, device_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # In-process coordinators route sessions with gRPC's ring hash on a header, as `python -m coordinator`

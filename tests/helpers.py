@@ -13,21 +13,20 @@ import asyncio
 import os
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
-from coordinator.service import CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.service import build as build_coordinator
 from draft_service.service import SERVICE_NAME as DRAFT_SERVICE
 from draft_service.service import DraftConfig
 from draft_service.service import build as build_draft
 from specdec.models import ModelConfig, default_draft
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from specdec.wire.metrics import serve_metrics
-from specdec.wire.server import ServerConfig, set_serving
+from specdec.serving.metrics import serve_metrics
+from specdec.serving.server import ServerConfig, set_serving
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.config import BatchConfig, StepConfig, TierConfig
 from specdec.engine.engine import Engine
@@ -48,29 +47,6 @@ def device_model(path: str, dtype: str | None = None) -> ModelConfig:
 def tier_device_args() -> list[str]:
     """The same, as flags of a tier process (python -m target_service / draft_service)."""
     return ["--device", TEST_DEVICE, "--dtype", TEST_DTYPE]
-
-
-def make_tiny_model(out_dir: Path, seed: int, eos_token_ids: list[int] | None = None, tokenizer=None, *,
-                    hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-                    num_kv_heads: int = 2) -> str:
-    """A random-init Llama (by default 2 layers of width 64) with the SmolLM2 tokenizer, saved as a HF
-    directory."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = tokenizer or AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=eos_token_ids or [2], pad_token_id=2,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = eos_token_ids or [2]
-    model.generation_config.pad_token_id = 2
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return str(out_dir)
 
 
 def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int] | None) -> list[int]:
@@ -113,7 +89,7 @@ class Cluster:
         self._servers = []
         self.pipeline = None
         self.coordinator = None  # coordinator.service.Coordinator
-        self.http = None  # the OpenAI-compatible API (coordinator.http_server.HttpServer)
+        self.http = None  # the OpenAI-compatible API (coordinator.api.http_server.HttpServer)
         self.metrics_server = None  # the coordinator's /metrics endpoint
         self.tier_registries = {}  # TargetConfig / DraftConfig -> that tier's metrics registry
         try:

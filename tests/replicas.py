@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import threading
 from dataclasses import dataclass
 
 import grpc
 
-from coordinator.routing import RoutingConfig
-from coordinator.service import CoordinatorConfig
+from coordinator.tiers.routing import RoutingConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.service import build as build_coordinator
 from draft_service.service import SERVICE_NAME as DRAFT_SERVICE
 from draft_service.service import DraftConfig
@@ -23,29 +22,14 @@ from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.models import ModelConfig
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from specdec.wire.server import ServerConfig, set_serving
+from specdec.serving.ports import free_port
+from specdec.serving.server import ServerConfig, set_serving
 from target_service.service import SERVICE_NAME as TARGET_SERVICE
 from target_service.service import TargetConfig
 from target_service.service import build as build_target
 from tests.dns_server import FakeDns
 
 NAMES = {"target": "target.specdec.test", "draft": "draft.specdec.test"}
-
-
-def free_port_on(addresses: list[str]) -> int:
-    """A TCP port free on every one of the addresses (the replicas of a tier share it)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((addresses[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for address in addresses[1:]:
-                with socket.socket() as s:
-                    s.bind((address, port))
-            return port
-        except OSError:
-            continue
-    raise OSError(f"no port free on all of {addresses}")
 
 
 @dataclass
@@ -85,10 +69,10 @@ class ReplicaCluster:
         self.thread.start()
         self.server_config = ServerConfig(max_connection_age_s=max_connection_age_s, max_connection_age_grace_s=60)
         everything = [*target_addresses, *draft_addresses, *spare_addresses]
-        self.ports = {"target": free_port_on(everything), "draft": 0}
-        self.ports["draft"] = free_port_on(everything)
+        self.ports = {"target": free_port(everything), "draft": 0}
+        self.ports["draft"] = free_port(everything)
         while self.ports["draft"] == self.ports["target"]:
-            self.ports["draft"] = free_port_on(everything)
+            self.ports["draft"] = free_port(everything)
         self.replicas: dict[str, dict[str, Replica]] = {"target": {}, "draft": {}}
         self.coordinators = []
         try:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import AdaptiveConfig, TierLoad, expected_tokens
-from coordinator.policy import ProposerPolicy
-from coordinator.proposers import PROMPT_LOOKUP, Proposal
+from coordinator.proposers.adaptive import AdaptiveConfig, TierLoad, expected_tokens
+from coordinator.proposers.policy import ProposerPolicy
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.names import PROMPT_LOOKUP
 
 
 def loaded(sessions: int, alpha: float = 40.0, beta: float = 3.0, overhead: float = 2.0, rounds: int = 60) -> TierLoad:

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.client import Client
-from specdec.wire.prefix import PrefixHashes
+from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2, target_pb2_grpc
 
 VOCAB = 49152  # SmolLM2 tokenizer, the tiny models' logits width

@@ -27,8 +27,8 @@ from specdec.engine.verify import VerifyWork
 from specdec.math.params import SamplingParams
 from specdec.models import ModelConfig, load_model, load_tokenizer
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
-from specdec.wire.prefix import PrefixHashes
-from specdec.wire.server import RequestError
+from specdec.core.prefix import PrefixHashes
+from specdec.core.errors import RequestError
 from tests.helpers import Cluster, device_model, reference_greedy
 
 VOCAB = 49152

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from coordinator.routing import RING_HASH_ENV
+from coordinator.tiers.routing import RING_HASH_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -567,9 +567,9 @@ def exported_series() -> set[str]:
     """Every series name the services export (coordinator and tier), from the metric classes themselves."""
     from prometheus_client import CollectorRegistry
 
-    from coordinator.admission import Admission, AdmissionConfig
+    from coordinator.api.admission import Admission, AdmissionConfig
     from coordinator.metrics import CoordinatorMetrics
-    from specdec.wire.metrics import LoadSnapshot, TierMetrics
+    from specdec.serving.metrics import LoadSnapshot, TierMetrics
 
     registries = [CollectorRegistry(), CollectorRegistry()]
     CoordinatorMetrics(registries[0], "m", 4, Admission(AdmissionConfig()), max_model_len=2048)
@@ -677,7 +677,7 @@ def test_prometheus_adapter_serves_the_tier_load_metric():
     # the tier series carry `tier` (TierMetrics) and the scrape configs add `pod` and `namespace`
     from prometheus_client import CollectorRegistry
 
-    from specdec.wire.metrics import LoadSnapshot, TierMetrics
+    from specdec.serving.metrics import LoadSnapshot, TierMetrics
 
     registry = CollectorRegistry()
     TierMetrics(registry, "target", "m", load=LoadSnapshot)

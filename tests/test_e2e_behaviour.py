@@ -8,7 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdec.client import Client
-from tests.helpers import Cluster, make_tiny_model, reference_greedy
+from specdec.models import make_tiny_model
+from tests.helpers import Cluster, reference_greedy
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30]
 

@@ -108,8 +108,9 @@ def test_real_pair_seeded_sampling_is_reproducible(real_cluster):
 
 
 def test_refuses_a_pipeline_whose_tokenizers_differ(tiny_dir, tiny_target):
-    from coordinator.service import PipelineMismatch
-    from tests.helpers import TOKENIZER_DIR, make_tiny_model
+    from coordinator.pipeline import PipelineMismatch
+    from specdec.models import make_tiny_model
+    from tests.helpers import TOKENIZER_DIR
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     tok.add_tokens(["<specdec-extra-token>"])

@@ -38,7 +38,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from transformers import AutoTokenizer
 
 from specdec.models import load_model
-from specdec.wire.prefix import PrefixHashes
+from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.helpers import device_model, reference_greedy
 

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.admission import AdmissionConfig
+from coordinator.api.admission import AdmissionConfig
 from specdec.client import Client
 from tests.helpers import Cluster
 

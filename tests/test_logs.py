@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from specdec.client import Client
-from specdec.wire.logs import JsonFormatter, TextFormatter, configure_logging
+from specdec.serving.logs import JsonFormatter, TextFormatter, configure_logging
 from tests.helpers import Cluster
 
 SECRET_PROMPT = "my-private-prompt-7f3a: the launch codes are"

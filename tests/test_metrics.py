@@ -20,8 +20,8 @@ from draft_service.service import DraftServicer
 from specdec.client import Client
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire.metrics import TierMetrics, serve_metrics
-from specdec.wire.server import Service, ServerConfig, create_server
+from specdec.serving.metrics import TierMetrics, serve_metrics
+from specdec.serving.server import Service, ServerConfig, create_server
 from tests.helpers import Cluster
 
 
@@ -211,7 +211,7 @@ def test_counters_equal_the_generation_statistics_mixed(self_draft_cluster):
             if record.getMessage() == "round":
                 records.append(record)
 
-    logger = logging.getLogger("coordinator.frontend")
+    logger = logging.getLogger("coordinator.api.frontend")
     handler, level = Keep(level=logging.DEBUG), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
@@ -309,7 +309,7 @@ def test_reprefills_and_lookup_fallbacks(tiny_target):
                 if record.getMessage() == "round":
                     records.append(record)
 
-        logger, handler = logging.getLogger("coordinator.frontend"), Keep(logging.DEBUG)
+        logger, handler = logging.getLogger("coordinator.api.frontend"), Keep(logging.DEBUG)
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG)
         c.stop_draft()

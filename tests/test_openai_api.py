@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from coordinator.admission import AdmissionConfig
+from coordinator.api.admission import AdmissionConfig
+from coordinator.proposers.names import NAMES, Proposer
 from specdec.client import Client
 from tests.helpers import Cluster
 from tests.test_metrics import scrape, value
@@ -109,6 +110,18 @@ def test_stop_strings_and_seeded_sampling(cluster, oai, model):
     assert sampled[0] == sampled[1]
     assert sampled[0] == grpc_generate(cluster, prompt=PROMPT, max_new_tokens=8, temperature=0.9, top_p=0.95, seed=7,
                                        **spec).text
+
+
+def test_every_proposer_name_the_grpc_api_accepts(cluster, oai, model):
+    """Each name and alias in the one table is accepted over HTTP, and runs that proposer: the output is
+    the gRPC API's with the same proposer (greedy: the target's own), and the stats name the proposer."""
+    for name in NAMES:
+        proposer = Proposer.parse(name)
+        ref = grpc_generate(cluster, prompt=PROMPT, max_new_tokens=6, ignore_eos=True, proposer=name)
+        assert ref.stats["proposer"] == proposer.value
+        r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6,
+                                   extra_body={"ignore_eos": True, "proposer": name})
+        assert r.choices[0].text == ref.text and r.usage.completion_tokens == 6, name
 
 
 @pytest.mark.parametrize("kwargs, param", [

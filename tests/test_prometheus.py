@@ -25,9 +25,9 @@ import openai
 import pytest
 import yaml
 
-from specdec.client.local import free_port
+from specdec.serving.ports import free_port
 from specdec.engine.sessions import SessionStoreConfig
-from specdec.wire.metrics import serve_metrics
+from specdec.serving.metrics import serve_metrics
 from tests.helpers import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent

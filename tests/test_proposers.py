@@ -2,10 +2,11 @@
 
 import pytest
 
-from coordinator.adaptive import AdaptiveConfig, LinearCost, expected_tokens
-from coordinator.lookup import LookupConfig, NgramIndex
-from coordinator.policy import Choice, ProposerPolicy
-from coordinator.proposers import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, Proposal
+from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, expected_tokens
+from coordinator.proposers.lookup import LookupConfig, NgramIndex
+from coordinator.proposers.policy import Choice, ProposerPolicy
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 
 SOURCES = (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL)
 

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator.reachability import ReachabilityConfig, TierReachability
-from coordinator.routing import RoutingConfig
+from coordinator.tiers.reachability import ReachabilityConfig, TierReachability
+from coordinator.tiers.routing import RoutingConfig
 
 SERVICE = "specdec.v1.TargetService"
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),

@@ -30,7 +30,8 @@ from specdec.client import Client
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.dns_server import FakeDns
 from tests.helpers import reference_greedy
-from tests.replicas import NAMES, free_port_on
+from specdec.serving.ports import free_port
+from tests.replicas import NAMES
 
 TARGETS, DRAFTS, JOINING = ["127.0.0.2", "127.0.0.3"], ["127.0.0.4", "127.0.0.5"], "127.0.0.6"
 N = 160  # tokens per generation: with the random draft ~one round per token, long enough to fault mid-run
@@ -79,8 +80,8 @@ def fleet(tiny_target, tiny_random_draft):
     workdir = Path(tempfile.mkdtemp(prefix="specdec-replicas-"))
     dns = FakeDns()
     addresses = [*TARGETS, *DRAFTS, JOINING]
-    ports = {"target": free_port_on(addresses)}
-    ports["draft"] = free_port_on(addresses)
+    ports = {"target": free_port(addresses)}
+    ports["draft"] = free_port(addresses)
     assert ports["draft"] != ports["target"]
     # Connections age after 1 s: the coordinator re-resolves the names often (and finds a joining replica).
     tier_args = ["--threads", "1", "--max-connection-age", "1", "--grace", "3"]
@@ -88,7 +89,7 @@ def fleet(tiny_target, tiny_random_draft):
     replicas |= {a: Replica(workdir, "draft", a, ports["draft"], ["--model", tiny_random_draft, *tier_args]) for a in DRAFTS}
     dns.set(NAMES["target"], TARGETS)
     dns.set(NAMES["draft"], DRAFTS)
-    metrics_port = free_port_on(["127.0.0.1"])
+    metrics_port = free_port(["127.0.0.1"])
     coordinator_port_file = workdir / "coordinator.port"
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"}
     coordinator = None

@@ -22,9 +22,10 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from coordinator.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported, probe_ring_hash
+from coordinator.tiers.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported, probe_ring_hash
 from specdec.client import Client
-from tests.helpers import TOKENIZER_DIR, make_tiny_model
+from specdec.models import make_tiny_model
+from tests.helpers import TOKENIZER_DIR
 from tests.replicas import ReplicaCluster
 
 TARGETS, DRAFTS = ["127.0.0.2", "127.0.0.3"], ["127.0.0.4", "127.0.0.5"]

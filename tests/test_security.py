@@ -21,12 +21,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from coordinator.service import CoordinatorConfig, Pipeline
+from coordinator.config import CoordinatorConfig
+from coordinator.pipeline import Pipeline
 from coordinator.service import build as build_coordinator
 from specdec.client import cli
 from specdec.client import Client
 from specdec.proto import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2_grpc
-from specdec.wire.server import BearerTokenInterceptor, ServerConfig
+from specdec.serving.auth import BearerTokenInterceptor
+from specdec.serving.server import ServerConfig
 from tests.helpers import Cluster
 
 TOKEN = "s3cret-Token_0123456789"

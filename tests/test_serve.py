@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from specdec.client.local import free_port
+from specdec.serving.ports import free_port
 from tests.helpers import tier_device_args
 
 START_TIMEOUT_S = 180

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from specdec.models import served_model_name
-from specdec.wire.metrics import serve_metrics
+from specdec.serving.metrics import serve_metrics
 from tests.test_metrics import scrape
 
 

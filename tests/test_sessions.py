@@ -1,4 +1,4 @@
-"""Tests for specdec.wire.prefix.PrefixHashes and specdec.engine.sessions.SessionTable.
+"""Tests for specdec.core.prefix.PrefixHashes and specdec.engine.sessions.SessionTable.
 
 The table runs here over a real (tiny) SlotKVCache and a fake clock.
 """
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from specdec.wire.prefix import PrefixHashes
+from specdec.core.prefix import PrefixHashes
 import torch
 
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
@@ -289,7 +289,7 @@ def test_drop_forgets_a_session_with_an_unusable_cache():
 
 def test_a_hypothetical_continuation_equals_the_copied_sequence_and_its_fingerprints():
     """The overlap's speculative request reads committed + drafts through views (no O(context) copy)."""
-    from coordinator.tiers import Extended, TierCursor
+    from coordinator.tiers.cursor import Extended, TierCursor
 
     committed, drafts = list(range(100, 140)), [7, 8, 9]
     hashes = PrefixHashes(committed)

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from specdec.proto import common_pb2, draft_pb2, target_pb2
-from specdec.wire.prefix import PrefixHashes
-from specdec.wire.tier import DRAINING
+from specdec.core.prefix import PrefixHashes
+from specdec.serving.tier import DRAINING
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2, 198]
 TIMEOUT = 30

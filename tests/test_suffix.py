@@ -10,7 +10,7 @@ from array import array
 
 import pytest
 
-from coordinator.suffix import SuffixCache, SuffixConfig, SuffixProposer, SuffixTree, speculate
+from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer, SuffixTree, speculate
 
 
 def tree_counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from specdec.wire.metrics import serve_metrics
+from specdec.serving.metrics import serve_metrics
 from tests.test_metrics import scrape, value
 
 # vLLM's request_latency_buckets and build_1_2_5_buckets(1024) (the tiny models' context), copied from

@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from coordinator.proposers.names import ALIASES, NAMES
 from specdec.client import Client, finish_reason_name
 from specdec.client.bench import BenchConfig
 from specdec.models import default_draft, default_target
@@ -55,8 +56,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="K; 0 = target-only decoding")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--proposer", choices=["draft", "lookup", "suffix", "hybrid"], default=None,
-                   help="draft model, prompt lookup, suffix decoding, or the hybrid policy over all three (default: the server's)")
+    aliases = ", ".join(f"{a} = {p}" for a, p in ALIASES.items())
+    p.add_argument("--proposer", choices=list(NAMES), default=None,
+                   help=f"draft model, prompt lookup, suffix decoding, or the hybrid policy over all three ({aliases}; "
+                        "default: the server's)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, stats")
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from coordinator.proposers.names import Proposer
 from specdec.proto import generate_pb2, generate_pb2_grpc
 
 
@@ -30,16 +31,6 @@ class GenerationOutput:
 
 def finish_reason_name(value: int) -> str:
     return generate_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
-
-
-PROPOSERS = {
-    "draft": generate_pb2.PROPOSER_DRAFT_MODEL,
-    "draft_model": generate_pb2.PROPOSER_DRAFT_MODEL,
-    "lookup": generate_pb2.PROPOSER_PROMPT_LOOKUP,
-    "prompt_lookup": generate_pb2.PROPOSER_PROMPT_LOOKUP,
-    "hybrid": generate_pb2.PROPOSER_HYBRID,
-    "suffix": generate_pb2.PROPOSER_SUFFIX,
-}
 
 
 def build_request(
@@ -58,12 +49,11 @@ def build_request(
     proposer: str | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
-    proposer: "draft" | "lookup" | "suffix" | "hybrid" (or the long names "draft_model", "prompt_lookup")."""
+    proposer: a name or alias of coordinator.proposers.names (e.g. "suffix", "draft_model" or its alias "draft")."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
-    if proposer is not None and proposer not in PROPOSERS:
-        raise ValueError(f"proposer must be one of {sorted(PROPOSERS)}, got {proposer!r}")
-    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos, proposer=PROPOSERS.get(proposer, 0))
+    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos,
+                                       proposer=Proposer.parse(proposer).proto if proposer is not None else 0)
     if prompt is not None:
         req.text = prompt
     elif messages is not None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specdec.serving.ports import free_port
 
 
 @dataclass
@@ -30,12 +31,6 @@ class LocalPipelineConfig:
     coordinator_address: str = "127.0.0.1:0"  # where the coordinator listens (port 0 = any free port)
     inherit_output: bool = False  # children write to this process's stdout/stderr instead of log files
     die_with_parent: bool = False  # children get SIGTERM if this process dies (Linux), even by SIGKILL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalPipeline:

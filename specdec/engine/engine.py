@@ -35,7 +35,7 @@ from specdec.engine.sessions import PrefixMismatch, SessionTable
 from specdec.engine.step import StepProgram, resolve_mode
 from specdec.engine.work import Work
 from specdec.models import eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
-from specdec.wire.server import RequestError
+from specdec.core.errors import RequestError
 
 log = logging.getLogger(__name__)
 

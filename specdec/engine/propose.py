@@ -3,7 +3,8 @@
 The first step feeds the session's new committed tokens; each later step feeds the previous proposal.
 After every step the works that got logits sample their next token together: greedy ones take the
 argmax, the others sample from q, the distribution after their temperature / top-k / top-p truncated
-to the draft_top_n most likely tokens and renormalised (DESIGN.md, "What q is on the wire"). The
+to the draft_top_n most likely tokens and renormalised (DESIGN.md, "What q is on the wire"); a finished
+work's q rows become its DraftProbs, the form q keeps up to the target's sampler. The
 draw for the token at absolute position i uses a generator seeded from (seed, i), so a proposal does
 not depend on how requests are split or batched.
 """
@@ -15,16 +16,17 @@ from typing import ClassVar
 
 import torch
 
+from specdec.engine.draft_probs import DraftProbs
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
-from specdec.math.sampling import make_generator, process_logits_rows
+from specdec.math.sampling import make_generator, process_logits_rows, renormalise_top
 from specdec.math.seeds import DRAFT_STREAM, derive_seed
 
 
 @dataclass(frozen=True)
 class ProposeResult:
     tokens: list[int]  # d_1..d_K
-    q: list[tuple[list[int], list[float]]]  # q_1..q_K as (token ids, probs); empty for greedy
+    q: DraftProbs | None  # q_1..q_K; None for greedy (q one-hot on the drafts)
     cached_len: int  # committed length + K - 1 (the last proposal is not fed back)
     compute_ms: float
     batch_sessions: int  # sessions in the work's last step
@@ -39,7 +41,7 @@ class ProposeWork(Work):
     seed: int = 0  # the session's base draft seed
     top_n: int = 64  # q truncation
     tokens: list[int] = field(default_factory=list)
-    q: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    q_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (token_ids [n], probs [n]) per draft
 
     kind: ClassVar[str] = "propose"
 
@@ -65,7 +67,8 @@ class ProposeWork(Work):
                 w.pending, w.num_logits = [d], 1  # feed it back for the next position
             else:
                 sessions, _, seconds = w.last_step
-                w.result = ProposeResult(w.tokens, w.q, len(w.session), w.compute_s * 1e3, sessions, seconds * 1e3,
+                q = DraftProbs.from_rows(w.q_rows) if w.q_rows else None
+                w.result = ProposeResult(w.tokens, q, len(w.session), w.compute_s * 1e3, sessions, seconds * 1e3,
                                          w.queue_ms())
 
 
@@ -80,11 +83,8 @@ def _sample(works, rows, sampled, tokens, engine) -> None:
     vals, ids = vals.cpu(), ids.cpu()
     for j, (i, w) in enumerate(zip(sampled, subset)):
         n = min(w.top_n, top_n)
-        v, t = vals[j, :n], ids[j, :n]
-        keep = v > 0
-        v, t = v[keep], t[keep]
-        q = v / v.sum()  # the truncated, renormalised q this token is drawn from
+        t, q = renormalise_top(vals[j, :n], ids[j, :n])  # the truncated q this token is drawn from
         gen = make_generator(derive_seed(w.seed, len(w.session), DRAFT_STREAM))
         noise = torch.empty_like(q).exponential_(1, generator=gen)
         tokens[i] = int(t[(q / noise).argmax()])  # = torch.multinomial(q, 1, generator=gen)
-        w.q.append((t.tolist(), q.tolist()))
+        w.q_rows.append((t, q))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.engine.kv_cache import SlotKVCache
-from specdec.wire.prefix import PrefixHashes
+from specdec.core.prefix import PrefixHashes
 
 
 class PrefixMismatch(Exception):

@@ -2,8 +2,9 @@
 
 One forward scores [uncached committed tokens + d_1..d_K]; then all sessions whose verify completed in
 the step are verified together: greedy sessions with verify_greedy_batched, the others with
-rejection_sample_batched over flattened drafts (specdec.math.rejection), each with its own sampling
-parameters and seed. The session then keeps the committed prefix plus the accepted drafts: a crop,
+rejection_sample_batched (specdec.math.rejection) over the batch's SpecDecodeMetadata (flattened drafts)
+and its q (the sessions' DraftProbs, one-hot for deterministic drafts, made dense by the math module),
+each with its own sampling parameters and seed. The session then keeps the committed prefix plus the accepted drafts: a crop,
 which is a length change.
 """
 
@@ -14,20 +15,12 @@ from typing import ClassVar
 
 import torch
 
-from specdec.engine.attention import to_device
+from specdec.engine.draft_probs import DraftProbs
+from specdec.engine.spec_metadata import SpecDecodeMetadata
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
 from specdec.math.rejection import rejection_sample_batched, round_randomness, verify_greedy_batched
 from specdec.math.sampling import make_generator, process_logits_rows
-
-
-@dataclass(frozen=True)
-class SparseQ:
-    """q_1..q_K as flat sparse entries: row i has probability probs[j] on token_ids[j] where rows[j] == i."""
-
-    rows: torch.Tensor  # [E] int64, 0..K-1
-    token_ids: torch.Tensor  # [E] int64
-    probs: torch.Tensor  # [E] float32
 
 
 @dataclass(frozen=True)
@@ -45,7 +38,7 @@ class VerifyResult:
 @dataclass(eq=False)
 class VerifyWork(Work):
     drafts: list[int] = field(default_factory=list)  # d_1..d_K
-    q: SparseQ | None = None  # None = one-hot on each d_i (greedy rounds, deterministic proposers)
+    q: DraftProbs | None = None  # q_1..q_K; None = one-hot on each d_i (greedy rounds, deterministic proposers)
     params: SamplingParams = SamplingParams()
     seed: int = 0  # this round's seed (accept/reject draws and the final sample)
     committed_len: int = 0  # prefix_len + new committed tokens
@@ -54,7 +47,7 @@ class VerifyWork(Work):
 
     @classmethod
     def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], drafts: list[int],
-               q: SparseQ | None, params: SamplingParams, seed: int) -> "VerifyWork":
+               q: DraftProbs | None, params: SamplingParams, seed: int) -> "VerifyWork":
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
                    params=params, seed=seed, committed_len=prefix_len + len(new_tokens))
@@ -76,41 +69,19 @@ class VerifyWork(Work):
             w.result = VerifyResult(n, nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3, w.queue_ms())
 
 
-def _cu_drafts(works: list[VerifyWork], device) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """cu_num_draft_tokens and the flat drafts on the device, and on the host each work's K and its
-    first row among the drafts (cu_num_draft_tokens[:-1])."""
-    ks = [len(w.drafts) for w in works]
-    cu = [0]
-    for k in ks:
-        cu.append(cu[-1] + k)
-    cu_t, drafts = to_device([cu, [d for w in works for d in w.drafts]], device)
-    return cu_t, drafts, ks, cu[:-1]
-
-
 def _verify_greedy(works, logits, vocab_size):
     rows = torch.cat(logits)  # [N + B, V]
-    cu, drafts, _, _ = _cu_drafts(works, rows.device)
-    return verify_greedy_batched(rows, drafts, cu)
+    meta = SpecDecodeMetadata.build([w.drafts for w in works], rows.device)
+    return verify_greedy_batched(rows, meta.draft_token_ids, meta.cu_num_draft_tokens)
 
 
 def _verify_sampled(works, logits, vocab_size):
     rows = torch.cat(logits)  # [N + B, V]
     device = rows.device
-    cu, drafts, ks, starts = _cu_drafts(works, device)
-    p = process_logits_rows(rows, [w.params for w, k in zip(works, ks) for _ in range(k + 1)])  # [N + B, V]
-    q = torch.zeros(sum(ks), vocab_size, dtype=torch.float32, device=device)  # [N, V]
-    row_index, token_ids, probs = [], [], []
-    for w, start in zip(works, starts):
-        if w.q is None:  # one-hot q on the drafts
-            row_index.append(torch.arange(start, start + len(w.drafts)))
-            token_ids.append(torch.tensor(w.drafts, dtype=torch.long))
-            probs.append(torch.ones(len(w.drafts)))
-        else:
-            row_index.append(w.q.rows + start)
-            token_ids.append(w.q.token_ids)
-            probs.append(w.q.probs)
-    if row_index:
-        q.index_put_((torch.cat(row_index).to(device), torch.cat(token_ids).to(device)), torch.cat(probs).to(device))
+    meta = SpecDecodeMetadata.build([w.drafts for w in works], device)
+    p = process_logits_rows(rows, [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)])  # [N + B, V]
+    q = DraftProbs.cat([w.q if w.q is not None else DraftProbs.one_hot(w.drafts) for w in works])
     generators = [make_generator(w.seed, device) for w in works]
-    uniform, noise = round_randomness(generators, ks, vocab_size, device)
-    return rejection_sample_batched(p, q, drafts, cu, uniform, noise)
+    uniform, noise = round_randomness(generators, meta.num_draft_tokens, vocab_size, device)
+    return rejection_sample_batched(p, q.dense(vocab_size, device), meta.draft_token_ids, meta.cu_num_draft_tokens,
+                                    uniform, noise)

@@ -71,12 +71,29 @@ def dense_q(
 ) -> torch.Tensor:
     """Build q [K, V] from sparse rows, or one-hot on the draft tokens when rows is None
     (greedy rounds and deterministic proposers)."""
-    k = draft_tokens.shape[0]
     if rows is None:
         return torch.nn.functional.one_hot(draft_tokens.to(device), vocab_size).float()
-    q = torch.zeros(k, vocab_size, dtype=torch.float32, device=device)
-    for i, (ids, probs) in enumerate(rows):
-        q[i, ids.to(device)] = probs.to(device, torch.float32)
+    counts = [len(ids) for ids, _ in rows]
+    offsets = torch.tensor([0] + counts, dtype=torch.long).cumsum(0)
+    token_ids = torch.cat([ids.long() for ids, _ in rows]) if rows else torch.zeros(0, dtype=torch.long)
+    probs = torch.cat([p.float() for _, p in rows]) if rows else torch.zeros(0)
+    return dense_q_rows(token_ids, probs, offsets, vocab_size, device)
+
+
+def dense_q_rows(
+    token_ids: torch.Tensor,  # [E] int64: every row's token ids, row after row
+    probs: torch.Tensor,  # [E] their probabilities
+    row_offsets: torch.Tensor,  # [R + 1] int64: row r is entries row_offsets[r]:row_offsets[r + 1]
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """q [R, V] from sparse rows laid out flat with offsets (CSR): zero outside each row's tokens."""
+    num_rows = row_offsets.shape[0] - 1
+    q = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+    if token_ids.numel() > 0:
+        counts = row_offsets[1:] - row_offsets[:-1]  # [R]
+        row = torch.repeat_interleave(torch.arange(num_rows), counts.cpu())  # [E] the row of each entry
+        q.index_put_((row.to(device), token_ids.to(device)), probs.to(device, torch.float32))
     return q
 
 

@@ -62,6 +62,15 @@ def truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch
     """
     n = min(top_n, probs.shape[-1])
     vals, ids = torch.topk(probs, n)
+    return renormalise_top(vals, ids)
+
+
+def renormalise_top(
+    vals: torch.Tensor,  # [n] the n largest probabilities of a distribution, descending
+    ids: torch.Tensor,  # [n] int64: their token ids
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """truncate_top_n's second half, for a caller that ran the top-n of many rows at once (the draft
+    engine: one topk for its whole batch): drop zeros, renormalise. -> (token_ids [n'], probs [n'] float32)."""
     keep = vals > 0
     vals, ids = vals[keep], ids[keep]
     vals = vals.float()

@@ -1,14 +1,16 @@
-"""What the draft and target servicers share: request checks and the rpcs every tier serves alike.
+"""What the draft and target servers share: the per-session stream loop, the rpcs every tier serves alike,
+the server over a tier's engine, and the entry point's body (run_tier).
 
-Servicers are thin: they validate a request here, convert it into an engine work item, submit it and
-convert the result back. Nothing here touches torch; the engine is used through its attributes
-(vocab_size, max_context, config, eos_token_ids, tokenizer_fingerprint, device) and methods
-(end_session, status).
+Servicers are thin: each validates its request and converts it into an engine work item in one method
+(checks shared by both tiers: specdec.serving.tier_checks), submits it and converts the result back.
+Nothing here touches torch; the engine is used through its attributes (vocab_size, max_context, config,
+eos_token_ids, tokenizer_fingerprint, device) and methods (end_session, status).
 """
 
 from __future__ import annotations
 
-import socket
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,57 +19,12 @@ import grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
-from specdec.math.params import SamplingParams
+from specdec.core.errors import as_request_error
 from specdec.models import served_model_name
 from specdec.proto import common_pb2
-from specdec.wire.metrics import TierMetrics
-from specdec.wire.server import (RequestError, Service, ServerConfig, as_request_error, check_token_ids, create_server,
-                                 handle_errors, invalid_argument)
-
-MAX_SESSION_ID_LEN = 128
-
-
-def check_context(engine, ctx: common_pb2.SessionContext, extra_tokens: int) -> None:
-    """Validate a SessionContext; extra_tokens = tokens the request adds beyond new_tokens."""
-    if not ctx.session_id:
-        raise invalid_argument("context.session_id is required")
-    if len(ctx.session_id) > MAX_SESSION_ID_LEN:
-        raise invalid_argument(f"context.session_id is longer than {MAX_SESSION_ID_LEN} characters")
-    if ctx.prefix_len < 0:
-        raise invalid_argument(f"context.prefix_len must be >= 0, got {ctx.prefix_len}")
-    if not ctx.new_tokens:
-        raise invalid_argument("context.new_tokens must hold at least one token")
-    check_token_ids(ctx.new_tokens, engine.vocab_size, "context.new_tokens")
-    total = ctx.prefix_len + len(ctx.new_tokens) + extra_tokens
-    if total > engine.max_context:
-        raise invalid_argument(f"context: {total} tokens exceed the model's context of {engine.max_context}")
-    if ctx.tokenizer_fingerprint and ctx.tokenizer_fingerprint != engine.tokenizer_fingerprint:
-        raise tokenizer_mismatch(engine, ctx.tokenizer_fingerprint)
-
-
-def tokenizer_mismatch(engine, theirs: str) -> RequestError:
-    """FAILED_PRECONDITION for a request made with another tokenizer: this replica must not serve it.
-    Names the replica (its host name: the pod's name on Kubernetes) and its model, for the operator."""
-    return RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"tokenizer mismatch: replica {socket.gethostname()} serves {engine.config.model.path} whose "
-                        f"tokenizer fingerprint is {engine.tokenizer_fingerprint[:16]}, the request's is {theirs[:16]}; "
-                        f"this replica belongs to another model pair: fix its --model")
-
-
-def check_num_tokens(engine, k: int, field_name: str, minimum: int) -> None:
-    cap = engine.config.max_draft_tokens
-    if not minimum <= k <= cap:
-        raise invalid_argument(f"{field_name} must be in [{minimum}, {cap}], got {k}")
-
-
-def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
-    params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p if msg.top_p != 0 else 1.0)
-    try:
-        params.validate()
-    except ValueError as e:
-        raise invalid_argument(f"sampling.{e}") from None
-    return params
-
+from specdec.serving.flags import write_port_file
+from specdec.serving.metrics import TierMetrics, serve_metrics
+from specdec.serving.server import Service, ServerConfig, create_server, handle_errors, serve
 
 def model_info(engine) -> common_pb2.ModelInfo:
     c = engine.config
@@ -167,3 +124,25 @@ def create_tier_server(engine, service: Service, config: ServerConfig, tier: str
     engine.observers.append(metrics.observe_step)
     server, port, health_servicer = create_server([service], config, interceptors=[metrics.interceptor()])
     return TierServer(server, port, health_servicer, engine, registry, metrics, service.servicer)
+
+
+def run_tier(label: str, service_name: str, build, config, port_file: str | None, metrics_address: str | None = None) -> None:
+    """Entry point body shared by the draft and target services: load, serve (and /metrics) until
+    SIGTERM, drain."""
+    log = logging.getLogger(f"{label}_service")
+
+    async def run() -> None:
+        tier = build(config)
+        metrics = serve_metrics(tier.registry, metrics_address)
+        log.info("%s service for %s on port %d", label, config.tier.model.path, tier.port)
+
+        def stop() -> None:
+            tier.engine.close()
+            if metrics is not None:
+                metrics.close()
+
+        await serve(tier.server, tier.health, [service_name], config.server,
+                    on_started=lambda: write_port_file(port_file, tier.port), on_stop=stop,
+                    on_draining=tier.servicer.drain)
+
+    asyncio.run(run())

@@ -27,11 +27,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from coordinator.frontend import Frontend, finish_reason_name
-from coordinator.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
+from coordinator.api.frontend import Frontend, finish_reason_name
+from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
 from specdec.proto import generate_pb2
-from specdec.wire.metrics import METRICS_CONTENT_TYPE, RpcMetrics, exposition
-from specdec.wire.server import RequestError, bearer_failure
+from specdec.serving.metrics import METRICS_CONTENT_TYPE, RpcMetrics, exposition
+from specdec.core.errors import RequestError
+from specdec.serving.auth import bearer_failure
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,

@@ -3,8 +3,8 @@ that the shared validation and generation path take. Only shapes are checked her
 length, max tokens, K, stop strings, sampling ranges) are the shared validator's.
 
 specdec's own options travel as extra body fields (openai client: `extra_body={...}`):
-num_speculative_tokens (K; 0 = target-only; unset = the server's default, adaptive), proposer
-("draft_model" | "prompt_lookup" | "hybrid", or "draft" | "lookup"), top_k, ignore_eos.
+num_speculative_tokens (K; 0 = target-only; unset = the server's default, adaptive), proposer (any name
+or alias of coordinator.proposers.names, the gRPC API's table), top_k, ignore_eos.
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.proposers.names import NAMES, Proposer
 from specdec.proto import generate_pb2
 
-PROPOSERS = {
-    "draft_model": generate_pb2.PROPOSER_DRAFT_MODEL, "draft": generate_pb2.PROPOSER_DRAFT_MODEL,
-    "prompt_lookup": generate_pb2.PROPOSER_PROMPT_LOOKUP, "lookup": generate_pb2.PROPOSER_PROMPT_LOOKUP,
-    "hybrid": generate_pb2.PROPOSER_HYBRID,
-}
+ProposerName = Literal[NAMES]  # every name and alias the gRPC API accepts
 # OpenAI's newer "developer" role is the system prompt of older models.
 ROLE_ALIASES = {"developer": "system"}
 
@@ -75,7 +72,7 @@ class _Common(_Body):
     user: str | None = None  # accepted, not used
     # specdec's extras
     num_speculative_tokens: int | None = None
-    proposer: Literal["draft_model", "prompt_lookup", "suffix", "hybrid", "draft", "lookup"] | None = None
+    proposer: ProposerName | None = None
     top_k: int | None = None
     ignore_eos: bool = False
 
@@ -95,7 +92,7 @@ class _Common(_Body):
         req.stop.extend(stop)
         req.ignore_eos = self.ignore_eos
         if self.proposer is not None:
-            req.proposer = PROPOSERS[self.proposer]
+            req.proposer = Proposer.parse(self.proposer).proto
         values = {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": self.top_k, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens}
         for name, value in values.items():

@@ -1,5 +1,5 @@
 """One session's handle on one tier, the same class for the draft and the target: the session id, what the
-tier caches of it (TierCursor), the session's calls (routed by its id to one replica, coordinator.routing),
+tier caches of it (TierCursor), the session's calls (routed by its id to one replica, coordinator.tiers.routing),
 and what to do when a call fails. Failure handling lives here and only here:
 
 - The replica lacks the session (FAILED_PRECONDITION on a request that assumed a cached prefix: evicted,
@@ -20,16 +20,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 
-from coordinator.tiers import TierCursor, TierError
+from coordinator.stats import RoundStats
+from coordinator.tiers.client import TierError
+from coordinator.tiers.cursor import TierCursor
 from specdec.proto import common_pb2
-from specdec.wire.prefix import PrefixHashes
-
-if TYPE_CHECKING:
-    from coordinator.generation import RoundStats
+from specdec.core.prefix import PrefixHashes
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +48,19 @@ class RetryPolicy:
 
 TARGET_RETRY = RetryPolicy(retry=True)  # the target: wait for it (retry_s comes from --tier-retry-timeout)
 DRAFT_RETRY = RetryPolicy(down_s=(0.25, 0.5, 1.0))  # the draft: fall back to prompt lookup, try it again soon
+
+
+def deadline_clock(deadline: float | None) -> Callable[[], float | None]:
+    """time_left for a TierSession: seconds until a time.monotonic() deadline (None: none), keeping a margin
+    to report an error in time."""
+
+    def time_left() -> float | None:
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        return left - min(0.5, 0.1 * max(left, 0.0))
+
+    return time_left
 
 
 class SessionCalls(Protocol):
@@ -73,7 +85,7 @@ class TierReply:
 
 
 class TierSession:
-    def __init__(self, calls: SessionCalls, policy: RetryPolicy, stats: "RoundStats", tokenizer_fingerprint: str = "",
+    def __init__(self, calls: SessionCalls, policy: RetryPolicy, stats: RoundStats, tokenizer_fingerprint: str = "",
                  time_left: Callable[[], float | None] = lambda: None) -> None:
         """stats: the generation's counters (tier errors, re-prefills). time_left: seconds until the client's
         deadline, margin included (None: no deadline)."""

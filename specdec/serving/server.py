@@ -2,19 +2,18 @@
 
 create_server() binds the services plus the standard health and reflection services and returns
 (server, port); serve() runs it until SIGINT/SIGTERM, then marks it NOT_SERVING and stops it
-gracefully. Handlers report bad requests by raising RequestError; @handle_errors turns that into
-context.abort(code, message), so every failure leaves the server healthy.
+gracefully. Handlers report bad requests by raising RequestError (specdec.core.errors); @handle_errors
+turns that into context.abort(code, message), so every failure leaves the server healthy.
 
 Transport security is optional: with ServerConfig.tls_cert/tls_key the port is TLS, and with
 tls_client_ca too it is mutual TLS (clients must present a certificate that CA signed).
-BearerTokenInterceptor adds a shared-secret check on top (the coordinator's public API uses it).
+specdec.serving.auth adds a shared-secret check on top (the coordinator's public API uses it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from specdec.core.errors import as_request_error
 
 log = logging.getLogger(__name__)
 
@@ -72,101 +73,6 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     key = read_pem(config.tls_key, "TLS private key")
     client_ca = read_pem(config.tls_client_ca, "TLS client CA") if config.tls_client_ca else None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None)
-
-
-# Always reachable without a token: Kubernetes / load-balancer probes and service discovery.
-OPEN_METHOD_PREFIXES = (
-    "/grpc.health.v1.Health/",
-    "/grpc.reflection.v1alpha.ServerReflection/",
-    "/grpc.reflection.v1.ServerReflection/",
-)
-
-
-def check_token(token: str) -> str:
-    """A usable bearer token: non-empty printable ASCII without spaces (it travels as gRPC metadata)."""
-    if not token or not all(0x21 <= ord(c) <= 0x7E for c in token):
-        raise ValueError("the auth token must be non-empty printable ASCII without spaces")
-    return token
-
-
-def bearer_failure(value: str | None, token: bytes, carrier: str = "metadata") -> str | None:
-    """Why an `authorization` value (None: absent) does not carry `token`, or None if it does. The one
-    check of the public APIs (gRPC metadata, HTTP header), compared in constant time."""
-    if value is None:
-        return f"missing credentials: send {carrier} 'authorization: Bearer <token>'"
-    scheme, _, credential = value.strip().partition(" ")
-    if scheme.lower() != "bearer" or not credential.strip():
-        return f"malformed authorization {carrier}: expected 'Bearer <token>'"
-    if not hmac.compare_digest(credential.strip().encode("utf-8", "replace"), token):
-        return "invalid bearer token"
-    return None
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without metadata `authorization: Bearer <token>` with UNAUTHENTICATED (a constant-time
-    comparison), except methods under OPEN_METHOD_PREFIXES (health and reflection)."""
-
-    def __init__(self, token: str, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
-        self._token = check_token(token).encode()
-        self._open = open_prefixes
-
-    def _failure(self, metadata) -> str | None:
-        values = [v for k, v in (metadata or ()) if k == "authorization"]
-        value = None
-        if values:
-            value = values[0].decode("ascii", "replace") if isinstance(values[0], bytes) else str(values[0])
-        return bearer_failure(value, self._token, "metadata")
-
-    async def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method or ""
-        if method.startswith(self._open):
-            return await continuation(handler_call_details)
-        message = self._failure(handler_call_details.invocation_metadata)
-        if message is None:
-            return await continuation(handler_call_details)
-        log.debug("rejected %s: %s", method, message)
-        return _abort_handler(grpc.StatusCode.UNAUTHENTICATED, message)
-
-
-def _abort_handler(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler that fails any call with (code, message) before reading a request. One kind fits all
-    four rpc shapes: nothing is sent before the status, and raw bytes are never deserialized."""
-
-    async def abort(request, context):
-        await context.abort(code, message)
-
-    return grpc.unary_unary_rpc_method_handler(abort)
-
-
-class RequestError(Exception):
-    """A request the service refuses, with the gRPC status to answer."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
-        """field: the request field at fault, as the gRPC message names it (e.g. "max_new_tokens"), for an
-        API that names its fields otherwise (the OpenAI API: "max_tokens") to say so in its own words."""
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.field = field
-
-
-def invalid_argument(message: str, field: str | None = None) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, field)
-
-
-def check_token_ids(ids, vocab_size: int, field_name: str) -> None:
-    """INVALID_ARGUMENT naming the field for the first id outside [0, vocab_size)."""
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise invalid_argument(f"{field_name}: token id {t} is outside the vocabulary [0, {vocab_size})")
-
-
-def as_request_error(e: Exception) -> RequestError:
-    """RequestError as is; anything else is our bug: INTERNAL, logged with its traceback."""
-    if isinstance(e, RequestError):
-        return e
-    log.exception("internal error")
-    return RequestError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
 
 def handle_errors(method: Callable) -> Callable:

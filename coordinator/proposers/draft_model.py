@@ -1,62 +1,18 @@
-"""Where draft tokens come from. Every proposer returns tokens plus their q rows (empty = one-hot, for
-deterministic proposals); the target verifies them all the same way, losslessly.
-
-- DraftModelProposer: the remote draft service over one bidirectional stream per session.
-- PromptLookupProposer: n-gram continuation from the session's own tokens, run here in the
-  coordinator: it needs no model, and running it here saves a network hop per round.
-- SuffixProposer (coordinator/suffix.py): suffix decoding over the session's tokens and the
-  coordinator's recent outputs, also run here.
-- hybrid: per round, coordinator/policy.py picks whichever of these promises the most tokens per
-  unit of time.
-"""
+"""The draft model as a proposer: the remote draft tier over one bidirectional stream per session, with its
+prefetch (the overlap): while the target verifies round r, the draft already drafts round r + 1 from the
+most likely outcome, and the block is kept if that outcome happened."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-
 import grpc
 
-from coordinator.lookup import LookupConfig, NgramIndex
-from coordinator.tier_session import TierSession
-from coordinator.tiers import Extended, SessionStream, TierError
-from specdec.wire.prefix import PrefixHashes
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.names import DRAFT_MODEL
+from coordinator.tiers.session import TierSession
+from coordinator.tiers.client import SessionStream, TierError
+from coordinator.tiers.cursor import Extended
+from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
-
-
-DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, HYBRID = "draft_model", "prompt_lookup", "suffix", "hybrid"
-PROPOSERS = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, HYBRID)  # the names a coordinator accepts
-
-
-@dataclass
-class Proposal:
-    source: str  # DRAFT_MODEL, PROMPT_LOOKUP or SUFFIX
-    tokens: list[int]  # d_1..d_K (possibly fewer than asked, or none)
-    q: list[common_pb2.DraftDistribution] = field(default_factory=list)  # empty = one-hot on tokens
-    probs: list[float] = field(default_factory=list)  # the source's own estimate: P(d_1..d_i all accepted); empty = none
-    wall_ms: float = 0.0  # time the proposal kept the round waiting, as seen here
-    compute_ms: float = 0.0  # model compute on the draft tier
-    queue_ms: float = 0.0  # the rest of the draft tier's time (waiting for steps, sampling, bookkeeping)
-    overlapped: bool = False  # drafted during the previous round's verification
-    k: int = 0  # tokens asked for (the proposer may offer fewer)
-    catch_up: int = 0  # draft model: committed tokens it had to be fed first (1-2 when it drafts every round)
-    fallback: bool = False  # prompt lookup standing in for an unreachable draft model
-
-
-class PromptLookupProposer:
-    source = PROMPT_LOOKUP
-
-    def __init__(self, config: LookupConfig, prompt_ids: list[int]) -> None:
-        self.index = NgramIndex(config, prompt_ids)
-
-    def commit(self, tokens: list[int]) -> None:
-        self.index.extend(tokens)
-
-    def propose(self, k: int, shared: bool = True) -> Proposal:
-        """Up to k tokens; `shared` is for the suffix proposer's interface (lookup has no shared state)."""
-        t0 = time.perf_counter()
-        tokens = self.index.propose(k)
-        return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k)
 
 
 class DraftModelProposer:
@@ -86,9 +42,9 @@ class DraftModelProposer:
         return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q), wall_ms=reply.wall_ms,
                         compute_ms=response.compute_ms, queue_ms=response.queue_ms, k=k, catch_up=reply.fed)
 
-    # --- overlap: draft round r+1 while the target verifies round r ---------------------------------
+    # --- prefetch (the overlap): draft round r+1 while the target verifies round r ---------------------
 
-    async def speculate(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], k: int) -> bool:
+    async def prefetch(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], k: int) -> bool:
         """Ask for the next block assuming every draft is accepted: K + 1 tokens after
         committed + drafts, the first being the draft's guess of the target's bonus token. Only sends;
         collect() reads the reply. Returns False if the request could not be sent."""

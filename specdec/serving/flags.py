@@ -7,13 +7,12 @@ SPECDEC_DRAFT_MODEL, SPECDEC_TARGET_ADDRESS); a flag on the command line wins.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
-from specdec.wire.logs import FORMATS as LOG_FORMATS
-from specdec.wire.logs import configure_logging
-from specdec.wire.server import ServerConfig
+from specdec.serving.logs import FORMATS as LOG_FORMATS
+from specdec.serving.logs import configure_logging
+from specdec.serving.server import ServerConfig, server_credentials
 
 
 class EnvArgs:
@@ -160,36 +159,7 @@ def write_port_file(path: str | None, port: int) -> None:
 
 def check_server_tls(config: ServerConfig) -> None:
     """Read the TLS files now (before a model loads for seconds), exiting 2 with a clear error if unusable."""
-    from specdec.wire.server import server_credentials
-
     try:
         server_credentials(config)
     except (OSError, ValueError) as e:
         config_error(str(e))
-
-
-def run_tier(label: str, service_name: str, build, config, port_file: str | None, metrics_address: str | None = None) -> None:
-    """Entry point body shared by the draft and target services: load, serve (and /metrics) until
-    SIGTERM, drain."""
-    import asyncio
-
-    from specdec.wire.metrics import serve_metrics
-    from specdec.wire.server import serve
-
-    log = logging.getLogger(f"{label}_service")
-
-    async def run() -> None:
-        tier = build(config)
-        metrics = serve_metrics(tier.registry, metrics_address)
-        log.info("%s service for %s on port %d", label, config.tier.model.path, tier.port)
-
-        def stop() -> None:
-            tier.engine.close()
-            if metrics is not None:
-                metrics.close()
-
-        await serve(tier.server, tier.health, [service_name], config.server,
-                    on_started=lambda: write_port_file(port_file, tier.port), on_stop=stop,
-                    on_draining=tier.servicer.drain)
-
-    asyncio.run(run())

@@ -27,7 +27,8 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from coordinator.proposers import SUFFIX, Proposal
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.names import SUFFIX
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, TierLoad, expected_tokens
-from coordinator.proposers import DRAFT_MODEL, Proposal
+from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, TierLoad, expected_tokens
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.names import DRAFT_MODEL
 
 
 # A draft that drafts every round is fed 1-2 committed tokens before its K steps (the correction, or the

@@ -5,42 +5,29 @@ before any token is generated."""
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING
 
-from coordinator.generation import GenerationParams
-from coordinator.proposers import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
+from coordinator.params import GenerationParams
+from coordinator.pipeline import Pipeline
+from coordinator.proposers.names import Proposer
 from specdec.math.params import SamplingParams
 from specdec.proto import generate_pb2
-from specdec.wire.server import RequestError, check_token_ids, invalid_argument
-
-if TYPE_CHECKING:
-    from coordinator.service import Pipeline
+from specdec.core.errors import RequestError, check_token_ids, invalid_argument
 
 CHAT_ROLES = {"system", "user", "assistant"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-PROPOSER_NAMES = {
-    generate_pb2.PROPOSER_DRAFT_MODEL: DRAFT_MODEL,
-    generate_pb2.PROPOSER_PROMPT_LOOKUP: PROMPT_LOOKUP,
-    generate_pb2.PROPOSER_HYBRID: HYBRID,
-    generate_pb2.PROPOSER_SUFFIX: SUFFIX,
-}
 
 
 class RequestValidator:
     """Checks a request against the server's limits and the pipeline's models (known after connect())."""
 
-    def __init__(self, pipeline: "Pipeline") -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         self.config = pipeline.config
 
     def max_k(self) -> int:
         """The largest K accepted: the server's cap and each tier's."""
-        caps = [self.config.max_num_speculative_tokens]
-        for info in (self.pipeline.draft_info, self.pipeline.target_info):
-            if info is not None:
-                caps.append(info.max_draft_tokens)
-        return min(caps)
+        return self.pipeline.max_k()
 
     def __call__(self, r: generate_pb2.GenerateRequest) -> GenerationParams:
         """The request as GenerationParams, or RequestError(INVALID_ARGUMENT) naming the field."""
@@ -70,12 +57,10 @@ class RequestValidator:
         else:
             k = c.default_num_speculative_tokens
             k = None if k is None else min(k, self.max_k())
-        if r.proposer == generate_pb2.PROPOSER_UNSPECIFIED:
-            proposer = c.default_proposer
-        elif r.proposer in PROPOSER_NAMES:
-            proposer = PROPOSER_NAMES[r.proposer]
-        else:
-            raise invalid_argument(f"proposer: unknown value {r.proposer}")
+        try:
+            proposer = Proposer.from_proto(r.proposer) or Proposer.parse(str(c.default_proposer))
+        except ValueError as e:
+            raise invalid_argument(str(e)) from None
         if len(r.stop) > MAX_STOP_STRINGS:
             raise invalid_argument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(r.stop)}", "stop")
         for s in r.stop:

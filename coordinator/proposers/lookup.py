@@ -10,7 +10,11 @@ lookup O(max_n) and each committed token O(max_n - min_n + 1), independent of th
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.names import PROMPT_LOOKUP
 
 
 @dataclass(frozen=True)
@@ -50,3 +54,19 @@ class NgramIndex:
             if end is not None:
                 return seq[end : end + k]
         return []
+
+
+class PromptLookupProposer:
+    source = PROMPT_LOOKUP
+
+    def __init__(self, config: LookupConfig, prompt_ids: list[int]) -> None:
+        self.index = NgramIndex(config, prompt_ids)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+    def propose(self, k: int, shared: bool = True) -> Proposal:
+        """Up to k tokens; `shared` is for the suffix proposer's interface (lookup has no shared state)."""
+        t0 = time.perf_counter()
+        tokens = self.index.propose(k)
+        return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k)

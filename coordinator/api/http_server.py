@@ -1,5 +1,5 @@
 """An ASGI app served by uvicorn inside the coordinator's running event loop, beside the gRPC server, on
-its own port. The process's signal handling stays with specdec.wire.server.serve()."""
+its own port. The process's signal handling stays with specdec.serving.server.serve()."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import ssl
 
 import uvicorn
 
-from specdec.wire.metrics import split_address
-from specdec.wire.server import ServerConfig
+from specdec.serving.metrics import split_address
+from specdec.serving.server import ServerConfig
 
 
 class _EmbeddedServer(uvicorn.Server):

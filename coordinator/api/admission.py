@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 from asyncio_throttle import Throttler
 
-from specdec.wire.server import RequestError
+from specdec.core.errors import RequestError
 
 
 @dataclass(frozen=True)

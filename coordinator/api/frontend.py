@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import CollectorRegistry
 
-from coordinator.admission import Admission
-from coordinator.generation import Generation, Limits
+from coordinator.api.admission import Admission
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.tiers import TierError
-from coordinator.validation import RequestValidator
+from coordinator.pipeline import Pipeline
+from coordinator.tiers.client import TierError
+from coordinator.api.validation import RequestValidator
 from specdec.proto import generate_pb2
-from specdec.wire.server import RequestError, as_request_error
+from specdec.core.errors import RequestError, as_request_error
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ def finish_reason_name(value: int) -> str:
 
 
 class Frontend:
-    def __init__(self, pipeline, registry: CollectorRegistry, model_name: str) -> None:
-        """pipeline: a connected coordinator.service.Pipeline. model_name: the served model's name (the
+    def __init__(self, pipeline: Pipeline, registry: CollectorRegistry, model_name: str) -> None:
+        """pipeline: a connected coordinator.pipeline.Pipeline. model_name: the served model's name (the
         OpenAI API's model id and the metrics' model_name label)."""
         self.pipeline = pipeline
         self.config = pipeline.config
@@ -60,9 +60,7 @@ class Frontend:
         async with self.admission.admit():
             tracker.admitted(len(params.prompt_ids), params.max_new_tokens)
             pl = self.pipeline
-            generation = Generation(params, pl.draft, pl.target, pl.tokenizer, set(pl.target_info.eos_token_ids),
-                                    self._limits(), deadline, suffix_cache=pl.suffix_cache,
-                                    tokenizer_fingerprint=pl.tokenizer_fingerprint)
+            generation = pl.generation(params, deadline)
             fields = {"session_id": generation.session_id, "request_id": request_id or uuid.uuid4().hex, "api": api}
             log.debug("generation started", extra={**fields, "prompt_tokens": len(params.prompt_ids),
                                                    "max_new_tokens": params.max_new_tokens, "proposer": params.proposer,
@@ -100,13 +98,6 @@ class Frontend:
                     log.info("generation cancelled", extra={**fields, "rounds": generation.stats.rounds})
                 # A separate task, so the caller's cancellation cannot interrupt it; Pipeline.close() waits for it.
                 pl.run_cleanup(generation.close())
-
-    def _limits(self) -> Limits:
-        pl, c = self.pipeline, self.config
-        return Limits(max_context=pl.target_info.max_context,
-                      draft_max_context=pl.draft_info.max_context if pl.draft_info else 0,
-                      max_k=self.validate.max_k(), overlap=c.overlap, adaptive=c.adaptive, lookup=c.lookup,
-                      suffix=c.suffix, tier_retry_s=c.tier_retry_s, target_load=pl.target_load)
 
     @staticmethod
     def _log_finished(fields: dict, finish: str, s: generate_pb2.GenerationStats) -> None:

@@ -1,0 +1,80 @@
+"""A generation's output as the client sees it: the committed tokens cut at EOS, the token budget or a stop
+string, detokenized incrementally, and streamed as one TokenChunk per round (text held back while it may
+still become a stop string)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coordinator.text import IncrementalDetokenizer, StopMatcher
+from specdec.proto import generate_pb2
+
+FinishReason = generate_pb2.FinishReason
+UNFINISHED = FinishReason.FINISH_REASON_UNSPECIFIED
+
+
+class Output:
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, eos: set[int],
+                 stop: Sequence[str] = ()) -> None:
+        """eos: the token ids that end the generation (empty with ignore_eos); stop: stop strings."""
+        self.max_new_tokens = max_new_tokens
+        self.eos = eos
+        self.detok = IncrementalDetokenizer(tokenizer, list(prompt_ids))
+        self.stop = StopMatcher(list(stop))
+        self.text = ""  # the output's text so far (cut at a stop string)
+        self.streamed = 0  # characters of it already streamed
+        self.generated = 0  # tokens committed
+        self.finish = UNFINISHED
+
+    @property
+    def finished(self) -> bool:
+        return self.finish != UNFINISHED
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the budget still allows."""
+        return self.max_new_tokens - self.generated
+
+    def end(self, reason: int) -> None:
+        self.finish = reason
+
+    def take(self, tokens: Sequence[int]) -> list[int]:
+        """A round's tokens (accepted drafts + the next token) cut at EOS or the token budget, then at the
+        first token whose text completes a stop string: the tokens to commit."""
+        chunk: list[int] = []
+        for tok in tokens:
+            chunk.append(tok)
+            if tok in self.eos:
+                self.finish = FinishReason.FINISH_REASON_EOS
+                break
+            if self.generated + len(chunk) >= self.max_new_tokens:
+                self.finish = FinishReason.FINISH_REASON_LENGTH
+                break
+        if self.stop.stops:  # token by token, to end at the first token whose text completes a stop string
+            for i, tok in enumerate(chunk):
+                before = len(self.text)
+                self.text += self.detok.push(tok)
+                at = self.stop.find(self.text, before)
+                if at >= 0:
+                    self.text = self.text[:at]
+                    chunk = chunk[: i + 1]
+                    self.finish = FinishReason.FINISH_REASON_STOP
+                    break
+        else:
+            self.text += self.detok.push_many(chunk)
+        self.generated += len(chunk)
+        return chunk
+
+    def event(self, chunk: list[int]) -> generate_pb2.GenerateResponse:
+        """The round's TokenChunk: its tokens and the text that can no longer become a stop string."""
+        upto = len(self.text) if self.finished else self.stop.safe_len(self.text)
+        delta = self.text[self.streamed:upto] if upto > self.streamed else ""
+        self.streamed = max(self.streamed, upto)
+        return generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(token_ids=chunk, text=delta))
+
+    def tail(self) -> generate_pb2.GenerateResponse | None:
+        """Text held back until the end, if any."""
+        if self.streamed >= len(self.text):
+            return None
+        text, self.streamed = self.text[self.streamed:], len(self.text)
+        return generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(text=text))

@@ -1,0 +1,29 @@
+"""GenerationParams: a validated request (coordinator.api.validation makes them), what the round loop and
+its collaborators are built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.proposers.names import HYBRID, Proposer
+from specdec.math.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A validated request."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    num_speculative_tokens: int | None  # K; None = adaptive
+    proposer: Proposer = HYBRID
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def reproducible(self) -> bool:
+        """Sampling with a fixed K is reproducible (same seed, same output): then no timing and no other
+        session (the shared suffix tree) may sway the proposals. Adaptive K never was reproducible."""
+        return self.sampling.temperature > 0 and self.num_speculative_tokens is not None

@@ -1,0 +1,178 @@
+"""The coordinator's connections to the tiers (one channel per tier, to all its replicas) and what it
+learnt from them at start-up: their models, the tokenizer, the target's load."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.generation import Generation
+from coordinator.output import Output
+from coordinator.params import GenerationParams
+from coordinator.proposers.adaptive import TierLoad
+from coordinator.proposers.draft_model import DraftModelProposer
+from coordinator.proposers.drafter import Drafter
+from coordinator.proposers.lookup import PromptLookupProposer
+from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
+from coordinator.proposers.policy import ProposerPolicy
+from coordinator.proposers.suffix import SuffixCache, SuffixProposer
+from coordinator.stats import RoundStats
+from coordinator.tiers.client import TierClient
+from coordinator.tiers.routing import probe_ring_hash
+from coordinator.tiers.session import DRAFT_RETRY, TARGET_RETRY, TierSession, deadline_clock
+from coordinator.tiers.target import TargetVerifier
+from specdec.math.seeds import DRAFT_STREAM, derive_seed
+from specdec.models import load_tokenizer, tokenizer_fingerprint
+from specdec.proto import common_pb2, draft_pb2, target_pb2
+from specdec.serving.server import read_pem
+
+log = logging.getLogger(__name__)
+
+# The tiers' services, by full name: what the channels' health checks ask each replica about.
+TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class PipelineMismatch(RuntimeError):
+    """The draft and target (or the coordinator's tokenizer) do not belong together."""
+
+
+class Pipeline:
+    """Connections to the tiers (one channel per tier, to all its replicas: coordinator.tiers.routing) plus what
+    was learnt from them at start-up."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        opts = [# Reconnect quickly to a tier that restarts (gRPC's default back-off grows to 120 s).
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+                ("grpc.max_receive_message_length", config.server.max_message_bytes),
+                ("grpc.max_send_message_length", config.server.max_message_bytes)]
+        credentials = self._tier_credentials(config)  # raises on unusable settings, before any channel exists
+        if credentials is not None and config.tier_server_name:
+            opts.append(("grpc.ssl_target_name_override", config.tier_server_name))
+
+        def channel(address: str, service: str) -> grpc.aio.Channel:
+            options = opts + config.routing.channel_options(health_service=service)
+            if credentials is None:
+                return grpc.aio.insecure_channel(address, options=options)
+            return grpc.aio.secure_channel(address, credentials, options=options)
+
+        self._channels = [channel(config.target_address, TARGET_SERVICE)]
+        self.target = TierClient.target(self._channels[0], config.target_address, config.rpc_timeout_s, config.routing)
+        self.draft = None
+        if config.draft_address:
+            self._channels.append(channel(config.draft_address, DRAFT_SERVICE))
+            self.draft = TierClient.draft(self._channels[1], config.draft_address, config.rpc_timeout_s, config.routing)
+        self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
+        self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
+        self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
+        self.tokenizer = None
+        self.tokenizer_fingerprint = ""  # the coordinator's; every replica checks it on a session's first request
+        self.target_info: common_pb2.ModelInfo | None = None
+        self.draft_info: common_pb2.ModelInfo | None = None
+
+    @staticmethod
+    def _tier_credentials(config: CoordinatorConfig) -> grpc.ChannelCredentials | None:
+        """TLS (mutual TLS with a client cert) credentials for the tier channels, or None for plaintext."""
+        if not config.tier_ca:
+            extra = [n for n in ("tier_client_cert", "tier_client_key", "tier_server_name") if getattr(config, n)]
+            if extra:
+                raise ValueError(f"{' and '.join(extra)} {'needs' if len(extra) == 1 else 'need'} tier_ca (TLS to the tiers)")
+            return None
+        if bool(config.tier_client_cert) != bool(config.tier_client_key):
+            raise ValueError("tier_client_cert and tier_client_key must be given together")
+        ca = read_pem(config.tier_ca, "tier CA")
+        cert = read_pem(config.tier_client_cert, "tier client certificate") if config.tier_client_cert else None
+        key = read_pem(config.tier_client_key, "tier client key") if config.tier_client_key else None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    async def connect(self) -> None:
+        """Check that grpcio routes by session (RoutingUnsupported otherwise), wait for the tiers, load the
+        tokenizer, and refuse mismatched models. Only one replica per tier answers here; each of the
+        others checks the tokenizer when it first serves a session (SessionContext.tokenizer_fingerprint)."""
+        await probe_ring_hash(self.config.routing)
+        loop = asyncio.get_running_loop()
+        tokenizer_task = loop.run_in_executor(None, load_tokenizer, self.config.tokenizer)
+        self.target_info = await self._wait_info(self.target, "target")
+        if self.draft is not None:
+            self.draft_info = await self._wait_info(self.draft, "draft")
+        self.tokenizer = await tokenizer_task
+        fingerprint = await loop.run_in_executor(None, tokenizer_fingerprint, self.tokenizer)
+        self.tokenizer_fingerprint = fingerprint
+        if self.target_info.tokenizer_fingerprint != fingerprint:
+            raise PipelineMismatch(f"the target's tokenizer ({self.target_info.model}) differs from the coordinator's ({self.config.tokenizer})")
+        if self.draft_info is not None and self.draft_info.tokenizer_fingerprint != self.target_info.tokenizer_fingerprint:
+            raise PipelineMismatch(f"draft tokenizer ({self.draft_info.model}) differs from target tokenizer ({self.target_info.model}); refusing to start")
+        log.info("pipeline: target %s at %s, draft %s", self.target_info.model, self.config.target_address,
+                 f"{self.draft_info.model} at {self.config.draft_address}" if self.draft_info else "none (target-only)")
+
+    async def _wait_info(self, client, name: str) -> common_pb2.ModelInfo:
+        deadline = asyncio.get_running_loop().time() + self.config.connect_timeout_s
+        while True:
+            try:
+                return await client.model_info()
+            except grpc.aio.AioRpcError as e:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ConnectionError(f"{name} service at {client.address} did not answer: {e.details()}") from None
+                await asyncio.sleep(0.5)
+
+    def max_k(self) -> int:
+        """The largest K accepted: the server's cap and each tier's."""
+        caps = [self.config.max_num_speculative_tokens]
+        for info in (self.draft_info, self.target_info):
+            if info is not None:
+                caps.append(info.max_draft_tokens)
+        return min(caps)
+
+    def generation(self, params: GenerationParams, deadline: float | None = None) -> Generation:
+        """A new session's round loop with its collaborators: the target and (for the draft_model and hybrid
+        proposers) the draft tier, each through a TierSession; the proposers and policy; the output.
+        deadline: time.monotonic() by which the client must have its answer (None: no deadline)."""
+        c, fingerprint = self.config, self.tokenizer_fingerprint
+        session_id = uuid.uuid4().hex
+        stats = RoundStats()
+        time_left = deadline_clock(deadline)
+        sampling = common_pb2.SamplingParams(temperature=params.sampling.temperature, top_k=params.sampling.top_k,
+                                             top_p=params.sampling.top_p)
+        target = TargetVerifier(
+            TierSession(self.target.session(session_id), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
+                        fingerprint, time_left),
+            sampling, params.seed, stats, self.target_load)
+        draft = None
+        if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
+            draft = DraftModelProposer(TierSession(self.draft.session(session_id), DRAFT_RETRY, stats, fingerprint, time_left),
+                                       sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
+        suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
+        max_k = self.max_k()
+        policy = ProposerPolicy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)),
+                                (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=self.target_load)
+        drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
+                          suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
+                          overlap=c.overlap, suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context)
+        eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
+        output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
+        return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
+                          max_context=self.target_info.max_context, session_id=session_id)
+
+    def run_cleanup(self, coro) -> None:
+        """Run a session clean-up in the background; close() waits for it."""
+        task = asyncio.ensure_future(coro)
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+    async def settle(self, timeout_s: float = 5.0) -> None:
+        """Wait for pending session clean-ups (EndSession on the tiers, outputs into the shared tree)."""
+        if self._cleanup:
+            await asyncio.wait(list(self._cleanup), timeout=timeout_s)
+
+    async def close(self, cleanup_timeout_s: float = 5.0) -> None:
+        """Finish pending session clean-ups, then close the channels."""
+        await self.settle(cleanup_timeout_s)
+        for ch in self._channels:
+            await ch.close()

@@ -1,0 +1,24 @@
+"""What every proposer returns: tokens plus their q rows (empty = one-hot, for deterministic proposals);
+the target verifies them all the same way, losslessly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.proposers.names import Proposer
+from specdec.proto import common_pb2
+
+
+@dataclass
+class Proposal:
+    source: Proposer  # DRAFT_MODEL, PROMPT_LOOKUP or SUFFIX
+    tokens: list[int]  # d_1..d_K (possibly fewer than asked, or none)
+    q: list[common_pb2.DraftDistribution] = field(default_factory=list)  # empty = one-hot on tokens
+    probs: list[float] = field(default_factory=list)  # the source's own estimate: P(d_1..d_i all accepted); empty = none
+    wall_ms: float = 0.0  # time the proposal kept the round waiting, as seen here
+    compute_ms: float = 0.0  # model compute on the draft tier
+    queue_ms: float = 0.0  # the rest of the draft tier's time (waiting for steps, sampling, bookkeeping)
+    overlapped: bool = False  # drafted during the previous round's verification
+    k: int = 0  # tokens asked for (the proposer may offer fewer)
+    catch_up: int = 0  # draft model: committed tokens it had to be fed first (1-2 when it drafts every round)
+    fallback: bool = False  # prompt lookup standing in for an unreachable draft model

@@ -1,0 +1,51 @@
+"""The target as the round loop calls it: verify(drafts) -> Verdict, over the session's TierSession (which
+retries an unreachable target until the client's deadline, or tier_retry_s without one, and re-prefills a
+replica that lacks the session)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.proposers.adaptive import TierLoad
+from coordinator.stats import RoundStats
+from coordinator.tiers.session import TierSession
+from specdec.core.prefix import PrefixHashes
+from specdec.math.seeds import TARGET_STREAM, derive_seed
+from specdec.proto import common_pb2, target_pb2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: int  # n: the leading drafts the target accepted
+    next_token: int  # the recovered token (n < K) or the bonus token (n == K)
+    wall_ms: float  # the Verify's round trip
+
+
+class TargetVerifier:
+    def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int, stats: RoundStats,
+                 load: TierLoad | None = None) -> None:
+        """seed: the request's (each round's draws are keyed by it and the committed length); load: the target's
+        batching, shared by the coordinator's sessions, learnt from every response (None: not learnt)."""
+        self.session = session
+        self.sampling = sampling
+        self.seed = seed
+        self.stats = stats
+        self.load = load
+
+    async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
+                     q: list[common_pb2.DraftDistribution]) -> Verdict:
+        """Verify drafts (with their q rows; none = one-hot) after the committed tokens. Raises TierError."""
+        seed = derive_seed(self.seed, len(committed), TARGET_STREAM)
+        reply = await self.session.call(
+            committed, hashes,
+            lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed),
+            extra=lambda response: drafts)
+        response = reply.message
+        self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)
+        if self.load is not None:
+            self.load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
+                              response.compute_ms, response.queue_ms)
+        return Verdict(response.num_accepted, response.next_token, reply.wall_ms)
+
+    async def close(self) -> None:
+        await self.session.close()

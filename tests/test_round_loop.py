@@ -1,0 +1,249 @@
+"""The round loop (coordinator.generation.Generation) driven with fakes: a target that accepts drafts while
+they match its own continuation and returns its next token, a draft model whose guesses are chosen, a
+tokenizer with one character per token and a clock that ticks by hand. The real Drafter, ProposerPolicy,
+prompt lookup, Output and RoundStats run as they do in the coordinator; no server, no model.
+
+What the loop must do (DESIGN.md, "One round"): commit d_1..d_n + the target's token each round, so the
+output is the target's own continuation whatever the drafts; cut at EOS inside an accepted block, at a stop
+string that spans rounds, at the token budget (K clamped to it) and at the context; keep a prefetched block
+only when its guess held; fall back to prompt lookup when the draft tier fails; fail when the target does."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import grpc
+import pytest
+
+from coordinator.generation import Generation
+from coordinator.output import Output
+from coordinator.params import GenerationParams
+from coordinator.proposers.adaptive import AdaptiveConfig
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.drafter import Drafter
+from coordinator.proposers.lookup import LookupConfig, PromptLookupProposer
+from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, Proposer
+from coordinator.proposers.policy import ProposerPolicy
+from coordinator.stats import RoundStats
+from coordinator.tiers.client import TierError
+from coordinator.tiers.target import Verdict
+from specdec.math.params import SamplingParams
+from specdec.proto import generate_pb2
+
+PROMPT = [1, 2, 3, 4]
+EOS = 0
+FR = generate_pb2.FinishReason
+
+
+def truth(n: int = 200) -> list[int]:
+    """The target's greedy continuation of PROMPT: tokens 5, 6, ... (never EOS unless a test puts one in)."""
+    return [5 + i % 20 for i in range(n)]
+
+
+class Tokenizer:
+    """One letter per token id (a = 0, b = 1, ...)."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+class FakeTarget:
+    """Accepts the leading drafts that equal its continuation; its next token is the continuation's next."""
+
+    def __init__(self, continuation: list[int], fail_on_call: int | None = None) -> None:
+        self.continuation = continuation
+        self.calls: list[list[int]] = []  # the drafts of each verify
+        self.fail_on_call = fail_on_call
+        self.closed = False
+
+    async def verify(self, committed, hashes, drafts, q) -> Verdict:
+        self.calls.append(list(drafts))
+        if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
+            raise TierError("target", grpc.StatusCode.UNAVAILABLE, "connection refused")
+        assert len(hashes) == len(committed)
+        at = len(committed) - len(PROMPT)
+        n = 0
+        while n < len(drafts) and drafts[n] == self.continuation[at + n]:
+            n += 1
+        return Verdict(n, self.continuation[at + n], wall_ms=1.0)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeDraft:
+    """The draft model: proposes its own guesses of the continuation (`guess`), and prefetches like the real
+    one (the block after committed + drafts, its first token the guess of the target's bonus token)."""
+
+    def __init__(self, guess: list[int], fail: bool = False) -> None:
+        self.guess = guess
+        self.fail = fail
+        self.available = True
+        self.proposed = 0  # propose calls
+        self.prefetched: list[int] = []  # k of each prefetch
+        self._prefetch: tuple[int, int] | None = None  # (position, k)
+
+    async def propose(self, committed, hashes, k) -> Proposal:
+        self.proposed += 1
+        if self.fail:
+            self.available = False
+            raise TierError("draft", grpc.StatusCode.UNAVAILABLE, "connection refused")
+        at = len(committed) - len(PROMPT)
+        return Proposal(DRAFT_MODEL, self.guess[at:at + k], wall_ms=1.0, k=k)
+
+    async def prefetch(self, committed, hashes, drafts, k) -> bool:
+        self.prefetched.append(k)
+        self._prefetch = (len(committed) + len(drafts) - len(PROMPT), k)
+        return True
+
+    async def collect(self, all_accepted: bool, next_token: int) -> Proposal | None:
+        at, k = self._prefetch
+        block = self.guess[at:at + k + 1]
+        if all_accepted and block[0] == next_token:
+            return Proposal(DRAFT_MODEL, block[1:], overlapped=True, k=k)
+        return None
+
+    async def close(self) -> None:
+        pass
+
+
+def generation(target, draft=None, *, k: int | None = 3, max_new: int = 20, proposer: Proposer = DRAFT_MODEL,
+               stop=(), eos=frozenset(), max_context: int = 1000, overlap: bool = False, prompt=PROMPT) -> Generation:
+    params = GenerationParams(prompt_ids=list(prompt), max_new_tokens=max_new, sampling=SamplingParams(), seed=1,
+                              num_speculative_tokens=k, proposer=proposer, stop=tuple(stop))
+    clock = Clock()
+    stats = RoundStats(clock=clock)
+    policy = ProposerPolicy(AdaptiveConfig(max_k=8), (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL))
+    drafter = Drafter(params, policy, PromptLookupProposer(LookupConfig(), params.prompt_ids), stats, max_k=16,
+                      draft=draft, draft_max_context=max_context, overlap=overlap)
+    output = Output(Tokenizer(), params.prompt_ids, max_new, set(eos), stop)
+    return Generation(params, target=target, drafter=drafter, output=output, stats=stats, max_context=max_context,
+                      clock=clock)
+
+
+def run(gen: Generation) -> tuple[list[generate_pb2.TokenChunk], generate_pb2.GenerationResult]:
+    async def go():
+        events = [e async for e in gen.run()]
+        await gen.close()
+        return events
+
+    events = asyncio.run(go())
+    assert events[-1].HasField("result") and all(e.HasField("chunk") for e in events[:-1])
+    return [e.chunk for e in events[:-1]], events[-1].result
+
+
+def tokens(chunks) -> list[int]:
+    return list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+
+
+def test_commits_the_accepted_drafts_and_the_targets_token():
+    cont = truth()
+    guess = [t if i % 3 != 2 else EOS + 99 for i, t in enumerate(cont)]  # every third guess wrong
+    target, draft = FakeTarget(cont), FakeDraft(guess)
+    gen = generation(target, draft, k=3, max_new=20)
+    chunks, result = run(gen)
+    assert tokens(chunks) == cont[:20] and result.finish_reason == FR.FINISH_REASON_LENGTH
+    # Each round: K = 3 drafts from position p (p = 0 mod 3), of which 2 are right, so 3 tokens per round;
+    # the last round has 2 tokens of budget left: K = 1.
+    assert all(len(c.token_ids) == 3 for c in chunks[:-1]) and len(chunks) == 7
+    assert [r.accepted for r in gen.stats.records] == [2] * 6 + [1]
+    assert [r.drafts for r in gen.stats.records] == [3] * 6 + [1]
+    s = result.stats
+    assert (s.rounds, s.draft_tokens, s.accepted_tokens, s.generated_tokens) == (7, 19, 13, 20)
+    assert s.proposer == "draft_model" and s.num_speculative_tokens == 3 and target.closed
+    assert "".join(c.text for c in chunks) == Tokenizer().decode(cont[:20])
+
+
+def test_eos_inside_an_accepted_block_ends_there():
+    cont = truth()
+    cont[5] = EOS
+    target, draft = FakeTarget(cont), FakeDraft(cont)  # every draft right: EOS arrives as an accepted draft
+    chunks, result = run(generation(target, draft, k=4, max_new=20, eos={EOS}))
+    assert tokens(chunks) == cont[:6] and result.finish_reason == FR.FINISH_REASON_EOS
+    assert target.calls[1] == cont[5:9]  # the second round's drafts run past EOS; what follows it is dropped
+    assert result.stats.generated_tokens == 6
+
+
+def test_a_stop_string_across_rounds_is_cut_and_never_streamed():
+    cont = truth()
+    text = Tokenizer().decode(cont)
+    stop = text[4:6]  # the 5th and 6th tokens' letters: round 1 commits tokens 1-4 (K=3), round 2 tokens 5-8
+    target, draft = FakeTarget(cont), FakeDraft(cont)
+    chunks, result = run(generation(target, draft, k=3, max_new=20, stop=[stop]))
+    assert result.finish_reason == FR.FINISH_REASON_STOP
+    assert tokens(chunks) == cont[:6]  # up to the token that completes the stop string
+    assert "".join(c.text for c in chunks) == text[:4]
+    assert stop[0] not in chunks[0].text  # the held-back character was not streamed before the match
+
+
+def test_k_is_clamped_to_the_token_budget_and_the_context():
+    cont = truth()
+    target, draft = FakeTarget(cont), FakeDraft(cont)
+    chunks, result = run(generation(target, draft, k=8, max_new=5))
+    assert [len(d) for d in target.calls] == [4] and tokens(chunks) == cont[:5]  # K = remaining - 1
+    assert result.finish_reason == FR.FINISH_REASON_LENGTH
+
+    target, draft = FakeTarget(cont), FakeDraft(cont)
+    chunks, result = run(generation(target, draft, k=8, max_new=50, max_context=len(PROMPT) + 7))
+    assert [len(d) for d in target.calls] == [6] and tokens(chunks) == cont[:7]  # K = room - 1
+    assert result.finish_reason == FR.FINISH_REASON_CONTEXT
+
+
+def test_overlap_keeps_a_prefetched_block_only_when_its_guess_held():
+    cont = truth()
+    # hit: the draft is always right, so every prefetch's guess of the bonus token holds
+    target, draft = FakeTarget(cont), FakeDraft(cont)
+    gen = generation(target, draft, k=3, max_new=20, overlap=True)
+    chunks, result = run(gen)
+    assert tokens(chunks) == cont[:20]
+    assert draft.proposed == 1 and result.stats.overlapped_rounds == result.stats.rounds - 1 > 0
+    assert [r.overlapped for r in gen.stats.records] == [False] + [True] * (result.stats.rounds - 1)
+
+    # miss: the draft's drafts are right but its guess of every bonus token (each 4th token) is wrong
+    guess = [t if i % 4 != 3 else 99 for i, t in enumerate(cont)]
+    target, draft = FakeTarget(cont), FakeDraft(guess)
+    gen = generation(target, draft, k=3, max_new=20, overlap=True)
+    chunks, result = run(gen)
+    assert tokens(chunks) == cont[:20] and result.stats.overlapped_rounds == 0
+    assert len(draft.prefetched) > 0 and draft.proposed == result.stats.rounds
+
+
+def test_a_failed_draft_tier_falls_back_to_prompt_lookup():
+    cont = [3, 4] * 20  # the prompt's own n-grams continue it: prompt lookup proposes it right
+    prompt = [1, 2, 3, 4]
+    target, draft = FakeTarget(cont), FakeDraft(cont, fail=True)
+    gen = generation(target, draft, k=3, max_new=12, prompt=prompt)
+    chunks, result = run(gen)
+    assert tokens(chunks) == cont[:12]
+    records = gen.stats.records
+    assert draft.proposed == 1 and all(r.fallback for r in records)
+    assert records[0].proposer == PROMPT_LOOKUP and sum(r.accepted for r in records) > 0
+
+
+def test_a_failed_target_fails_the_generation():
+    cont = truth()
+    target, draft = FakeTarget(cont, fail_on_call=2), FakeDraft(cont)
+    gen = generation(target, draft, k=3, max_new=20)
+
+    async def go():
+        seen = []
+        with pytest.raises(TierError) as e:
+            async for event in gen.run():
+                seen.append(event)
+        await gen.close()
+        return seen, e.value
+
+    seen, error = asyncio.run(go())
+    assert error.code == grpc.StatusCode.UNAVAILABLE and error.tier == "target"
+    assert len(seen) == 1 and list(seen[0].chunk.token_ids) == cont[:4]  # round 1 streamed, then the failure
+    assert target.closed
