@@ -136,13 +136,17 @@ def main(argv=None) -> None:
             if http is not None:
                 await http.stop()
 
+        def started() -> None:
+            c.pipeline.announce_reachability()  # serve() said SERVING: correct it if the target is gone already
+            write_port_file(args.port_file, c.port)
+
         async def stop() -> None:
             await c.pipeline.close()
             if metrics is not None:
                 metrics.close()
 
         await serve(c.server, c.health, [SERVICE_NAME], config.server,
-                    on_started=lambda: write_port_file(args.port_file, c.port), on_stop=stop, on_draining=drain_http)
+                    on_started=started, on_stop=stop, on_draining=drain_http)
 
     asyncio.run(run())
 

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from coordinator.api.frontend import Frontend
@@ -62,4 +64,12 @@ async def build(config: CoordinatorConfig) -> Coordinator:
     except BaseException:
         await pipeline.close()
         raise
+
+    def follow_the_tiers() -> None:
+        """The Generation service's health status (readiness) follows Frontend.serving; the server's own
+        ("", liveness) stays as serve() sets it: a target outage must not restart coordinators."""
+        status = health_pb2.HealthCheckResponse.SERVING if frontend.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        asyncio.ensure_future(health.set(SERVICE_NAME, status))
+
+    pipeline.on_reachability.append(follow_the_tiers)
     return Coordinator(server, port, health, pipeline, frontend, registry)

@@ -49,7 +49,15 @@ class Frontend:
         self.validate = RequestValidator(pipeline)
         self.metrics = CoordinatorMetrics(registry, model_name, self.validate.max_k(), self.admission,
                                           max_model_len=pipeline.target_info.max_context)
+        for probe in (pipeline.target_reachability, pipeline.draft_reachability):
+            if probe is not None:
+                self.metrics.watch_reachability(probe.tier, lambda probe=probe: probe.reachable)
         self.accepting = True  # False once draining for shutdown (HTTP /health answers 503)
+
+    @property
+    def serving(self) -> bool:
+        """Able to serve: not draining, and some target replica answers (a missing draft only degrades)."""
+        return self.accepting and self.pipeline.target_reachability.reachable
 
     async def generate(self, request: generate_pb2.GenerateRequest, *, deadline: float | None = None,
                        api: str = "grpc", request_id: str = "") -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -57,6 +65,8 @@ class Frontend:
         the client needs its answer (None: none). api and request_id only label the logs."""
         tracker = self.metrics.request()
         params = self.validate(request)
+        if not self.pipeline.target_reachability.reachable:  # fail fast: nothing can be generated without it
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{self.pipeline.target_reachability.why()}; retry later")
         async with self.admission.admit():
             tracker.admitted(len(params.prompt_ids), params.max_new_tokens)
             pl = self.pipeline

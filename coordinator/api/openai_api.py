@@ -173,8 +173,15 @@ def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 while the coordinator can serve; 503 while draining or while no target replica answers (the
+        readiness a load balancer needs). A missing draft tier only degrades: 200, saying so."""
         if not frontend.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
+        target, draft = frontend.pipeline.target_reachability, frontend.pipeline.draft_reachability
+        if not target.reachable:
+            return JSONResponse({"status": "unavailable", "message": target.why()}, status_code=503)
+        if draft is not None and not draft.reachable:
+            return {"status": "ok", "draft": f"{draft.why()}: drafting by prompt lookup"}
         return {"status": "ok"}
 
     @app.get("/metrics")

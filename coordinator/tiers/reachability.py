@@ -44,6 +44,7 @@ class TierReachability:
         self.config = config
         self.on_change = on_change
         self.reachable = True
+        self.down = asyncio.Event()  # set while unreachable (retries wait on it)
         self.last_error = ""  # why the last probe failed ("" after a success)
         self._check = health_pb2_grpc.HealthStub(channel).Check
         self._failures = 0
@@ -85,8 +86,10 @@ class TierReachability:
             return
         self.reachable = reachable
         if reachable:
+            self.down.clear()
             log.info("%s tier reachable again", self.tier, extra={"tier": self.tier})
         else:
+            self.down.set()
             log.warning("%s; probing every %.2gs", self.why(), self.config.interval_s, extra={"tier": self.tier})
         if self.on_change is not None:
             self.on_change(reachable)
