@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench.prompts import prompts_for
-    from bench.run import git_commit, gpu_name, machine_info
+    from bench.common import git_commit, gpu_name, machine_info
     from specdec.engine.config import StepConfig
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner, use_exact_float32_matmuls

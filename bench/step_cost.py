@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.common import REPO, append_section, git_commit, gpu_name, machine_info
 TOKENS = (1, 2, 3, 5, 9, 17, 33)
 BATCHES = (1, 4, 16, 64)
 PREFIX = 100
@@ -234,8 +233,10 @@ def main(argv=None) -> int:
     decode = decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens)
 
     cmd = "python -m bench.step_cost" + "".join(" " + a for a in (argv if argv is not None else sys.argv[1:]))
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else f"{platform.processor() or platform.machine()}, {args.threads} threads")
+    info = machine_info()
+    machine = (f"GPU {gpu_name(args.device)}" if device.type == "cuda"
+               else f"{info['cpu']}, {info['cores']} cores, {args.threads} torch threads")
+    machine += f"; torch {info.get('torch')}, transformers {info.get('transformers')}; git {git_commit()}"
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: step cost ({args.device}, {args.dtype})", "",
              f"Command: `{cmd}`. Machine: {machine}; memory bandwidth (copy, read + write) {bw:.1f} GB/s. "
              f"Median of {repeats} interleaved repeats; one session holds a {PREFIX}-token prefix.", ""]
@@ -264,14 +265,13 @@ def main(argv=None) -> int:
     for k, v in decode.items():
         lines.append(f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |")
     suffix = "" if device.type == "cpu" else "_gpu"
-    png = REPO / "docs" / f"bench_step_cost{suffix}.png"
-    if plot(results, png, f"step cost, {args.device} {args.dtype}"):
-        lines += ["", f"![step cost](bench_step_cost{suffix}.png)"]
+    png = Path(args.out).parent / f"bench_step_cost{suffix}.png" if args.out else None
+    if png is not None and plot(results, png, f"step cost, {args.device} {args.dtype}"):
+        lines += ["", f"![step cost]({png.name})"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+        append_section(text, args.out)
     return 0
 
 
