@@ -4,7 +4,7 @@ port (serve_metrics). No torch here: the coordinator uses this module too.
 
 Every service object owns its own prometheus_client.CollectorRegistry (never the global default), so
 several services in one process (the tests) do not collide. Names follow vLLM's where vLLM has the
-metric (`vllm:` prefix, label `model_name`; see README, Metrics); specdec's own start with `specdec_`.
+metric (`vllm:` prefix, label `model_name`; see docs/metrics.md); specdec's own start with `specdec_`.
 No label ever carries a session id.
 
 Wiring a tier (the engine and servicers are the tier owner's; a few lines each):
