@@ -154,7 +154,8 @@ class TierSession:
                 continue
             self._failures = 0
             self.cursor.update(ctx, extra(response), response.cached_len, committed_len=committed_len)
-            return TierReply(response, (time.perf_counter() - t0) * 1e3, len(ctx.new_tokens))
+            fed = len(ctx.new_tokens) - getattr(response, "prefix_reused", 0)  # the tier's prefix cache fed the rest
+            return TierReply(response, (time.perf_counter() - t0) * 1e3, fed)
 
     def mark_down(self, e: TierError) -> None:
         """After a failure the session gives up on: leave the tier alone for the policy's back-off."""
