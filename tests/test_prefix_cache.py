@@ -217,3 +217,14 @@ def test_copy_prefix_copies_every_layer_and_marks_the_positions_written():
         except ValueError:
             continue
         raise AssertionError(f"copy_prefix{bad} did not refuse")
+
+
+def test_a_busy_copy_donor_stays_busy():
+    h = Harness(max_sessions=2)
+    donor = h.store.acquire("a", 0, 0, seq(8), 7)
+    h.write(donor, seq(8))  # a step done, its work still in flight: busy
+    h.run("b", [3] * 8, end=False)
+    c = h.run("c", seq(8) + [1], end=False)  # copies from a; b (idle) gives up its slot
+    assert c.reused == 8 and donor.busy and "a" in h.store and "b" not in h.store
+    h.store.release(donor)
+    assert not donor.busy

@@ -81,7 +81,7 @@ class SessionCalls(Protocol):
 class TierReply:
     message: Any  # the tier's response
     wall_ms: float  # the successful call's round trip
-    fed: int = 0  # tokens the request sent after the tier's cached prefix (context.new_tokens)
+    fed: int = 0  # tokens the tier had to feed: context.new_tokens less those its prefix cache supplied
 
 
 class TierSession:

@@ -138,11 +138,12 @@ class SessionTable:
                 self._forget(donor)
                 donor = None
             else:
+                was_busy = donor is not None and donor.busy
                 if donor is not None:
                     donor.busy = True  # not to be evicted for the slot it is about to fill
                 slot = self._free_slot()
                 if donor is not None:
-                    donor.busy = False
+                    donor.busy = was_busy
                 if slot is None:
                     return None
             session = Session(session_id=session_id, slot=slot)
@@ -201,13 +202,18 @@ class SessionTable:
         session.last_used = self._clock()
         if session.ended:
             self._end(session)
-        if self.cached_tokens > self.config.max_cached_tokens:
-            for key, s in [(k, s) for k, s in self._sessions.items() if not s.busy and s is not session]:
-                if self.cached_tokens <= self.config.max_cached_tokens:
-                    break
-                self._drop_idle(key, s)
-            if self.cached_tokens > self.config.max_cached_tokens and session.retained:
-                self._free(self._key(session))  # a retained slot is never kept over budget
+        else:
+            self._apply_budget(keep=session)
+
+    def _apply_budget(self, keep: Session | None = None) -> None:
+        """Drop idle sessions and retained slots, least recently used first, until the tokens fit the budget
+        (never a busy one, nor `keep`: a lone session over budget is kept)."""
+        if self.cached_tokens <= self.config.max_cached_tokens:
+            return
+        for key, s in [(k, s) for k, s in self._sessions.items() if not s.busy and s is not keep]:
+            if self.cached_tokens <= self.config.max_cached_tokens:
+                break
+            self._drop_idle(key, s)
 
     def remove(self, session_id: str) -> bool:
         """EndSession: free (or retain) now, or when its work in flight is done."""
@@ -246,6 +252,7 @@ class SessionTable:
         self._retained_keys[session] = key
         self.retained += 1
         self.retained_tokens += len(session)
+        self._apply_budget()
 
     def _drop_idle(self, key: Hashable, session: Session) -> None:
         self._free(key)
