@@ -46,7 +46,7 @@ test: setup
 #                     floor, the K = 0 loop vs HF generate eager and compiled (~10 min; STEP_COST_ARGS=--help)
 #  bench.exactness    argmax flips between forward shapes and step modes (~6 min; EXACTNESS_ARGS=--help)
 #  bench.prefix_reuse TTFT of turn 2+ vs turn 1, multi-turn chat and agent calls, prefix cache on vs off
-#                     (~10 min; PREFIX_REUSE_ARGS=--help, --quick for a tiny model in ~1.5 min)
+#                     (not yet timed with the default pair; PREFIX_REUSE_ARGS=--help; --quick: a tiny model, ~1.5 min)
 bench: setup
 	$(PY) -m bench.step_cost $(STEP_COST_ARGS)
 	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)

@@ -176,3 +176,29 @@ def test_replicas_shared_prefixes_meet_on_one_replica_and_survive_its_death(tiny
             prompt = prompt + out
     finally:
         cluster.close()
+
+
+def test_the_cache_key_fields_and_the_counters(warm):
+    """OpenAI's prompt_cache_key (or user) becomes the request's key; a key too long is refused naming its
+    field, before any token; the tiers export the prefix cache's counters under vLLM's names."""
+    import grpc
+    from prometheus_client import generate_latest
+
+    from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest
+
+    base = dict(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert ChatCompletionRequest(**base, prompt_cache_key="conv-1", user="u").to_generate_request().prompt_cache_key == "conv-1"
+    assert ChatCompletionRequest(**base, user="u").to_generate_request().prompt_cache_key == "u"
+    assert ChatCompletionRequest(**base).to_generate_request().prompt_cache_key == ""
+    for name in ("prompt_cache_key", "user"):
+        with pytest.raises(BadRequest, match=name):
+            ChatCompletionRequest(**base, **{name: "k" * 129}).to_generate_request()
+    with Client(warm.address) as c, pytest.raises(grpc.RpcError) as e:
+        c.generate(token_ids=[1, 2, 3], max_new_tokens=2, prompt_cache_key="k" * 129)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_cache_key" in e.value.details()
+    status = warm.status("target")
+    text = generate_latest(warm.tier_registries["TargetConfig"]).decode()
+    for name, value in (("vllm:prefix_cache_hits_total", status.prefix_cache_hits),
+                        ("vllm:prefix_cache_queries_total", status.prefix_cache_queries)):
+        line = next(l for l in text.splitlines() if l.startswith(name + "{"))
+        assert float(line.split()[-1]) == value > 0, line
