@@ -228,3 +228,22 @@ def test_a_busy_copy_donor_stays_busy():
     assert c.reused == 8 and donor.busy and "a" in h.store and "b" not in h.store
     h.store.release(donor)
     assert not donor.busy
+
+
+def test_a_retained_slot_holding_much_more_is_copied_from_not_adopted():
+    h = Harness()
+    conversation = seq(8) + seq(20, base=300)  # a long conversation that began with a shared system prompt
+    kept = h.run("conv", conversation)
+    other = h.run("other", seq(8) + [1, 2], end=False)  # shares only the first 8 tokens
+    assert other.reused == 8 and other.slot != kept.slot and h.store.retained == 1
+    h.assert_kv(other, seq(8) + [1, 2])
+    turn2 = h.run("conv-2", conversation + [5], end=False)  # the conversation still finds its whole slot
+    assert turn2.reused == len(conversation) and turn2.slot == kept.slot
+
+
+def test_when_no_other_slot_is_free_a_retained_donor_is_adopted_anyway():
+    h = Harness(max_sessions=2)
+    kept = h.run("conv", seq(8) + seq(20, base=300))
+    busy = h.store.acquire("busy", 0, 0)
+    other = h.run("other", seq(8) + [1, 2], end=False)
+    assert other.reused == 8 and other.slot == kept.slot and h.store.retained == 0 and busy.busy

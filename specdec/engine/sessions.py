@@ -132,12 +132,13 @@ class SessionTable:
         if session is not None:
             self.crop(session, 0)
         donor, length = self._match(tokens, min(reusable, len(tokens)), exclude=session)
+        # A retained donor is adopted when the request continues most of what it holds (the next turn of its
+        # conversation); one that holds much more (a long conversation sharing only a system prompt) is copied
+        # from, so that its conversation still finds it.
+        adopt = donor is not None and donor.retained and 2 * length >= len(donor)
         if session is None:
-            if donor is not None and donor.retained:  # adopt the slot itself
-                slot = donor.slot
-                self._forget(donor)
-                donor = None
-            else:
+            slot = None
+            if not adopt:
                 was_busy = donor is not None and donor.busy
                 if donor is not None:
                     donor.busy = True  # not to be evicted for the slot it is about to fill
@@ -145,10 +146,16 @@ class SessionTable:
                 if donor is not None:
                     donor.busy = was_busy
                 if slot is None:
-                    return None
+                    if donor is None or not donor.retained:
+                        return None
+                    adopt = True  # no other slot: the retained donor's own
+            if adopt:  # the slot itself
+                slot = donor.slot
+                self._forget(donor)
+                donor = None
             session = Session(session_id=session_id, slot=slot)
             self._sessions[session_id] = session
-        elif donor is not None and donor.retained:  # adopt: trade slots, then drop the donor
+        elif adopt:  # trade slots, then drop the donor
             session.slot, donor.slot = donor.slot, session.slot
             self._free(self._key(donor))
             donor = None
