@@ -8,7 +8,7 @@ GEN    := specdec/proto/.generated-stamp
 # Torch first, pinned: this machine's local CPU wheel. A looser pin pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup proto run test bench clean
+.PHONY: setup proto run test bench clean prometheus
 
 setup: $(STAMP) $(GEN)
 
@@ -29,8 +29,14 @@ $(GEN): $(PROTOS) $(STAMP)
 run: setup
 	$(PY) -m specdec.client.cli run-local --max-new-tokens $${MAX_NEW_TOKENS:-128}
 
-test: setup
+test: setup prometheus
 	$(PY) -m pytest -q tests
+
+# Debian's prometheus, which tests/test_prometheus.py runs against a local cluster: installed once
+# (needs root and apt; a no-op when the binary is there).
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # Benchmarks, each appending a section to docs/BENCHMARKS.md (and redrawing docs/bench_*.png):
 #  bench.run          target alone vs HF assisted generation vs specdec per proposer and K, on open,

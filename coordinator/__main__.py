@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     a.add("--http-address", default="",
           help="host:port of the OpenAI-compatible HTTP API ('' = none; port 0 = any free port); same token as gRPC")
     a.add("--served-model-name", default=None,
-          help="model id of the OpenAI API and the metrics' model_name label (default: the target's model)")
+          help="model id of the OpenAI API and the metrics' model_name label (default: the target model's directory or .gguf name, or its hub id)")
     args = a.parse(argv)
     auth_token = auth_token_from(args)
     try:
@@ -139,13 +139,17 @@ def main(argv=None) -> None:
             if http is not None:
                 await http.stop()
 
+        def started() -> None:
+            c.pipeline.announce_reachability()  # serve() said SERVING: correct it if the target is gone already
+            write_port_file(args.port_file, c.port)
+
         async def stop() -> None:
             await c.pipeline.close()
             if metrics is not None:
                 metrics.close()
 
         await serve(c.server, c.health, [SERVICE_NAME], config.server,
-                    on_started=lambda: write_port_file(args.port_file, c.port), on_stop=stop, on_draining=drain_http)
+                    on_started=started, on_stop=stop, on_draining=drain_http)
 
     asyncio.run(run())
 

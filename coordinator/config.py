@@ -9,6 +9,7 @@ from coordinator.proposers.adaptive import AdaptiveConfig
 from coordinator.proposers.lookup import LookupConfig
 from coordinator.proposers.names import HYBRID, Proposer
 from coordinator.proposers.suffix import SuffixConfig
+from coordinator.tiers.reachability import ReachabilityConfig
 from coordinator.tiers.routing import RoutingConfig
 from specdec.serving.server import ServerConfig
 
@@ -41,5 +42,6 @@ class CoordinatorConfig:
     tier_client_key: str | None = None  # PEM private key of tier_client_cert
     tier_server_name: str | None = None  # name to verify in the tiers' certs instead of the address's host
     auth_token: str | None = field(default=None, repr=False)  # set = public API needs 'authorization: Bearer <it>'
-    served_model_name: str | None = None  # model id in the OpenAI API and metrics labels; None = the target's model
+    served_model_name: str | None = None  # OpenAI model id and metrics label; None = specdec.models.served_model_name(target's model)
+    reachability: ReachabilityConfig = ReachabilityConfig()  # how often and how patiently each tier is probed
     routing: RoutingConfig = RoutingConfig()  # how sessions reach the replicas of each tier (coordinator.tiers.routing)

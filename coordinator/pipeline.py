@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -23,6 +24,7 @@ from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.suffix import SuffixCache, SuffixProposer
 from coordinator.stats import RoundStats
 from coordinator.tiers.client import TierClient
+from coordinator.tiers.reachability import TierReachability
 from coordinator.tiers.routing import probe_ring_hash
 from coordinator.tiers.session import DRAFT_RETRY, TARGET_RETRY, TierSession, deadline_clock
 from coordinator.tiers.target import TargetVerifier
@@ -69,6 +71,15 @@ class Pipeline:
         if config.draft_address:
             self._channels.append(channel(config.draft_address, DRAFT_SERVICE))
             self.draft = TierClient.draft(self._channels[1], config.draft_address, config.rpc_timeout_s, config.routing)
+        # Whether each tier has a replica that answers, probed in the background from connect() on; listeners
+        # (the coordinator's health status) are called when a verdict flips.
+        self.on_reachability: list[Callable[[], None]] = []
+        self.target_reachability = TierReachability("target", self._channels[0], TARGET_SERVICE, config.reachability,
+                                                    on_change=lambda reachable: self.announce_reachability())
+        self.draft_reachability = None
+        if self.draft is not None:
+            self.draft_reachability = TierReachability("draft", self._channels[1], DRAFT_SERVICE, config.reachability,
+                                                       on_change=lambda reachable: self.announce_reachability())
         self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
         self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
         self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
@@ -111,6 +122,14 @@ class Pipeline:
             raise PipelineMismatch(f"draft tokenizer ({self.draft_info.model}) differs from target tokenizer ({self.target_info.model}); refusing to start")
         log.info("pipeline: target %s at %s, draft %s", self.target_info.model, self.config.target_address,
                  f"{self.draft_info.model} at {self.config.draft_address}" if self.draft_info else "none (target-only)")
+        for probe in (self.target_reachability, self.draft_reachability):
+            if probe is not None:
+                probe.start()
+
+    def announce_reachability(self) -> None:
+        """Call the listeners (on a flip, and once more when the service starts serving)."""
+        for listener in self.on_reachability:
+            listener()
 
     async def _wait_info(self, client, name: str) -> common_pb2.ModelInfo:
         deadline = asyncio.get_running_loop().time() + self.config.connect_timeout_s
@@ -143,11 +162,12 @@ class Pipeline:
                                              top_p=params.sampling.top_p)
         target = TargetVerifier(
             TierSession(self.target.session(session_id, key), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
-                        fingerprint, time_left),
+                        fingerprint, time_left, self.target_reachability),
             sampling, params.seed, stats, self.target_load)
         draft = None
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
-            draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left),
+            draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
+                                                   self.draft_reachability),
                                        sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
         max_k = self.max_k()
@@ -173,7 +193,10 @@ class Pipeline:
             await asyncio.wait(list(self._cleanup), timeout=timeout_s)
 
     async def close(self, cleanup_timeout_s: float = 5.0) -> None:
-        """Finish pending session clean-ups, then close the channels."""
+        """Stop the probes, finish pending session clean-ups, then close the channels."""
+        for probe in (self.target_reachability, self.draft_reachability):
+            if probe is not None:
+                await probe.close()
         await self.settle(cleanup_timeout_s)
         for ch in self._channels:
             await ch.close()

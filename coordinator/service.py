@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from coordinator.api.frontend import Frontend
@@ -15,6 +17,7 @@ from coordinator.api.http_server import HttpServer
 from coordinator.api.openai_api import create_app
 from coordinator.config import CoordinatorConfig
 from coordinator.pipeline import Pipeline
+from specdec.models import served_model_name
 from specdec.proto import generate_pb2_grpc
 from specdec.serving.auth import BearerTokenInterceptor
 from specdec.serving.metrics import RpcMetricsInterceptor
@@ -49,7 +52,7 @@ async def build(config: CoordinatorConfig) -> Coordinator:
     try:
         await pipeline.connect()
         registry = CollectorRegistry()  # this coordinator's own: several may run in one process
-        frontend = Frontend(pipeline, registry, config.served_model_name or pipeline.target_info.model)
+        frontend = Frontend(pipeline, registry, config.served_model_name or served_model_name(pipeline.target_info.model))
         # Metrics first: it also sees the calls the token check refuses.
         interceptors = [RpcMetricsInterceptor(frontend.metrics.rpc.observe)]
         if config.auth_token:
@@ -61,4 +64,12 @@ async def build(config: CoordinatorConfig) -> Coordinator:
     except BaseException:
         await pipeline.close()
         raise
+
+    def follow_the_tiers() -> None:
+        """The Generation service's health status (readiness) follows Frontend.serving; the server's own
+        ("", liveness) stays as serve() sets it: a target outage must not restart coordinators."""
+        status = health_pb2.HealthCheckResponse.SERVING if frontend.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        asyncio.ensure_future(health.set(SERVICE_NAME, status))
+
+    pipeline.on_reachability.append(follow_the_tiers)
     return Coordinator(server, port, health, pipeline, frontend, registry)

@@ -43,6 +43,28 @@ def default_draft() -> str:
     return str(models_dir() / DEFAULT_DRAFT_SUBDIR)
 
 
+def served_model_name(path: str) -> str:
+    """The name a model is served under (the OpenAI API's model id, the metrics' model_name label) when no
+    --served-model-name is given: a hub id as it is ("HuggingFaceTB/SmolLM2-135M-Instruct", as vLLM does);
+    a local path by its last part, a .gguf file without the suffix ("/models/smollm2-135m-instruct" ->
+    "smollm2-135m-instruct", "m/SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct.Q4_1").
+    Decided from the string alone, so the coordinator and the tier name a model alike without sharing files
+    (a relative "dir/model" reads as a hub id: write "./dir/model", or pass the flag)."""
+    stripped = path.rstrip("/") or path
+    name = Path(stripped).name
+    if _looks_like_hub_id(stripped):
+        return stripped
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return name or stripped
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """"org/name": one "/", not leading with "." or "~", not a .gguf file."""
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not path.endswith(".gguf")
+
+
 def cache_dir() -> Path:
     """$SPECDEC_CACHE_DIR, default ~/.cache/specdec: converted GGUF copies live here."""
     return Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))

@@ -50,6 +50,7 @@ RENDERS = {
     "cpu": ("overlays/cpu", []),
     "gpu-hetero": ("overlays/gpu-hetero", []),
     "cpu+tls+hostpath": ("overlays/cpu", ["components/tls", "components/models-hostpath"]),
+    "cpu+pvc": ("overlays/cpu", ["components/models-pvc"]),
     "gpu-hetero+tls": ("overlays/gpu-hetero", ["components/tls"]),
 }
 
@@ -182,7 +183,9 @@ def test_probes_ports_and_services(renders, name):
             assert env_value(c, ENV_PREFIX[comp] + flag) == f"0.0.0.0:{extra_port}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             handler = c[probe]
-            if tls:  # kubelet's gRPC probes cannot speak TLS: components/tls switches to TCP
+            if tls and comp == "coordinator" and probe == "readinessProbe":  # follows the tiers: not a port
+                assert handler["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+            elif tls:  # kubelet's gRPC probes cannot speak TLS: components/tls switches to TCP
                 assert "grpc" not in handler and handler["tcpSocket"]["port"] == port, (comp, probe)
             else:
                 assert handler["grpc"]["port"] == port, (comp, probe)
@@ -288,8 +291,17 @@ def test_pod_hardening_volumes_and_resources(renders, name):
         models = volumes[mounts["/models"]["name"]]
         if "hostpath" in name:
             assert models["hostPath"]["path"] == "/models"
+        elif "pvc" in name:
+            claim = models["persistentVolumeClaim"]
+            assert claim["claimName"] in of_kind(renders["models"], "PersistentVolumeClaim") and claim["readOnly"] is True
         else:
-            assert models["persistentVolumeClaim"]["claimName"] in of_kind(renders["models"], "PersistentVolumeClaim")
+            assert set(models) == {"name", "emptyDir"}, "the default convention: each pod's own copy"
+        for init in spec.get("initContainers", []):  # hardened like the service's container
+            assert init["securityContext"]["readOnlyRootFilesystem"] is True
+            assert init["securityContext"]["allowPrivilegeEscalation"] is False
+            assert init["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            for r in ("cpu", "memory"):
+                assert quantity(init["resources"]["requests"][r]) <= quantity(init["resources"]["limits"][r]), (comp, r)
         # every file path in env lies on a mounted volume
         for var, e in env.items():
             path = e.get("value", "")
@@ -306,6 +318,116 @@ def test_pod_hardening_volumes_and_resources(renders, name):
         if comp != "coordinator":  # torch threads follow the CPU limit
             ref = env[ENV_PREFIX[comp] + "THREADS"]["valueFrom"]["resourceFieldRef"]
             assert ref["resource"] == "limits.cpu" and ref["containerName"] == c["name"]
+
+
+def pod_containers(dep: dict) -> list[dict]:
+    spec = dep["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def overlay_images(overlay: str) -> dict[str, str]:
+    """image name -> the reference the overlay's `images:` makes of it"""
+    entries = yaml.safe_load((DEPLOY / overlay / "kustomization.yaml").read_text())["images"]
+    return {e["name"]: f"{e.get('newName', e['name'])}:{e['newTag']}" for e in entries}
+
+
+@pytest.mark.parametrize("name", [n for n in RENDERS if "hostpath" not in n and "pvc" not in n])
+def test_models_are_copied_into_each_pod(renders, name):
+    """The models convention: an init container copies the pod's model from the models image into the pod's
+    own emptyDir, which the service mounts read-only at /models; no pod mounts a shared claim, so every
+    replica of every tier can run on any node."""
+    for comp, dep in deployments(renders[name]).items():
+        spec = dep["spec"]["template"]["spec"]
+        assert not any("persistentVolumeClaim" in v for v in spec["volumes"]), comp
+        (init,) = spec["initContainers"]
+        assert init["name"] == "models" and init["image"].split(":")[0].endswith("specdec-models")
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (mount,) = init["volumeMounts"]
+        assert "emptyDir" in volumes[mount["name"]] and not mount.get("readOnly")
+        cp, flag, source, dest = init["command"]
+        assert (cp, flag, dest) == ("cp", "-R", mount["mountPath"] + "/") and source.startswith("/models/")
+        c = container(dep)
+        served = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert served[mount["name"]] == "/models"
+        model_var = "SPECDEC_COORDINATOR_TOKENIZER" if comp == "coordinator" else ENV_PREFIX[comp] + "MODEL"
+        assert env_value(c, model_var) == source, f"{comp} copies {source} but serves {env_value(c, model_var)}"
+
+
+@pytest.mark.parametrize("name", ["cpu+tls+hostpath", "cpu+pvc"])
+def test_model_components_replace_the_copy(renders, name):
+    for comp, dep in deployments(renders[name]).items():
+        assert "initContainers" not in dep["spec"]["template"]["spec"], (name, comp)
+
+
+def test_images_are_named_in_one_place(renders, tmp_path):
+    """The base names bare images; each overlay's `images:` is the one place that gives them a registry and a
+    tag, and an operator's own `images:` on top reaches every container and init container."""
+    base = kustomize(DEPLOY / "base")
+    for dep in of_kind(base, "Deployment").values():
+        for c in pod_containers(dep):
+            assert ":" not in c["image"] and "/" not in c["image"], f"a tag or registry in the base: {c['image']}"
+    for name, (overlay, _) in RENDERS.items():
+        images = overlay_images(overlay)
+        for dep in deployments(renders[name]).values():
+            for c in pod_containers(dep):
+                assert c["image"] in images.values(), (name, c["name"], c["image"])
+    mine = {"specdec": ("registry.example.com/team/specdec", "v9"), "specdec-models": ("registry.example.com/team/models", "m1")}
+    for overlay in ("overlays/cpu", "overlays/gpu-hetero"):
+        scratch = tmp_path / overlay.replace("/", "-")
+        scratch.mkdir()
+        (scratch / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [os.path.relpath(DEPLOY / overlay, scratch)],
+            "images": [{"name": n, "newName": new, "newTag": tag} for n, (new, tag) in mine.items()]}))
+        for dep in deployments(kustomize(scratch)).values():
+            spec = dep["spec"]["template"]["spec"]
+            assert [c["image"] for c in spec["containers"]] == ["registry.example.com/team/specdec:v9"]
+            assert [c["image"] for c in spec["initContainers"]] == ["registry.example.com/team/models:m1"]
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_ephemeral_storage(renders, name):
+    """Node disk is requested for what the pod writes (the model copy, the GGUF conversion), and the limit
+    covers every emptyDir's sizeLimit."""
+    for comp, dep in deployments(renders[name]).items():
+        res = container(dep)["resources"]
+        request, limit = quantity(res["requests"]["ephemeral-storage"]), quantity(res["limits"]["ephemeral-storage"])
+        assert 0 < request <= limit, comp
+        empty_dirs = [v["emptyDir"] for v in dep["spec"]["template"]["spec"]["volumes"] if "emptyDir" in v]
+        assert all("sizeLimit" in e for e in empty_dirs), comp
+        assert limit >= sum(quantity(e["sizeLimit"]) for e in empty_dirs), comp
+        if comp == "target":  # the default target is a GGUF: its float32 conversion writes up to ~2 GiB
+            assert request >= 2 * 2**30
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_replicas_spread_over_nodes(renders, name):
+    deps = deployments(renders[name])
+    for comp, dep in deps.items():
+        spread = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        keys = {s["topologyKey"]: s for s in spread}
+        assert set(keys) == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}, comp
+        for s in spread:
+            assert s["maxSkew"] == 1 and s["matchLabelKeys"] == ["pod-template-hash"]
+            assert selects(s["labelSelector"], dep["spec"]["template"]["metadata"]["labels"]), comp
+            others = [d["spec"]["template"]["metadata"]["labels"] for c, d in deps.items() if c != comp]
+            assert not any(selects(s["labelSelector"], labels) for labels in others), f"{comp} spreads with other tiers"
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_coordinator_readiness_follows_the_tiers(renders, name):
+    """Readiness asks for the coordinator's serving status (NOT_SERVING / 503 while no target replica is
+    reachable), never just an open port, and notices within seconds; liveness never depends on the tiers."""
+    c = container(deployments(renders[name])["coordinator"])
+    ready, live = c["readinessProbe"], c["livenessProbe"]
+    if "tls" in name:
+        assert ready["httpGet"]["path"] == "/health" and ready["httpGet"]["port"] in ("http", 8000)
+        assert "grpc" not in live and "httpGet" not in live
+    else:
+        assert ready["grpc"]["service"] == "specdec.v1.Generation"
+        assert live["grpc"].get("service", "") == ""
+    assert "tcpSocket" not in ready
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= 15
 
 
 @pytest.mark.parametrize("name", RENDERS)
@@ -409,6 +531,15 @@ def test_tls_component_sets_every_tls_flag(renders):
             assert "secret" in volumes[mounts[mount]], (comp, flag)
 
 
+def test_models_dockerfile():
+    """The models image the init containers run: the model directories under /models, a `cp`, a non-root user."""
+    text = (DEPLOY / "Dockerfile.models").read_text()
+    assert re.search(r"^FROM busybox:\S+$", text, re.M)
+    assert re.search(r"^COPY \. /models/$", text, re.M)
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+
+
 def test_dockerfile_matches_the_project():
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim|^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
@@ -441,7 +572,7 @@ def exported_series() -> set[str]:
     from specdec.serving.metrics import LoadSnapshot, TierMetrics
 
     registries = [CollectorRegistry(), CollectorRegistry()]
-    CoordinatorMetrics(registries[0], "m", 4, Admission(AdmissionConfig()))
+    CoordinatorMetrics(registries[0], "m", 4, Admission(AdmissionConfig()), max_model_len=2048)
     TierMetrics(registries[1], "target", "m", load=LoadSnapshot)
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     return {family.name + suffix for r in registries for family in r.collect() for suffix in suffixes[family.type]}
@@ -485,7 +616,15 @@ def test_dashboard_queries_only_exported_metrics():
 def test_observability_kustomization_renders(renders):
     objs = kustomize(OBSERVABILITY)
     kinds = {o["kind"]: o for o in objs}
-    assert set(kinds) == {"ConfigMap", "ServiceMonitor"}
+    assert set(kinds) == {"ConfigMap", "ServiceMonitor", "PrometheusRule"}
+    rules = kinds["PrometheusRule"]
+    assert rules["apiVersion"] == "monitoring.coreos.com/v1" and rules["metadata"]["labels"]["release"]
+    exported = exported_series()
+    for group in rules["spec"]["groups"]:
+        for rule in group["rules"]:
+            assert rule["labels"]["severity"] in ("critical", "warning") and rule["annotations"]["summary"], rule["alert"]
+            for name in re.findall(r"\b(vllm:[a-zA-Z0-9_:]+|specdec_[a-zA-Z0-9_]+)", rule["expr"]):
+                assert name in exported, f"{rule['alert']} queries {name}, which no service exports"
     cm = kinds["ConfigMap"]
     for version in SCHEMA_VERSIONS:
         kubernetes_validate.validate(cm, version, strict=True)

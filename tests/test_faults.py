@@ -1,6 +1,7 @@
 """Faults with real processes (the real model pair, so a generation lasts long enough to restart a
-tier under it): a killed draft, a restarted target, a target that stays down past the client's
-deadline, and SIGTERM on the coordinator. Greedy output never changes."""
+tier under it): a killed draft (speculation resumes), the only target killed under a stream (a quick
+UNAVAILABLE, then recovery by itself), a target that stays down past the client's deadline, and SIGTERM
+on the coordinator. Greedy output never changes."""
 
 import os
 import signal
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.client import Client
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -111,6 +114,22 @@ def tier_sessions(port: int, tier: str) -> int:
         return stub_cls(ch).GetStatus(common_pb2.StatusRequest(), timeout=5).num_sessions
 
 
+def coordinator_health(services) -> int:
+    """The coordinator's readiness: the health status of specdec.v1.Generation (what Kubernetes probes)."""
+    with grpc.insecure_channel(f"127.0.0.1:{services['coordinator'].port}") as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"),
+                                                    timeout=5).status
+
+
+def wait_health(services, status: int, timeout_s: float) -> float:
+    """Seconds until the coordinator reports `status`; fails the test after timeout_s."""
+    t0 = time.monotonic()
+    while coordinator_health(services) != status:
+        assert time.monotonic() - t0 < timeout_s, f"coordinator health not {status} within {timeout_s}s"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
 @pytest.fixture(scope="module")
 def reference(services):
     return generate(f"127.0.0.1:{services['coordinator'].port}").token_ids
@@ -147,15 +166,26 @@ def test_draft_killed_mid_generation(services, reference):
 
 
 def test_target_restarted_mid_generation(services, reference):
+    """The only target replica dies under a stream: with no replica left the stream cannot go on, so it
+    ends with UNAVAILABLE within a couple of seconds (not after the 30 s retry budget); once the target is
+    back the coordinator serves again by itself, with unchanged output. (With several replicas the session
+    moves to another one instead: tests/test_replica_faults.py.)"""
     target = services["target"]
     chunks, result = [], {}
     t = stream_in_thread(f"127.0.0.1:{services['coordinator'].port}", chunks, result)
     wait_chunks(chunks, 5)
+    killed = time.monotonic()
     target.kill()
-    target.start()  # a fresh process: no sessions; the coordinator re-prefills
-    t.join(180)
-    assert "error" not in result, result.get("error")
-    assert [tok for c in chunks for tok in c] == reference
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - killed < 5, "the stream's error took too long"
+    err = result.get("error")
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, result
+    assert "no target replica is reachable" in err.details()
+    assert [tok for c in chunks for tok in c] == reference[:sum(len(c) for c in chunks)]  # what came was right
+    assert coordinator_health(services) == health_pb2.HealthCheckResponse.NOT_SERVING
+    target.start()  # a fresh process on the same port: the coordinator finds it by itself
+    wait_health(services, health_pb2.HealthCheckResponse.SERVING, 10)
+    assert generate(f"127.0.0.1:{services['coordinator'].port}").token_ids == reference
 
 
 def test_stalled_target_answers_before_the_client_deadline_and_frees_sessions(services):
@@ -187,8 +217,16 @@ def test_target_down_past_deadline_gives_unavailable(services):
         assert time.monotonic() - t0 < 4.5  # an answer before the deadline, never a hang
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
         assert "target" in err.value.details()
+        # the coordinator knows: not ready, and the next request is refused at once
+        assert wait_health(services, health_pb2.HealthCheckResponse.NOT_SERVING, 5) < 5
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            generate(f"127.0.0.1:{services['coordinator'].port}", timeout_s=30.0)
+        assert time.monotonic() - t0 < 1.5 and err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no target replica is reachable" in err.value.details()
     finally:
         target.start()
+        wait_health(services, health_pb2.HealthCheckResponse.SERVING, 10)  # recovered by itself
 
 
 def test_sigterm_on_coordinator_drains_in_flight_generation(services, reference):

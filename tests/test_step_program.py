@@ -125,3 +125,22 @@ def test_compiled_tiers_sample_what_eager_tiers_sample(compiled_cluster, self_dr
                                          proposer="draft", temperature=0.9, top_p=0.95, seed=seed).token_ids
                          for seed in (1, 2, 3)])
     assert runs[0] == runs[1]
+
+
+def test_packed_mode_keeps_what_onednn_cannot_pack():
+    """A float16 weight on a CPU without AVX-512 FP16 cannot be packed: it stays a plain linear, the
+    same function. Either way the packed model computes what the plain one does."""
+    from specdec.engine.packed import PackedLinear, pack_linears
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8, bias=False)).to(dtype)
+        packed = torch.nn.Sequential(*[torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8, bias=False)]).to(dtype)
+        packed.load_state_dict(plain.state_dict())
+        count = pack_linears(packed)
+        assert count == sum(isinstance(m, PackedLinear) for m in packed) <= 2
+        x = torch.randn(3, 16).to(dtype)
+        with torch.inference_mode():
+            got, want = packed(x).float(), plain(x).float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(got, want, atol=tol, rtol=tol), (dtype, float((got - want).abs().max()))

@@ -47,8 +47,17 @@ class Frontend:
         self.model_name = model_name
         self.admission = Admission(self.config.admission)
         self.validate = RequestValidator(pipeline)
-        self.metrics = CoordinatorMetrics(registry, model_name, self.validate.max_k(), self.admission)
+        self.metrics = CoordinatorMetrics(registry, model_name, self.validate.max_k(), self.admission,
+                                          max_model_len=pipeline.target_info.max_context)
+        for probe in (pipeline.target_reachability, pipeline.draft_reachability):
+            if probe is not None:
+                self.metrics.watch_reachability(probe.tier, lambda probe=probe: probe.reachable)
         self.accepting = True  # False once draining for shutdown (HTTP /health answers 503)
+
+    @property
+    def serving(self) -> bool:
+        """Able to serve: not draining, and some target replica answers (a missing draft only degrades)."""
+        return self.accepting and self.pipeline.target_reachability.reachable
 
     async def generate(self, request: generate_pb2.GenerateRequest, *, deadline: float | None = None,
                        api: str = "grpc", request_id: str = "") -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -56,7 +65,10 @@ class Frontend:
         the client needs its answer (None: none). api and request_id only label the logs."""
         tracker = self.metrics.request()
         params = self.validate(request)
+        if not self.pipeline.target_reachability.reachable:  # fail fast: nothing can be generated without it
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{self.pipeline.target_reachability.why()}; retry later")
         async with self.admission.admit():
+            tracker.admitted(len(params.prompt_ids), params.max_new_tokens)
             pl = self.pipeline
             generation = pl.generation(params, deadline)
             fields = {"session_id": generation.session_id, "request_id": request_id or uuid.uuid4().hex, "api": api}
@@ -117,8 +129,9 @@ class Frontend:
             draft=summary(pl.draft_info, c.draft_address), target=summary(pl.target_info, c.target_address),
             default_max_new_tokens=c.default_max_new_tokens,
             default_num_speculative_tokens=-1 if c.default_num_speculative_tokens is None else c.default_num_speculative_tokens,
-            max_new_tokens_cap=c.max_new_tokens_cap, max_prompt_tokens=c.max_prompt_tokens,
-            max_num_speculative_tokens=self.validate.max_k(),
+            max_new_tokens_cap=c.max_new_tokens_cap,
+            max_prompt_tokens=min(c.max_prompt_tokens, pl.target_info.max_context - 1),  # what the validator accepts
+            max_num_speculative_tokens=self.validate.max_k(), max_context=pl.target_info.max_context,
         )
 
 

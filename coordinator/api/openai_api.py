@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API on the coordinator (FastAPI): POST /v1/chat/completions, POST
-/v1/completions, GET /v1/models, GET /health.
+/v1/completions, GET /v1/models, GET /health, and GET /metrics (the coordinator's Prometheus metrics, as
+vLLM serves them on its API port; no token, like /health).
 
 Thin handlers: check the bearer token (the gRPC API's check), parse the body (openai_schema), convert it to
 a GenerateRequest and hand it to the Frontend, the generation path the gRPC API uses too (same
@@ -23,13 +24,13 @@ from collections.abc import AsyncIterator
 import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.api.frontend import Frontend, finish_reason_name
 from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
 from specdec.proto import generate_pb2
-from specdec.serving.metrics import RpcMetrics
+from specdec.serving.metrics import METRICS_CONTENT_TYPE, RpcMetrics, exposition
 from specdec.core.errors import RequestError
 from specdec.serving.auth import bearer_failure
 
@@ -43,6 +44,11 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
               405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # Our finish reasons -> OpenAI's.
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+# ... and what ended it, in each final choice's `finish_details.type` (OpenAI's "length" covers both the
+# request's max_tokens and the model's context; this tells them apart).
+FINISH_DETAIL = {"eos": "eos", "stop": "stop", "length": "max_tokens", "context": "context_length"}
+# gRPC field names the OpenAI API spells otherwise, also in error messages.
+RENAMED_IN_MESSAGES = ("max_new_tokens", "chat.messages")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 STREAM_ERROR = "specdec.stream_error"  # scope key: the status of an error sent inside a started stream
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
@@ -54,8 +60,17 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     @classmethod
-    def from_request_error(cls, e: RequestError) -> "ApiError":
-        return cls(HTTP_STATUS.get(e.code, 500), e.message, code=e.code.name.lower())
+    def from_request_error(cls, e: RequestError, words: dict[str, str] | None = None) -> "ApiError":
+        """words: the request's field names (RequestError.field, the gRPC message's) -> this API's, for the
+        param and the message (max_new_tokens -> max_tokens; chat.messages[1].role -> messages[1].role)."""
+        param, message = e.field, e.message
+        for ours, theirs in (words or {}).items():
+            if param is not None and (param == ours or param.startswith((ours + "[", ours + "."))):
+                param = theirs + param[len(ours):]
+                if ours in RENAMED_IN_MESSAGES:
+                    message = message.replace(ours, theirs)
+                break
+        return cls(HTTP_STATUS.get(e.code, 500), message, param=param, code=e.code.name.lower())
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
@@ -88,7 +103,7 @@ class HttpMetrics:
         self.rpc = rpc
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
             return await self.app(scope, receive, send)
         route = f"{scope['method']} {scope['path']}" if scope["path"] in ROUTES else "other"
         status = {"code": "500"}
@@ -103,6 +118,23 @@ class HttpMetrics:
             await self.app(scope, receive, send_status)
         finally:
             self.rpc.observe(route, str(scope.get(STREAM_ERROR) or status["code"]), time.perf_counter() - t0)
+
+
+def invalid_json(body: bytes, err: dict) -> ApiError:
+    """400 for a body that is not JSON, saying where: line and column (1-based), as json.loads does."""
+    pos = err["loc"][-1] if isinstance(err.get("loc", [None])[-1], int) else 0
+    text = body.decode("utf-8", errors="replace")
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    reason = (err.get("ctx") or {}).get("error") or err.get("msg", "invalid JSON")
+    return ApiError(400, f"the request body is not valid JSON: {reason} at line {line} column {column} (char {pos})",
+                    code="invalid_json")
+
+
+def api_words(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> dict[str, str]:
+    """GenerateRequest field -> this request's parameter, for errors (ApiError.from_request_error)."""
+    max_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+    return {"max_new_tokens": max_param, "chat.messages": "messages", "prompt": "messages" if chat else "prompt"}
 
 
 def sse(obj) -> str:
@@ -122,6 +154,8 @@ def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
+        if err.get("type") == "json_invalid":  # loc = ("body", character offset)
+            return invalid_json(await request.body(), err).response()
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         field = ".".join(loc) or None
         message = f"{field}: {err.get('msg', 'invalid')}" if field else err.get("msg", "invalid request body")
@@ -139,9 +173,20 @@ def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 while the coordinator can serve; 503 while draining or while no target replica answers (the
+        readiness a load balancer needs). A missing draft tier only degrades: 200, saying so."""
         if not frontend.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
+        target, draft = frontend.pipeline.target_reachability, frontend.pipeline.draft_reachability
+        if not target.reachable:
+            return JSONResponse({"status": "unavailable", "message": target.why()}, status_code=503)
+        if draft is not None and not draft.reachable:
+            return {"status": "ok", "draft": f"{draft.why()}: drafting by prompt lookup"}
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(exposition(frontend.metrics.registry), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
@@ -170,12 +215,13 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
         raise ApiError(400, str(e), param=e.param, code="invalid_argument") from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     events = frontend.generate(greq, api="http", request_id=rid)
+    words = api_words(body, chat)
     try:  # bad input, admission and a first round that fails get their HTTP status, not a broken stream
         first = await events.__anext__()
     except RequestError as e:
         await events.aclose()
-        raise ApiError.from_request_error(e) from None
-    reply = Reply(rid, frontend.model_name, chat)
+        raise ApiError.from_request_error(e, words) from None
+    reply = Reply(rid, frontend.model_name, chat, frontend.pipeline.target_info.max_context)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(reply.stream(first, events, usage, request.scope))
@@ -186,7 +232,7 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
                 raise ApiError(499, "the client closed the request", code="cancelled")
         text, result = collect.result()
     except RequestError as e:
-        raise ApiError.from_request_error(e) from None
+        raise ApiError.from_request_error(e, words) from None
     finally:
         if not collect.done():
             collect.cancel()  # cancels the generation inside it: its sessions are ended
@@ -213,8 +259,9 @@ async def _collect(first: generate_pb2.GenerateResponse, events: AsyncIterator[g
 class Reply:
     """OpenAI response objects for one generation: chat.completion(.chunk) or text_completion."""
 
-    def __init__(self, rid: str, model: str, chat: bool) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, max_context: int) -> None:
         self.rid, self.model, self.chat = rid, model, chat
+        self.max_context = max_context  # the target's context: prompt + generated tokens
         self.created = int(time.time())
 
     def _envelope(self, chunk: bool) -> dict:
@@ -235,9 +282,19 @@ class Reply:
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
 
+    def _final(self, text: str | None, result: generate_pb2.GenerationResult, chunk: bool) -> dict:
+        """The choice that ends the generation: OpenAI's finish_reason, and finish_details saying what ended it
+        (max_tokens or the model's context both read "length")."""
+        ours = finish_reason_name(result.finish_reason)
+        details = {"type": FINISH_DETAIL[ours]}
+        if ours == "context":
+            s = result.stats
+            details["message"] = (f"the model's context of {self.max_context} tokens is full: {s.prompt_tokens} prompt "
+                                  f"+ {s.generated_tokens} generated tokens, before max_tokens was reached")
+        return {**self._choice(text, FINISH_REASON[ours], chunk), "finish_details": details}
+
     def whole(self, text: str, result: generate_pb2.GenerationResult) -> dict:
-        finish = FINISH_REASON[finish_reason_name(result.finish_reason)]
-        return {**self._envelope(False), "choices": [self._choice(text, finish, chunk=False)], "usage": self.usage(result)}
+        return {**self._envelope(False), "choices": [self._final(text, result, chunk=False)], "usage": self.usage(result)}
 
     async def stream(self, first: generate_pb2.GenerateResponse, events: AsyncIterator[generate_pb2.GenerateResponse],
                      include_usage: bool, scope: dict) -> AsyncIterator[str]:
@@ -251,8 +308,7 @@ class Reply:
                     if event.chunk.text:
                         yield sse({**self._envelope(True), "choices": [self._choice(event.chunk.text, None, True)], **extra})
                 else:
-                    finish = FINISH_REASON[finish_reason_name(event.result.finish_reason)]
-                    yield sse({**self._envelope(True), "choices": [self._choice(None, finish, True)], **extra})
+                    yield sse({**self._envelope(True), "choices": [self._final(None, event.result, True)], **extra})
                     if include_usage:
                         yield sse({**self._envelope(True), "choices": [], "usage": self.usage(event.result)})
                 try:

@@ -107,8 +107,8 @@ class _Common(_Body):
                 try:
                     setattr(req, name, value)
                 except (ValueError, TypeError):
-                    raise BadRequest(f"{name if name != 'max_new_tokens' else 'max_tokens'}: {value} is out of range",
-                                     name) from None
+                    param = "max_tokens" if name == "max_new_tokens" else name
+                    raise BadRequest(f"{param}: {value} is out of range", param) from None
         return req
 
 

@@ -11,7 +11,7 @@ from coordinator.pipeline import Pipeline
 from coordinator.proposers.names import Proposer
 from specdec.math.params import SamplingParams
 from specdec.proto import generate_pb2
-from specdec.core.errors import check_token_ids, invalid_argument
+from specdec.core.errors import RequestError, check_token_ids, invalid_argument
 
 CHAT_ROLES = {"system", "user", "assistant"}
 MAX_STOP_STRINGS = 16
@@ -35,12 +35,12 @@ class RequestValidator:
         prompt_ids = self._prompt_ids(r)
         context = self.pipeline.target_info.max_context
         if len(prompt_ids) > c.max_prompt_tokens:
-            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={c.max_prompt_tokens}")
+            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={c.max_prompt_tokens}", "prompt")
         if len(prompt_ids) >= context:
-            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens; the target's context is {context}, leaving no room to generate")
+            raise invalid_argument(f"prompt has {len(prompt_ids)} tokens; the target's context is {context}, leaving no room to generate", "prompt")
         max_new = r.max_new_tokens if r.HasField("max_new_tokens") else c.default_max_new_tokens
         if not 1 <= max_new <= c.max_new_tokens_cap:
-            raise invalid_argument(f"max_new_tokens must be in [1, {c.max_new_tokens_cap}], got {max_new}")
+            raise invalid_argument(f"max_new_tokens must be in [1, {c.max_new_tokens_cap}], got {max_new}", "max_new_tokens")
         sampling = SamplingParams(
             temperature=r.temperature if r.HasField("temperature") else 0.0,
             top_k=r.top_k if r.HasField("top_k") else 0,
@@ -49,11 +49,11 @@ class RequestValidator:
         try:
             sampling.validate()
         except ValueError as e:
-            raise invalid_argument(str(e)) from None
+            raise invalid_argument(str(e), str(e).split()[0]) from None  # the message starts with the field
         if r.HasField("num_speculative_tokens"):
             k = r.num_speculative_tokens
             if not 0 <= k <= self.max_k():
-                raise invalid_argument(f"num_speculative_tokens must be in [0, {self.max_k()}], got {k}")
+                raise invalid_argument(f"num_speculative_tokens must be in [0, {self.max_k()}], got {k}", "num_speculative_tokens")
         else:
             k = c.default_num_speculative_tokens
             k = None if k is None else min(k, self.max_k())
@@ -62,10 +62,10 @@ class RequestValidator:
         except ValueError as e:
             raise invalid_argument(str(e)) from None
         if len(r.stop) > MAX_STOP_STRINGS:
-            raise invalid_argument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(r.stop)}")
+            raise invalid_argument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(r.stop)}", "stop")
         for s in r.stop:
             if not s or len(s) > MAX_STOP_LEN:
-                raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters")
+                raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters", "stop")
         seed = r.seed if r.HasField("seed") else secrets.randbits(63)
         if len(r.prompt_cache_key) > MAX_CACHE_KEY_LEN:
             raise invalid_argument(f"prompt_cache_key: at most {MAX_CACHE_KEY_LEN} characters, got {len(r.prompt_cache_key)}")
@@ -77,17 +77,17 @@ class RequestValidator:
         tok = self.pipeline.tokenizer
         which = r.WhichOneof("prompt")
         if which is None:
-            raise invalid_argument("prompt is required: set text, chat or token_ids")
+            raise invalid_argument("prompt is required: set text, chat or token_ids", "prompt")
         if which == "text":
             if not r.text:
-                raise invalid_argument("prompt text is empty")
+                raise invalid_argument("prompt text is empty", "prompt")
             ids = tok(r.text)["input_ids"]
         elif which == "chat":
             if not r.chat.messages:
-                raise invalid_argument("prompt chat.messages is empty")
+                raise invalid_argument("prompt chat.messages is empty", "chat.messages")
             for i, m in enumerate(r.chat.messages):
                 if m.role not in CHAT_ROLES:
-                    raise invalid_argument(f"chat.messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}")
+                    raise invalid_argument(f"chat.messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}", f"chat.messages[{i}].role")
             if not tok.chat_template:
                 raise invalid_argument("the model's tokenizer has no chat template; send text or token_ids")
             messages = [{"role": m.role, "content": m.content} for m in r.chat.messages]
@@ -97,8 +97,11 @@ class RequestValidator:
         else:
             ids = list(r.token_ids.ids)
             if not ids:
-                raise invalid_argument("prompt token_ids is empty")
-            check_token_ids(ids, self.pipeline.target_info.vocab_size, "prompt token_ids")
+                raise invalid_argument("prompt token_ids is empty", "prompt")
+            try:
+                check_token_ids(ids, self.pipeline.target_info.vocab_size, "prompt token_ids")
+            except RequestError as e:
+                raise invalid_argument(e.message, "prompt") from None
         if not ids:
-            raise invalid_argument("prompt tokenizes to no tokens")
+            raise invalid_argument("prompt tokenizes to no tokens", "prompt")
         return list(ids)

@@ -8,7 +8,9 @@ and what to do when a call fails. Failure handling lives here and only here:
   fingerprint, so every replica is checked the first time it serves a session.
 - The tier is unreachable or stalled (UNAVAILABLE, DEADLINE_EXCEEDED): per the tier's RetryPolicy, retry
   with back-off until the client's deadline (the target: nothing can go on without it), or give up at
-  once and leave the tier alone for a back-off (the draft: prompt lookup stands in meanwhile).
+  once and leave the tier alone for a back-off (the draft: prompt lookup stands in meanwhile). Retries
+  end at once when the tier's probe (coordinator.tiers.reachability) finds no replica left: another
+  replica takes a session over, a tier with none cannot, and the client hears so within a second.
 - The client's own deadline runs out: say so; the tier is not to blame.
 - Anything else (INVALID_ARGUMENT, a replica that refuses the session, ...): raise.
 """
@@ -16,6 +18,7 @@ and what to do when a call fails. Failure handling lives here and only here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +30,7 @@ import grpc
 from coordinator.stats import RoundStats
 from coordinator.tiers.client import TierError
 from coordinator.tiers.cursor import TierCursor
+from coordinator.tiers.reachability import TierReachability
 from specdec.proto import common_pb2
 from specdec.core.prefix import PrefixHashes
 
@@ -86,9 +90,12 @@ class TierReply:
 
 class TierSession:
     def __init__(self, calls: SessionCalls, policy: RetryPolicy, stats: RoundStats, tokenizer_fingerprint: str = "",
-                 time_left: Callable[[], float | None] = lambda: None) -> None:
+                 time_left: Callable[[], float | None] = lambda: None,
+                 reachability: TierReachability | None = None) -> None:
         """stats: the generation's counters (tier errors, re-prefills). time_left: seconds until the client's
-        deadline, margin included (None: no deadline)."""
+        deadline, margin included (None: no deadline). reachability: the tier's probe, told of failed calls
+        and asked before each retry (None: retry per the policy alone)."""
+        self.reachability = reachability
         self.calls = calls
         self.tier = calls.tier
         self.session_id = calls.session_id
@@ -102,8 +109,10 @@ class TierSession:
 
     @property
     def available(self) -> bool:
-        """False while the tier is left alone after a failure (RetryPolicy.down_s)."""
-        return time.monotonic() >= self._down_until
+        """False while the tier is left alone after a failure (RetryPolicy.down_s), or while its probe finds
+        no replica."""
+        reachable = self.reachability is None or self.reachability.reachable
+        return reachable and time.monotonic() >= self._down_until
 
     def context(self, sequence: list[int], hashes: PrefixHashes) -> common_pb2.SessionContext:
         """The SessionContext of a request over `sequence` (committed, or a hypothetical extension)."""
@@ -136,12 +145,16 @@ class TierSession:
                 if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and left is not None and left < self.calls.timeout_s:
                     # The client's own deadline ran out, not the tier's: say so, and do not retry.
                     raise TierError(self.tier, e.code, "the request's deadline passed during the call") from None
+                if e.code in RETRYABLE and self.reachability is not None:
+                    self.reachability.suspect()  # probe now: is any replica left?
                 if e.code not in RETRYABLE or not self.policy.retry:
                     self.mark_down(e)
                     raise
                 # Unreachable, restarting or stalled: it may come back (or another replica take over)
                 # without our session.
                 last_error = e
+                if self.reachability is not None and not self.reachability.reachable:
+                    raise TierError(self.tier, grpc.StatusCode.UNAVAILABLE, self.reachability.why()) from None
                 now = time.monotonic()
                 if give_up_at is None:
                     give_up_at = now + self.policy.retry_s if left is None else float("inf")
@@ -149,13 +162,21 @@ class TierSession:
                 if now >= give_up_at or (left is not None and left <= backoff):
                     raise TierError(self.tier, grpc.StatusCode.UNAVAILABLE,
                                     f"unreachable, gave up retrying: {e.details}") from None
-                await asyncio.sleep(backoff)
+                await self._pause(backoff)
                 backoff = min(backoff * 2, self.policy.max_retry_s)
                 continue
             self._failures = 0
             self.cursor.update(ctx, extra(response), response.cached_len, committed_len=committed_len)
             fed = len(ctx.new_tokens) - getattr(response, "prefix_reused", 0)  # the tier's prefix cache fed the rest
             return TierReply(response, (time.perf_counter() - t0) * 1e3, fed)
+
+    async def _pause(self, seconds: float) -> None:
+        """A retry's back-off, cut short when the tier's probe finds no replica left."""
+        if self.reachability is None:
+            await asyncio.sleep(seconds)
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.reachability.down.wait(), seconds)
 
     def mark_down(self, e: TierError) -> None:
         """After a failure the session gives up on: leave the tier alone for the policy's back-off."""

@@ -3,6 +3,7 @@
     specdec generate "Write a haiku" --chat --max-new-tokens 64 --json --address 127.0.0.1:50051
     specdec info --address 127.0.0.1:50051
     specdec run-local --prompt "Explain KV caches" --max-new-tokens 128
+    specdec serve --host 0.0.0.0          # target + draft + coordinator until stopped (specdec.client.serve)
     specdec bench-client -n 64 -c 8 --max-new-tokens 128 --address 127.0.0.1:50051
     SPECDEC_TOKEN=... specdec generate "Hi" --tls-ca ca.pem --address coordinator.example:50051
 """
@@ -209,6 +210,10 @@ def main(argv=None) -> int:
     r.add_argument("--threads", type=int, default=0, help="torch threads per tier (0 = default)")
     add_generation_args(r)
     r.set_defaults(func=cmd_run_local)
+
+    from specdec.client.serve import add_serve_parser
+
+    add_serve_parser(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,10 +1,12 @@
 """Start a whole pipeline (target, draft, coordinator) as local processes on free loopback ports.
 
-Used by `specdec run-local` (and so `make run`), by the benchmarks and by the process-level tests.
+Used by `specdec run-local` (and so `make run`), by `specdec serve` (specdec.client.serve), by the
+benchmarks and by the process-level tests.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -26,6 +28,9 @@ class LocalPipelineConfig:
     coordinator_args: list[str] = field(default_factory=list)  # extra flags for python -m coordinator
     start_timeout_s: float = 600.0  # the first GGUF conversion takes ~20 s; slow disks more
     env: dict[str, str] = field(default_factory=dict)
+    coordinator_address: str = "127.0.0.1:0"  # where the coordinator listens (port 0 = any free port)
+    inherit_output: bool = False  # children write to this process's stdout/stderr instead of log files
+    die_with_parent: bool = False  # children get SIGTERM if this process dies (Linux), even by SIGKILL
 
 
 class LocalPipeline:
@@ -34,6 +39,7 @@ class LocalPipeline:
         self.dir = Path(tempfile.mkdtemp(prefix="specdec-"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
+        self._commands: dict[str, tuple[str, list[str], str]] = {}  # name -> (module, args, address), for respawn()
 
     @property
     def address(self) -> str:
@@ -46,15 +52,18 @@ class LocalPipeline:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> None:
+    def _spawn(self, name: str, module: str, args: list[str], address: str = "127.0.0.1:0") -> None:
+        self._commands[name] = (module, args, address)
         port_file = self.dir / f"{name}.port"
-        log = open(self.dir / f"{name}.log", "w")
+        log = None if self.config.inherit_output else open(self.dir / f"{name}.log", "a")
         # Co-located tiers take turns on the same cores: OpenMP threads that spin while idle would
         # steal the other tier's time, so they sleep (unless the caller says otherwise).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                **self.config.env}
-        cmd = [sys.executable, "-m", module, "--address", f"127.0.0.1:{port}", "--port-file", str(port_file), *args]
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        cmd = [sys.executable, "-m", module, "--address", address, "--port-file", str(port_file), *args]
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=None if log is None else subprocess.STDOUT, env=env,
+                                            start_new_session=True,
+                                            preexec_fn=_die_with_parent if self.config.die_with_parent else None)
 
     def _wait_port(self, name: str, deadline: float) -> int:
         port_file = self.dir / f"{name}.port"
@@ -78,31 +87,53 @@ class LocalPipeline:
             # Tier ports are picked up front so all three processes start (and import) at once; the
             # coordinator waits for the tiers to answer.
             target_port = free_port()
-            self._spawn("target", "target_service", ["--model", c.target_model, *c.target_args], target_port)
+            self._spawn("target", "target_service", ["--model", c.target_model, *c.target_args], f"127.0.0.1:{target_port}")
             draft = ""
             if c.draft_model:
                 draft_port = free_port()
-                self._spawn("draft", "draft_service", ["--model", c.draft_model, *c.draft_args], draft_port)
+                self._spawn("draft", "draft_service", ["--model", c.draft_model, *c.draft_args], f"127.0.0.1:{draft_port}")
                 draft = f"127.0.0.1:{draft_port}"
             self._spawn("coordinator", "coordinator", [
-                "--target", f"127.0.0.1:{target_port}", "--draft", draft, "--tokenizer", c.target_model, *c.coordinator_args])
+                "--target", f"127.0.0.1:{target_port}", "--draft", draft, "--tokenizer", c.target_model, *c.coordinator_args],
+                c.coordinator_address)
             for name in self.procs:
                 self._wait_port(name, deadline)
         except BaseException:
             self.stop()
             raise
 
+    def respawn(self, name: str) -> None:
+        """Start an exited child again, with its command line and on the port it had (the others keep its
+        address); returns at once, without waiting for it to serve."""
+        module, args, address = self._commands[name]
+        if name in self.ports:
+            address = f"{address.rpartition(':')[0]}:{self.ports[name]}"
+        (self.dir / f"{name}.port").unlink(missing_ok=True)
+        self._spawn(name, module, args, address)
+
+    def exited(self) -> dict[str, int]:
+        """The children that have exited so far, with their exit codes (negative: killed by that signal)."""
+        return {name: proc.returncode for name, proc in self.procs.items() if proc.poll() is not None}
+
     def stop(self, timeout_s: float = 15.0) -> dict[str, int]:
-        """SIGTERM everything (coordinator first), wait, then SIGKILL stragglers; returns exit codes."""
-        for name in ("coordinator", "draft", "target"):
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """SIGTERM the coordinator and wait for it (it drains its streams, which still need the tiers),
+        then the tiers; SIGKILL whatever outlives timeout_s. Returns the exit codes."""
         codes = {}
-        for name, proc in self.procs.items():
-            try:
-                codes[name] = proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait()
+        for group in (["coordinator"], ["draft", "target"]):
+            procs = {name: self.procs[name] for name in group if name in self.procs}
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for name, proc in procs.items():
+                try:
+                    codes[name] = proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    codes[name] = proc.wait()
         return codes
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

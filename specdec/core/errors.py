@@ -14,14 +14,17 @@ log = logging.getLogger(__name__)
 class RequestError(Exception):
     """A request the service refuses, with the gRPC status to answer."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
+        """field: the request field at fault, as the gRPC message names it (e.g. "max_new_tokens"), for an
+        API that names its fields otherwise (the OpenAI API: "max_tokens") to say so in its own words."""
         super().__init__(message)
         self.code = code
         self.message = message
+        self.field = field
 
 
-def invalid_argument(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid_argument(message: str, field: str | None = None) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, field)
 
 
 def check_token_ids(ids, vocab_size: int, field_name: str) -> None:

@@ -23,15 +23,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer, generate_latest, make_wsgi_app
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class LoadReading(Protocol):
     num_waiting: int  # requests queued for the next batch
     kv_used_bytes: int  # KV cache memory in use
     kv_capacity_bytes: int  # KV cache memory the tier may use (0 = unknown)
+    kv_resident_bytes: int  # memory the KV pool occupies now
     # Optional (read with getattr, 0 when absent): the prefix cache's counters, tokens, monotonic.
     # prefix_cache_queries: int  # tokens of full sends looked up in it
     # prefix_cache_hits: int  # of them, tokens it supplied instead of a forward
@@ -74,6 +78,7 @@ class LoadSnapshot:
     num_waiting: int = 0
     kv_used_bytes: int = 0
     kv_capacity_bytes: int = 0
+    kv_resident_bytes: int = 0
 
 
 class RpcMetrics:
@@ -99,9 +104,12 @@ class TierMetrics:
     """Everything a draft or target tier exports. `load` (or set_load later) is called at every scrape."""
 
     def __init__(self, registry: CollectorRegistry, tier: str, model_name: str,
-                 load: Callable[[], LoadReading] | None = None) -> None:
+                 load: Callable[[], LoadReading] | None = None, cache_info: dict[str, str] | None = None) -> None:
+        """cache_info: the KV cache's configuration, exported as vllm:cache_config_info's labels (as vLLM
+        exports its CacheConfig: values as strings, plus engine="0")."""
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         self.registry = registry
         self.tier = tier
         self.model_name = model_name
@@ -114,6 +122,12 @@ class TierMetrics:
                                        registry=registry, buckets=BATCH_TOKENS_BUCKETS).labels(*values)
         self._step_seconds = Histogram("specdec_tier_step_seconds", "Time of one batched forward, seconds.", names,
                                        registry=registry, buckets=STEP_SECONDS_BUCKETS).labels(*values)
+        # vLLM's name for the tokens of one engine step (here: one batched forward of this tier)
+        self._iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                           names, registry=registry, buckets=BATCH_TOKENS_BUCKETS).labels(*values)
+        info = {"engine": "0", **(cache_info or {})}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*names, *info], registry=registry,
+              ).labels(*values, *info.values()).set(1)
         self._load_collector = _LoadCollector(labels, load)
         registry.register(self._load_collector)
 
@@ -125,6 +139,7 @@ class TierMetrics:
         """One batched forward over num_sessions sessions and num_tokens tokens that took `seconds`."""
         self._batch_size.observe(num_sessions)
         self._batch_tokens.observe(num_tokens)
+        self._iteration_tokens.observe(num_tokens)
         self._step_seconds.observe(seconds)
 
     def observe_rpc(self, method: str, code_name: str, seconds: float) -> None:
@@ -164,6 +179,8 @@ class _LoadCollector(Collector):
             ("specdec_tier_queue_depth", "Requests queued for the next batch (= vllm:num_requests_waiting).", s.num_waiting),
             ("specdec_tier_kv_used_bytes", "KV cache memory in use, bytes.", s.kv_used_bytes),
             ("specdec_tier_kv_capacity_bytes", "KV cache memory the tier may use, bytes (0 = unknown).", s.kv_capacity_bytes),
+            ("specdec_tier_kv_resident_bytes", "Memory the KV pool occupies now, bytes (CPU: the positions ever written; "
+             "GPU: all of it).", s.kv_resident_bytes),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=self.names)
@@ -283,20 +300,47 @@ def _context_code(context: Any) -> grpc.StatusCode | None:
 # --- the /metrics endpoint --------------------------------------------------------------------------
 
 
+# The exposition every /metrics serves: Prometheus' text format 0.0.4, whatever the scraper asks for.
+# prometheus_client 0.26 writes OpenMetrics sample names with `:` turned into `_` (vllm:x -> vllm_x, while
+# HELP/TYPE keep the colon: prometheus/client_python#1177), and Prometheus asks for OpenMetrics first, so
+# a negotiated scrape would store none of the vllm: names the dashboards query. The text format keeps them.
+METRICS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """`registry` in the text format 0.0.4 (METRICS_CONTENT_TYPE)."""
+    return generate_latest(registry)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # scrapes are not worth a log line each
+        pass
+
+
 class MetricsServer:
     """A registry served at http://address/metrics from a daemon thread (independent of the event loop,
-    so a scrape is answered even while the service is busy)."""
+    so a scrape is answered even while the service is busy), in the text format (see METRICS_CONTENT_TYPE)."""
 
     def __init__(self, registry: CollectorRegistry, address: str) -> None:
         host, port = split_address(address)
-        self._httpd, self._thread = start_http_server(port, host, registry=registry)
+        app = make_wsgi_app(registry)
+
+        def text_format(environ, start_response):  # no OpenMetrics: the encoder falls back to text 0.0.4
+            return app({**environ, "HTTP_ACCEPT": ""}, start_response)
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._httpd = make_server(host, port, text_format, Server, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
         self.host = host
         self.port: int = self._httpd.server_port
 
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def close(self) -> None:
         self._httpd.shutdown()

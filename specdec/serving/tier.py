@@ -20,6 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
 from specdec.core.errors import as_request_error
+from specdec.models import served_model_name
 from specdec.proto import common_pb2
 from specdec.serving.flags import write_port_file
 from specdec.serving.metrics import TierMetrics, serve_metrics
@@ -88,7 +89,8 @@ class TierRpcs:
             num_sessions=s.num_sessions, cached_tokens=s.cached_tokens, evictions=s.evictions,
             num_running=s.num_running, num_waiting=s.num_waiting, kv_used_bytes=s.kv_used_bytes,
             kv_capacity_bytes=s.kv_capacity_bytes, kv_capacity_tokens=s.kv_capacity_tokens, steps=s.steps,
-            step_tokens=s.step_tokens, prefix_cache_sessions=s.prefix_cache_sessions,
+            step_tokens=s.step_tokens, kv_resident_bytes=s.kv_resident_bytes, step_mode=s.step_mode,
+            compile_seconds=s.compile_s, prefix_cache_sessions=s.prefix_cache_sessions,
             prefix_cache_tokens=s.prefix_cache_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
 
@@ -106,11 +108,22 @@ class TierServer:
     servicer: TierRpcs
 
 
+def cache_info(engine) -> dict[str, str]:
+    """The KV cache as vllm:cache_config_info's labels, in vLLM's words where they fit: a KV slot (one
+    session's cache) is a block of block_size tokens, num_gpu_blocks of them (on whatever device); the
+    capacity as the engine reports it (EngineStatus), and the memory budget it was sized from (0: by slots)."""
+    s, cache = engine.status(), engine.cache
+    return {"block_size": str(cache.slot_tokens), "num_gpu_blocks": str(cache.num_slots),
+            "cache_dtype": engine.config.model.dtype, "kv_capacity_tokens": str(s.kv_capacity_tokens),
+            "kv_capacity_bytes": str(s.kv_capacity_bytes), "kv_memory_gib": str(engine.config.sessions.kv_memory_gib)}
+
+
 def create_tier_server(engine, service: Service, config: ServerConfig, tier: str) -> TierServer:
     """The server for one tier's servicer, with metrics: every rpc (latency, errors by code), every engine
     step (batch size, tokens, time) and, at scrape time, the engine's load (GetStatus's numbers)."""
     registry = CollectorRegistry()
-    metrics = TierMetrics(registry, tier, engine.config.model.path, load=engine.status)
+    metrics = TierMetrics(registry, tier, served_model_name(engine.config.model.path), load=engine.status,
+                          cache_info=cache_info(engine))
     engine.observers.append(metrics.observe_step)
     server, port, health_servicer = create_server([service], config, interceptors=[metrics.interceptor()])
     return TierServer(server, port, health_servicer, engine, registry, metrics, service.servicer)

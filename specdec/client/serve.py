@@ -1,0 +1,162 @@
+"""`specdec serve`: the whole pipeline (target, draft, coordinator) on one machine under one command, for
+a laptop or a single GPU box:
+
+    specdec serve                                    # the default pair, OpenAI API on 127.0.0.1:8000
+    specdec serve --device cuda --host 0.0.0.0 --served-model-name smollm2
+
+Three processes, started by the launcher `specdec run-local` uses (specdec.client.local), and supervised
+here. Processes rather than one process with the tiers on local channels: each tier's forwards hold its
+interpreter (torch, the GIL) for milliseconds at a time, which would stall the coordinator's event loop
+and the other tier; the processes are the services of the three-process and Kubernetes forms with the
+same flags, so what runs on a laptop is what runs in a cluster. The tiers listen on free loopback ports;
+only the coordinator's gRPC and HTTP ports are exposed (on --host).
+
+Supervision: if one of the three exits, serve says which and how, and starts it again on the same port
+(the others keep talking to it: the coordinator re-prefills the sessions a restarted tier lost, and
+reports 503 on /health while no target is up). A child that has to be restarted more than
+MAX_RESTARTS times within RESTART_WINDOW_S is crash-looping: serve says so, stops the others and exits 1,
+for whatever runs serve (systemd, a container's restart policy) to see. SIGTERM or SIGINT stops the
+coordinator first (it drains its streams for its --grace), then the tiers, and serve exits 0 once all
+three have exited. The children also get SIGTERM if serve itself is killed (Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+
+from specdec.client.local import LocalPipeline, LocalPipelineConfig
+from specdec.models import default_draft, default_target, served_model_name
+
+POLL_S = 0.2  # how often serve looks at its children
+MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before serve gives up (exit 1)
+RESTART_WINDOW_S = 300.0
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # wait before the 1st, 2nd, ... restart within the window
+STOP_TIMEOUT_S = 30.0  # after SIGTERM, how long each child may take to exit before SIGKILL (> the coordinator's grace)
+
+
+class _Stop(BaseException):
+    """SIGTERM / SIGINT arrived (a BaseException, so that a start in progress is unwound and cleaned up)."""
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="run target, draft and coordinator on this machine until stopped (SIGTERM / Ctrl-C)",
+                       description="\n\n".join(__doc__.split("\n\n")[:2]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--target-model", default=default_target(), help="HF directory, .gguf file (or a directory holding one), or hub id")
+    s.add_argument("--draft-model", default=default_draft(), help="the draft model; '' for target-only decoding")
+    s.add_argument("--device", default="cpu", help="torch device of both tiers: cpu, cuda, cuda:1, ...")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the target's dtype")
+    s.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--threads", type=int, default=0, help="torch threads per tier (0 = torch's default)")
+    s.add_argument("--host", default="127.0.0.1", help="where the coordinator listens (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=50051, help="the gRPC API's port")
+    s.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible API's port")
+    s.add_argument("--metrics-port", type=int, default=None, help="the coordinator's Prometheus /metrics port (default: none)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model's id in the OpenAI API and the metrics (default: derived from --target-model)")
+    for tier in ("target", "draft", "coordinator"):
+        s.add_argument(f"--{tier}-args", default="", help=f"more flags for python -m {tier}{'_service' if tier != 'coordinator' else ''}, "
+                       "one string (e.g. \"--max-batch-sessions 8\")")
+    s.add_argument("--start-timeout", type=float, default=LocalPipelineConfig.start_timeout_s,
+                   help="seconds for all three to be up (a first GGUF conversion takes a while)")
+    s.set_defaults(func=cmd_serve)
+
+
+def pipeline_config(args: argparse.Namespace) -> LocalPipelineConfig:
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    coordinator = ["--http-address", f"{args.host}:{args.http_port}"]
+    if args.metrics_port is not None:
+        coordinator += ["--metrics-address", f"{args.host}:{args.metrics_port}"]
+    if args.served_model_name:
+        coordinator += ["--served-model-name", args.served_model_name]
+    return LocalPipelineConfig(
+        target_model=args.target_model, draft_model=args.draft_model or None,
+        target_args=["--device", args.device, "--dtype", args.dtype, *threads, *shlex.split(args.target_args)],
+        draft_args=["--device", args.device, "--dtype", args.draft_dtype, *threads, *shlex.split(args.draft_args)],
+        coordinator_args=[*coordinator, *shlex.split(args.coordinator_args)],
+        coordinator_address=f"{args.host}:{args.port}", start_timeout_s=args.start_timeout,
+        inherit_output=True, die_with_parent=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = pipeline_config(args)
+    name = args.served_model_name or served_model_name(args.target_model)
+
+    def stop_signal(signum, frame):
+        raise _Stop(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, stop_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    pipeline = LocalPipeline(config)
+    try:
+        say(f"starting target ({config.target_model}), draft ({config.draft_model or 'none: target-only'}) "
+            f"and coordinator...")
+        pipeline.start()
+        say(f"ready: OpenAI API at http://{args.host}:{args.http_port}/v1 (model {name!r}), "
+            f"gRPC at {args.host}:{args.port}; SIGTERM or Ctrl-C stops")
+        supervisor = Supervisor(pipeline)
+        while supervisor.tick():
+            time.sleep(POLL_S)
+        quiet_stop(pipeline)
+        return 1
+    except _Stop as e:
+        say(f"{e}: stopping the coordinator, then the tiers")
+        codes = quiet_stop(pipeline)
+        bad = {child: code for child, code in codes.items() if code != 0}
+        if bad:
+            say(f"stopped, but not cleanly: {bad}")
+            return 1
+        say("stopped")
+        return 0
+    except (RuntimeError, TimeoutError) as e:  # a child failed to start (its output is above)
+        say(f"failed to start: {str(e).splitlines()[0]}")
+        return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class Supervisor:
+    """Restarts the children that exit, with a growing delay, until one crash-loops."""
+
+    def __init__(self, pipeline: LocalPipeline, clock=time.monotonic) -> None:
+        self.pipeline = pipeline
+        self.clock = clock
+        self.restarts: dict[str, list[float]] = {}  # child -> its restart times within the window
+        self.due: dict[str, float] = {}  # child -> when to restart it (it has exited)
+
+    def tick(self) -> bool:
+        """Look at the children once; False when one crash-loops (serve gives up)."""
+        now = self.clock()
+        for child, code in self.pipeline.exited().items():
+            if child in self.due:
+                continue
+            recent = [t for t in self.restarts.get(child, []) if now - t < RESTART_WINDOW_S]
+            self.restarts[child] = recent
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            if len(recent) >= MAX_RESTARTS:
+                say(f"the {child} {how}, its {len(recent) + 1}th exit within {RESTART_WINDOW_S:.0f}s; "
+                    f"giving up: stopping the others")
+                return False
+            delay = RESTART_DELAYS_S[min(len(recent), len(RESTART_DELAYS_S) - 1)]
+            say(f"the {child} {how}; restarting it" + (f" in {delay:.0f}s" if delay else ""))
+            self.due[child] = now + delay
+        for child, when in list(self.due.items()):
+            if now >= when:
+                del self.due[child]
+                self.restarts[child].append(now)
+                self.pipeline.respawn(child)
+        return True
+
+
+def quiet_stop(pipeline: LocalPipeline) -> dict[str, int]:
+    """Stop every child, ignoring further SIGTERM / SIGINT meanwhile (a second Ctrl-C must not leave any behind)."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    return pipeline.stop(STOP_TIMEOUT_S)
+
+
+def say(message: str) -> None:
+    print(f"specdec serve: {message}", file=sys.stderr, flush=True)

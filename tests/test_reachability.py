@@ -1,0 +1,74 @@
+"""TierReachability against real gRPC servers on loopback, through a channel configured as the coordinator's
+tier channels are (ring hash on the session header, client-side health checks): reachable while a replica
+serves, unreachable within about a second of the last one stopping or reporting NOT_SERVING, reachable
+again by itself when one comes back (on the same port, as a restarted process does)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from coordinator.tiers.reachability import ReachabilityConfig, TierReachability
+from coordinator.tiers.routing import RoutingConfig
+
+SERVICE = "specdec.v1.TargetService"
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]  # the coordinator's tier channels' back-off
+
+
+async def replica(port: int = 0) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    await servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, servicer, port
+
+
+async def until(predicate, timeout_s: float) -> float:
+    """Seconds until predicate() holds; fails the test after timeout_s."""
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout_s, f"not within {timeout_s}s"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_reachability_follows_the_replicas():
+    async def scenario():
+        (a, health_a, port_a), (b, _, port_b) = await replica(), await replica()
+        options = CHANNEL_OPTIONS + RoutingConfig().channel_options(health_service=SERVICE)
+        channel = grpc.aio.insecure_channel(f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}", options=options)
+        changes = []
+        watch = TierReachability("target", channel, SERVICE, ReachabilityConfig(interval_s=0.2), on_change=changes.append)
+        watch.start()
+        try:
+            assert await watch.probe()
+            await b.stop(None)  # one of two replicas gone: still reachable
+            for _ in range(10):
+                await watch.probe()
+            assert watch.reachable and changes == []
+            await health_a.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # the last one drains
+            watch.suspect()
+            assert await until(lambda: not watch.reachable, 3) < 2
+            assert changes == [False] and "no target replica is reachable" in watch.why()
+            await health_a.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            await until(lambda: watch.reachable, 5)
+            assert changes == [False, True] and watch.last_error == ""
+            await a.stop(None)  # the process dies: connection refused
+            watch.suspect()
+            assert await until(lambda: not watch.reachable, 3) < 2
+            a, _, _ = await replica(port_a)  # restarted on its port
+            await until(lambda: watch.reachable, 5)
+            assert changes == [False, True, False, True]
+        finally:
+            await watch.close()
+            await channel.close()
+            await a.stop(None)
+
+    asyncio.run(scenario())
