@@ -155,17 +155,18 @@ class Pipeline:
         deadline: time.monotonic() by which the client must have its answer (None: no deadline)."""
         c, fingerprint = self.config, self.tokenizer_fingerprint
         session_id = uuid.uuid4().hex
+        key = c.routing.routing_key(session_id, params.prompt_ids, params.cache_key)  # the replicas holding its prefix
         stats = RoundStats()
         time_left = deadline_clock(deadline)
         sampling = common_pb2.SamplingParams(temperature=params.sampling.temperature, top_k=params.sampling.top_k,
                                              top_p=params.sampling.top_p)
         target = TargetVerifier(
-            TierSession(self.target.session(session_id), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
+            TierSession(self.target.session(session_id, key), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
                         fingerprint, time_left, self.target_reachability),
             sampling, params.seed, stats, self.target_load)
         draft = None
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
-            draft = DraftModelProposer(TierSession(self.draft.session(session_id), DRAFT_RETRY, stats, fingerprint, time_left,
+            draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                                    self.draft_reachability),
                                        sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None

@@ -57,7 +57,7 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
     def to_response(r: ProposeResult) -> draft_pb2.ProposeResponse:
         return draft_pb2.ProposeResponse(
             tokens=r.tokens, q=draft_probs.encode(r.q), cached_len=r.cached_len, compute_ms=r.compute_ms,
-            batch_sessions=r.batch_sessions, step_ms=r.step_ms, queue_ms=r.queue_ms)
+            batch_sessions=r.batch_sessions, step_ms=r.step_ms, queue_ms=r.queue_ms, prefix_reused=r.reused)
 
 
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:

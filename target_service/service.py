@@ -57,7 +57,8 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
         return target_pb2.VerifyResponse(num_accepted=r.num_accepted, next_token=r.next_token, cached_len=r.cached_len,
                                          compute_ms=r.compute_ms, batch_sessions=r.batch_sessions,
-                                         batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms)
+                                         batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms,
+                                         prefix_reused=r.reused)
 
 
 def build(config: TargetConfig, engine: Engine | None = None) -> TierServer:

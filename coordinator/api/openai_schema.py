@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.params import MAX_CACHE_KEY_LEN
 from coordinator.proposers.names import NAMES, Proposer
 from specdec.proto import generate_pb2
 
@@ -69,7 +70,8 @@ class _Common(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted, not used
+    user: str | None = None  # routes like prompt_cache_key when that is absent
+    prompt_cache_key: str | None = None  # requests with the same key reach the same replicas (their prefix caches)
     # specdec's extras
     num_speculative_tokens: int | None = None
     proposer: ProposerName | None = None
@@ -91,6 +93,11 @@ class _Common(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         req.stop.extend(stop)
         req.ignore_eos = self.ignore_eos
+        key_field = "prompt_cache_key" if self.prompt_cache_key else "user"
+        key = self.prompt_cache_key or self.user or ""
+        if len(key) > MAX_CACHE_KEY_LEN:
+            raise BadRequest(f"{key_field}: at most {MAX_CACHE_KEY_LEN} characters, got {len(key)}", key_field)
+        req.prompt_cache_key = key
         if self.proposer is not None:
             req.proposer = Proposer.parse(self.proposer).proto
         values = {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,

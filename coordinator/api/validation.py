@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 
-from coordinator.params import GenerationParams
+from coordinator.params import MAX_CACHE_KEY_LEN, GenerationParams
 from coordinator.pipeline import Pipeline
 from coordinator.proposers.names import Proposer
 from specdec.math.params import SamplingParams
@@ -67,8 +67,11 @@ class RequestValidator:
             if not s or len(s) > MAX_STOP_LEN:
                 raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters", "stop")
         seed = r.seed if r.HasField("seed") else secrets.randbits(63)
+        if len(r.prompt_cache_key) > MAX_CACHE_KEY_LEN:
+            raise invalid_argument(f"prompt_cache_key: at most {MAX_CACHE_KEY_LEN} characters, got {len(r.prompt_cache_key)}")
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
-                                num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
+                                num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
+                                cache_key=r.prompt_cache_key)
 
     def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
         tok = self.pipeline.tokenizer

@@ -47,12 +47,14 @@ def build_request(
     num_speculative_tokens: int | None = None,
     ignore_eos: bool = False,
     proposer: str | None = None,
+    prompt_cache_key: str = "",
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
-    proposer: a name or alias of coordinator.proposers.names (e.g. "suffix", "draft_model" or its alias "draft")."""
+    proposer: a name or alias of coordinator.proposers.names (e.g. "suffix", "draft_model" or its alias "draft").
+    prompt_cache_key: requests with the same key reach the same replicas (and their prefix caches)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
-    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos,
+    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos, prompt_cache_key=prompt_cache_key,
                                        proposer=Proposer.parse(proposer).proto if proposer is not None else 0)
     if prompt is not None:
         req.text = prompt

@@ -32,6 +32,7 @@ class ProposeResult:
     batch_sessions: int  # sessions in the work's last step
     step_ms: float  # that step's forward time
     queue_ms: float  # waiting, not computing
+    reused: int = 0  # leading tokens of a fresh start taken from the prefix cache, not fed
 
 
 @dataclass(eq=False)
@@ -69,7 +70,7 @@ class ProposeWork(Work):
                 sessions, _, seconds = w.last_step
                 q = DraftProbs.from_rows(w.q_rows) if w.q_rows else None
                 w.result = ProposeResult(w.tokens, q, len(w.session), w.compute_s * 1e3, sessions, seconds * 1e3,
-                                         w.queue_ms())
+                                         w.queue_ms(), w.reused)
 
 
 def _sample(works, rows, sampled, tokens, engine) -> None:

@@ -33,6 +33,7 @@ class VerifyResult:
     batch_tokens: int  # tokens in that step
     step_ms: float  # that step's forward time
     queue_ms: float  # waiting, not computing
+    reused: int = 0  # leading tokens of a fresh start taken from the prefix cache, not fed
 
 
 @dataclass(eq=False)
@@ -66,7 +67,8 @@ class VerifyWork(Work):
             keep = w.committed_len + n
             engine.sessions.crop(w.session, keep)  # the committed prefix plus the accepted drafts
             sessions, tokens, seconds = w.last_step
-            w.result = VerifyResult(n, nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3, w.queue_ms())
+            w.result = VerifyResult(n, nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3, w.queue_ms(),
+                                    w.reused)
 
 
 def _verify_greedy(works, logits, vocab_size):
