@@ -21,6 +21,7 @@ class GenerationParams:
     proposer: Proposer = HYBRID
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int = -1  # -1: no logprobs; n >= 0: each token's logprob and the top n alternatives
 
     @property
     def reproducible(self) -> bool:

@@ -29,6 +29,7 @@ from coordinator.tiers.target import TargetVerifier
 from specdec.math.seeds import DRAFT_STREAM, derive_seed
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, target_pb2
+from specdec.serving import sampling_params
 from specdec.serving.server import read_pem
 
 log = logging.getLogger(__name__)
@@ -138,12 +139,11 @@ class Pipeline:
         session_id = uuid.uuid4().hex
         stats = RoundStats()
         time_left = deadline_clock(deadline)
-        sampling = common_pb2.SamplingParams(temperature=params.sampling.temperature, top_k=params.sampling.top_k,
-                                             top_p=params.sampling.top_p)
+        sampling = sampling_params.encode(params.sampling, len(params.prompt_ids))  # the same message to both tiers
         target = TargetVerifier(
             TierSession(self.target.session(session_id), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
                         fingerprint, time_left),
-            sampling, params.seed, stats, self.target_load)
+            sampling, params.seed, stats, self.target_load, logprobs=params.logprobs)
         draft = None
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
             draft = DraftModelProposer(TierSession(self.draft.session(session_id), DRAFT_RETRY, stats, fingerprint, time_left),

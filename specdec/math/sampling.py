@@ -141,7 +141,12 @@ def process_logits_rows(logits: torch.Tensor, row_params: list[SamplingParams],
     """process_logits with each row's own parameters (a batch of sessions, or the positions of a verify):
     the adjustment per row, then rows that share parameters shaped together. logits: [N, V]; counts: the
     token counts of the penalised rows -> float32 [N, V]."""
-    x = adjust_logits_rows(logits, row_params, counts)
+    return shape_rows(adjust_logits_rows(logits, row_params, counts), row_params)
+
+
+def shape_rows(x: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
+    """process_logits_rows' second half, on logits adjust_logits_rows already adjusted: greedy one-hot, or
+    temperature, min_p, top-k, top-p, rows that share parameters together. x: [N, V] -> float32 [N, V]."""
     groups: dict[SamplingParams, list[int]] = {}
     for i, params in enumerate(row_params):
         groups.setdefault(params, []).append(i)
