@@ -6,6 +6,7 @@ every proposer, several K and batched; bad values are INVALID_ARGUMENT naming th
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 
 import grpc
 import pytest
@@ -14,7 +15,7 @@ import torch
 from specdec.client import Client
 from specdec.math.params import SamplingParams
 from specdec.proto import common_pb2, generate_pb2, target_pb2
-from tests.controls_reference import reference_greedy_processed
+from tests.controls_reference import reference_greedy_processed as _reference
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]
 MAX_NEW = 24
@@ -23,6 +24,16 @@ CONTROLS = [
     SamplingParams(frequency_penalty=-0.8, presence_penalty=0.5),
     SamplingParams(frequency_penalty=-1.0, repetition_penalty=1.3, logit_bias=((1000, 4.0), (7, -100.0)), min_p=0.3),
 ]
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_reference(model, prompt: tuple[int, ...], max_new: int, params: SamplingParams) -> list[int]:
+    return _reference(model, list(prompt), max_new, params)
+
+
+def reference_greedy_processed(model, prompt, max_new, params) -> list[int]:
+    """The target alone with the controls (a one-token loop), each case computed once per run."""
+    return list(_cached_reference(model, tuple(prompt), max_new, params))
 
 
 def hf_generate(model, prompt, max_new, **kw) -> list[int]:
