@@ -154,3 +154,4 @@ def test_tiers_refuse_bad_controls(target_stub, draft_stub, sampling, words):
     ok = target_stub.Verify(target_pb2.VerifyRequest(context=context, draft_tokens=[5],
                                                      sampling=common_pb2.SamplingParams(frequency_penalty=1.0)), timeout=30)
     assert ok.num_accepted in (0, 1)
+    target_stub.EndSession(common_pb2.EndSessionRequest(session_id="controls-bad"), timeout=30)  # the cluster is shared

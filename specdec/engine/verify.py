@@ -104,7 +104,11 @@ def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[Sampli
     """Each of the batch's rows' parameters (a session's K_b + 1 rows share them), and the token counts of
     the penalised sessions' rows."""
     row_params = [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)]
-    starts = (meta.cu_num_draft_tokens[:-1] + torch.arange(len(works), device=meta.cu_num_draft_tokens.device)).tolist()
+    if not any(w.params.penalized for w in works):
+        return row_params, None
+    starts = [0]  # each session's first row: K_1 + 1, K_1 + K_2 + 2, ... (host ints: no device sync)
+    for k in meta.num_draft_tokens:
+        starts.append(starts[-1] + k + 1)
     counts = TokenCounts.cat([w.token_counts(start, vocab_size, device)
                               for w, start in zip(works, starts) if w.params.penalized])
     return row_params, counts
