@@ -24,6 +24,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     cache_key: str = ""  # routes the session to the replicas that served the same key (prompt_cache_key)
+    logprobs: int = -1  # -1: no logprobs; n >= 0: each token's logprob and the top n alternatives
 
     @property
     def reproducible(self) -> bool:

@@ -31,6 +31,7 @@ from coordinator.tiers.target import TargetVerifier
 from specdec.math.seeds import DRAFT_STREAM, derive_seed
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, target_pb2
+from specdec.serving import sampling_params
 from specdec.serving.server import read_pem
 
 log = logging.getLogger(__name__)
@@ -158,12 +159,11 @@ class Pipeline:
         key = c.routing.routing_key(session_id, params.prompt_ids, params.cache_key)  # the replicas holding its prefix
         stats = RoundStats()
         time_left = deadline_clock(deadline)
-        sampling = common_pb2.SamplingParams(temperature=params.sampling.temperature, top_k=params.sampling.top_k,
-                                             top_p=params.sampling.top_p)
+        sampling = sampling_params.encode(params.sampling, len(params.prompt_ids))  # the same message to both tiers
         target = TargetVerifier(
             TierSession(self.target.session(session_id, key), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
                         fingerprint, time_left, self.target_reachability),
-            sampling, params.seed, stats, self.target_load)
+            sampling, params.seed, stats, self.target_load, logprobs=params.logprobs)
         draft = None
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
             draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,

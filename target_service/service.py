@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.core.errors import check_token_ids
+from specdec.core.errors import check_token_ids, invalid_argument
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
-from specdec.engine.verify import VerifyResult, VerifyWork
+from specdec.engine.verify import MAX_TOP_LOGPROBS, VerifyResult, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
-from specdec.serving import draft_probs
+from specdec.serving import draft_probs, sampling_params
 from specdec.serving.server import Service, ServerConfig, handle_errors
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
-from specdec.serving.tier_checks import check_context, check_num_tokens, sampling_params
+from specdec.serving.tier_checks import check_context, check_num_tokens
 
 SERVICE_NAME = "specdec.v1.TargetService"
 
@@ -49,16 +49,24 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         check_context(engine, request.context, extra_tokens=k)
         check_token_ids(request.draft_tokens, engine.vocab_size, "draft_tokens")
         q = draft_probs.decode(request.q, k, engine.vocab_size)
+        if request.logprobs and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid_argument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         ctx = request.context
+        params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
+                                                     ctx.prefix_len + len(ctx.new_tokens))
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
-                                 list(request.draft_tokens), q, sampling_params(request.sampling), request.seed)
+                                 list(request.draft_tokens), q, params, request.seed, prompt_len=prompt_len,
+                                 logprobs=request.top_logprobs if request.logprobs else -1)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
         return target_pb2.VerifyResponse(num_accepted=r.num_accepted, next_token=r.next_token, cached_len=r.cached_len,
                                          compute_ms=r.compute_ms, batch_sessions=r.batch_sessions,
                                          batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms,
-                                         prefix_reused=r.reused)
+                                         prefix_reused=r.reused,
+                                         logprobs=[target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
+                                                                            top_token_ids=t.top_ids, top_logprobs=t.top_logprobs)
+                                                   for t in r.logprobs])
 
 
 def build(config: TargetConfig, engine: Engine | None = None) -> TierServer:

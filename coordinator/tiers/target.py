@@ -19,13 +19,16 @@ class Verdict:
     num_accepted: int  # n: the leading drafts the target accepted
     next_token: int  # the recovered token (n < K) or the bonus token (n == K)
     wall_ms: float  # the Verify's round trip
+    logprobs: tuple[target_pb2.TokenLogprobs, ...] = ()  # per committed token (d_1..d_n, next_token), when asked
 
 
 class TargetVerifier:
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int, stats: RoundStats,
-                 load: TierLoad | None = None) -> None:
+                 load: TierLoad | None = None, logprobs: int = -1) -> None:
         """seed: the request's (each round's draws are keyed by it and the committed length); load: the target's
-        batching, shared by the coordinator's sessions, learnt from every response (None: not learnt)."""
+        batching, shared by the coordinator's sessions, learnt from every response (None: not learnt);
+        logprobs: -1 none, n >= 0 the committed tokens' logprobs with the top n alternatives."""
+        self.logprobs = logprobs
         self.session = session
         self.sampling = sampling
         self.seed = seed
@@ -38,14 +41,15 @@ class TargetVerifier:
         seed = derive_seed(self.seed, len(committed), TARGET_STREAM)
         reply = await self.session.call(
             committed, hashes,
-            lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed),
+            lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
+                                                 logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0)),
             extra=lambda response: drafts)
         response = reply.message
         self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)
         if self.load is not None:
             self.load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
                               response.compute_ms, response.queue_ms)
-        return Verdict(response.num_accepted, response.next_token, reply.wall_ms)
+        return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.logprobs))
 
     async def close(self) -> None:
         await self.session.close()
