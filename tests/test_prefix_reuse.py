@@ -187,12 +187,12 @@ def test_the_cache_key_fields_and_the_counters(warm):
     from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest
 
     base = dict(model="m", messages=[{"role": "user", "content": "hi"}])
-    assert ChatCompletionRequest(**base, prompt_cache_key="conv-1", user="u").to_generate_request().prompt_cache_key == "conv-1"
-    assert ChatCompletionRequest(**base, user="u").to_generate_request().prompt_cache_key == "u"
-    assert ChatCompletionRequest(**base).to_generate_request().prompt_cache_key == ""
+    assert ChatCompletionRequest(**base, prompt_cache_key="conv-1", user="u").to_generate_requests()[0].prompt_cache_key == "conv-1"
+    assert ChatCompletionRequest(**base, user="u").to_generate_requests()[0].prompt_cache_key == "u"
+    assert ChatCompletionRequest(**base).to_generate_requests()[0].prompt_cache_key == ""
     for name in ("prompt_cache_key", "user"):
         with pytest.raises(BadRequest, match=name):
-            ChatCompletionRequest(**base, **{name: "k" * 129}).to_generate_request()
+            ChatCompletionRequest(**base, **{name: "k" * 129}).to_generate_requests()[0]
     with Client(warm.address) as c, pytest.raises(grpc.RpcError) as e:
         c.generate(token_ids=[1, 2, 3], max_new_tokens=2, prompt_cache_key="k" * 129)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_cache_key" in e.value.details()
