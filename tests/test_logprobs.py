@@ -21,14 +21,8 @@ TOP = 4
 
 
 @pytest.fixture(scope="module")
-def oai(self_draft_cluster):
-    with openai.OpenAI(base_url=self_draft_cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(self_draft_cluster):
-    return self_draft_cluster.coordinator.frontend.model_name
+def cluster(self_draft_cluster):
+    return self_draft_cluster
 
 
 @pytest.fixture(scope="module")
