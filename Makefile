@@ -51,6 +51,8 @@ prometheus:
 #  bench.step_cost    forward time against tokens scored and batch size per step mode, the memory-bandwidth
 #                     floor, the K = 0 loop vs HF generate eager and compiled (~10 min; STEP_COST_ARGS=--help)
 #  bench.exactness    argmax flips between forward shapes and step modes (~6 min; EXACTNESS_ARGS=--help)
+#  bench.prefix_reuse TTFT of turn 2+ vs turn 1, multi-turn chat and agent calls, prefix cache on vs off
+#                     (not yet timed with the default pair; PREFIX_REUSE_ARGS=--help; --quick: a tiny model, ~1.5 min)
 bench: setup
 	$(PY) -m bench.step_cost $(STEP_COST_ARGS)
 	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)
@@ -62,6 +64,7 @@ bench: setup
 	    --draft "$$($(PY) -c 'from specdec.models import default_target; print(default_target())')" \
 	    --draft-args '--dtype float16' --max-new-tokens 128
 	$(PY) -m bench.replicas $(BENCH_REPLICAS_ARGS)
+	$(PY) -m bench.prefix_reuse $(PREFIX_REUSE_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info

@@ -40,6 +40,9 @@ def main(argv=None) -> None:
           help="draft tier, like --target ('' = target-only decoding)")
     a.add("--min-resolution-interval", type=float, default=RoutingConfig.min_resolution_interval_s,
           help="re-resolve a tier's name (to find replicas that joined or left) at most this often, seconds")
+    a.add("--prefix-route-tokens", type=int, default=RoutingConfig.prefix_tokens,
+          help="a prompt longer than this (and without a prompt_cache_key) reaches the replicas by the fingerprint of "
+               "its first this-many tokens, where their prefix caches hold it; 0 = route every session by its own id")
     a.add("--tokenizer", default=default_target(), help="model path or hub id whose tokenizer to use (the target's)")
     a.add("--default-max-new-tokens", type=int, default=D.default_max_new_tokens, help="max_new_tokens when unset")
     a.add("--max-new-tokens-cap", type=int, default=D.max_new_tokens_cap, help="largest max_new_tokens accepted")
@@ -110,7 +113,7 @@ def main(argv=None) -> None:
         tier_ca=args.tier_ca or None, tier_client_cert=args.tier_client_cert or None,
         tier_client_key=args.tier_client_key or None, tier_server_name=args.tier_server_name or None,
         auth_token=auth_token, served_model_name=args.served_model_name or None,
-        routing=RoutingConfig(min_resolution_interval_s=args.min_resolution_interval),
+        routing=RoutingConfig(min_resolution_interval_s=args.min_resolution_interval, prefix_tokens=args.prefix_route_tokens),
     )
     check_server_tls(config.server)
     try:

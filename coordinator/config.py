@@ -37,7 +37,7 @@ class CoordinatorConfig:
     admission: AdmissionConfig = AdmissionConfig()  # concurrency and request-rate limits
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc
     connect_timeout_s: float = 300.0  # how long to wait at start-up for the tiers to answer
-    # --- security (README, Security) ---
+    # --- security (docs/security.md) ---
     tier_ca: str | None = None  # PEM CA that signed the tiers' certs; set = TLS to the tiers (else plaintext)
     tier_client_cert: str | None = None  # PEM client cert chain presented to the tiers (mutual TLS); needs tier_ca
     tier_client_key: str | None = None  # PEM private key of tier_client_cert

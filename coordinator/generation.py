@@ -76,7 +76,7 @@ class Generation:
             if first_token_at is None:
                 first_token_at = self.clock()
             stats.end_round(proposal, len(proposal.tokens), n, len(accepted))
-            yield out.event(chunk)  # emit
+            yield out.event(chunk, verdict.logprobs[: len(chunk)])  # emit
         self.drafter.finish(committed)
         if (tail := out.tail()) is not None:
             yield tail

@@ -1,6 +1,6 @@
 """The coordinator's Prometheus metrics: vLLM's request and speculative-decoding metrics (same names,
 meanings and buckets as vllm/v1/metrics/loggers.py and vllm/v1/spec_decode/metrics.py) plus specdec's
-round breakdown. See README, Metrics. Labels: model_name (and tier, part, proposer, code where they
+round breakdown. See docs/metrics.md. Labels: model_name (and tier, part, proposer, code where they
 apply); never a session.
 
 vLLM's meanings, kept here:

@@ -65,12 +65,17 @@ class Output:
         self.generated += len(chunk)
         return chunk
 
-    def event(self, chunk: list[int]) -> generate_pb2.GenerateResponse:
-        """The round's TokenChunk: its tokens and the text that can no longer become a stop string."""
+    def event(self, chunk: list[int], logprobs: Sequence = ()) -> generate_pb2.GenerateResponse:
+        """The round's TokenChunk: its tokens, the text that can no longer become a stop string, and the
+        tokens' logprobs (target_pb2.TokenLogprobs, one per token, when the request asked for them)."""
         upto = len(self.text) if self.finished else self.stop.safe_len(self.text)
         delta = self.text[self.streamed:upto] if upto > self.streamed else ""
         self.streamed = max(self.streamed, upto)
-        return generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(token_ids=chunk, text=delta))
+        reported = [generate_pb2.TokenLogprob(
+            token_id=t.token_id, logprob=t.logprob,
+            top_logprobs=[generate_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(t.top_token_ids, t.top_logprobs)])
+            for t in logprobs]
+        return generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(token_ids=chunk, text=delta, logprobs=reported))
 
     def tail(self) -> generate_pb2.GenerateResponse | None:
         """Text held back until the end, if any."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from coordinator.proposers.names import HYBRID, Proposer
 from specdec.math.params import SamplingParams
 
+MAX_CACHE_KEY_LEN = 128  # prompt_cache_key (or the OpenAI user standing in for it): characters
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -21,6 +23,8 @@ class GenerationParams:
     proposer: Proposer = HYBRID
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    cache_key: str = ""  # routes the session to the replicas that served the same key (prompt_cache_key)
+    logprobs: int = -1  # -1: no logprobs; n >= 0: each token's logprob and the top n alternatives
 
     @property
     def reproducible(self) -> bool:

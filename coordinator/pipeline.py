@@ -31,6 +31,7 @@ from coordinator.tiers.target import TargetVerifier
 from specdec.math.seeds import DRAFT_STREAM, derive_seed
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, target_pb2
+from specdec.serving import sampling_params
 from specdec.serving.server import read_pem
 
 log = logging.getLogger(__name__)
@@ -155,17 +156,17 @@ class Pipeline:
         deadline: time.monotonic() by which the client must have its answer (None: no deadline)."""
         c, fingerprint = self.config, self.tokenizer_fingerprint
         session_id = uuid.uuid4().hex
+        key = c.routing.routing_key(session_id, params.prompt_ids, params.cache_key)  # the replicas holding its prefix
         stats = RoundStats()
         time_left = deadline_clock(deadline)
-        sampling = common_pb2.SamplingParams(temperature=params.sampling.temperature, top_k=params.sampling.top_k,
-                                             top_p=params.sampling.top_p)
+        sampling = sampling_params.encode(params.sampling, len(params.prompt_ids))  # the same message to both tiers
         target = TargetVerifier(
-            TierSession(self.target.session(session_id), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
+            TierSession(self.target.session(session_id, key), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
                         fingerprint, time_left, self.target_reachability),
-            sampling, params.seed, stats, self.target_load)
+            sampling, params.seed, stats, self.target_load, logprobs=params.logprobs)
         draft = None
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
-            draft = DraftModelProposer(TierSession(self.draft.session(session_id), DRAFT_RETRY, stats, fingerprint, time_left,
+            draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                                    self.draft_reachability),
                                        sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
@@ -175,7 +176,7 @@ class Pipeline:
         drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
                           suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
                           overlap=c.overlap, suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
-                          tree_nodes=c.tree_nodes)
+                          tree_nodes=0 if params.sampling.penalized else c.tree_nodes)  # penalties: chains only
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,

@@ -11,10 +11,10 @@ from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeResult, ProposeWork
 from specdec.proto import draft_pb2, draft_pb2_grpc
-from specdec.serving import draft_probs
+from specdec.serving import draft_probs, sampling_params
 from specdec.serving.server import Service, ServerConfig, handle_errors
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
-from specdec.serving.tier_checks import check_context, check_num_tokens, sampling_params
+from specdec.serving.tier_checks import check_context, check_num_tokens
 
 SERVICE_NAME = "specdec.v1.DraftService"
 
@@ -50,14 +50,16 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         check_num_tokens(engine, request.num_tokens, "num_tokens", minimum=1)
         check_context(engine, request.context, extra_tokens=request.num_tokens - 1)
         ctx = request.context
+        params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
+                                                     ctx.prefix_len + len(ctx.new_tokens))
         return ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
-                                  request.num_tokens, sampling_params(request.sampling), request.seed, self.draft_top_n)
+                                  request.num_tokens, params, request.seed, self.draft_top_n, prompt_len=prompt_len)
 
     @staticmethod
     def to_response(r: ProposeResult) -> draft_pb2.ProposeResponse:
         return draft_pb2.ProposeResponse(
             tokens=r.tokens, q=draft_probs.encode(r.q), cached_len=r.cached_len, compute_ms=r.compute_ms,
-            batch_sessions=r.batch_sessions, step_ms=r.step_ms, queue_ms=r.queue_ms)
+            batch_sessions=r.batch_sessions, step_ms=r.step_ms, queue_ms=r.queue_ms, prefix_reused=r.reused)
 
 
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:

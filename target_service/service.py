@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.core.errors import check_token_ids
+from specdec.core.errors import check_token_ids, invalid_argument
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
-from specdec.engine.verify import VerifyResult, VerifyWork
+from specdec.engine.verify import MAX_TOP_LOGPROBS, VerifyResult, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
-from specdec.serving import draft_probs
+from specdec.serving import draft_probs, sampling_params
 from specdec.serving.token_tree import tree_of
 from specdec.serving.server import Service, ServerConfig, handle_errors
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
-from specdec.serving.tier_checks import check_context, check_num_tokens, sampling_params
+from specdec.serving.tier_checks import check_context, check_num_tokens
 
 SERVICE_NAME = "specdec.v1.TargetService"
 
@@ -50,18 +50,29 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         check_context(engine, request.context, extra_tokens=k)
         check_token_ids(request.draft_tokens, engine.vocab_size, "draft_tokens")
         q = draft_probs.decode(request.q, k, engine.vocab_size)
-        params = sampling_params(request.sampling)
-        parents, scheme = tree_of(request, q is not None, params.greedy, engine)
+        if request.logprobs and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid_argument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         ctx = request.context
+        params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
+                                                     ctx.prefix_len + len(ctx.new_tokens))
+        parents, scheme = tree_of(request, q is not None, params.greedy, engine)
+        if parents is not None and params.penalized:
+            raise invalid_argument("draft_parents: token trees take no presence, frequency or repetition penalty "
+                                   "(send the drafts as a chain)")
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
-                                 list(request.draft_tokens), q, params, request.seed, parents, scheme)
+                                 list(request.draft_tokens), q, params, request.seed, prompt_len=prompt_len,
+                                 logprobs=request.top_logprobs if request.logprobs else -1, parents=parents,
+                                 scheme=scheme)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
         return target_pb2.VerifyResponse(num_accepted=r.num_accepted, next_token=r.next_token, cached_len=r.cached_len,
                                          compute_ms=r.compute_ms, batch_sessions=r.batch_sessions,
                                          batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms,
-                                         accepted_path=r.path if r.tree else ())
+                                         prefix_reused=r.reused, accepted_path=r.path if r.tree else (),
+                                         logprobs=[target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
+                                                                            top_token_ids=t.top_ids, top_logprobs=t.top_logprobs)
+                                                   for t in r.logprobs])
 
 
 def build(config: TargetConfig, engine: Engine | None = None) -> TierServer:

@@ -2,6 +2,7 @@ import os
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 import torch
 
@@ -74,6 +75,19 @@ def real_pair() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def cluster(random_draft_cluster):
     return random_draft_cluster
+
+
+# The official openai client against a cluster's OpenAI-compatible API (the module's `cluster`), and the
+# model name it serves.
+@pytest.fixture(scope="module")
+def oai(cluster):
+    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(cluster):
+    return cluster.coordinator.frontend.model_name
 
 
 @pytest.fixture(scope="module")

@@ -113,12 +113,17 @@ class ReplicaCluster:
             self.dns.set(NAMES[tier], [*self.dns.get(NAMES[tier]), address])
         return replica
 
+    def stop(self, tier: str, address: str) -> None:
+        """A replica dies: its server stops at once (its address stays in the tier's name, as a crashed pod's
+        may for a while)."""
+        self._call(self.replicas[tier][address].server.stop(0))
+
     def coordinator(self, target: str | None = None, draft: str | None = None, tokenizer: str | None = None, **overrides):
         """Start a coordinator (default: reaching each tier by its DNS name); returns its address."""
         config = CoordinatorConfig(
             target_address=target or self.tier_target("target"), draft_address=draft or self.tier_target("draft"),
             tokenizer=tokenizer or next(iter(self.replicas["target"].values())).engine.config.model.path,
-            connect_timeout_s=30, routing=RoutingConfig(min_resolution_interval_s=0.2), **overrides)
+            connect_timeout_s=30, **{"routing": RoutingConfig(min_resolution_interval_s=0.2), **overrides})
 
         async def start():
             c = await build_coordinator(config)

@@ -21,17 +21,6 @@ def cluster(self_draft_cluster):
     return self_draft_cluster
 
 
-@pytest.fixture(scope="module")
-def oai(cluster):
-    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(cluster):
-    return cluster.coordinator.frontend.model_name
-
-
 def bad_request(call) -> dict:
     with pytest.raises(openai.BadRequestError) as e:
         call()

@@ -26,17 +26,6 @@ def cluster(self_draft_cluster):
     return self_draft_cluster
 
 
-@pytest.fixture(scope="module")
-def oai(cluster):
-    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(cluster):
-    return cluster.coordinator.frontend.model_name
-
-
 def grpc_generate(cluster, **kw):
     with Client(cluster.address) as client:
         return client.generate(**kw)
@@ -125,15 +114,15 @@ def test_every_proposer_name_the_grpc_api_accepts(cluster, oai, model):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),  # n > 1 is served (tests/test_openai_controls.py); out of range is not
     ({"temperature": -1}, "temperature"),
     ({"max_tokens": 10**6}, None),  # over the server's cap: the shared validation's message
     ({"top_p": 1.5}, None),
     ({"extra_body": {"num_speculative_tokens": 99}}, None),
     ({"extra_body": {"proposer": "oracle"}}, "proposer"),
     ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logprobs": True}, "logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),  # out of [-2, 2]
+    ({"logprobs": True, "top_logprobs": 25}, "top_logprobs"),  # over OpenAI's 20
 ])
 def test_bad_requests_are_400_in_openai_shape(oai, model, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:

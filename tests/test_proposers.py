@@ -117,7 +117,7 @@ def _costly_draft(count_catch_up: bool) -> list[int]:
 def test_a_costly_draft_that_pays_when_drafting_every_round_keeps_being_asked():
     """Catch-up calls are one-off costs and stay out of the fit; counted, they make the draft look dearer
     the less it is asked, until it is never asked (the adaptive self-draft ran at 0.75x the target alone
-    that way; now 1.12x, README)."""
+    that way; now 1.12x, docs/performance.md)."""
     ks = _costly_draft(count_catch_up=False)
     assert min(ks[-20:]) >= 4, ks  # long blocks, every round
     old = _costly_draft(count_catch_up=True)

@@ -83,3 +83,31 @@ def test_a_malformed_tree_fails_alone_among_concurrent_verifies(target_cluster, 
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith(message), error.details()
     for a, t in zip(alone, together):
         assert (list(t.accepted_path), t.next_token) == (list(a.accepted_path), a.next_token)
+
+
+def test_a_tree_reports_the_logprobs_of_its_accepted_path_as_a_chain_would(target_cluster, tiny_target_model):
+    ids = prompt(510, 10)
+    g = reference_greedy(tiny_target_model, ids, 4, None)
+    tree = [(g[0] + 31) % 40000 + 3, g[0], g[1] + 1, g[1], g[2], g[2] + 1]
+    as_tree = request("lp-tree", ids, tree, PARENTS)
+    as_tree.logprobs, as_tree.top_logprobs = True, 3
+    as_chain = request("lp-chain", ids, g[:3])
+    as_chain.logprobs, as_chain.top_logprobs = True, 3
+    t, c = call(target_cluster, [as_tree, as_chain])
+    assert (t.num_accepted, t.next_token) == (c.num_accepted, c.next_token) == (3, g[3])
+    assert [x.token_id for x in t.logprobs] == [x.token_id for x in c.logprobs] == g[:4]
+    for x, y in zip(t.logprobs, c.logprobs):
+        assert list(x.top_token_ids) == list(y.top_token_ids)
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+def test_a_tree_with_logit_bias_follows_the_biased_argmax_and_a_penalised_tree_is_refused(target_cluster):
+    ids = prompt(520, 10)
+    biased = request("bias-tree", ids, [7, 9, 9, 8, 7, 7], PARENTS)
+    biased.sampling.logit_bias[9] = 100.0  # token 9 wins every position
+    penalised = request("penal-tree", ids, [7, 9, 9, 8, 7, 7], PARENTS)
+    penalised.sampling.presence_penalty = 0.5
+    b, p = call(target_cluster, [biased, penalised])
+    assert (list(b.accepted_path), b.next_token) == ([1, 2], 9)  # 9 (node 1), then 9 (node 2, its child), then 9
+    assert isinstance(p, grpc.aio.AioRpcError) and p.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert p.details().startswith("draft_parents: token trees take no presence"), p.details()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from coordinator.api.frontend import Frontend, finish_reason_name
+from coordinator.api.frontend import Frontend
+from coordinator.api.openai_reply import Choice, Indexed, Reply
 from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
 from specdec.proto import generate_pb2
 from specdec.serving.metrics import METRICS_CONTENT_TYPE, RpcMetrics, exposition
@@ -42,11 +42,6 @@ HTTP_STATUS = {
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
               405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
-# Our finish reasons -> OpenAI's.
-FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
-# ... and what ended it, in each final choice's `finish_details.type` (OpenAI's "length" covers both the
-# request's max_tokens and the model's context; this tells them apart).
-FINISH_DETAIL = {"eos": "eos", "stop": "stop", "length": "max_tokens", "context": "context_length"}
 # gRPC field names the OpenAI API spells otherwise, also in error messages.
 RENAMED_IN_MESSAGES = ("max_new_tokens", "chat.messages")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -137,10 +132,6 @@ def api_words(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> di
     return {"max_new_tokens": max_param, "chat.messages": "messages", "prompt": "messages" if chat else "prompt"}
 
 
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
 def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(HttpMetrics, rpc=frontend.metrics.rpc)
@@ -210,115 +201,97 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{frontend.model_name}`",
                        param="model", code="model_not_found")
     try:
-        greq = body.to_generate_request()
+        greqs = body.to_generate_requests()  # one per choice (n)
     except BadRequest as e:
         raise ApiError(400, str(e), param=e.param, code="invalid_argument") from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    events = frontend.generate(greq, api="http", request_id=rid)
+    streams, firsts = [], []
     words = api_words(body, chat)
     try:  # bad input, admission and a first round that fails get their HTTP status, not a broken stream
-        first = await events.__anext__()
+        for i, greq in enumerate(greqs):
+            streams.append(frontend.generate(greq, api="http", request_id=rid if len(greqs) == 1 else f"{rid}-{i}"))
+            firsts.append(await streams[-1].__anext__())
     except RequestError as e:
-        await events.aclose()
+        for events in streams:
+            await events.aclose()
         raise ApiError.from_request_error(e, words) from None
-    reply = Reply(rid, frontend.model_name, chat, frontend.pipeline.target_info.max_context)
+    events = _merge(firsts, streams)
+    reply = Reply(rid, frontend.model_name, chat, frontend.pipeline.tokenizer, logprobs=greqs[0].logprobs,
+                  max_context=frontend.pipeline.target_info.max_context)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventStream(reply.stream(first, events, usage, request.scope))
-    collect = asyncio.ensure_future(_collect(first, events))
+        return EventStream(reply.stream(len(greqs), events, usage, request.scope, STREAM_ERROR, _stream_error))
+    collect = asyncio.ensure_future(_collect(len(greqs), events))
     try:
         while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
             if await request.is_disconnected():  # nobody will read the answer: stop generating
                 raise ApiError(499, "the client closed the request", code="cancelled")
-        text, result = collect.result()
+        choices = collect.result()
     except RequestError as e:
         raise ApiError.from_request_error(e, words) from None
     finally:
         if not collect.done():
-            collect.cancel()  # cancels the generation inside it: its sessions are ended
+            collect.cancel()  # cancels the generations inside it: their sessions are ended
             with contextlib.suppress(BaseException):
                 await collect
         await events.aclose()
-    return reply.whole(text, result)
+    return reply.whole(choices)
 
 
-async def _collect(first: generate_pb2.GenerateResponse, events: AsyncIterator[generate_pb2.GenerateResponse]):
-    """(text, result) of a whole generation."""
-    text, result, event = [], None, first
-    while True:
-        if event.HasField("chunk"):
-            text.append(event.chunk.text)
-        else:
-            result = event.result
+def _stream_error(e: RequestError) -> tuple[int, dict]:
+    err = ApiError.from_request_error(e)
+    return err.status, err.body()
+
+
+async def _merge(firsts: list[generate_pb2.GenerateResponse],
+                 streams: list[AsyncIterator[generate_pb2.GenerateResponse]]) -> AsyncIterator[Indexed]:
+    """The events of the choices' generations as (index, event), in the order they arrive. One choice runs
+    inline; several run as tasks feeding a queue. Closing this closes every generation (ending its sessions)."""
+    if len(streams) == 1:
         try:
-            event = await events.__anext__()
-        except StopAsyncIteration:
-            return "".join(text), result
-
-
-class Reply:
-    """OpenAI response objects for one generation: chat.completion(.chunk) or text_completion."""
-
-    def __init__(self, rid: str, model: str, chat: bool, max_context: int) -> None:
-        self.rid, self.model, self.chat = rid, model, chat
-        self.max_context = max_context  # the target's context: prompt + generated tokens
-        self.created = int(time.time())
-
-    def _envelope(self, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
-
-    @staticmethod
-    def usage(result: generate_pb2.GenerationResult) -> dict:
-        s = result.stats
-        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
-                "total_tokens": s.prompt_tokens + s.generated_tokens}
-
-    def _choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False) -> dict:
-        if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        if chunk:
-            delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
-
-    def _final(self, text: str | None, result: generate_pb2.GenerationResult, chunk: bool) -> dict:
-        """The choice that ends the generation: OpenAI's finish_reason, and finish_details saying what ended it
-        (max_tokens or the model's context both read "length")."""
-        ours = finish_reason_name(result.finish_reason)
-        details = {"type": FINISH_DETAIL[ours]}
-        if ours == "context":
-            s = result.stats
-            details["message"] = (f"the model's context of {self.max_context} tokens is full: {s.prompt_tokens} prompt "
-                                  f"+ {s.generated_tokens} generated tokens, before max_tokens was reached")
-        return {**self._choice(text, FINISH_REASON[ours], chunk), "finish_details": details}
-
-    def whole(self, text: str, result: generate_pb2.GenerationResult) -> dict:
-        return {**self._envelope(False), "choices": [self._final(text, result, chunk=False)], "usage": self.usage(result)}
-
-    async def stream(self, first: generate_pb2.GenerateResponse, events: AsyncIterator[generate_pb2.GenerateResponse],
-                     include_usage: bool, scope: dict) -> AsyncIterator[str]:
-        extra = {"usage": None} if include_usage else {}
-        try:
-            if self.chat:  # OpenAI's first chunk announces the role
-                yield sse({**self._envelope(True), "choices": [self._choice("", None, True, role=True)], **extra})
-            event = first
-            while True:
-                if event.HasField("chunk"):
-                    if event.chunk.text:
-                        yield sse({**self._envelope(True), "choices": [self._choice(event.chunk.text, None, True)], **extra})
-                else:
-                    yield sse({**self._envelope(True), "choices": [self._final(None, event.result, True)], **extra})
-                    if include_usage:
-                        yield sse({**self._envelope(True), "choices": [], "usage": self.usage(event.result)})
-                try:
-                    event = await events.__anext__()
-                except StopAsyncIteration:
-                    break
-        except RequestError as e:
-            err = ApiError.from_request_error(e)
-            scope[STREAM_ERROR] = err.status
-            yield sse(err.body())
+            yield 0, firsts[0]
+            async for event in streams[0]:
+                yield 0, event
         finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            await queue.put((i, firsts[i]))
+            async for event in streams[i]:
+                await queue.put((i, event))
+            await queue.put((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    try:
+        running = len(streams)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for events in streams:
             await events.aclose()
-        yield "data: [DONE]\n\n"
+
+
+async def _collect(n: int, events: AsyncIterator[Indexed]) -> list[Choice]:
+    """Each choice's text, logprobs and result."""
+    choices = [Choice() for _ in range(n)]
+    async for i, event in events:
+        if event.HasField("chunk"):
+            choices[i].text.append(event.chunk.text)
+            choices[i].logprobs.extend(event.chunk.logprobs)
+        else:
+            choices[i].result = event.result
+    return choices

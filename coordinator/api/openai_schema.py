@@ -4,7 +4,9 @@ length, max tokens, K, stop strings, sampling ranges) are the shared validator's
 
 specdec's own options travel as extra body fields (openai client: `extra_body={...}`):
 num_speculative_tokens (K; 0 = target-only; unset = the server's default, adaptive), proposer (any name
-or alias of coordinator.proposers.names, the gRPC API's table), top_k, ignore_eos.
+or alias of coordinator.proposers.names, the gRPC API's table), top_k, ignore_eos, and vLLM's
+repetition_penalty and min_p. n > 1 becomes n GenerateRequests (n generations; with a seed, choice i
+samples with seed + i, as vLLM does).
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.params import MAX_CACHE_KEY_LEN
 from coordinator.proposers.names import NAMES, Proposer
 from specdec.proto import generate_pb2
 
 ProposerName = Literal[NAMES]  # every name and alias the gRPC API accepts
 # OpenAI's newer "developer" role is the system prompt of older models.
 ROLE_ALIASES = {"developer": "system"}
+MAX_N = 16  # choices per request (each a generation: a session on both tiers)
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs (the gRPC API's too)
 
 
 class BadRequest(ValueError):
@@ -61,40 +66,62 @@ class _Common(_Body):
     max_tokens: int | None = Field(default=None, ge=1)  # default: the server's default_max_new_tokens
     temperature: float | None = Field(default=None, ge=0.0)  # 0 = greedy (the default)
     top_p: float | None = None
-    n: int = 1
+    n: int = 1  # choices: n generations, 1..MAX_N
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted, not used
+    presence_penalty: float | None = None  # [-2, 2]; ranges are the shared validator's
+    frequency_penalty: float | None = None  # [-2, 2]
+    logit_bias: dict[str, float] | None = None  # {token id (as a string, OpenAI's form): bias in [-100, 100]}
+    user: str | None = None  # routes like prompt_cache_key when that is absent
+    prompt_cache_key: str | None = None  # requests with the same key reach the same replicas (their prefix caches)
     # specdec's extras
     num_speculative_tokens: int | None = None
     proposer: ProposerName | None = None
     top_k: int | None = None
     ignore_eos: bool = False
+    repetition_penalty: float | None = None  # vLLM's extra: (0, 2], 1 = off
+    min_p: float | None = None  # vLLM's extra: [0, 1], 0 = off
 
     def _check_common(self) -> None:
-        if self.n != 1:
-            raise BadRequest(f"n: only n=1 is supported, got {self.n}", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise BadRequest(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise BadRequest(f"{name} is not supported (it would change the target's distribution)", name)
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", "logit_bias")
+
+    def _per_choice(self, req: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateRequest]:
+        """n copies of the request; with a seed, choice i's is seed + i (mod 2^64), so choices differ and the
+        request stays reproducible. Without one each choice draws its own random seed."""
+        reqs = []
+        for i in range(self.n):
+            r = generate_pb2.GenerateRequest()
+            r.CopyFrom(req)
+            if self.seed is not None:
+                r.seed = (self.seed + i) % 2**64
+            reqs.append(r)
+        return reqs
 
     def _fill(self, req: generate_pb2.GenerateRequest, max_new_tokens: int | None) -> generate_pb2.GenerateRequest:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         req.stop.extend(stop)
         req.ignore_eos = self.ignore_eos
+        key_field = "prompt_cache_key" if self.prompt_cache_key else "user"
+        key = self.prompt_cache_key or self.user or ""
+        if len(key) > MAX_CACHE_KEY_LEN:
+            raise BadRequest(f"{key_field}: at most {MAX_CACHE_KEY_LEN} characters, got {len(key)}", key_field)
+        req.prompt_cache_key = key
         if self.proposer is not None:
             req.proposer = Proposer.parse(self.proposer).proto
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                req.logit_bias[int(key)] = bias
+            except (ValueError, TypeError):
+                raise BadRequest(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias") from None
         values = {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "top_k": self.top_k, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens}
+                  "top_k": self.top_k, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "repetition_penalty": self.repetition_penalty, "min_p": self.min_p}
         for name, value in values.items():
             if value is not None:
                 try:
@@ -115,10 +142,13 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
-    def to_generate_request(self) -> generate_pb2.GenerateRequest:
+    def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
+        """One GenerateRequest per choice."""
         self._check_common()
-        if self.logprobs or self.top_logprobs:
-            raise BadRequest("logprobs are not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         if self.tools or self.tool_choice not in (None, "none"):
             raise BadRequest("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type") != "text":
@@ -128,7 +158,9 @@ class ChatCompletionRequest(_Common):
         for m in self.messages:
             req.chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=m.text())
         max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._fill(req, max_new)
+        req.logprobs = self.logprobs
+        req.top_logprobs = self.top_logprobs or 0
+        return self._per_choice(self._fill(req, max_new))
 
 
 class CompletionRequest(_Common):
@@ -138,12 +170,13 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    def to_generate_request(self) -> generate_pb2.GenerateRequest:
+    def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
+        """One GenerateRequest per choice."""
         self._check_common()
         if self.echo:
             raise BadRequest("echo is not supported", "echo")
-        if self.logprobs:
-            raise BadRequest("logprobs are not supported", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.best_of not in (None, 1):
             raise BadRequest("best_of: only 1 is supported", "best_of")
         if self.suffix:
@@ -162,4 +195,6 @@ class CompletionRequest(_Common):
                 req.token_ids.ids.extend(prompt)
             except (ValueError, TypeError):
                 raise BadRequest("prompt: token ids must be 32-bit integers", "prompt") from None
-        return self._fill(req, self.max_tokens)
+        if self.logprobs is not None:  # OpenAI's completions: the number of alternatives, 0 = the chosen token only
+            req.logprobs, req.top_logprobs = True, self.logprobs
+        return self._per_choice(self._fill(req, self.max_tokens))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 
-from coordinator.params import GenerationParams
+from coordinator.params import MAX_CACHE_KEY_LEN, GenerationParams
 from coordinator.pipeline import Pipeline
 from coordinator.proposers.names import Proposer
 from specdec.math.params import SamplingParams
@@ -16,6 +16,7 @@ from specdec.core.errors import RequestError, check_token_ids, invalid_argument
 CHAT_ROLES = {"system", "user", "assistant"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap; the target's too)
 
 
 class RequestValidator:
@@ -45,11 +46,20 @@ class RequestValidator:
             temperature=r.temperature if r.HasField("temperature") else 0.0,
             top_k=r.top_k if r.HasField("top_k") else 0,
             top_p=r.top_p if r.HasField("top_p") else 1.0,
+            presence_penalty=r.presence_penalty if r.HasField("presence_penalty") else 0.0,
+            frequency_penalty=r.frequency_penalty if r.HasField("frequency_penalty") else 0.0,
+            repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
+            min_p=r.min_p if r.HasField("min_p") else 0.0,
+            logit_bias=SamplingParams.bias_items(r.logit_bias),
         )
         try:
-            sampling.validate()
+            sampling.validate(self.pipeline.target_info.vocab_size)
         except ValueError as e:
             raise invalid_argument(str(e), str(e).split()[0]) from None  # the message starts with the field
+        if r.top_logprobs and not r.logprobs:
+            raise invalid_argument("top_logprobs needs logprobs")
+        if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid_argument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {r.top_logprobs}")
         if r.HasField("num_speculative_tokens"):
             k = r.num_speculative_tokens
             if not 0 <= k <= self.max_k():
@@ -67,8 +77,11 @@ class RequestValidator:
             if not s or len(s) > MAX_STOP_LEN:
                 raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters", "stop")
         seed = r.seed if r.HasField("seed") else secrets.randbits(63)
+        if len(r.prompt_cache_key) > MAX_CACHE_KEY_LEN:
+            raise invalid_argument(f"prompt_cache_key: at most {MAX_CACHE_KEY_LEN} characters, got {len(r.prompt_cache_key)}")
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
-                                num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
+                                num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
+                                cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1)
 
     def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
         tok = self.pipeline.tokenizer

@@ -5,7 +5,10 @@ headless Service that resolves to every ready pod). The channel's service config
 policy keyed on a request header (gRFC A76, `requestHashHeader`; grpcio >= 1.70 as
 `ring_hash_experimental`, behind GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY=true) and client-side
 health checking. Every rpc of a session carries the session id in that header, so all of a session's
-calls reach the replica that holds its KV cache. A replica that dies or reports NOT_SERVING leaves the
+calls reach the replica that holds its KV cache. The header's value is the session's routing key
+(routing_key): the request's prompt_cache_key if it has one, else the fingerprint of its leading
+prefix_tokens tokens if it is longer than that, else the session id; so requests that share a
+conversation or a long prefix reach the replica whose prefix cache holds it. A replica that dies or reports NOT_SERVING leaves the
 ring's pick; its sessions hash to the next replica on the ring, which answers FAILED_PRECONDITION (it
 lacks them) and the coordinator re-prefills there. Servers bound their connections' age, so the channel
 re-resolves the name and finds replicas that joined.
@@ -18,10 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from specdec.core.prefix import PrefixHashes
 
 # grpc-core reads requestHashHeader from the ring-hash config only when this is true (A76, experimental).
 RING_HASH_ENV = "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"
@@ -34,7 +40,8 @@ class RoutingUnsupported(RuntimeError):
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    hash_header: str = "specdec-session-id"  # request header the ring hash keys on: every session rpc carries its id
+    hash_header: str = "specdec-session-id"  # request header the ring hash keys on: every session rpc carries its routing key
+    prefix_tokens: int = 256  # a longer prompt routes by the fingerprint of its first prefix_tokens tokens (0: never)
     min_ring_size: int = 1024  # ring entries at least (grpc's default); more entries split sessions more evenly
     max_ring_size: int = 4096  # ring entries at most (grpc's default and its cap)
     health_check: bool = True  # watch each replica's health service; a NOT_SERVING replica gets no new calls
@@ -53,9 +60,20 @@ class RoutingConfig:
         return [("grpc.service_config", json.dumps(self.service_config(health_service))),
                 ("grpc.dns_min_time_between_resolutions_ms", int(self.min_resolution_interval_s * 1000))]
 
-    def metadata(self, session_id: str) -> tuple[tuple[str, str], ...]:
-        """The call metadata that routes an rpc to the session's replica."""
-        return ((self.hash_header, session_id),)
+    def metadata(self, key: str) -> tuple[tuple[str, str], ...]:
+        """The call metadata that routes an rpc to the replica of a session's routing key."""
+        return ((self.hash_header, key),)
+
+    def routing_key(self, session_id: str, prompt_ids: Sequence[int], cache_key: str = "") -> str:
+        """The key a session's rpcs are hashed on: the client's cache key, else the prompt's leading
+        prefix_tokens tokens (so requests sharing them meet the replica whose prefix cache holds them),
+        else the session itself."""
+        if cache_key:
+            return f"key:{cache_key}"
+        n = self.prefix_tokens
+        if n > 0 and len(prompt_ids) > n:
+            return f"prefix:{PrefixHashes(prompt_ids[:n]).at(n):016x}"
+        return session_id
 
 
 PROBE_SERVICE = "specdec.v1.RoutingProbe"

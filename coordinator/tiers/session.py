@@ -85,7 +85,7 @@ class SessionCalls(Protocol):
 class TierReply:
     message: Any  # the tier's response
     wall_ms: float  # the successful call's round trip
-    fed: int = 0  # tokens the request sent after the tier's cached prefix (context.new_tokens)
+    fed: int = 0  # tokens the tier had to feed: context.new_tokens less those its prefix cache supplied
 
 
 class TierSession:
@@ -167,7 +167,8 @@ class TierSession:
                 continue
             self._failures = 0
             self.cursor.update(ctx, extra(response), response.cached_len, committed_len=committed_len)
-            return TierReply(response, (time.perf_counter() - t0) * 1e3, len(ctx.new_tokens))
+            fed = len(ctx.new_tokens) - getattr(response, "prefix_reused", 0)  # the tier's prefix cache fed the rest
+            return TierReply(response, (time.perf_counter() - t0) * 1e3, fed)
 
     async def _pause(self, seconds: float) -> None:
         """A retry's back-off, cut short when the tier's probe finds no replica left."""

@@ -20,13 +20,16 @@ class Verdict:
     next_token: int  # the recovered token (n < K) or the bonus token (n == K)
     wall_ms: float  # the Verify's round trip
     path: tuple[int, ...] = ()  # a token tree: the accepted nodes, root-down; () for a chain (its first n drafts)
+    logprobs: tuple[target_pb2.TokenLogprobs, ...] = ()  # per committed token (d_1..d_n, next_token), when asked
 
 
 class TargetVerifier:
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int, stats: RoundStats,
-                 load: TierLoad | None = None) -> None:
+                 load: TierLoad | None = None, logprobs: int = -1) -> None:
         """seed: the request's (each round's draws are keyed by it and the committed length); load: the target's
-        batching, shared by the coordinator's sessions, learnt from every response (None: not learnt)."""
+        batching, shared by the coordinator's sessions, learnt from every response (None: not learnt);
+        logprobs: -1 none, n >= 0 the committed tokens' logprobs with the top n alternatives."""
+        self.logprobs = logprobs
         self.session = session
         self.sampling = sampling
         self.seed = seed
@@ -41,6 +44,7 @@ class TargetVerifier:
         reply = await self.session.call(
             committed, hashes,
             lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
+                                                 logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0),
                                                  draft_parents=parents),
             extra=lambda response: [drafts[i] for i in response.accepted_path] if parents else drafts)
         response = reply.message
@@ -48,7 +52,8 @@ class TargetVerifier:
         if self.load is not None:
             self.load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
                               response.compute_ms, response.queue_ms)
-        return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.accepted_path))
+        return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.accepted_path),
+                       tuple(response.logprobs))
 
     async def close(self) -> None:
         await self.session.close()

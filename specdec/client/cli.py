@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     r.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     r.add_argument("--self-draft", default=None, choices=["float16", "bfloat16"],
                    help="use the target's own copy at this precision as the draft (no draft model needed; "
-                        "float16 agrees best on CPU, see README)")
+                        "float16 agrees best on CPU, see docs/performance.md)")
     r.add_argument("--device", default="cpu")
     r.add_argument("--threads", type=int, default=0, help="torch threads per tier (0 = default)")
     add_generation_args(r)

@@ -27,6 +27,7 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: str  # "length" | "eos" | "stop" | "context"
     stats: dict = field(default_factory=dict)
+    logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)  # per token, when asked for
 
 
 def finish_reason_name(value: int) -> str:
@@ -47,13 +48,23 @@ def build_request(
     num_speculative_tokens: int | None = None,
     ignore_eos: bool = False,
     proposer: str | None = None,
+    prompt_cache_key: str = "",
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    min_p: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
-    proposer: a name or alias of coordinator.proposers.names (e.g. "suffix", "draft_model" or its alias "draft")."""
+    proposer: a name or alias of coordinator.proposers.names (e.g. "suffix", "draft_model" or its alias "draft").
+    prompt_cache_key: requests with the same key reach the same replicas (and their prefix caches)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
-    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos,
-                                       proposer=Proposer.parse(proposer).proto if proposer is not None else 0)
+    req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos, prompt_cache_key=prompt_cache_key,
+                                       proposer=Proposer.parse(proposer).proto if proposer is not None else 0,
+                                       logit_bias=logit_bias or {}, logprobs=logprobs, top_logprobs=top_logprobs)
     if prompt is not None:
         req.text = prompt
     elif messages is not None:
@@ -63,7 +74,9 @@ def build_request(
         if not token_ids:
             req.token_ids.SetInParent()
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
-                        ("top_p", top_p), ("seed", seed), ("num_speculative_tokens", num_speculative_tokens)):
+                        ("top_p", top_p), ("seed", seed), ("num_speculative_tokens", num_speculative_tokens),
+                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                        ("repetition_penalty", repetition_penalty), ("min_p", min_p)):
         if value is not None:
             setattr(req, name, value)
     return req
@@ -118,17 +131,18 @@ class Client:
         return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s, metadata=self.metadata)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:
-        text, ids, result = [], [], None
+        text, ids, logprobs, result = [], [], [], None
         for event in self.stream(prompt, **kwargs):
             if event.HasField("chunk"):
                 ids.extend(event.chunk.token_ids)
+                logprobs.extend(event.chunk.logprobs)
                 text.append(event.chunk.text)
             else:
                 result = event.result
         if result is None:
             raise RuntimeError("stream ended without a result")
         stats = MessageToDict(result.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-        return GenerationOutput("".join(text), ids, finish_reason_name(result.finish_reason), stats)
+        return GenerationOutput("".join(text), ids, finish_reason_name(result.finish_reason), stats, logprobs)
 
     def info(self) -> dict:
         resp = self.stub.GetInfo(generate_pb2.GetInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineStatus:
     num_sessions: int  # sessions holding a KV slot
-    cached_tokens: int  # tokens in their caches
+    cached_tokens: int  # tokens in their caches (not counting the prefix cache's retained slots)
     evictions: int  # sessions evicted so far (LRU, idle TTL, token budget)
     num_running: int  # requests being computed
     num_waiting: int  # requests queued
@@ -55,6 +55,10 @@ class EngineStatus:
     compile_s: float  # seconds spent compiling / capturing
     steps: int  # forwards run so far
     step_tokens: int  # tokens fed in them
+    prefix_cache_sessions: int = 0  # retained slots of ended sessions (prefix-cache donors, evictable)
+    prefix_cache_tokens: int = 0  # tokens in them
+    prefix_cache_queries: int = 0  # tokens of fresh starts looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, tokens taken from it instead of prefilled
 
 
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
@@ -205,12 +209,13 @@ class Engine:
             self.sessions.evict_idle()
             s = self.sessions
             return EngineStatus(
-                num_sessions=len(s), cached_tokens=s.cached_tokens, evictions=s.evictions,
+                num_sessions=len(s), cached_tokens=s.cached_tokens - s.retained_tokens, evictions=s.evictions,
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + len(self._inbox),
-                kv_used_bytes=s.cached_tokens * self.cache.geometry.bytes_per_token,
+                kv_used_bytes=(s.cached_tokens - s.retained_tokens) * self.cache.geometry.bytes_per_token,
                 kv_capacity_bytes=self.cache.capacity_bytes, kv_capacity_tokens=self.cache.capacity_tokens,
                 kv_resident_bytes=self.cache.resident_bytes, step_mode=self.runner.mode, compile_s=self.runner.compile_s,
-                steps=self.steps, step_tokens=self.step_tokens)
+                steps=self.steps, step_tokens=self.step_tokens, prefix_cache_sessions=s.retained,
+                prefix_cache_tokens=s.retained_tokens,                prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits)
 
     # --- the engine thread --------------------------------------------------------------------------
 
@@ -252,13 +257,18 @@ class Engine:
         if work.cancelled:
             return DROPPED
         try:
-            session = self.sessions.acquire(work.session_id, work.prefix_len, work.prefix_hash)
+            # A fresh start may take a cached prefix of its tokens, leaving those it needs logits of.
+            reusable = len(work.pending) - work.num_logits if work.prefix_len == 0 else 0
+            session = self.sessions.acquire(work.session_id, work.prefix_len, work.prefix_hash, work.pending, reusable)
         except PrefixMismatch as e:
             self._settle(work, error=RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)))
             return DROPPED
         if session is None:
             return WAIT  # every slot is busy
         work.session = session
+        if work.prefix_len == 0 and session.reused:
+            work.reused = session.reused
+            del work.pending[: session.reused]
         return STARTED
 
     def _step(self, plan: list[Planned]) -> None:

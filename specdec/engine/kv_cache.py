@@ -118,6 +118,16 @@ class SlotKVCache:
         """Positions below `end` of `slot` now hold written keys and values."""
         self.initialized[slot] = max(self.initialized[slot], end)
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Positions [0, length) of slot src into slot dst, every layer (the prefix cache: a shared prefix's
+        keys and values, no forward). The slots must differ; src must hold `length` written positions."""
+        if src == dst or length > self.initialized[src]:
+            raise ValueError(f"cannot copy {length} positions from slot {src} (initialized {self.initialized[src]}) to {dst}")
+        for layer in range(self.geometry.num_layers):
+            self.keys[layer][dst, :, :length] = self.keys[layer][src, :, :length]
+            self.values[layer][dst, :, :length] = self.values[layer][src, :, :length]
+        self.mark_written(dst, length)
+
     def write(
         self,
         layer: int,

@@ -68,6 +68,9 @@ class Scheduler:
                 continue
             self.running.append(work)
             busy.add(work.session_id)
+            p = self._portion(work, tokens_left)  # again: starting may take a cached prefix off pending
+            if p is None:
+                continue  # running; fed from the next step on
             planned.append(p)
             sessions_left -= 1
             tokens_left -= p.take

@@ -4,8 +4,11 @@ One forward scores [uncached committed tokens + d_1..d_K]; then all sessions who
 the step are verified together: greedy sessions with verify_greedy_batched, the others with
 rejection_sample_batched (specdec.math.rejection) over the batch's SpecDecodeMetadata (flattened drafts)
 and its q (the sessions' DraftProbs, one-hot for deterministic drafts, made dense by the math module),
-each with its own sampling parameters and seed. The session then keeps the committed prefix plus the accepted drafts: a crop,
-which is a length change.
+each with its own sampling parameters and seed. The target's p at every row is what the target alone would
+compute at that position: logit_bias and the penalties (over the committed tokens plus the drafts before
+the row: specdec.math.penalties) are applied before the greedy argmax or the sampling distribution. When
+asked, the log-probabilities of the committed tokens (the accepted drafts and the next token) come back
+too. The session then keeps the committed prefix plus the accepted drafts: a crop, which is a length change.
 
 A work may carry a token tree instead of a chain (`parents`, specdec.math.tree's layout: the drafts are
 its nodes in node order, fed after the uncached committed tokens, each seeing its prefix and its
@@ -14,7 +17,9 @@ target's argmax; without q, the nodes are deterministic candidates, checked agai
 level (noise keyed by the round's seed and the level); with q, SpecInfer's multi-step speculative sampling
 (siblings drawn independently) or recursive rejection sampling (siblings drawn without replacement). The
 accepted path's KV entries (stored at committed_len + node index) are then moved to committed_len +
-0..n-1 (SlotKVCache.move: a copy inside the slot, no forward) and the session cropped to them.
+0..n-1 (SlotKVCache.move: a copy inside the slot, no forward) and the session cropped to them. A tree
+takes logit_bias, min_p and the rest of the sampling parameters, but not the penalties (their counts
+would differ per branch): the servicer refuses that mix.
 """
 
 from __future__ import annotations
@@ -29,16 +34,27 @@ from specdec.engine.spec_metadata import SpecDecodeMetadata
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
 from specdec.math.rejection import rejection_sample_batched, round_randomness, verify_greedy_batched
-from specdec.math.sampling import make_generator, process_logits_rows
+from specdec.math.penalties import TokenCounts
+from specdec.math.sampling import adjust_logits_rows, logprobs_rows, make_generator, process_logits_rows, top_logprobs
 from specdec.math.seeds import derive_seed
 from specdec.math.tree_verify import (level_noise, num_levels, verify_tree_candidates_batched,
                                       verify_tree_greedy_batched, verify_tree_sampled_batched)
+
+MAX_TOP_LOGPROBS = 20  # alternatives per committed token (OpenAI's cap)
 
 # Tree schemes (VerifyWork.scheme), as the wire names them
 CANDIDATES = "candidates"  # deterministic candidates: no q (suffix / lookup matches, an unsampled draft's top-b)
 IID = "iid"  # sampled siblings, each drawn independently from its q row (SpecInfer's MSS)
 WITHOUT_REPLACEMENT = "without_replacement"  # siblings drawn without replacement from their parent's q (RSD)
 LEVEL_STREAM = 3  # derive_seed stream of the candidates scheme's per-level draws (keyed by the round seed and level)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int  # a committed token
+    logprob: float  # its log-probability under the target's processed distribution at its position
+    top_ids: list[int]  # the most likely tokens there, most likely first
+    top_logprobs: list[float]  # their log-probabilities
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,8 @@ class VerifyResult:
     batch_tokens: int  # tokens in that step
     step_ms: float  # that step's forward time
     queue_ms: float  # waiting, not computing
+    reused: int = 0  # leading tokens of a fresh start taken from the prefix cache, not fed
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed token, when asked
     path: tuple[int, ...] = ()  # token trees: the accepted nodes, root-down (a chain: 0..n-1)
     tree: bool = False  # the drafts were a token tree
 
@@ -62,6 +80,8 @@ class VerifyWork(Work):
     params: SamplingParams = SamplingParams()
     seed: int = 0  # this round's seed (accept/reject draws and the final sample)
     committed_len: int = 0  # prefix_len + new committed tokens
+    prompt_len: int = 0  # the session's prompt tokens: the penalties count the tokens after them as output
+    logprobs: int = -1  # -1: none; n >= 0: the committed tokens' logprobs and the top n alternatives
     parents: list[int] | None = None  # a token tree: each draft's parent (-1 = the root); None = a chain
     scheme: str = ""  # a tree's scheme: CANDIDATES (no q), IID or WITHOUT_REPLACEMENT (with q); greedy ignores it
 
@@ -69,15 +89,21 @@ class VerifyWork(Work):
 
     @classmethod
     def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], drafts: list[int],
-               q: DraftProbs | None, params: SamplingParams, seed: int, parents: list[int] | None = None,
-               scheme: str = "") -> "VerifyWork":
+               q: DraftProbs | None, params: SamplingParams, seed: int, prompt_len: int = 0,
+               logprobs: int = -1, parents: list[int] | None = None, scheme: str = "") -> "VerifyWork":
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
-                   params=params, seed=seed, committed_len=prefix_len + len(new_tokens),
-                   parents=list(parents) if parents else None, scheme=scheme)
+                   params=params, seed=seed, committed_len=prefix_len + len(new_tokens), prompt_len=prompt_len,
+                   logprobs=logprobs, parents=list(parents) if parents else None, scheme=scheme)
 
     def feed_tree(self) -> list[int] | None:
         return self.parents
+
+    def token_counts(self, first_row: int, vocab_size: int, device) -> TokenCounts:
+        """The penalties' counts at this work's K + 1 positions, rows first_row.. of the batch: position i
+        sees the committed tokens plus d_1..d_i (the session holds them all once the forward ran)."""
+        return TokenCounts.at_positions(self.session.tokens, self.prompt_len, self.committed_len, len(self.drafts) + 1,
+                                        first_row, vocab_size, device)
 
     @classmethod
     def finish_step(cls, works: list["VerifyWork"], logits: list[torch.Tensor], engine) -> None:
@@ -85,7 +111,7 @@ class VerifyWork(Work):
         chains = [i for i, w in enumerate(works) if w.parents is None]
         greedy = [i for i in chains if works[i].params.greedy and works[i].q is None]
         sampled = [i for i in chains if not (works[i].params.greedy and works[i].q is None)]
-        outcome: dict[int, tuple[list[int], int]] = {}
+        outcome: dict[int, tuple[list[int], int]] = {}  # (accepted nodes, next token); a chain's: 0..n-1
         for subset, verify in ((greedy, _verify_greedy), (sampled, _verify_sampled)):
             if subset:
                 n, nxt = verify([works[i] for i in subset], [logits[i] for i in subset], engine.vocab_size)
@@ -93,6 +119,10 @@ class VerifyWork(Work):
         if trees:
             outcome.update(zip(trees, _verify_trees([works[i] for i in trees], [logits[i] for i in trees],
                                                     engine.vocab_size)))
+        asked = [i for i, w in enumerate(works) if w.logprobs >= 0]
+        reported = _logprobs([works[i] for i in asked], [logits[i] for i in asked], [outcome[i] for i in asked],
+                             engine.vocab_size) if asked else []
+        logprobs = dict(zip(asked, reported))
         for i, w in enumerate(works):
             path, nxt = outcome[i]
             keep = w.committed_len + len(path)
@@ -105,12 +135,28 @@ class VerifyWork(Work):
                 engine.sessions.append(w.session, [w.drafts[j] for j in path])
             sessions, tokens, seconds = w.last_step
             w.result = VerifyResult(len(path), nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3,
-                                    w.queue_ms(), tuple(path), w.parents is not None)
+                                    w.queue_ms(), w.reused, logprobs.get(i, []), tuple(path), w.parents is not None)
+
+
+def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[SamplingParams], TokenCounts | None]:
+    """Each of the batch's rows' parameters (a session's K_b + 1 rows share them), and the token counts of
+    the penalised sessions' rows."""
+    row_params = [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)]
+    if not any(w.params.penalized for w in works):
+        return row_params, None
+    starts = [0]  # each session's first row: K_1 + 1, K_1 + K_2 + 2, ... (host ints: no device sync)
+    for k in meta.num_draft_tokens:
+        starts.append(starts[-1] + k + 1)
+    counts = TokenCounts.cat([w.token_counts(start, vocab_size, device)
+                              for w, start in zip(works, starts) if w.params.penalized])
+    return row_params, counts
 
 
 def _verify_greedy(works, logits, vocab_size):
     rows = torch.cat(logits)  # [N + B, V]
     meta = SpecDecodeMetadata.build([w.drafts for w in works], rows.device)
+    if any(w.params.adjusts_logits for w in works):  # the argmax of the biased, penalised logits
+        rows = adjust_logits_rows(rows, *_row_params_and_counts(works, meta, vocab_size, rows.device))
     return verify_greedy_batched(rows, meta.draft_token_ids, meta.cu_num_draft_tokens)
 
 
@@ -118,12 +164,34 @@ def _verify_sampled(works, logits, vocab_size):
     rows = torch.cat(logits)  # [N + B, V]
     device = rows.device
     meta = SpecDecodeMetadata.build([w.drafts for w in works], device)
-    p = process_logits_rows(rows, [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)])  # [N + B, V]
+    p = process_logits_rows(rows, *_row_params_and_counts(works, meta, vocab_size, device))  # [N + B, V]
     q = DraftProbs.cat([w.q if w.q is not None else DraftProbs.one_hot(w.drafts) for w in works])
     generators = [make_generator(w.seed, device) for w in works]
     uniform, noise = round_randomness(generators, meta.num_draft_tokens, vocab_size, device)
     return rejection_sample_batched(p, q.dense(vocab_size, device), meta.draft_token_ids, meta.cu_num_draft_tokens,
                                     uniform, noise)
+
+
+def _logprobs(works, logits, outcomes, vocab_size) -> list[list[TokenLogprobs]]:
+    """Per work, its committed tokens' logprobs and top alternatives: the committed token m is scored by
+    the row of its parent (row 0 for the first, row j + 1 after node j), so a chain's rows are 0..n and a
+    tree's are 0 and its accepted path's nodes + 1."""
+    rows = torch.cat([lg[[0] + [j + 1 for j in path]] for lg, (path, _) in zip(logits, outcomes)])  # [sum (n_b + 1), V]
+    committed = [[w.drafts[j] for j in path] + [nxt] for w, (path, nxt) in zip(works, outcomes)]
+    row_params = [w.params for w, c in zip(works, committed) for _ in c]
+    starts = torch.tensor([0] + [len(c) for c in committed]).cumsum(0).tolist()
+    counts = TokenCounts.cat([TokenCounts.at_positions(w.session.tokens, w.prompt_len, w.committed_len, len(c), start,
+                                                       vocab_size, rows.device)
+                              for w, c, start in zip(works, committed, starts) if w.params.penalized])  # chains only
+    tokens = torch.tensor([t for c in committed for t in c], device=rows.device)
+    top_n = max(w.logprobs for w in works)
+    chosen, ids, vals = top_logprobs(logprobs_rows(rows, row_params, counts), tokens, top_n)
+    chosen, ids, vals = chosen.tolist(), ids.tolist(), vals.tolist()  # one copy to the host
+    out = []
+    for w, c, start in zip(works, committed, starts):
+        out.append([TokenLogprobs(t, chosen[start + j], ids[start + j][: w.logprobs], vals[start + j][: w.logprobs])
+                    for j, t in enumerate(c)])
+    return out
 
 
 def _verify_trees(works: list[VerifyWork], logits: list[torch.Tensor], vocab_size: int) -> list[tuple[list[int], int]]:
@@ -147,6 +215,8 @@ def _verify_trees(works: list[VerifyWork], logits: list[torch.Tensor], vocab_siz
 
 
 def _tree_greedy(works, rows, meta, parents, vocab_size):
+    if any(w.params.adjusts_logits for w in works):  # the argmax of the biased logits (trees take no penalties)
+        rows = adjust_logits_rows(rows, [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)])
     return verify_tree_greedy_batched(rows, meta.draft_token_ids, parents, meta.cu_num_draft_tokens)
 
 

@@ -26,6 +26,7 @@ class Work:
     pending: list[int]  # tokens still to feed, in order
     num_logits: int  # logits rows wanted for the last pending tokens
     session: Session | None = None  # set when the work starts
+    reused: int = 0  # leading pending tokens the prefix cache supplied when it started (never fed)
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
     cancelled: bool = False  # the caller went away

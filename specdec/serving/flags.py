@@ -105,6 +105,10 @@ def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
     a.add("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     a.add("--kv-memory-gib", type=float, default=SessionStoreConfig.kv_memory_gib,
           help="size the KV pool from this memory budget (slots of --max-session-tokens) instead of --max-sessions")
+    a.add("--prefix-cache", type=bool, default=SessionStoreConfig.prefix_cache,
+          help="keep ended sessions' KV slots and start a new session from the longest cached prefix of its tokens")
+    a.add("--prefix-block-tokens", type=int, default=SessionStoreConfig.prefix_block_tokens,
+          help="prefix-cache granularity: prefixes are indexed every this many tokens")
     a.add("--step-mode", default=StepConfig.mode, choices=STEP_MODES,
           help="how each step runs: auto (packed linears on a CPU, CUDA graphs on CUDA), eager (no compiling: for "
                "debugging), packed, compile (torch.compile: minutes at start on a small CPU), cuda-graphs")
@@ -129,7 +133,8 @@ def tier_config(args: argparse.Namespace):
         model=ModelConfig(path=args.model, device=args.device, dtype=args.dtype),
         sessions=SessionStoreConfig(max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens,
                                     max_cached_tokens=args.max_cached_tokens, idle_ttl_s=args.idle_ttl,
-                                    kv_memory_gib=args.kv_memory_gib),
+                                    kv_memory_gib=args.kv_memory_gib, prefix_cache=args.prefix_cache,
+                                    prefix_block_tokens=args.prefix_block_tokens),
         max_draft_tokens=args.max_draft_tokens,
         batch=batch,
         torch_threads=args.threads,

@@ -4,7 +4,7 @@ port (serve_metrics). No torch here: the coordinator uses this module too.
 
 Every service object owns its own prometheus_client.CollectorRegistry (never the global default), so
 several services in one process (the tests) do not collide. Names follow vLLM's where vLLM has the
-metric (`vllm:` prefix, label `model_name`; see README, Metrics); specdec's own start with `specdec_`.
+metric (`vllm:` prefix, label `model_name`; see docs/metrics.md); specdec's own start with `specdec_`.
 No label ever carries a session id.
 
 Wiring a tier (the engine and servicers are the tier owner's; a few lines each):
@@ -62,6 +62,9 @@ class LoadReading(Protocol):
     kv_used_bytes: int  # KV cache memory in use
     kv_capacity_bytes: int  # KV cache memory the tier may use (0 = unknown)
     kv_resident_bytes: int  # memory the KV pool occupies now
+    # Optional (read with getattr, 0 when absent): the prefix cache's counters, tokens, monotonic.
+    # prefix_cache_queries: int  # tokens of full sends looked up in it
+    # prefix_cache_hits: int  # of them, tokens it supplied instead of a forward
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,12 @@ class _LoadCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=self.names)
             g.add_metric(self.values, float(value))
             yield g
+        for name, doc, attr in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries"),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits")):
+            counter = CounterMetricFamily(name, doc, labels=self.names)
+            counter.add_metric(self.values, float(getattr(s, attr, 0)))
+            yield counter
         c = CounterMetricFamily("specdec_tier_evictions", "Sessions evicted (LRU, idle TTL, capacity), not counting EndSession.",
                                 labels=self.names)
         c.add_metric(self.values, float(s.evictions))

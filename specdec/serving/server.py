@@ -38,7 +38,7 @@ class ServerConfig:
     tls_key: str | None = None  # PEM private key of tls_cert
     tls_client_ca: str | None = None  # PEM CA bundle; set = mutual TLS: clients must present a cert it signed
     # Close each client connection (GOAWAY) after this long, so clients re-resolve the service's name and
-    # find replicas that joined (README, Many replicas); 0 = never. In-flight rpcs keep the old connection.
+    # find replicas that joined (docs/DESIGN.md, Many replicas); 0 = never. In-flight rpcs keep the old connection.
     max_connection_age_s: float = 0.0
     # How long in-flight rpcs may go on over an aged connection before it is closed (a draft stream lasts
     # one generation; one cut short only costs that session a re-prefill).

@@ -89,7 +89,10 @@ class TierRpcs:
             num_sessions=s.num_sessions, cached_tokens=s.cached_tokens, evictions=s.evictions,
             num_running=s.num_running, num_waiting=s.num_waiting, kv_used_bytes=s.kv_used_bytes,
             kv_capacity_bytes=s.kv_capacity_bytes, kv_capacity_tokens=s.kv_capacity_tokens, steps=s.steps,
-            step_tokens=s.step_tokens)
+            step_tokens=s.step_tokens, kv_resident_bytes=s.kv_resident_bytes, step_mode=s.step_mode,
+            compile_seconds=s.compile_s, prefix_cache_sessions=s.prefix_cache_sessions,
+            prefix_cache_tokens=s.prefix_cache_tokens,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
 
 
 @dataclass

@@ -9,7 +9,6 @@ import socket
 import grpc
 
 from specdec.core.errors import RequestError, check_token_ids, invalid_argument
-from specdec.math.params import SamplingParams
 from specdec.proto import common_pb2
 
 MAX_SESSION_ID_LEN = 128
@@ -46,12 +45,3 @@ def check_num_tokens(engine, k: int, field_name: str, minimum: int) -> None:
     cap = engine.config.max_draft_tokens
     if not minimum <= k <= cap:
         raise invalid_argument(f"{field_name} must be in [{minimum}, {cap}], got {k}")
-
-
-def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
-    params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p if msg.top_p != 0 else 1.0)
-    try:
-        params.validate()
-    except ValueError as e:
-        raise invalid_argument(f"sampling.{e}") from None
-    return params

@@ -1,0 +1,159 @@
+"""OpenAI response objects for one request of the HTTP API: chat.completion(.chunk) or text_completion, with
+one choice per generation (n > 1 runs n generations: coordinator.api.openai_api) and, when asked, the
+tokens' logprobs in OpenAI's shapes (chat: choices[i].logprobs.content; completions: choices[i].logprobs
+with tokens / token_logprobs / top_logprobs / text_offset). The logprobs come from the gRPC TokenChunks
+(generate_pb2.TokenLogprob: the target's processed distribution); this is the one place they are converted."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from coordinator.api.frontend import finish_reason_name
+from specdec.core.errors import RequestError
+from specdec.proto import generate_pb2
+
+# Our finish reasons -> OpenAI's.
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+# ... and what ended it, in each final choice's `finish_details.type` (OpenAI's "length" covers both the
+# request's max_tokens and the model's context; this tells them apart).
+FINISH_DETAIL = {"eos": "eos", "stop": "stop", "length": "max_tokens", "context": "context_length"}
+NEG_INF_LOGPROB = -9999.0  # what a logprob of -inf (probability 0) is sent as: JSON has no -inf (vLLM's choice)
+Indexed = tuple[int, generate_pb2.GenerateResponse]  # (choice index, event)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class Choice:
+    """What one choice collected: its text, its logprobs and its result."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[generate_pb2.TokenLogprob] = []
+        self.result: generate_pb2.GenerationResult | None = None
+
+
+class Reply:
+    """OpenAI response objects for one request: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, rid: str, model: str, chat: bool, tokenizer, logprobs: bool = False,
+                 max_context: int = 0) -> None:
+        """logprobs: the request asked for them (each choice then carries a logprobs object); max_context:
+        the target's context (prompt + generated tokens), for the message of a generation it ended."""
+        self.rid, self.model, self.chat = rid, model, chat
+        self.max_context = max_context
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.created = int(time.time())
+        self._offsets: dict[int, int] = {}  # completions' text_offset: characters so far, per choice
+
+    def _envelope(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(results: Sequence[generate_pb2.GenerationResult]) -> dict:
+        """The prompt counted once, the completions of every choice summed (OpenAI's n > 1 usage)."""
+        prompt = results[0].stats.prompt_tokens
+        completion = sum(r.stats.generated_tokens for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # --- logprobs ---------------------------------------------------------------------------------
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id])
+        return text, list(text.encode("utf-8"))
+
+    @staticmethod
+    def _value(logprob: float) -> float:
+        return logprob if math.isfinite(logprob) else NEG_INF_LOGPROB
+
+    def _logprobs(self, index: int, items: Sequence[generate_pb2.TokenLogprob]) -> dict | None:
+        """The logprobs object of a choice (or of a chunk's tokens), None when not asked for."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            content = []
+            for t in items:
+                text, raw = self._token(t.token_id)
+                top = []
+                for alt in t.top_logprobs:
+                    alt_text, alt_raw = self._token(alt.token_id)
+                    top.append({"token": alt_text, "logprob": self._value(alt.logprob), "bytes": alt_raw})
+                content.append({"token": text, "logprob": self._value(t.logprob), "bytes": raw, "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        offset = self._offsets.get(index, 0)
+        for t in items:
+            text, _ = self._token(t.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": [self._value(t.logprob) for t in items],
+                "top_logprobs": [{self._token(a.token_id)[0]: self._value(a.logprob) for a in t.top_logprobs}
+                                 for t in items],
+                "text_offset": offsets}
+
+    # --- choices ----------------------------------------------------------------------------------
+
+    def _choice(self, index: int, text: str | None, finish: str | None, chunk: bool, role: bool = False,
+                logprobs: dict | None = None) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        if chunk:
+            delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    def _final(self, index: int, text: str | None, result: generate_pb2.GenerationResult, chunk: bool,
+               logprobs: dict | None = None) -> dict:
+        """The choice that ends a generation: OpenAI's finish_reason, and finish_details saying what ended it
+        (max_tokens or the model's context both read "length")."""
+        ours = finish_reason_name(result.finish_reason)
+        details = {"type": FINISH_DETAIL[ours]}
+        if ours == "context":
+            s = result.stats
+            details["message"] = (f"the model's context of {self.max_context} tokens is full: {s.prompt_tokens} prompt "
+                                  f"+ {s.generated_tokens} generated tokens, before max_tokens was reached")
+        return {**self._choice(index, text, FINISH_REASON[ours], chunk, logprobs=logprobs), "finish_details": details}
+
+    def whole(self, choices: Sequence[Choice]) -> dict:
+        out = []
+        for i, c in enumerate(choices):
+            out.append(self._final(i, "".join(c.text), c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs)))
+        return {**self._envelope(False), "choices": out, "usage": self.usage([c.result for c in choices])}
+
+    async def stream(self, n: int, events: AsyncIterator[Indexed], include_usage: bool, scope: dict,
+                     error_key: str, on_error) -> AsyncIterator[str]:
+        """Server-sent events of n choices' events (interleaved, each with its index), then [DONE]. A
+        RequestError inside the stream becomes one error event (on_error(e) -> (status, body)); its status
+        is left in scope[error_key] for the metrics."""
+        extra = {"usage": None} if include_usage else {}
+        results: list[generate_pb2.GenerationResult] = []
+        try:
+            if self.chat:  # OpenAI's first chunk of each choice announces the role
+                for i in range(n):
+                    yield sse({**self._envelope(True), "choices": [self._choice(i, "", None, True, role=True)], **extra})
+            async for i, event in events:
+                if event.HasField("chunk"):
+                    c = event.chunk
+                    if c.text or (self.logprobs and c.logprobs):
+                        choice = self._choice(i, c.text, None, True, logprobs=self._logprobs(i, c.logprobs))
+                        yield sse({**self._envelope(True), "choices": [choice], **extra})
+                else:
+                    results.append(event.result)
+                    yield sse({**self._envelope(True), "choices": [self._final(i, None, event.result, True)], **extra})
+            if include_usage:
+                yield sse({**self._envelope(True), "choices": [], "usage": self.usage(results)})
+        except RequestError as e:
+            status, body = on_error(e)
+            scope[error_key] = status
+            yield sse(body)
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
