@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeResult, ProposeWork
+from specdec.engine.propose_tree import ProposeTreeWork, TreeProposeResult
 from specdec.proto import draft_pb2, draft_pb2_grpc
-from specdec.serving import draft_probs, sampling_params
+from specdec.serving import draft_probs, draft_tree, sampling_params
 from specdec.serving.server import Service, ServerConfig, handle_errors
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
 from specdec.serving.tier_checks import check_context, check_num_tokens
@@ -44,22 +45,34 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
     async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         return self.to_response(await self.engine.submit(self.to_work(request)))
 
-    def to_work(self, request: draft_pb2.ProposeRequest) -> ProposeWork:
+    def to_work(self, request: draft_pb2.ProposeRequest) -> ProposeWork | ProposeTreeWork:
         """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""
         engine = self.engine
+        if request.tree_nodes:
+            return self._tree_work(request)
         check_num_tokens(engine, request.num_tokens, "num_tokens", minimum=1)
         check_context(engine, request.context, extra_tokens=request.num_tokens - 1)
         ctx = request.context
         params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
                                                      ctx.prefix_len + len(ctx.new_tokens))
+        draft_tree.shape_of(request, params, engine.config.max_draft_tokens)  # a chain: no tree fields
         return ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
                                   request.num_tokens, params, request.seed, self.draft_top_n, prompt_len=prompt_len)
 
+    def _tree_work(self, request: draft_pb2.ProposeRequest) -> ProposeTreeWork:
+        engine, ctx = self.engine, request.context
+        params, _ = sampling_params.decode(request.sampling, engine.vocab_size, ctx.prefix_len + len(ctx.new_tokens))
+        shape = draft_tree.shape_of(request, params, engine.config.max_draft_tokens)
+        check_context(engine, ctx, extra_tokens=shape.nodes)
+        return ProposeTreeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens), shape,
+                                      params, request.seed, self.draft_top_n, request.speculate)
+
     @staticmethod
     def to_response(r: ProposeResult) -> draft_pb2.ProposeResponse:
-        return draft_pb2.ProposeResponse(
+        response = draft_pb2.ProposeResponse(
             tokens=r.tokens, q=draft_probs.encode(r.q), cached_len=r.cached_len, compute_ms=r.compute_ms,
             batch_sessions=r.batch_sessions, step_ms=r.step_ms, queue_ms=r.queue_ms, prefix_reused=r.reused)
+        return draft_tree.encode(r, response) if isinstance(r, TreeProposeResult) else response
 
 
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:

@@ -84,18 +84,25 @@ class StepLayout:
 
 def tree_layout(cached: int, new: int, parents: list[int] | None) -> tuple[list[int], list[tuple[int, int]]]:
     """A feed of `new` tokens ending in a tree's nodes (parents: local, -1 = root; None = no tree):
-    (rotary positions [new], hidden pairs (i, j), j < i, of new-token indices where token i must not
-    see token j although the causal mask would let it: an earlier node that is not its ancestor)."""
+    (rotary positions [new], hidden pairs (i, j), j < i, where new token i must not see the key at
+    position cached + j although the causal mask would let it: an earlier node that is not its ancestor).
+
+    A tree may also grow over several feeds (the draft drafts one level per step): when parents holds
+    more entries than there are new tokens, its first len(parents) - new nodes are already cached (at
+    positions cached - done .. cached - 1, in node order) and the feed is the rest; j is then negative
+    for a hidden cached node."""
     if not parents:
         return list(range(cached, cached + new)), []
-    m = new - len(parents)
+    done = max(len(parents) - new, 0)  # nodes of the tree already cached
+    m = new - (len(parents) - done)  # new tokens before the tree's nodes (committed tokens)
     depth: list[int] = []
     ancestors: list[set[int]] = []
     for j, parent in enumerate(parents):
         depth.append(0 if parent < 0 else depth[parent] + 1)
         ancestors.append({j} if parent < 0 else ancestors[parent] | {j})
-    positions = list(range(cached, cached + m)) + [cached + m + d for d in depth]
-    hidden = [(m + i, m + j) for i in range(len(parents)) for j in range(i) if j not in ancestors[i]]
+    root = cached + m - done  # the position of the tree's first node in the slot
+    positions = list(range(cached, cached + m)) + [root + d for d in depth[done:]]
+    hidden = [(m + i - done, m + j - done) for i in range(done, len(parents)) for j in range(i) if j not in ancestors[i]]
     return positions, hidden
 
 
@@ -165,7 +172,7 @@ def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: 
         lists.append(group_hidden)
     tensors = to_device(lists, device)
     segments = [Segment(slot, begin, begin + new, cached + new, _tree_mask(causal_mask(cached, new, device), cached,
-                                                                           hidden.get(begin)))
+                                                                           hidden.get(begin), device))
                 for slot, cached, new, begin in long_feeds]
     group = None
     if group_spec is not None:
@@ -180,10 +187,14 @@ def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: 
     return StepLayout(cache, tensors[0], tensors[1], segments, group, tensors[2 : 2 + len(extra)], kv)
 
 
-def _tree_mask(mask: torch.Tensor | None, cached: int, pairs: list[tuple[int, int]] | None) -> torch.Tensor | None:
-    """A segment's causal mask [new, cached + new] with a tree's hidden pairs switched off."""
+def _tree_mask(mask: torch.Tensor | None, cached: int, pairs: list[tuple[int, int]] | None,
+               device: torch.device) -> torch.Tensor | None:
+    """A segment's causal mask [new, cached + new] with a tree's hidden pairs switched off (a one-token
+    feed has no causal mask: it gets a full one when a cached node is hidden from it)."""
     if not pairs:
         return mask
+    if mask is None:
+        mask = torch.ones(1, cached + 1, dtype=torch.bool, device=device)
     rows = torch.tensor([i for i, _ in pairs], device=mask.device)
     cols = torch.tensor([cached + j for _, j in pairs], device=mask.device)
     mask[rows, cols] = False

@@ -79,6 +79,8 @@ class CudaGraphStep:
 
     def bucket(self, feeds) -> Bucket | None:
         """The bucket a step of these feeds (slot, cached, tokens) fits, or None (run it eager)."""
+        if any(f.tree is not None and len(f.tree) > len(f.tokens) for f in feeds):
+            return None  # a tree grown over several feeds hides cached keys: the eager path's mask does that
         s = next_size(self.sessions, len(feeds))
         n = next_size(self.tokens, max(len(f.tokens) for f in feeds))
         length = next_size(self.kv_lens, max(f.cached + len(f.tokens) for f in feeds))

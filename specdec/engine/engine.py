@@ -269,7 +269,22 @@ class Engine:
         if work.prefix_len == 0 and session.reused:
             work.reused = session.reused
             del work.pending[: session.reused]
+        work.on_start(self)
+        if work.done:  # answered from what the session already held, with no step
+            self.sessions.release(session)
+            self._settle(work, result=work.result)
+            return DROPPED
         return STARTED
+
+    def respond(self, work: Work, result) -> None:
+        """Answer a work's caller now while the work runs on (the draft pre-drafting the next round after its
+        proposal); its final result is then not sent again. Engine thread only."""
+        self._settle(work, result=result)
+        work.answered = True
+
+    def queued(self, session_id: str) -> Work | None:
+        """The first request of this session that waits for a step, if any (lock held: engine thread only)."""
+        return next((w for w in [*self.scheduler.waiting, *self._inbox] if w.session_id == session_id), None)
 
     def _step(self, plan: list[Planned]) -> None:
         feeds = [Feed(p.work.session.slot, len(p.work.session), p.work.pending[: p.take], p.num_logits,
@@ -339,6 +354,9 @@ class Engine:
 
     @staticmethod
     def _settle(work: Work, result=None, error: Exception | None = None) -> None:
+        if work.answered:
+            return
+
         def settle() -> None:
             if not work.future.done():
                 if error is not None:

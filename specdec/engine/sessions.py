@@ -52,11 +52,15 @@ class Session:
     ended: bool = False  # EndSession arrived while busy: free (or retain) it when the work is done
     retained: bool = False  # ended, kept only as a prefix-cache donor (session_id no longer names it)
     reused: int = 0  # tokens its last fresh start took from the prefix cache
+    # The draft tier's KV entries past `tokens` (its last token tree's fed nodes and pre-drafted next rounds:
+    # specdec.engine.propose_tree.TreeRecord), valid until the slot is next written, i.e. the next append.
+    draft_tree: object | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def append(self, tokens: list[int]) -> None:
+        self.draft_tree = None  # what it described past the old length is being overwritten
         self.tokens.extend(tokens)
         self.hashes.extend(tokens)
 

@@ -30,6 +30,7 @@ class Work:
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
     cancelled: bool = False  # the caller went away
+    answered: bool = False  # the caller has its answer (Engine.respond) while the work runs on
     result: Any = None  # set by finish_step when done
     compute_s: float = 0.0  # time in the forward steps this work took part in
     submitted_at: float = 0.0  # time.perf_counter() when the engine got it
@@ -44,6 +45,11 @@ class Work:
     def queue_ms(self) -> float:
         """Time since submission not spent in this work's own steps."""
         return max(0.0, (time.perf_counter() - self.submitted_at - self.compute_s) * 1e3)
+
+    def on_start(self, engine) -> None:
+        """The work has its session (cropped to prefix_len), before its first feed: it may change what it
+        feeds, or set .result to be answered with no step (the draft's tree compaction and speculation
+        cache, specdec.engine.propose_tree)."""
 
     def feed_tree(self) -> list[int] | None:
         """The parents of the token tree the feed ends with (its last feed), or None."""
