@@ -75,7 +75,16 @@ def main(argv=None) -> None:
           help="longest wait for a rate slot, seconds")
     a.add("--tier-retry-timeout", type=float, default=D.tier_retry_s,
           help="seconds to keep retrying an unreachable target when the client set no deadline")
-    a.add("--overlap", type=bool, default=D.overlap, help="pre-draft the next round while the target verifies")
+    a.add("--overlap", type=bool, default=D.overlap,
+          help="the draft tier pre-drafts the next round while the target verifies (its speculation cache)")
+    a.add("--speculate-outcomes", type=int, default=D.speculate_outcomes,
+          help="with --overlap: the likeliest outcomes of a round the draft pre-drafts the next round for")
+    a.add("--draft-tree-nodes", type=int, default=D.draft_tree_nodes,
+          help="> 0: the draft model may propose token trees of up to this many nodes, shaped per round (0 = chains)")
+    a.add("--draft-tree-branching", type=int, default=D.draft_tree_branching,
+          help="children per expanded node of the draft model's trees")
+    a.add("--draft-tree-scheme", default=D.draft_tree_scheme, choices=["without_replacement", "iid", "candidates"],
+          help="how a sampled draft tree's siblings are drawn (the target's verifier follows)")
     a.add("--tree-nodes", type=int, default=D.tree_nodes,
           help="> 0: prompt lookup and suffix decoding propose token trees of this many nodes, K their depth (0 = chains)")
     a.add("--tier-ca", default=None, help="PEM CA that signed the tiers' certificates: connect to the tiers over TLS")
@@ -105,7 +114,8 @@ def main(argv=None) -> None:
         max_num_speculative_tokens=args.max_k, default_proposer=Proposer.parse(args.default_proposer),
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
-        tree_nodes=args.tree_nodes,
+        tree_nodes=args.tree_nodes, speculate_outcomes=args.speculate_outcomes, draft_tree_nodes=args.draft_tree_nodes,
+        draft_tree_branching=args.draft_tree_branching, draft_tree_scheme=args.draft_tree_scheme,
         suffix=suffix,
         rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout, tier_retry_s=args.tier_retry_timeout,
         admission=AdmissionConfig(max_concurrency=args.max_concurrency, max_requests_per_s=args.max_rps,

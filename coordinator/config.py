@@ -31,8 +31,12 @@ class CoordinatorConfig:
     adaptive: AdaptiveConfig = AdaptiveConfig()  # adaptive-K controller settings
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
     suffix: SuffixConfig = SuffixConfig()  # suffix decoding: tree depth, proposal length, shared-tree bounds
-    overlap: bool = False  # pre-draft round r+1 while the target verifies round r
+    overlap: bool = False  # the draft tier pre-drafts round r+1 while the target verifies round r (its speculation cache)
+    speculate_outcomes: int = 4  # with overlap: outcomes of a round the draft pre-drafts the next round for
     tree_nodes: int = 0  # > 0: prompt lookup and suffix decoding propose token trees of this many nodes (0 = chains)
+    draft_tree_nodes: int = 0  # > 0: the draft model may propose token trees of up to this many nodes (0 = chains)
+    draft_tree_branching: int = 2  # children per expanded node of the draft's trees
+    draft_tree_scheme: str = "without_replacement"  # sampled draft trees' siblings: without_replacement | iid | candidates
     tier_retry_s: float = 30.0  # retry an unreachable target this long when the client set no deadline
     admission: AdmissionConfig = AdmissionConfig()  # concurrency and request-rate limits
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc

@@ -29,7 +29,7 @@ class Target(Protocol):
     """The target as the loop calls it (coordinator.tiers.target.TargetVerifier; a fake in tests)."""
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
-                     q: list[common_pb2.DraftDistribution], parents: list[int] = ()) -> Verdict: ...
+                     q: list[common_pb2.DraftDistribution], parents: list[int] = (), tree_scheme: int = 0) -> Verdict: ...
 
     async def close(self) -> None: ...
 
@@ -62,9 +62,9 @@ class Generation:
                 out.end(FinishReason.FINISH_REASON_CONTEXT)
                 break
             proposal = await self.drafter.propose(committed, hashes, limit)  # propose
-            verdict = await self.drafter.verify(  # verify (the draft may prefetch the next block meanwhile)
-                self.target.verify(committed, hashes, proposal.tokens, proposal.q, proposal.parents), proposal, committed,
-                hashes, limit)
+            verdict = await self.drafter.verify(  # verify (the draft tier may pre-draft the next round meanwhile)
+                self.target.verify(committed, hashes, proposal.tokens, proposal.q, proposal.parents, proposal.tree_scheme),
+                proposal, committed, hashes, limit)
             n = verdict.num_accepted  # accept
             path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
             accepted = [proposal.tokens[i] for i in path] + [verdict.next_token]

@@ -125,8 +125,8 @@ class CoordinatorMetrics:
                                   "session (evicted, restarted).", ("tier",))
         self.fallbacks = counter("specdec_lookup_fallbacks", "Rounds proposed by prompt lookup because the draft model "
                                  "was unreachable.")
-        self.overlapped = counter("specdec_overlapped_rounds", "Rounds whose drafts were pre-drafted during the previous "
-                                  "round's verification (--overlap).")
+        self.overlapped = counter("specdec_overlapped_rounds", "Rounds whose drafts the draft tier's speculation cache had "
+                                  "ready: pre-drafted during the previous round's verification (--overlap).")
         self._reachable = Gauge("specdec_tier_reachable", "1 while some replica of the tier answers the coordinator's "
                                 "health probe, else 0 (no target: the coordinator is NOT_SERVING; no draft: prompt "
                                 "lookup drafts).", [*m, "tier"], registry=registry)

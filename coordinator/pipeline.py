@@ -17,6 +17,7 @@ from coordinator.output import Output
 from coordinator.params import GenerationParams
 from coordinator.proposers.adaptive import TierLoad
 from coordinator.proposers.draft_model import DraftModelProposer
+from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTreePolicy
 from coordinator.proposers.drafter import Drafter
 from coordinator.proposers.lookup import PromptLookupProposer
 from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
@@ -168,19 +169,30 @@ class Pipeline:
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
             draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                                    self.draft_reachability),
-                                       sampling, derive_seed(params.seed, 0, DRAFT_STREAM))
+                                       sampling, derive_seed(params.seed, 0, DRAFT_STREAM), self._draft_trees(params))
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
         max_k = self.max_k()
         policy = ProposerPolicy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)),
                                 (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=self.target_load)
         drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
                           suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
-                          overlap=c.overlap, suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
+                          suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
                           tree_nodes=0 if params.sampling.penalized else c.tree_nodes)  # penalties: chains only
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
                           max_context=self.target_info.max_context, session_id=session_id)
+
+    def _draft_trees(self, params: GenerationParams) -> DraftTreePolicy | None:
+        """The draft model's trees and speculation cache for a session (None: chains only; penalised
+        requests, whose counts would differ per branch, and a coordinator with neither on)."""
+        c = self.config
+        speculate = c.speculate_outcomes if c.overlap else 0
+        if params.sampling.penalized or not (c.draft_tree_nodes or speculate):
+            return None
+        config = DraftTreeConfig(min(c.draft_tree_nodes, self.max_k()), c.draft_tree_branching, c.draft_tree_scheme,
+                                 speculate)
+        return DraftTreePolicy(config, c.adaptive)
 
     def run_cleanup(self, coro) -> None:
         """Run a session clean-up in the background; close() waits for it."""

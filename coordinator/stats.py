@@ -40,6 +40,7 @@ class RoundStats:
     accepted_tokens: int = 0
     committed_before_truncation: int = 0
     overlapped_rounds: int = 0
+    overlap_saved_ms: float = 0.0  # draft latency the speculation cache's hits saved (estimated)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     tier_ms: float = 0.0
@@ -76,9 +77,11 @@ class RoundStats:
         r["network"] += network
         r["draft" if is_draft else "verify"] += compute_ms
 
-    def observe_overlapped(self, draft_compute_ms: float) -> None:
-        """This round's drafts were pre-drafted during the previous round (their rpc was not waited for)."""
+    def observe_overlapped(self, draft_compute_ms: float, saved_ms: float = 0.0) -> None:
+        """This round's drafts were pre-drafted during the previous round (the draft's speculation cache);
+        saved_ms: the draft call's usual wall time less this one's."""
         self.overlapped_rounds += 1
+        self.overlap_saved_ms += saved_ms
         self.draft_ms += draft_compute_ms
         self._round_ms["draft"] += draft_compute_ms
 
@@ -124,4 +127,5 @@ class RoundStats:
             mean_num_speculative_tokens=self.draft_tokens / self.rounds if self.rounds else 0.0,
             proposer=proposer,
             overlapped_rounds=self.overlapped_rounds,
+            overlap_saved_ms=self.overlap_saved_ms,
         )

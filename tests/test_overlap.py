@@ -1,5 +1,6 @@
-"""Overlapped drafting: the draft pre-drafts round r+1 while the target verifies round r. Draws are
-keyed by position, so output with overlap equals output without it, greedy and sampled alike."""
+"""Overlapped drafting: the draft tier pre-drafts round r+1 while the target verifies round r, for the likeliest
+outcomes of round r (its speculation cache, specdec.engine.propose_tree). Draws are keyed by position and
+node, so output with overlap equals output without it, greedy and sampled alike."""
 
 import pytest
 
@@ -22,9 +23,11 @@ def test_overlap_greedy_equals_target_generate(self_draft_overlap_cluster, rando
     with Client(self_draft_overlap_cluster.address) as c:
         out = c.generate(token_ids=PROMPT, max_new_tokens=40, num_speculative_tokens=k, proposer="draft")
     assert out.token_ids == expected
-    # The target as its own draft accepts every block and its bonus guess is the target's argmax:
-    # every round after the first starts with drafts already made.
-    assert out.stats["overlapped_rounds"] == out.stats["rounds"] - 1
+    # The target as its own draft accepts every block and its bonus guess is the target's argmax: every
+    # round after the first starts with drafts already made, but for a last round whose K the token budget
+    # cut (another request than the one pre-drafted).
+    assert out.stats["overlapped_rounds"] >= out.stats["rounds"] - 2 > 0
+    assert out.stats["overlap_saved_ms"] > 0
     with Client(random_draft_overlap_cluster.address) as c:
         out = c.generate(token_ids=PROMPT, max_new_tokens=40, num_speculative_tokens=k, proposer="draft")
     assert out.token_ids == expected

@@ -5,8 +5,8 @@ prompt lookup, Output and RoundStats run as they do in the coordinator; no serve
 
 What the loop must do (DESIGN.md, "One round"): commit d_1..d_n + the target's token each round, so the
 output is the target's own continuation whatever the drafts; cut at EOS inside an accepted block, at a stop
-string that spans rounds, at the token budget (K clamped to it) and at the context; keep a prefetched block
-only when its guess held; fall back to prompt lookup when the draft tier fails; fail when the target does."""
+string that spans rounds, at the token budget (K clamped to it) and at the context; count the rounds the
+draft tier's speculation cache had ready; fall back to prompt lookup when the draft tier fails; fail when the target does."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class FakeTarget:
         self.fail_on_call = fail_on_call
         self.closed = False
 
-    async def verify(self, committed, hashes, drafts, q, parents=()) -> Verdict:
+    async def verify(self, committed, hashes, drafts, q, parents=(), tree_scheme=0) -> Verdict:
         self.calls.append(list(drafts))
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise TierError("target", grpc.StatusCode.UNAVAILABLE, "connection refused")
@@ -82,50 +82,43 @@ class FakeTarget:
 
 
 class FakeDraft:
-    """The draft model: proposes its own guesses of the continuation (`guess`), and prefetches like the real
-    one (the block after committed + drafts, its first token the guess of the target's bonus token)."""
+    """The draft model: proposes its own guesses of the continuation (`guess`); with a speculation cache,
+    reports a proposal as pre-drafted (overlapped) when the last round's outcome was its own guess (the
+    cache of the real draft tier holds at least that outcome)."""
 
-    def __init__(self, guess: list[int], fail: bool = False) -> None:
+    trees = None  # no draft trees
+
+    def __init__(self, guess: list[int], fail: bool = False, cache: bool = False) -> None:
         self.guess = guess
         self.fail = fail
+        self.cache = cache
         self.available = True
         self.proposed = 0  # propose calls
-        self.prefetched: list[int] = []  # k of each prefetch
-        self._prefetch: tuple[int, int] | None = None  # (position, k)
+        self._expected: int | None = None  # committed length if the last proposal was wholly right
 
-    async def propose(self, committed, hashes, k) -> Proposal:
+    async def propose(self, committed, hashes, k, tree=None) -> Proposal:
         self.proposed += 1
         if self.fail:
             self.available = False
             raise TierError("draft", grpc.StatusCode.UNAVAILABLE, "connection refused")
         at = len(committed) - len(PROMPT)
-        return Proposal(DRAFT_MODEL, self.guess[at:at + k], wall_ms=1.0, k=k)
-
-    async def prefetch(self, committed, hashes, drafts, k) -> bool:
-        self.prefetched.append(k)
-        self._prefetch = (len(committed) + len(drafts) - len(PROMPT), k)
-        return True
-
-    async def collect(self, all_accepted: bool, next_token: int) -> Proposal | None:
-        at, k = self._prefetch
-        block = self.guess[at:at + k + 1]
-        if all_accepted and block[0] == next_token:
-            return Proposal(DRAFT_MODEL, block[1:], overlapped=True, k=k)
-        return None
+        hit = self.cache and self._expected == len(committed) and committed[len(PROMPT):] == self.guess[:at]
+        self._expected = len(committed) + k + 1
+        return Proposal(DRAFT_MODEL, self.guess[at:at + k], wall_ms=0.1 if hit else 1.0, k=k, overlapped=hit)
 
     async def close(self) -> None:
         pass
 
 
 def generation(target, draft=None, *, k: int | None = 3, max_new: int = 20, proposer: Proposer = DRAFT_MODEL,
-               stop=(), eos=frozenset(), max_context: int = 1000, overlap: bool = False, prompt=PROMPT) -> Generation:
+               stop=(), eos=frozenset(), max_context: int = 1000, prompt=PROMPT) -> Generation:
     params = GenerationParams(prompt_ids=list(prompt), max_new_tokens=max_new, sampling=SamplingParams(), seed=1,
                               num_speculative_tokens=k, proposer=proposer, stop=tuple(stop))
     clock = Clock()
     stats = RoundStats(clock=clock)
     policy = ProposerPolicy(AdaptiveConfig(max_k=8), (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL))
     drafter = Drafter(params, policy, PromptLookupProposer(LookupConfig(), params.prompt_ids), stats, max_k=16,
-                      draft=draft, draft_max_context=max_context, overlap=overlap)
+                      draft=draft, draft_max_context=max_context)
     output = Output(Tokenizer(), params.prompt_ids, max_new, set(eos), stop)
     return Generation(params, target=target, drafter=drafter, output=output, stats=stats, max_context=max_context,
                       clock=clock)
@@ -199,23 +192,24 @@ def test_k_is_clamped_to_the_token_budget_and_the_context():
     assert result.finish_reason == FR.FINISH_REASON_CONTEXT
 
 
-def test_overlap_keeps_a_prefetched_block_only_when_its_guess_held():
+def test_rounds_the_speculation_cache_had_ready_are_counted_with_the_time_saved():
     cont = truth()
-    # hit: the draft is always right, so every prefetch's guess of the bonus token holds
-    target, draft = FakeTarget(cont), FakeDraft(cont)
-    gen = generation(target, draft, k=3, max_new=20, overlap=True)
+    # hit: the draft is always right, so every round after the first was pre-drafted
+    target, draft = FakeTarget(cont), FakeDraft(cont, cache=True)
+    gen = generation(target, draft, k=3, max_new=20)
     chunks, result = run(gen)
     assert tokens(chunks) == cont[:20]
-    assert draft.proposed == 1 and result.stats.overlapped_rounds == result.stats.rounds - 1 > 0
+    assert result.stats.overlapped_rounds == result.stats.rounds - 1 > 0
     assert [r.overlapped for r in gen.stats.records] == [False] + [True] * (result.stats.rounds - 1)
+    assert result.stats.overlap_saved_ms == pytest.approx(0.9 * (result.stats.rounds - 1))
 
-    # miss: the draft's drafts are right but its guess of every bonus token (each 4th token) is wrong
+    # miss: the draft's guess of every bonus token (each 4th token) is wrong: nothing was ready
     guess = [t if i % 4 != 3 else 99 for i, t in enumerate(cont)]
-    target, draft = FakeTarget(cont), FakeDraft(guess)
-    gen = generation(target, draft, k=3, max_new=20, overlap=True)
+    target, draft = FakeTarget(cont), FakeDraft(guess, cache=True)
+    gen = generation(target, draft, k=3, max_new=20)
     chunks, result = run(gen)
-    assert tokens(chunks) == cont[:20] and result.stats.overlapped_rounds == 0
-    assert len(draft.prefetched) > 0 and draft.proposed == result.stats.rounds
+    assert tokens(chunks) == cont[:20] and result.stats.overlapped_rounds == 0 == result.stats.overlap_saved_ms
+    assert draft.proposed == result.stats.rounds
 
 
 def test_a_failed_draft_tier_falls_back_to_prompt_lookup():

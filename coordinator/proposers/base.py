@@ -24,3 +24,4 @@ class Proposal:
     catch_up: int = 0  # draft model: committed tokens it had to be fed first (1-2 when it drafts every round)
     fallback: bool = False  # prompt lookup standing in for an unreachable draft model
     parents: list[int] = field(default_factory=list)  # a token tree: each node's parent (-1 = root); empty = a chain
+    tree_scheme: int = 0  # a tree's target_pb2.TreeScheme (0: candidates without q, IID with q)

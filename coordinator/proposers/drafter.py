@@ -1,21 +1,22 @@
 """Drafter: one session's proposers and the policy that picks among them, as the round loop sees them.
 
-propose() is the round's proposal: a block the draft model prefetched during the last verification if
-that outcome happened, else the policy's pick (coordinator/proposers/policy.py) among the local sources'
-offers (suffix tree, prompt lookup) and the draft model, cut to the round's budget. If the draft model is
-unreachable, the local sources stand in (a fallback round). verify() awaits the target's verdict and,
-with the overlap on, has the draft model prefetch the next block meanwhile. observe() and commit() keep
-the estimates and the local sources' indexes current."""
+propose() is the round's proposal: the policy's pick (coordinator/proposers/policy.py) among the local
+sources' offers (suffix tree, prompt lookup) and the draft model (a chain, or a token tree where the draft
+tree policy expects more tokens per unit of time: coordinator/proposers/draft_tree.py), cut to the round's
+budget. With the speculation cache on (the overlap), the draft tier pre-drafts the next round while the
+target verifies, and a round whose outcome it had pre-drafted gets its drafts with no draft latency. If the
+draft model is unreachable, the local sources stand in (a fallback round). verify() awaits the target's
+verdict. observe() and commit() keep the estimates and the local sources' indexes current."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
 from coordinator.params import GenerationParams
 from coordinator.proposers.base import Proposal
+from coordinator.proposers.draft_tree import DraftTreePolicy, TreeAsk
 from coordinator.proposers.lookup import PromptLookupProposer
 from coordinator.proposers.names import DRAFT_MODEL, HYBRID
 from coordinator.proposers.policy import ProposerPolicy
@@ -31,12 +32,9 @@ class DraftModel(Protocol):
     """The draft model as a proposer (coordinator.proposers.draft_model.DraftModelProposer; a fake in tests)."""
 
     available: bool  # False while the draft tier is left alone after a failure
+    trees: DraftTreePolicy | None  # its trees and speculation cache (None: chains only)
 
-    async def propose(self, committed: list[int], hashes: PrefixHashes, k: int) -> Proposal: ...
-
-    async def prefetch(self, committed: list[int], hashes: PrefixHashes, drafts: list[int], k: int) -> bool: ...
-
-    async def collect(self, all_accepted: bool, next_token: int) -> Proposal | None: ...
+    async def propose(self, committed: list[int], hashes: PrefixHashes, k: int, tree: TreeAsk | None = None) -> Proposal: ...
 
     async def close(self) -> None: ...
 
@@ -44,11 +42,11 @@ class DraftModel(Protocol):
 class Drafter:
     def __init__(self, params: GenerationParams, policy: ProposerPolicy, lookup: PromptLookupProposer, stats: RoundStats, *,
                  max_k: int, suffix: SuffixProposer | None = None, draft: DraftModel | None = None,
-                 draft_max_context: int = 0, overlap: bool = False, suffix_cache: SuffixCache | None = None,
+                 draft_max_context: int = 0, suffix_cache: SuffixCache | None = None,
                  cache_context: int = 0, tree_nodes: int = 0) -> None:
         """max_k: the server's and tiers' cap on K. lookup: always there, the fallback whenever the draft tier is
         unreachable. draft_max_context: the draft's context (beyond it the draft model is not asked).
-        overlap: prefetch round r+1 from the draft model while the target verifies round r. suffix_cache:
+        suffix_cache:
         the coordinator's tree of recent outputs, which this session's output joins at close(), after
         cache_context prompt tokens. tree_nodes > 0: the local sources offer token trees of at most that many
         nodes (K is then their depth), verified as deterministic candidates."""
@@ -60,13 +58,12 @@ class Drafter:
         self.suffix = suffix
         self.draft = draft
         self.draft_max_context = draft_max_context
-        self.overlap = overlap
         self.suffix_cache = suffix_cache
         self.cache_context = cache_context
         self.tree_nodes = min(tree_nodes, max_k)
         self.local = [x for x in (suffix, lookup) if x is not None and params.proposer in (x.source, HYBRID)]
         self._offers: list[Proposal] = []  # the local sources' offers of the round in progress
-        self._pending: Proposal | None = None  # the next round's drafts, prefetched during this round's verify
+        self._draft_ms = 0.0  # the draft model's proposals' wall time when not pre-drafted (weighted)
         self._output: list[int] | None = None  # the finished session's tokens, for the shared suffix tree
 
     async def start(self) -> None:
@@ -84,19 +81,18 @@ class Drafter:
     async def propose(self, committed: list[int], hashes: PrefixHashes, limit: int) -> Proposal:
         """The round's drafts (at most budget(limit) of them) with their q rows."""
         budget = max(self.budget(limit), 0)
-        proposal, self._pending = self._pending, None
-        if proposal is not None:
-            self._offers = []
-            self.stats.observe_overlapped(proposal.compute_ms)
-        else:
-            proposal = await self._choose(committed, hashes, budget)
-        if proposal.parents:  # a tree: no deeper than the budget
+        proposal = await self._choose(committed, hashes, budget)
+        if proposal.overlapped:  # the draft's speculation cache had it ready: a draft call's time saved
+            self.stats.observe_overlapped(0.0, saved_ms=max(0.0, self._draft_ms - proposal.wall_ms))
+        elif proposal.source == DRAFT_MODEL and proposal.tokens:
+            self._draft_ms = 0.8 * self._draft_ms + 0.2 * proposal.wall_ms if self._draft_ms else proposal.wall_ms
+        if proposal.parents and proposal.source != DRAFT_MODEL:  # a local tree: no deeper than the budget
             tokens, parents, probs = cut(proposal.tokens, proposal.parents, proposal.probs, budget, self.max_k)
             proposal = dataclasses.replace(proposal, tokens=tokens, parents=parents, probs=probs)
-        elif len(proposal.tokens) > budget:
+        elif not proposal.parents and len(proposal.tokens) > budget:
             proposal = dataclasses.replace(proposal, tokens=proposal.tokens[:budget], q=proposal.q[:budget],
                                            probs=proposal.probs[:budget])
-        return proposal
+        return proposal  # a draft-model tree was asked within the budget (depth <= K, nodes <= max_k)
 
     async def _choose(self, committed: list[int], hashes: PrefixHashes, budget: int) -> Proposal:
         max_k = self._max_k(budget)
@@ -110,8 +106,12 @@ class Drafter:
         # The draft model is down and backing off: the local proposers stand in.
         fallback = self.draft is not None and not self.draft.available
         if choice.source == DRAFT_MODEL and choice.k > 0:
+            trees = self.draft.trees
+            tree = None if trees is None else trees.choose(
+                self.policy.estimates[DRAFT_MODEL], self.policy.verify_line(shared), choice.k, max_k, self.max_k, measured=shared,
+                fixed=fixed)
             try:
-                proposal = await self.draft.propose(committed, hashes, choice.k)
+                proposal = await self.draft.propose(committed, hashes, choice.k, tree)
                 self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, proposal.queue_ms, is_draft=True)
                 self._offers = offers
                 return proposal
@@ -128,31 +128,17 @@ class Drafter:
 
     async def verify(self, verifying: Awaitable[Verdict], proposal: Proposal, committed: list[int],
                      hashes: PrefixHashes, limit: int) -> Verdict:
-        """The target's verdict on the proposal. With the overlap on and the draft model proposing, the draft
-        is asked meanwhile for the next block, assuming every draft is accepted (kept for the next propose()
-        if that happens and the draft guessed the bonus token)."""
-        drafts = proposal.tokens
-        if not (self.overlap and drafts and proposal.source == DRAFT_MODEL and self.draft.available):
-            return await verifying
-        verify = asyncio.ensure_future(verifying)  # in a task of its own while the draft is asked
-        fixed = self.params.num_speculative_tokens
-        k_next = min(self.policy.best_draft_k(self._max_k(self.budget(limit))) if fixed is None else fixed,
-                     limit - len(drafts) - 2)
-        prefetching = False
-        if k_next > 0 and len(committed) + len(drafts) + k_next + 1 <= self.draft_max_context:
-            prefetching = await self.draft.prefetch(committed, hashes, drafts, k_next)
-        try:
-            verdict = await verify
-        except BaseException:
-            verify.cancel()
-            raise
-        if prefetching:
-            self._pending = await self.draft.collect(verdict.num_accepted == len(drafts), verdict.next_token)
-        return verdict
+        """The target's verdict on the proposal. The draft tier pre-drafts the next round meanwhile on its own
+        (its speculation cache, asked for in the proposal's request), so nothing is sent here."""
+        return await verifying
 
     def observe(self, proposal: Proposal, verdict: Verdict, accepted: Sequence[int]) -> None:
         """The round's outcome: accepted = the accepted drafts + the next token."""
-        self.policy.observe(proposal, len(proposal.tokens), verdict.num_accepted, verdict.wall_ms)
+        if proposal.parents and proposal.source == DRAFT_MODEL and self.draft.trees is not None:
+            self.draft.trees.observe(proposal.k, verdict.num_accepted)  # levels held of the tree's depth
+            self.policy.verify_cost.observe(len(proposal.tokens), verdict.wall_ms)
+        else:
+            self.policy.observe(proposal, len(proposal.tokens), verdict.num_accepted, verdict.wall_ms)
         if self.params.sampling.temperature == 0:
             self.policy.observe_unchosen(self._offers, proposal.source if proposal.tokens else None, accepted)
 

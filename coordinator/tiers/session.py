@@ -167,7 +167,8 @@ class TierSession:
                 continue
             self._failures = 0
             self.cursor.update(ctx, extra(response), response.cached_len, committed_len=committed_len)
-            fed = len(ctx.new_tokens) - getattr(response, "prefix_reused", 0)  # the tier's prefix cache fed the rest
+            # the tier's prefix cache (or the draft's kept tree entries: salvaged) supplied the rest
+            fed = len(ctx.new_tokens) - getattr(response, "prefix_reused", 0) - getattr(response, "salvaged", 0)
             return TierReply(response, (time.perf_counter() - t0) * 1e3, fed)
 
     async def _pause(self, seconds: float) -> None:
