@@ -112,6 +112,7 @@ def aggregate(row: dict) -> dict:
         agg["overhead_rd_samples"] = per_round_overhead
         agg["tier_rd_samples"] = [_num(t.get("tier_ms")) / _num(t.get("rounds")) for t in st if _num(t.get("rounds")) > 0]
         agg["overlapped_rounds"] = sum(_num(t.get("overlapped_rounds")) for t in st)
+        agg["overlap_saved_ms"] = sum(_num(t.get("overlap_saved_ms")) for t in st)
         agg["reported_k"] = sorted({int(_num(t.get("num_speculative_tokens"), -99)) for t in st})
         agg["reported_mean_k"] = [_num(t.get("mean_num_speculative_tokens")) for t in st]
         agg["reported_proposer"] = sorted({str(t.get("proposer", "")) for t in st})
@@ -148,8 +149,9 @@ def row_notes(row: dict, agg: dict) -> list[str]:
         if ks and ks != [-1]:
             notes.append(f"K unset, server reports fixed K={','.join(map(str, ks))} (adaptive not in effect)")
     if agg.get("overlapped_rounds") and agg.get("rounds"):
-        notes.append(f"{agg['overlapped_rounds'] / agg['rounds']:.0%} of rounds drafted while the target verified (overlap): "
-                     "draft time is partly hidden, so the sequential bound understates what is possible")
+        notes.append(f"{agg['overlapped_rounds'] / agg['rounds']:.0%} of rounds drafted while the target verified (the "
+                     f"draft's speculation cache), saving ~{agg.get('overlap_saved_ms', 0) / agg['rounds']:.1f} ms per "
+                     "round: draft time is partly hidden, so the sequential bound understates what is possible")
     finish = [f for f in agg.get("finish", []) if f != "length"]
     if finish:
         notes.append(f"finish reason {','.join(finish)} (expected length)")
@@ -191,8 +193,8 @@ def bound_rows(rows: list[dict], aggs: dict) -> list[dict]:
             k0[(r["placement"], r["workload"])] = aggs[r["key"]]
     for r in rows:
         a_ = aggs[r["key"]]
-        if r["method"] != "specdec" or r["temperature"] != 0 or not r["k"] or not a_.get("n"):
-            continue
+        if r["method"] != "specdec" or r["temperature"] != 0 or not r["k"] or not a_.get("n") or r.get("variant"):
+            continue  # (the bound is a chain's: not for trees or the speculation cache)
         base = k0.get((r["placement"], r["workload"]))
         if not base or not base.get("rounds") or not a_.get("rounds"):
             continue
@@ -325,7 +327,7 @@ def method_label(r: dict) -> str:
         return "peer: HF assisted" + (" (default schedule)" if r["k"] is None else f" (K={r['k']} fixed)")
     if m == "peer_lookup":
         return "peer: HF prompt lookup"
-    return f"specdec {r['proposer']}"
+    return f"specdec {r['proposer']}" + (f" ({r['variant']})" if r.get("variant") else "")
 
 
 def k_cell(r: dict) -> str:
@@ -336,6 +338,33 @@ def k_cell(r: dict) -> str:
     if r["method"] == "specdec" and r["k"] == 0:
         return "0 (target only)"
     return _klabel(r["k"])
+
+
+def tree_table(rows: list[dict], aggs: dict, placements, workloads) -> list[str]:
+    """The draft model's chains beside its token trees and its speculation cache (overlap), per cell: tokens per
+    target forward, speed-up over the target alone, and the share of rounds the cache had ready."""
+    lines = ["| placement / workload | proposer | variant | T | K | tok/s | x target | tok/fwd | rounds ready | saved ms/rd |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for pl in placements:
+        for wl in workloads:
+            tgt = best_row(find_row(rows, aggs, placement=pl, workload=wl, method="target"), aggs)
+            variants = {(r["proposer"], r["temperature"]) for r in rows
+                        if r["placement"] == pl and r["workload"] == wl and r.get("variant")}
+            for r in rows:
+                if (r["placement"], r["workload"], r["method"]) != (pl, wl, "specdec"):
+                    continue
+                if (r["proposer"], r["temperature"]) not in variants or (r["k"] == 0 and not r.get("variant")):
+                    continue
+                a = aggs[r["key"]]
+                if not a.get("n"):
+                    continue
+                rounds = a.get("rounds") or 0
+                x = a["tps"] / aggs[tgt["key"]]["tps"] if tgt and a.get("tps") else float("nan")
+                lines.append(f"| {pl} / {wl} | {r['proposer']} | {r.get('variant') or 'chain'} | {r['temperature']:g} | "
+                             f"{_klabel(r['k'])} | {_f(a.get('tps'))} | {_f(x)} | {_f(a.get('tok_fwd'))} | "
+                             f"{_f(a.get('overlapped_rounds', 0) / rounds if rounds else None, '{:.0%}')} | "
+                             f"{_f(a.get('overlap_saved_ms', 0) / rounds if rounds else None, '{:.1f}')} |")
+    return lines
 
 
 def results_table(rows: list[dict], aggs: dict, target_tps: float | None) -> list[str]:

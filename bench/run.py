@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra flags for every coordinator, e.g. '--overlap' (use --coordinator-args=--overlap)")
     p.add_argument("--tree-nodes", type=int, default=0,
                    help="> 0: every coordinator proposes token trees of this many nodes from lookup / suffix (issue 17)")
+    p.add_argument("--draft-trees", type=int, default=16,
+                   help="node budget of the draft model's token-tree rows (beside its chains; 0 = no tree rows)")
+    p.add_argument("--speculate", type=int, default=4,
+                   help="outcomes the draft's speculation cache pre-drafts in the overlap rows (0 = no overlap rows)")
     p.add_argument("--target", default=None, help="target model (default: specdec.models.default_target())")
     p.add_argument("--draft", default=None, help="draft model (default: specdec.models.default_draft())")
     p.add_argument("--device", default="cpu", help="torch device of both tiers and the in-process baselines: cpu, cuda, cuda:1, ...")

@@ -49,6 +49,7 @@ def build_plan(args) -> dict:
             raise SystemExit(f"placement {pl!r} does not fit --device {args.device} (gpu goes with a GPU device, "
                              "shared and separate with cpu)")
     proposers = [x for x in args.proposers.split(",") if x]
+    m.update(draft_trees=getattr(args, "draft_trees", 0), speculate=getattr(args, "speculate", 0))
     m.update(mode=mode, placements=placements, workloads=workloads, proposers=proposers, peer=not args.no_peer,
              device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype or args.dtype,
              retry=dict(max_retries=args.retry_disturbed, wait_s=15.0, budget_s=args.retry_budget),
@@ -64,10 +65,10 @@ def build_plan(args) -> dict:
 
             def add(method, **kw):
                 r = dict(placement=pl, workload=wl, method=method, proposer=kw.get("proposer"), k=kw.get("k"),
-                         temperature=float(kw.get("temperature", 0.0)))
+                         temperature=float(kw.get("temperature", 0.0)), variant=kw.get("variant", ""))
                 t = f"T{r['temperature']:g}"
                 k = "Kdefault" if r["k"] is None else f"K{r['k']}"
-                r["key"] = "/".join(x for x in (pl, wl, method, r["proposer"] or "", t, k) if x)
+                r["key"] = "/".join(x for x in (pl, wl, method, r["proposer"] or "", t, k, r["variant"]) if x)
                 rows.append(r)
             if wl == "template":  # 20 requests per row: target alone, K = 0 and the model-free proposers
                 if m["template_placements"] is not None and pl not in m["template_placements"]:
@@ -76,6 +77,8 @@ def build_plan(args) -> dict:
                 add("specdec", proposer="draft", k=0)
                 for prop in TEMPLATE_PROPOSERS:
                     add("specdec", proposer=prop, k=None)
+                for variant in tree_variants(m):
+                    add("specdec", proposer="hybrid", k=None, variant=variant)
                 continue
             add("target")
             if m["peer"]:
@@ -90,15 +93,44 @@ def build_plan(args) -> dict:
             add("specdec", proposer="draft", k=0)
             for k in [*m["greedy_ks"], None]:
                 add("specdec", proposer="draft", k=k)
+            for variant in tree_variants(m):  # the draft's trees and speculation cache beside its chains
+                for k in ([2, None] if variant == "tree" else [2]):
+                    add("specdec", proposer="draft", k=k, variant=variant)
             for temp in (m["sampled_temps"] if sampled_here else []):
                 for k in [*m["sampled_ks"], None]:
                     add("specdec", proposer="draft", k=k, temperature=temp)
+                if "tree" in tree_variants(m):
+                    add("specdec", proposer="draft", k=2, temperature=temp, variant="tree")
             if wl == "grounded":
                 for prop in proposers:
                     for k in [*m["lookup_ks"], None]:
                         add("specdec", proposer=prop, k=k)
     m["rows"] = rows
     return m
+
+
+def tree_variants(m: dict) -> list[str]:
+    """The draft-model variants measured beside its chains: token trees, the speculation cache (overlap) on
+    chains, and both."""
+    out = []
+    if m.get("draft_trees"):
+        out.append("tree")
+    if m.get("speculate"):
+        out.append("overlap")
+    if m.get("draft_trees") and m.get("speculate"):
+        out.append("tree+overlap")
+    return out
+
+
+def variant_flags(row: dict, plan: dict) -> tuple[str, ...]:
+    """The coordinator flags of a row's variant."""
+    v = row.get("variant", "")
+    flags: tuple[str, ...] = ()
+    if "tree" in v:
+        flags += ("--draft-tree-nodes", str(plan["draft_trees"]))
+    if "overlap" in v:
+        flags += ("--overlap", "true", "--speculate-outcomes", str(plan["speculate"]))
+    return flags
 
 
 def describe_plan(plan: dict) -> list[str]:
@@ -119,6 +151,9 @@ def describe_plan(plan: dict) -> list[str]:
                      "hybrid rows each get a fresh coordinator, so their shared suffix tree starts empty and learns "
                      "only from the row's own earlier requests (open and grounded rows run with the shared tree off: "
                      "other rows and repeats ask the same prompts)")
+    if tree_variants(plan):
+        lines.append(f"draft-model variants beside its chains: {', '.join(tree_variants(plan))} (tree: node budget "
+                     f"{plan['draft_trees']}, K = depth; overlap: the draft's speculation cache, {plan['speculate']} outcomes)")
     extra = {k: v for k, v in plan["extra_args"].items() if v}
     if extra:
         lines.append("extra service flags: " + "; ".join(f"{k} `{shlex.join(v)}`" for k, v in extra.items()))

@@ -67,9 +67,12 @@ MAIN_COORDINATOR_FLAGS = ("--suffix-cache-entries", "0")
 WARMUP_PROMPT = next(p for p in PROMPTS if p.workload == "open")  # unrelated to the template requests
 
 
-def coordinator_flags(row: dict) -> tuple[tuple[str, ...], bool]:
+def coordinator_flags(row: dict, plan: dict | None = None) -> tuple[tuple[str, ...], bool]:
     """(coordinator flags the row needs beyond the main coordinator's, whether it needs a fresh one)."""
+    from bench.run_plan import variant_flags
+
     flags = ("--default-proposer", "suffix") if row["proposer"] == "suffix" else ()
+    flags += variant_flags(row, plan or {})
     if row["workload"] == "template" and row["proposer"] in ("suffix", "hybrid"):
         return flags + ("--suffix-cache-entries", str(SuffixConfig.cache_entries)), True
     return flags, False
@@ -121,7 +124,7 @@ def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict
             retry = RetryPolicy(**plan["retry"], own=meter.own)
             current: tuple[str, ...] = ()  # coordinator flags beyond the placement's (the main coordinator: none)
             for r in rows:
-                flags, fresh = coordinator_flags(r)
+                flags, fresh = coordinator_flags(r, plan)
                 if fresh or flags != current:
                     client.close()
                     pipeline.restart_coordinator(list(flags))

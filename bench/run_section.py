@@ -91,6 +91,13 @@ def build_section(*, plan: dict, models: dict, prompts: dict, info: dict, starte
         L.append("")
         L.extend(report.template_table(all_rows, aggs, plan["placements"]))
         L.append("")
+    trees = report.tree_table(all_rows, aggs, plan["placements"], plan["workloads"])
+    if len(trees) > 2:
+        L.append("The draft model's chains, token trees and speculation cache (overlap) (x target alone; rounds ready: "
+                 "drafts the speculation cache had pre-drafted; saved: the draft call's usual time less theirs):")
+        L.append("")
+        L.extend(trees)
+        L.append("")
     L.append("Goals:")
     L.append("")
     L.extend(report.goal_lines(summary["goals"]))

@@ -196,13 +196,6 @@ def test_policy_with_a_fixed_k():
     assert policy.choose([lookup], max_k=0, draft=True, fixed=True).k == 0
 
 
-def test_best_draft_k_for_drafting_ahead():
-    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
-    assert policy.best_draft_k(8) == 2
-    for _ in range(30):
-        _observe(policy, Choice(DRAFT_MODEL, 4), 4, 1.0, 50.0)
-    assert policy.best_draft_k(8) == 8
-
 
 def test_policy_without_measured_costs_ignores_timings():
     """Reproducible sampling (fixed K): the choice must not depend on how long rounds took."""

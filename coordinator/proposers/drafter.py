@@ -19,7 +19,7 @@ from coordinator.proposers.base import Proposal
 from coordinator.proposers.draft_tree import DraftTreePolicy, TreeAsk
 from coordinator.proposers.lookup import PromptLookupProposer
 from coordinator.proposers.names import DRAFT_MODEL, HYBRID
-from coordinator.proposers.policy import ProposerPolicy
+from coordinator.proposers.policy import STEADY_CATCH_UP, ProposerPolicy
 from coordinator.proposers.suffix import SuffixCache, SuffixProposer
 from coordinator.proposers.token_tree import cut
 from coordinator.stats import RoundStats
@@ -136,7 +136,9 @@ class Drafter:
         """The round's outcome: accepted = the accepted drafts + the next token."""
         if proposal.parents and proposal.source == DRAFT_MODEL and self.draft.trees is not None:
             self.draft.trees.observe(proposal.k, verdict.num_accepted)  # levels held of the tree's depth
-            self.policy.verify_cost.observe(len(proposal.tokens), verdict.wall_ms)
+            self.policy.verify_cost.observe(len(proposal.tokens), verdict.wall_ms)  # verify against nodes scored
+            if proposal.catch_up <= STEADY_CATCH_UP:  # one draft step per level, as a chain's K
+                self.policy.estimates[DRAFT_MODEL].propose_cost.observe(proposal.k, proposal.wall_ms)
         else:
             self.policy.observe(proposal, len(proposal.tokens), verdict.num_accepted, verdict.wall_ms)
         if self.params.sampling.temperature == 0:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, TierLoad, expected_tokens
+from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, TierLoad
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.names import DRAFT_MODEL
 from coordinator.proposers.token_tree import match
@@ -128,12 +128,6 @@ class ProposerPolicy:
         if measured_costs and self.load is not None and self.load.observations > 0:
             return self.load.verify_line()
         return self.verify_cost.line(measured_costs)
-
-    def best_draft_k(self, max_k: int) -> int:
-        """The draft model's best K on its own (for drafting the next round ahead), 0 if none pays."""
-        est = self.estimates[DRAFT_MODEL]
-        rates = [expected_tokens(est.acceptance, k) / est.cost(k) for k in range(max_k + 1)]
-        return max(range(max_k + 1), key=rates.__getitem__)
 
     def observe(self, proposal: Proposal, k: int, n_accepted: int, verify_ms: float) -> None:
         """The round's outcome: k drafts of proposal verified, n accepted."""
