@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import llguidance
 import llguidance.hf
+import openai
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -29,7 +30,6 @@ from specdec.math.params import SamplingParams
 from specdec.models import load_tokenizer
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving import token_masks
-from tests.helpers import Cluster
 from tests.test_batching import prompt
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -68,10 +68,8 @@ def constrained_reference(model, tokenizer, grammar: str, ids: list[int], eos: l
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_target, tiny_random_draft):
-    c = Cluster(tiny_target, tiny_random_draft)
-    yield c
-    c.close()
+def cluster(random_draft_cluster):
+    return random_draft_cluster
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +195,28 @@ def test_sampled_verification_with_masks_keeps_the_constrained_law():
     kept = allowed.nonzero()[:, 0]
     expected = (want[kept] * n).double().numpy()
     assert chisquare(counts[kept].double().numpy(), expected / expected.sum() * n).pvalue > 1e-3
+
+
+def test_the_openai_client_gets_schema_valid_json(oai, model, tokenizer):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Ada, 36, tags a and d."}],
+                                    max_tokens=80, response_format=fmt, extra_body={"proposer": "draft"})
+    text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert reason in ("stop", "length") and len(ids) > 0
+    if reason == "stop":
+        doc = json.loads(text)
+        assert set(doc) == {"name", "age", "tags"}
+    obj = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                      response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("fmt,param", [({"type": "xml"}, "response_format.type"),
+                                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}},
+                                        "response_format.json_schema")])
+def test_the_openai_api_refuses_a_bad_response_format_with_400(oai, model, fmt, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                    response_format=fmt)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
