@@ -52,7 +52,9 @@ prometheus:
 #                     floor, the K = 0 loop vs HF generate eager and compiled (~10 min; STEP_COST_ARGS=--help)
 #  bench.exactness    argmax flips between forward shapes and step modes (~6 min; EXACTNESS_ARGS=--help)
 #  bench.prefix_reuse TTFT of turn 2+ vs turn 1, multi-turn chat and agent calls, prefix cache on vs off
-#                     (not yet timed with the default pair; PREFIX_REUSE_ARGS=--help; --quick: a tiny model, ~1.5 min)
+#                     (~8 min; PREFIX_REUSE_ARGS=--help; --quick: a tiny model, ~1.5 min)
+#  bench.structured   grammar engines' mask cost; JSON-schema extraction constrained vs unconstrained vs the
+#                     target alone with the same grammar (~5 min; STRUCTURED_ARGS=--help)
 bench: setup
 	$(PY) -m bench.step_cost $(STEP_COST_ARGS)
 	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)
@@ -65,6 +67,7 @@ bench: setup
 	    --draft-args '--dtype float16' --max-new-tokens 128
 	$(PY) -m bench.replicas $(BENCH_REPLICAS_ARGS)
 	$(PY) -m bench.prefix_reuse $(PREFIX_REUSE_ARGS)
+	$(PY) -m bench.structured $(STRUCTURED_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info

@@ -198,6 +198,51 @@ def plot(results: dict, path: Path, title: str) -> bool:
     return True
 
 
+def propose_cost(path: str, device: str, dtype: str, mode: str, ks: tuple[int, ...], batches: tuple[int, ...],
+                 repeats: int) -> dict:
+    """ms per Propose of K tokens (B sessions at once, greedy, a PREFIX-token context) through the draft
+    engine in-process, with the draft chain on and off (specdec.engine.draft_chain)."""
+    import asyncio
+
+    from specdec.core.prefix import PrefixHashes
+    from specdec.engine.config import StepConfig, TierConfig
+    from specdec.engine.engine import Engine
+    from specdec.engine.propose import ProposeWork
+    from specdec.math.params import SamplingParams
+    from specdec.models import ModelConfig
+
+    prompt = list(range(1000, 1000 + PREFIX))
+    head = PrefixHashes(prompt).at(PREFIX - 1)
+    out = {}
+    for chain in (False, True):
+        engine = Engine.load(TierConfig(ModelConfig(path, device=device, dtype=dtype),
+                                        step=StepConfig(mode=mode, draft_chain=chain)))
+
+        async def propose(b: int, k: int, fresh: bool):
+            works = [ProposeWork.create(f"s{i}", 0 if fresh else PREFIX - 1, 0 if fresh else head,
+                                        prompt if fresh else prompt[-1:], k, SamplingParams(), seed=i, top_n=16)
+                     for i in range(b)]
+            with engine.paused():  # one batch
+                tasks = [asyncio.ensure_future(engine.submit(w)) for w in works]
+                await asyncio.sleep(0)
+            await asyncio.gather(*tasks)
+
+        try:
+            asyncio.run(propose(max(batches), 1, True))  # every session holds the prompt
+            for b in batches:
+                for k in ks:
+                    asyncio.run(propose(b, k, False))  # warm
+                    times = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        asyncio.run(propose(b, k, False))
+                        times.append((time.perf_counter() - t0) * 1e3)
+                    out[(chain, b, k)] = statistics.median(times)
+        finally:
+            engine.close()
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
@@ -231,6 +276,10 @@ def main(argv=None) -> int:
         r["floor_ms"] = r["weight_bytes"] / (bw * 1e9) * 1e3
         results[name] = r
     decode = decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens)
+    propose_ks, propose_batches = (1, 2, 4, 8), (1, 4)
+    draft_mode = "cuda-graphs" if device.type == "cuda" else "auto"
+    propose = (propose_cost(models["draft"], args.device, args.dtype, draft_mode, propose_ks, propose_batches, repeats)
+               if "draft" in models else {})
 
     cmd = "python -m bench.step_cost" + "".join(" " + a for a in (argv if argv is not None else sys.argv[1:]))
     info = machine_info()
@@ -264,6 +313,16 @@ def main(argv=None) -> int:
               "| path | tok/s |", "|---|---|"]
     for k, v in decode.items():
         lines.append(f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |")
+    if propose:
+        lines += ["", f"Draft Propose, {draft_mode} steps: ms per Propose of K greedy tokens for B sessions at once "
+                  f"(in-process engine, {PREFIX}-token context), step by step (`--no-draft-chain`) against the draft "
+                  "chain (the default):", "",
+                  "| B | " + " | ".join(f"K={k}: steps / chain" for k in propose_ks) + " |",
+                  "|---|" + "---|" * len(propose_ks)]
+        for b in propose_batches:
+            lines.append(f"| {b} | " + " | ".join(f"{propose[(False, b, k)]:.1f} / {propose[(True, b, k)]:.1f} ms "
+                                                  f"({propose[(True, b, k)] / propose[(False, b, k)]:.2f}x)"
+                                                  for k in propose_ks) + " |")
     suffix = "" if device.type == "cpu" else "_gpu"
     png = Path(args.out).parent / f"bench_step_cost{suffix}.png" if args.out else None
     if png is not None and plot(results, png, f"step cost, {args.device} {args.dtype}"):

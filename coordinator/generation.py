@@ -1,7 +1,8 @@
 """One generation: the speculative round loop.
 
 Per round: the drafter proposes up to K draft tokens (with q), the target verifies them in one forward
-and returns (n_accepted, next_token); the output commits d_1..d_n + next_token (for a token tree: the
+(under structured output, with the grammar's mask at each position; tokens the grammar forces are
+committed first, with no forward: coordinator.constraint) and returns (n_accepted, next_token); the output commits d_1..d_n + next_token (for a token tree: the
 accepted path's tokens + next_token), cut at EOS, a stop string
 or the token budget, and streams them. The committed sequence lives here only; each tier is told, per
 request, which prefix of it it already caches. Everything else lives in the collaborators, passed in (the
@@ -16,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from coordinator.constraint import Constraint, NoConstraint
 from coordinator.output import FinishReason, Output
 from coordinator.params import GenerationParams
 from coordinator.proposers.drafter import Drafter
@@ -29,7 +31,8 @@ class Target(Protocol):
     """The target as the loop calls it (coordinator.tiers.target.TargetVerifier; a fake in tests)."""
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
-                     q: list[common_pb2.DraftDistribution], parents: list[int] = (), tree_scheme: int = 0) -> Verdict: ...
+                     q: list[common_pb2.DraftDistribution], parents: list[int] = (), masks: list[bytes] = (),
+                     tree_scheme: int = 0) -> Verdict: ...
 
     async def close(self) -> None: ...
 
@@ -37,6 +40,7 @@ class Target(Protocol):
 class Generation:
     def __init__(self, params: GenerationParams, *, target: Target, drafter: Drafter, output: Output,
                  stats: RoundStats, max_context: int, session_id: str = "",
+                 constraint: Constraint | NoConstraint = NoConstraint(),
                  clock: Callable[[], float] = time.perf_counter) -> None:
         """max_context: the target's (generation ends there); session_id: the session's on both tiers."""
         self.params = params
@@ -46,6 +50,7 @@ class Generation:
         self.stats = stats
         self.max_context = max_context
         self.session_id = session_id
+        self.constraint = constraint
         self.clock = clock
 
     async def run(self) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -61,15 +66,26 @@ class Generation:
             if limit <= 0:
                 out.end(FinishReason.FINISH_REASON_CONTEXT)
                 break
+            if forced := self.constraint.forced(limit):  # structured output: tokens the grammar forces are free
+                chunk = out.take(forced)
+                committed.extend(chunk)
+                hashes.extend(chunk)
+                self.drafter.commit(chunk)
+                first_token_at = first_token_at or self.clock()
+                yield out.event(chunk)
+                continue
             proposal = await self.drafter.propose(committed, hashes, limit)  # propose
+            proposal, masks = self.constraint.check(proposal, p.sampling.greedy)  # (the grammar's masks)
             verdict = await self.drafter.verify(  # verify (the draft tier may pre-draft the next round meanwhile)
-                self.target.verify(committed, hashes, proposal.tokens, proposal.q, proposal.parents, proposal.tree_scheme),
+                self.target.verify(committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks,
+                                   proposal.tree_scheme),
                 proposal, committed, hashes, limit)
             n = verdict.num_accepted  # accept
             path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
             accepted = [proposal.tokens[i] for i in path] + [verdict.next_token]
             self.drafter.observe(proposal, verdict, accepted)
             chunk = out.take(accepted)  # commit, cut at EOS, the budget or a stop string
+            self.constraint.commit(chunk)
             committed.extend(chunk)
             hashes.extend(chunk)
             self.drafter.commit(chunk)

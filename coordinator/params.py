@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from coordinator.proposers.names import HYBRID, Proposer
 from specdec.math.params import SamplingParams
+from specdec.proto import generate_pb2
 
 MAX_CACHE_KEY_LEN = 128  # prompt_cache_key (or the OpenAI user standing in for it): characters
 
@@ -25,6 +26,7 @@ class GenerationParams:
     ignore_eos: bool = False
     cache_key: str = ""  # routes the session to the replicas that served the same key (prompt_cache_key)
     logprobs: int = -1  # -1: no logprobs; n >= 0: each token's logprob and the top n alternatives
+    response_format: generate_pb2.ResponseFormat | None = None  # structured output (coordinator.constraint); None: free
 
     @property
     def reproducible(self) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import grpc
 
+from coordinator.constraint import GrammarCompiler, NoConstraint
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.output import Output
@@ -86,6 +87,7 @@ class Pipeline:
         self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
         self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
         self.tokenizer = None
+        self.grammar: GrammarCompiler | None = None  # structured output's compiler, once the tokenizer is known
         self.tokenizer_fingerprint = ""  # the coordinator's; every replica checks it on a session's first request
         self.target_info: common_pb2.ModelInfo | None = None
         self.draft_info: common_pb2.ModelInfo | None = None
@@ -120,6 +122,7 @@ class Pipeline:
         self.tokenizer_fingerprint = fingerprint
         if self.target_info.tokenizer_fingerprint != fingerprint:
             raise PipelineMismatch(f"the target's tokenizer ({self.target_info.model}) differs from the coordinator's ({self.config.tokenizer})")
+        self.grammar = GrammarCompiler(self.tokenizer, self.target_info.vocab_size, list(self.target_info.eos_token_ids))
         if self.draft_info is not None and self.draft_info.tokenizer_fingerprint != self.target_info.tokenizer_fingerprint:
             raise PipelineMismatch(f"draft tokenizer ({self.draft_info.model}) differs from target tokenizer ({self.target_info.model}); refusing to start")
         log.info("pipeline: target %s at %s, draft %s", self.target_info.model, self.config.target_address,
@@ -177,18 +180,21 @@ class Pipeline:
         drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
                           suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
-                          tree_nodes=0 if params.sampling.penalized else c.tree_nodes)  # penalties: chains only
+                          tree_nodes=0 if params.sampling.penalized or params.response_format else c.tree_nodes)  # chains only
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
+        constraint = (self.grammar.constraint(params.response_format, jump_forward=params.logprobs < 0)
+                      if params.response_format else NoConstraint())
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
-                          max_context=self.target_info.max_context, session_id=session_id)
+                          max_context=self.target_info.max_context, session_id=session_id, constraint=constraint)
 
     def _draft_trees(self, params: GenerationParams) -> DraftTreePolicy | None:
         """The draft model's trees and speculation cache for a session (None: chains only; penalised
-        requests, whose counts would differ per branch, and a coordinator with neither on)."""
+        requests, whose counts would differ per branch, structured output, which verifies chains, and a
+        coordinator with neither on)."""
         c = self.config
         speculate = c.speculate_outcomes if c.overlap else 0
-        if params.sampling.penalized or not (c.draft_tree_nodes or speculate):
+        if params.sampling.penalized or params.response_format or not (c.draft_tree_nodes or speculate):
             return None
         config = DraftTreeConfig(min(c.draft_tree_nodes, self.max_k()), c.draft_tree_branching, c.draft_tree_scheme,
                                  speculate)

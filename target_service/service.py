@@ -12,7 +12,7 @@ from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.verify import MAX_TOP_LOGPROBS, VerifyResult, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
-from specdec.serving import draft_probs, sampling_params
+from specdec.serving import draft_probs, sampling_params, token_masks
 from specdec.serving.token_tree import tree_of
 from specdec.serving.server import Service, ServerConfig, handle_errors
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
@@ -56,13 +56,16 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
                                                      ctx.prefix_len + len(ctx.new_tokens))
         parents, scheme = tree_of(request, q is not None, params.greedy, engine)
+        allowed = token_masks.decode(request.token_masks, k + 1, engine.vocab_size)
+        if parents is not None and allowed is not None:
+            raise invalid_argument("token_masks: structured output verifies chains only (no draft_parents)")
         if parents is not None and params.penalized:
             raise invalid_argument("draft_parents: token trees take no presence, frequency or repetition penalty "
                                    "(send the drafts as a chain)")
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
                                  list(request.draft_tokens), q, params, request.seed, prompt_len=prompt_len,
                                  logprobs=request.top_logprobs if request.logprobs else -1, parents=parents,
-                                 scheme=scheme)
+                                 scheme=scheme, allowed=allowed)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:

@@ -63,11 +63,13 @@ class FakeTarget:
     def __init__(self, continuation: list[int], fail_on_call: int | None = None) -> None:
         self.continuation = continuation
         self.calls: list[list[int]] = []  # the drafts of each verify
+        self.masks: list[list[bytes]] = []  # the structured-output masks of each verify
         self.fail_on_call = fail_on_call
         self.closed = False
 
-    async def verify(self, committed, hashes, drafts, q, parents=(), tree_scheme=0) -> Verdict:
+    async def verify(self, committed, hashes, drafts, q, parents=(), masks=(), tree_scheme=0) -> Verdict:
         self.calls.append(list(drafts))
+        self.masks.append(list(masks))
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise TierError("target", grpc.StatusCode.UNAVAILABLE, "connection refused")
         assert len(hashes) == len(committed)
@@ -111,7 +113,8 @@ class FakeDraft:
 
 
 def generation(target, draft=None, *, k: int | None = 3, max_new: int = 20, proposer: Proposer = DRAFT_MODEL,
-               stop=(), eos=frozenset(), max_context: int = 1000, prompt=PROMPT) -> Generation:
+               stop=(), eos=frozenset(), max_context: int = 1000, prompt=PROMPT,
+               constraint=None) -> Generation:
     params = GenerationParams(prompt_ids=list(prompt), max_new_tokens=max_new, sampling=SamplingParams(), seed=1,
                               num_speculative_tokens=k, proposer=proposer, stop=tuple(stop))
     clock = Clock()
@@ -120,8 +123,9 @@ def generation(target, draft=None, *, k: int | None = 3, max_new: int = 20, prop
     drafter = Drafter(params, policy, PromptLookupProposer(LookupConfig(), params.prompt_ids), stats, max_k=16,
                       draft=draft, draft_max_context=max_context)
     output = Output(Tokenizer(), params.prompt_ids, max_new, set(eos), stop)
+    extra = {"constraint": constraint} if constraint is not None else {}
     return Generation(params, target=target, drafter=drafter, output=output, stats=stats, max_context=max_context,
-                      clock=clock)
+                      clock=clock, **extra)
 
 
 def run(gen: Generation) -> tuple[list[generate_pb2.TokenChunk], generate_pb2.GenerationResult]:
@@ -241,3 +245,34 @@ def test_a_failed_target_fails_the_generation():
     assert error.code == grpc.StatusCode.UNAVAILABLE and error.tier == "target"
     assert len(seen) == 1 and list(seen[0].chunk.token_ids) == cont[:4]  # round 1 streamed, then the failure
     assert target.closed
+
+
+class FakeConstraint:
+    """A grammar that forces the first two tokens, then allows only the first draft of each proposal."""
+
+    def __init__(self, forced: list[int]) -> None:
+        self.to_force, self.committed, self.checked = list(forced), [], []
+
+    def forced(self, limit: int) -> list[int]:
+        out, self.to_force = self.to_force[:limit], self.to_force[limit:]
+        self.committed += out
+        return out
+
+    def check(self, proposal: Proposal, greedy: bool):
+        self.checked.append(list(proposal.tokens))
+        proposal.tokens = proposal.tokens[:1]
+        return proposal, [b"mask"] * (len(proposal.tokens) + 1)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.committed += tokens
+
+
+def test_structured_output_forced_tokens_skip_the_tiers_and_the_masks_reach_the_target():
+    t = truth()
+    target, constraint = FakeTarget(t), FakeConstraint(t[:2])
+    chunks, result = run(generation(target, FakeDraft(t), k=3, max_new=8, constraint=constraint))
+    assert [list(c.token_ids) for c in chunks][0] == t[:2]  # the forced tokens, before any verify
+    assert [tok for c in chunks for tok in c.token_ids] == t[:8] == constraint.committed
+    assert all(len(d) <= 1 for d in target.calls) and all(len(m) == len(d) + 1 for d, m in zip(target.calls, target.masks))
+    assert constraint.checked[0] == t[2:5]  # the draft's proposal, before the grammar cut it
+    assert result.finish_reason == FR.FINISH_REASON_LENGTH

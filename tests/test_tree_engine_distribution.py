@@ -58,7 +58,7 @@ def run(scheme: str, P: torch.Tensor, Q: torch.Tensor, n_trials: int, seed: int)
             prev = outs[t][-1] if outs[t] else START
             tokens, parents, q = tree_for(scheme, prev, Q, gen)
             works.append(VerifyWork.create("s", 0, 0, [prev], tokens, q, PARAMS, mix64(seed * 1_000_003 + t * 101 + rnd),
-                                           parents, scheme))
+                                           parents=parents, scheme=scheme))
             logits.append(logP[[prev] + tokens])  # [N + 1, V]: the root's row, then each node's
         for t, w, (path, nxt) in zip(live, works, _verify_trees(works, logits, V)):
             outs[t].extend([w.drafts[i] for i in path] + [nxt])

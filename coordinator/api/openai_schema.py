@@ -11,6 +11,8 @@ samples with seed + i, as vLLM does).
 
 from __future__ import annotations
 
+import json
+
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -151,9 +153,8 @@ class ChatCompletionRequest(_Common):
             raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         if self.tools or self.tool_choice not in (None, "none"):
             raise BadRequest("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise BadRequest("response_format: only {\"type\": \"text\"} is supported", "response_format")
         req = generate_pb2.GenerateRequest()
+        _response_format(self.response_format, req)
         req.chat.SetInParent()
         for m in self.messages:
             req.chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=m.text())
@@ -161,6 +162,25 @@ class ChatCompletionRequest(_Common):
         req.logprobs = self.logprobs
         req.top_logprobs = self.top_logprobs or 0
         return self._per_choice(self._fill(req, max_new))
+
+
+def _response_format(fmt: dict[str, Any] | None, req: generate_pb2.GenerateRequest) -> None:
+    """OpenAI's response_format into GenerateRequest.response_format: text (none), json_object, or
+    json_schema {"name", "schema", "strict"} (the schema is enforced whatever strict says)."""
+    if not fmt or fmt.get("type") == "text":
+        return
+    kind = fmt.get("type")
+    if kind == "json_object":
+        req.response_format.json_object = True
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise BadRequest("response_format.json_schema: an object with a schema object is required",
+                             "response_format.json_schema")
+        req.response_format.json_schema = json.dumps(spec.get("schema", {}))
+    else:
+        raise BadRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                         "response_format.type")
 
 
 class CompletionRequest(_Common):

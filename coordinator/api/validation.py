@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import secrets
 
+from coordinator.constraint import ConstraintError
 from coordinator.params import MAX_CACHE_KEY_LEN, GenerationParams
 from coordinator.pipeline import Pipeline
 from coordinator.proposers.names import Proposer
@@ -79,9 +80,22 @@ class RequestValidator:
         seed = r.seed if r.HasField("seed") else secrets.randbits(63)
         if len(r.prompt_cache_key) > MAX_CACHE_KEY_LEN:
             raise invalid_argument(f"prompt_cache_key: at most {MAX_CACHE_KEY_LEN} characters, got {len(r.prompt_cache_key)}")
+        response_format = None
+        if r.HasField("response_format"):
+            if r.response_format.WhichOneof("format") is None:
+                raise invalid_argument("response_format: set one of json_object, json_schema, regex, lark", "response_format")
+            if r.ignore_eos:
+                raise invalid_argument("response_format: cannot be combined with ignore_eos (the grammar ends the output)",
+                                       "response_format")
+            try:
+                self.pipeline.grammar.constraint(r.response_format)  # compiles: refused before any token
+            except ConstraintError as e:
+                raise invalid_argument(str(e), str(e).split(":")[0]) from None
+            response_format = r.response_format
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
-                                cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1)
+                                cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
+                                response_format=response_format)
 
     def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
         tok = self.pipeline.tokenizer

@@ -37,16 +37,18 @@ class TargetVerifier:
         self.load = load
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
-                     q: list[common_pb2.DraftDistribution], parents: list[int] = (), tree_scheme: int = 0) -> Verdict:
+                     q: list[common_pb2.DraftDistribution], parents: list[int] = (), masks: list[bytes] = (),
+                     tree_scheme: int = 0) -> Verdict:
         """Verify drafts (with their q rows; none = one-hot) after the committed tokens; with parents, the
-        drafts are a token tree's nodes, drawn as tree_scheme says (0: candidates without q, IID with q).
-        Raises TierError."""
+        drafts are a token tree's nodes, drawn as tree_scheme says (0: candidates without q, IID with q); masks:
+        structured output's allowed tokens at each of the K + 1 positions. Raises TierError."""
         seed = derive_seed(self.seed, len(committed), TARGET_STREAM)
         reply = await self.session.call(
             committed, hashes,
             lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
                                                  logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0),
-                                                 draft_parents=parents, tree_scheme=tree_scheme if parents else 0),
+                                                 draft_parents=parents, token_masks=masks,
+                                                 tree_scheme=tree_scheme if parents else 0),
             extra=lambda response: [drafts[i] for i in response.accepted_path] if parents else drafts)
         response = reply.message
         self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)

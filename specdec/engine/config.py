@@ -35,6 +35,7 @@ class StepConfig:
     capture_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # ...and query tokens per session (K + 1 fits one)
     max_graphs: int = 128  # CUDA graphs kept (least recently used dropped); steps beyond the buckets run eager
     max_capture_tokens: int = 512  # buckets captured at start: at most this many (padded) tokens
+    draft_chain: bool = True  # the draft's K - 1 steps after d_1 as one chain on the device (specdec.engine.draft_chain)
 
 
 @dataclass(frozen=True)

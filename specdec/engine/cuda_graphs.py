@@ -10,6 +10,10 @@ head then runs eager on just the rows someone needs (one product). Graphs are ca
 step that fits no bucket (a prefill chunk, more sessions or tokens than any bucket) runs eager, the
 same function.
 
+The draft's chain (specdec.engine.draft_chain) is captured too: its K - 1 steps (decoder, LM head, the
+keyed draw, and advancing the buffers to the next position) as one graph per (bucket, steps, sampler
+shape), so a Propose replays one graph.
+
 Model: vLLM's CUDA-graph runner (capture_model, padding a batch up to a captured size) and gpt-fast's
 `reduce-overhead` decode step. With `capture=False` the same static step runs without capture: that
 is how the CPU tests check its arithmetic against the eager one.
@@ -73,6 +77,7 @@ class CudaGraphStep:
         self.device = cache.geometry.device
         self.buffers = StaticBuffers.allocate(self.sessions[-1], self.tokens[-1], self.device)
         self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor, StaticLayout]] = OrderedDict()
+        self.chains: OrderedDict[tuple, tuple[object, tuple, object]] = OrderedDict()  # draft chains, by shape
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_s = 0.0  # time spent capturing
         self.replays = 0
@@ -173,6 +178,94 @@ class CudaGraphStep:
         self.buffers.fill([[0] * t, [i % bucket.tokens for i in range(t)], [scratch] * t, [scratch] * bucket.sessions,
                            [0] * bucket.sessions, [0] * bucket.sessions, [i % bucket.tokens for i in range(t)],
                            [0] * (t * bucket.tokens)])
+
+    def chain_bucket(self, feeds, steps: int) -> Bucket | None:
+        """The one-token bucket a draft chain of these feeds fits for `steps` steps, or None."""
+        s = next_size(self.sessions, len(feeds))
+        length = next_size(self.kv_lens, max(f.cached for f in feeds) + steps)
+        if s is None or length is None or 1 not in self.tokens:
+            return None
+        return Bucket(s, 1, length)
+
+    def chain(self, feeds, steps: int, sampler, head):
+        """A draft chain (specdec.engine.draft_chain.run_chain) replayed from one graph: -> (tokens [B, steps],
+        q ids [steps, S, n] | None, q probs | None), device tensors valid until the next chain."""
+        bucket = self.chain_bucket(feeds, steps)
+        key = (bucket, steps, len(feeds), sampler.signature)
+        entry = self.chains.get(key)
+        if entry is None:
+            entry = self._capture_chain(key, bucket, steps, len(feeds), sampler, head)
+        self.chains.move_to_end(key)
+        graph, out, captured = entry
+        captured.load(sampler)  # this batch's seeds and truncations into the graph's own tensors
+        self._fill_chain(bucket, feeds)
+        for f in feeds:
+            self.cache.initialize(f.slot, f.slot, bucket.kv_len)
+        if graph is None:
+            out = self._chain_steps(captured, bucket, steps, len(feeds), head)
+        else:
+            graph.replay()
+            self.replays += 1
+        for f in feeds:
+            self.cache.mark_written(f.slot, f.cached + steps)
+        return out
+
+    def _fill_chain(self, bucket: Bucket, feeds) -> None:
+        scratch, pad = self.cache.scratch_slot, bucket.sessions - len(feeds)
+        cached = [f.cached for f in feeds] + [0] * pad
+        slots = [f.slot for f in feeds] + [scratch] * pad
+        self.buffers.fill([[f.first for f in feeds] + [0] * pad, cached, slots, slots, cached,
+                           [1] * len(feeds) + [0] * pad, cached, [0] * bucket.sessions])
+
+    def _chain_steps(self, sampler, bucket: Bucket, steps: int, rows: int, head):
+        """The chain's device work: each step the decoder, the head on the real rows, the draw, and every
+        real session moved on by one token (padding sessions stay on the scratch slot's key 0)."""
+        b, s = self.buffers, bucket.sessions
+        layout = StaticLayout(self.cache, self.buffers, s, 1, bucket.kv_len)
+        drawn, q_ids, q_probs = [], [], []
+        for _ in range(steps):
+            logits = head(self._static_step(layout)[:rows]).float()  # [B, V]
+            token, ids, probs = sampler(logits, b.positions[:rows] + 1)
+            drawn.append(token)
+            if ids is not None:
+                q_ids.append(ids)
+                q_probs.append(probs)
+            b.input_ids[:rows].copy_(token)
+            step = b.new[:s]
+            for buf in (b.positions, b.kv_positions, b.cached):
+                buf[:s].add_(step)
+        tokens = torch.stack(drawn, dim=1)
+        return (tokens, torch.stack(q_ids), torch.stack(q_probs)) if q_ids else (tokens, None, None)
+
+    def _capture_chain(self, key, bucket: Bucket, steps: int, rows: int, sampler, head):
+        if not self.capture:
+            entry = (None, None, sampler)
+        else:
+            if len(self.chains) >= self.max_graphs:
+                self.chains.popitem(last=False)
+            t0 = time.perf_counter()
+            saved = [buf.clone() for buf in self._buffer_list()]
+
+            def padding() -> None:  # warm-up and capture write only the scratch slot
+                self._fill_padding(bucket)
+                self.buffers.new[: bucket.sessions].zero_()
+
+            padding()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._chain_steps(sampler, bucket, steps, rows, head)
+            torch.cuda.current_stream().wait_stream(stream)
+            padding()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self._chain_steps(sampler, bucket, steps, rows, head)
+            for buf, old in zip(self._buffer_list(), saved):
+                buf.copy_(old)
+            self.capture_s += time.perf_counter() - t0
+            entry = (graph, out, sampler)
+        self.chains[key] = entry
+        return entry
 
     def capture_at_start(self) -> None:
         """Capture the decode / verify buckets at the shortest key length, so the first requests pay none."""

@@ -304,6 +304,7 @@ class Engine:
             self.steps += 1
             self.step_tokens += tokens
             completed: dict[type, list[tuple[Work, torch.Tensor]]] = {}
+            chains: dict[type, list[Work]] = {}  # works to finish as draft chains, after the lock
             for p, rows, ok in zip(plan, logits, finite):
                 w = p.work
                 self.sessions.append(w.session, w.pending[: p.take])
@@ -327,12 +328,46 @@ class Engine:
                     continue
                 for w in works:
                     if w.done:
-                        self._finish(w)
-                        self._settle(w, result=w.result)
-                        self._returning[w.session_id] = time.perf_counter()
+                        self._done(w)
+                chained = [w for w in works if w.chain_steps and not w.done]
+                if chained:
+                    chains[kind] = chained
             self._last_step_end = time.perf_counter()
         for observe in self.observers:
             observe(len(plan), tokens, seconds)
+        for kind, works in chains.items():
+            self._chain(kind, works)
+
+    def _done(self, work: Work) -> None:
+        self._finish(work)
+        self._settle(work, result=work.result)
+        self._returning[work.session_id] = time.perf_counter()
+
+    def _chain(self, kind: type, works: list[Work]) -> None:
+        """The works' remaining steps as draft chains (Work.run_chain), outside the lock like any forward."""
+        steps = max(w.chain_steps for w in works)
+        t0 = time.perf_counter()
+        try:
+            kind.run_chain(works, self)
+        except Exception as e:
+            log.exception("%s chain failed", kind.kind)
+            with self._lock:
+                for w in works:
+                    self._fail(w, grpc.StatusCode.INTERNAL, f"{kind.kind} failed: {type(e).__name__}: {e}", drop=True)
+            return
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self.steps += steps
+            self.step_tokens += sum(w.chain_steps for w in works)
+            for w in works:
+                w.compute_s += seconds
+                w.last_step = (len(works), len(works), seconds / steps)
+            kind.finish_chain(works, self)
+            for w in works:
+                self._done(w)
+            self._last_step_end = time.perf_counter()
+        for observe in self.observers:
+            observe(len(works), len(works), seconds / steps)
 
     def _drop_cancelled(self) -> None:
         for w in [w for w in self.scheduler.waiting if w.cancelled]:

@@ -1,14 +1,16 @@
 """The draft's work: propose K tokens for a session, the K steps batched with other sessions'.
 
 The first step feeds the session's new committed tokens; each later step feeds the previous proposal.
-After every step the works that got logits sample their next token together, their logits first adjusted
-(logit_bias, and the penalties over the session's tokens so far: the committed ones plus its proposals,
-specdec.math.penalties): greedy ones take the argmax, the others sample from q, the distribution after
-their temperature / min_p / top-k / top-p truncated
-to the draft_top_n most likely tokens and renormalised (DESIGN.md, "What q is on the wire"); a finished
-work's q rows become its DraftProbs, the form q keeps up to the target's sampler. The
-draw for the token at absolute position i uses a generator seeded from (seed, i), so a proposal does
-not depend on how requests are split or batched.
+After every step the works that got logits sample their next token together (specdec.engine.draft_sampler),
+their logits first adjusted (logit_bias, and the penalties over the session's tokens so far: the
+committed ones plus its proposals, specdec.math.penalties): greedy ones take the argmax, the others
+sample from q, the distribution after their temperature / min_p / top-k / top-p truncated to the
+draft_top_n most likely tokens and renormalised (DESIGN.md, "What q is on the wire"); a finished work's
+q rows become its DraftProbs, the form q keeps up to the target's sampler. The draw for the token at
+absolute position i is keyed by (the session's draft seed, i, the token) (specdec.math.keyed_draws), so a
+proposal does not depend on how requests are split or batched, nor on whether it ran step by step or
+as a draft chain: after d_1, the remaining K - 1 steps of works whose logits nothing adjusts run as one
+chain on the device (specdec.engine.draft_chain; StepConfig.draft_chain).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from typing import ClassVar
 
 import torch
 
+from specdec.engine.draft_chain import ChainFeed, run_chain
 from specdec.engine.draft_probs import DraftProbs
+from specdec.engine.draft_sampler import DraftSampler
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
 from specdec.math.penalties import TokenCounts
-from specdec.math.sampling import adjust_logits_rows, make_generator, renormalise_top, shape_rows
-from specdec.math.seeds import DRAFT_STREAM, derive_seed
+from specdec.math.sampling import adjust_logits_rows
 
 
 @dataclass(frozen=True)
@@ -64,37 +67,62 @@ class ProposeWork(Work):
                                                                engine.vocab_size, rows.device)
                                       for i, w in enumerate(works) if w.params.penalized])
             rows = adjust_logits_rows(rows, [w.params for w in works], counts)  # [B, V] float32
-        tokens = torch.empty(len(works), dtype=torch.long)
-        greedy = [i for i, w in enumerate(works) if w.params.greedy]
-        sampled = [i for i, w in enumerate(works) if not w.params.greedy]
-        if greedy:
-            tokens[greedy] = rows[greedy].argmax(dim=-1).cpu()
-        if sampled:
-            _sample(works, rows, sampled, tokens, engine)
-        for w, d in zip(works, tokens.tolist()):
+        sampler = _sampler(works, engine.vocab_size, rows.device)
+        positions = torch.tensor([len(w.session) for w in works], device=rows.device)  # where each draw lands
+        tokens, q_ids, q_probs = sampler(rows, positions)
+        tokens = tokens.tolist()
+        if q_ids is not None:  # one copy to the host
+            q_ids, q_probs = q_ids.cpu(), q_probs.cpu()
+            for j, i in enumerate(sampler.sampled):
+                works[i].q_rows.append(_q_row(q_ids[j], q_probs[j]))
+        chain = engine.config.step.draft_chain
+        for w, d in zip(works, tokens):
             w.tokens.append(d)
-            if len(w.tokens) < w.num_tokens:
+            left = w.num_tokens - len(w.tokens)
+            if left and chain and not w.params.adjusts_logits:
+                w.chain_steps = left  # the engine runs the rest as one chain (run_chain)
+            elif left:
                 w.pending, w.num_logits = [d], 1  # feed it back for the next position
             else:
-                sessions, _, seconds = w.last_step
-                q = DraftProbs.from_rows(w.q_rows) if w.q_rows else None
-                w.result = ProposeResult(w.tokens, q, len(w.session), w.compute_s * 1e3, sessions, seconds * 1e3,
-                                         w.queue_ms(), w.reused)
+                w.finish(engine)
+
+    @classmethod
+    def run_chain(cls, works: list["ProposeWork"], engine) -> None:
+        """The rest of every work's proposal as draft chains (specdec.engine.draft_chain), one per number
+        of steps left; no engine lock held. The sessions' new tokens are appended by finish_chain."""
+        by_steps: dict[int, list[ProposeWork]] = {}
+        for w in works:
+            by_steps.setdefault(w.chain_steps, []).append(w)
+        for steps, group in by_steps.items():
+            sampler = _sampler(group, engine.vocab_size, engine.device)
+            feeds = [ChainFeed(w.session.slot, len(w.session), w.tokens[-1]) for w in group]
+            out = run_chain(engine.runner, feeds, steps, sampler)
+            for w, drawn in zip(group, out.tokens):
+                w.tokens.extend(drawn)
+            for i, ids, probs in zip(sampler.sampled, out.q_ids, out.q_probs):
+                group[i].q_rows.extend(_q_row(a, b) for a, b in zip(ids, probs))
+
+    @classmethod
+    def finish_chain(cls, works: list["ProposeWork"], engine) -> None:
+        """After run_chain, with the engine's lock: the sessions now hold every proposal but the last."""
+        for w in works:
+            engine.sessions.append(w.session, w.tokens[-w.chain_steps - 1 : -1])
+            w.chain_steps = 0
+            w.finish(engine)
+
+    def finish(self, engine) -> None:
+        sessions, _, seconds = self.last_step
+        q = DraftProbs.from_rows(self.q_rows) if self.q_rows else None
+        self.result = ProposeResult(self.tokens, q, len(self.session), self.compute_s * 1e3, sessions, seconds * 1e3,
+                                    self.queue_ms(), self.reused)
 
 
-def _sample(works, rows, sampled, tokens, engine) -> None:
-    """Draw d for each sampled work from its truncated q, recording q."""
-    subset = [works[i] for i in sampled]
-    probs = shape_rows(rows[sampled].float(), [w.params for w in subset])  # [S, V]
-    top_n = min(max(w.top_n for w in subset), probs.shape[-1])
-    vals, ids = torch.topk(probs, top_n, dim=-1)  # [S, n], most likely first
-    # The draws below are per session and tiny (n <= top_n): on the host, in one copy, so a GPU tier
-    # does not synchronise per session, and draft draws are the same whatever the device.
-    vals, ids = vals.cpu(), ids.cpu()
-    for j, (i, w) in enumerate(zip(sampled, subset)):
-        n = min(w.top_n, top_n)
-        t, q = renormalise_top(vals[j, :n], ids[j, :n])  # the truncated q this token is drawn from
-        gen = make_generator(derive_seed(w.seed, len(w.session), DRAFT_STREAM))
-        noise = torch.empty_like(q).exponential_(1, generator=gen)
-        tokens[i] = int(t[(q / noise).argmax()])  # = torch.multinomial(q, 1, generator=gen)
-        w.q_rows.append((t, q))
+def _sampler(works: list[ProposeWork], vocab_size: int, device) -> DraftSampler:
+    return DraftSampler([w.params for w in works], [w.top_n for w in works], [w.seed for w in works], vocab_size,
+                        device)
+
+
+def _q_row(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One q row as DraftProbs keeps it: the truncation's tokens with non-zero probability."""
+    keep = probs > 0
+    return ids[keep], probs[keep]

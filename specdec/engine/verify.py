@@ -8,7 +8,10 @@ each with its own sampling parameters and seed. The target's p at every row is w
 compute at that position: logit_bias and the penalties (over the committed tokens plus the drafts before
 the row: specdec.math.penalties) are applied before the greedy argmax or the sampling distribution. When
 asked, the log-probabilities of the committed tokens (the accepted drafts and the next token) come back
-too. The session then keeps the committed prefix plus the accepted drafts: a crop, which is a length change.
+too. Under structured output each row's logits outside the grammar's mask for that position (sent by the
+coordinator, which advanced the grammar through the drafts before it) are -inf before anything else, so
+p is the constrained target's. The session then keeps the committed prefix plus the accepted drafts: a
+crop, which is a length change.
 
 A work may carry a token tree instead of a chain (`parents`, specdec.math.tree's layout: the drafts are
 its nodes in node order, fed after the uncached committed tokens, each seeing its prefix and its
@@ -84,17 +87,19 @@ class VerifyWork(Work):
     logprobs: int = -1  # -1: none; n >= 0: the committed tokens' logprobs and the top n alternatives
     parents: list[int] | None = None  # a token tree: each draft's parent (-1 = the root); None = a chain
     scheme: str = ""  # a tree's scheme: CANDIDATES (no q), IID or WITHOUT_REPLACEMENT (with q); greedy ignores it
+    allowed: torch.Tensor | None = None  # structured output: [K + 1, V] bool, the tokens allowed at each position
 
     kind: ClassVar[str] = "verify"
 
     @classmethod
     def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], drafts: list[int],
                q: DraftProbs | None, params: SamplingParams, seed: int, prompt_len: int = 0,
-               logprobs: int = -1, parents: list[int] | None = None, scheme: str = "") -> "VerifyWork":
+               logprobs: int = -1, parents: list[int] | None = None, scheme: str = "",
+               allowed: torch.Tensor | None = None) -> "VerifyWork":
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
                    params=params, seed=seed, committed_len=prefix_len + len(new_tokens), prompt_len=prompt_len,
-                   logprobs=logprobs, parents=list(parents) if parents else None, scheme=scheme)
+                   logprobs=logprobs, parents=list(parents) if parents else None, scheme=scheme, allowed=allowed)
 
     def feed_tree(self) -> list[int] | None:
         return self.parents
@@ -107,6 +112,8 @@ class VerifyWork(Work):
 
     @classmethod
     def finish_step(cls, works: list["VerifyWork"], logits: list[torch.Tensor], engine) -> None:
+        logits = [lg if w.allowed is None else lg.masked_fill(~w.allowed.to(lg.device), float("-inf"))
+                  for w, lg in zip(works, logits)]  # structured output: outside the grammar p is 0, first of all
         trees = [i for i, w in enumerate(works) if w.parents is not None]
         chains = [i for i, w in enumerate(works) if w.parents is None]
         greedy = [i for i in chains if works[i].params.greedy and works[i].q is None]

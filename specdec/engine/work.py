@@ -35,6 +35,7 @@ class Work:
     compute_s: float = 0.0  # time in the forward steps this work took part in
     submitted_at: float = 0.0  # time.perf_counter() when the engine got it
     last_step: tuple[int, int, float] = (0, 0, 0.0)  # (sessions, tokens, seconds) of its last step
+    chain_steps: int = 0  # > 0: steps the engine runs as one chain after this step (run_chain)
 
     kind: ClassVar[str] = "work"
 
@@ -58,6 +59,17 @@ class Work:
     @classmethod
     def finish_step(cls, works: list["Work"], logits: list[torch.Tensor], engine) -> None:
         """Consume the logits of works whose feed completed this step: set .result, or a new feed."""
+        raise NotImplementedError
+
+
+    @classmethod
+    def run_chain(cls, works: list["Work"], engine) -> None:
+        """Works that finish_step left with chain_steps > 0: run those steps on the device, without the
+        engine's lock (specdec.engine.draft_chain); finish_chain then completes them with it."""
+        raise NotImplementedError
+
+    @classmethod
+    def finish_chain(cls, works: list["Work"], engine) -> None:
         raise NotImplementedError
 
 

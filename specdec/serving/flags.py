@@ -112,6 +112,9 @@ def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
     a.add("--step-mode", default=StepConfig.mode, choices=STEP_MODES,
           help="how each step runs: auto (packed linears on a CPU, CUDA graphs on CUDA), eager (no compiling: for "
                "debugging), packed, compile (torch.compile: minutes at start on a small CPU), cuda-graphs")
+    a.add("--draft-chain", default=StepConfig.draft_chain, action=argparse.BooleanOptionalAction,
+          help="draft tier: run a proposal's steps after the first as one chain on the device, one host round trip "
+               "(--no-draft-chain: one engine step each)")
     a.add("--capture-sessions", default=",".join(map(str, StepConfig.capture_sessions)),
           help="CUDA graphs: batch sizes (sessions per step) captured")
     a.add("--capture-tokens", default=",".join(map(str, StepConfig.capture_tokens)),
@@ -140,7 +143,7 @@ def tier_config(args: argparse.Namespace):
         torch_threads=args.threads,
         step=StepConfig(mode=args.step_mode, capture_sessions=_sizes(args.capture_sessions, "capture_sessions"),
                         capture_tokens=_sizes(args.capture_tokens, "capture_tokens"),
-                        max_capture_tokens=args.max_batch_tokens),
+                        max_capture_tokens=args.max_batch_tokens, draft_chain=args.draft_chain),
     )
 
 

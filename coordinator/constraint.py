@@ -1,0 +1,157 @@
+"""Structured output: the grammar a session's output must follow, held by the coordinator.
+
+One llguidance matcher per session follows the committed tokens. Each round it
+- fast-forwards (jump-forward): while the grammar allows exactly one token at the next position, that
+  token is committed with no forward on either tier. The constrained target puts probability 1 on it,
+  greedy or sampled, so this is what the target would produce;
+- checks the proposal: the mask at each position after the committed tokens and d_1..d_j (the grammar
+  advanced through the drafts before it), for the target to apply to its logits before verification
+  (VerifyRequest.token_masks). Drafts the grammar refuses are cut off at the first one when the proposal
+  is deterministic (prompt lookup, suffix decoding) or the request greedy: the target would reject it for
+  sure, and the length of a deterministic proposal is a function of the context, so verification stays
+  exact. A sampled draft-model chain is sent whole, because its q is the draft's unconstrained
+  distribution: cutting it where a draw went astray would bias the output; the target rejects the
+  refused draft with probability 1 (p = 0 there) and draws from the residual, which keeps the law exact.
+  Masks after a refused draft are never used (verification stops there): the last valid one is repeated;
+- commits what the round committed.
+
+The grammar engine is llguidance (chosen over xgrammar by measured mask cost and because it needs no torch:
+docs/DESIGN.md, "Structured output"); its compiled tokenizer is built once per coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import llguidance
+import llguidance.hf
+
+from coordinator.proposers.base import Proposal
+from specdec.proto import generate_pb2
+
+MAX_GRAMMAR_CHARS = 100_000  # a response_format's schema / regex / grammar text
+
+
+class ConstraintError(ValueError):
+    """A response format the engine cannot use; the message starts with the field."""
+
+
+class GrammarCompiler:
+    """The tokenizer as llguidance sees it (built on first use, ~0.5 s) and the grammar of a request."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                eos = self._eos[0] if self._eos else None
+                self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size, eos_token=eos)
+            return self._ll
+
+    def constraint(self, fmt: generate_pb2.ResponseFormat, jump_forward: bool = True) -> "Constraint":
+        """The session's constraint, or ConstraintError naming the field. jump_forward=False: forced tokens
+        go through the target too (a request for logprobs gets the target's own for them)."""
+        kind = fmt.WhichOneof("format")
+        field = f"response_format.{kind}"
+        text = getattr(fmt, kind) if kind != "json_object" else ""
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise ConstraintError(f"{field}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+        try:
+            if kind == "json_object":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            elif kind == "json_schema":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(text))
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(text)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except (ValueError, TypeError) as e:
+            raise ConstraintError(f"{field}: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
+        if error:
+            raise ConstraintError(f"{field}: {error}")
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(f"{field}: {matcher.get_error()}")
+        if _allowed(matcher.compute_bitmask()) == 0:
+            raise ConstraintError(f"{field}: the grammar allows no token")
+        return Constraint(matcher, jump_forward)
+
+
+def _allowed(mask: bytes) -> int:
+    """How many tokens a bitmask allows."""
+    return int.from_bytes(mask, "little").bit_count()
+
+
+def _only(mask: bytes) -> int:
+    """The one token a bitmask allows (it must allow exactly one)."""
+    return int.from_bytes(mask, "little").bit_length() - 1
+
+
+class NoConstraint:
+    """An unconstrained session: the loop's calls do nothing."""
+
+    def forced(self, limit: int) -> list[int]:
+        return []
+
+    def check(self, proposal: Proposal, greedy: bool) -> tuple[Proposal, list[bytes]]:
+        return proposal, []
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+
+class Constraint:
+    def __init__(self, matcher: llguidance.LLMatcher, jump_forward: bool = True) -> None:
+        self.matcher = matcher
+        self.jump_forward = jump_forward
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces one after another (each the only one allowed); consumed.
+        Once the grammar is complete only EOS is allowed: it is forced too (and ends the output)."""
+        out = []
+        while self.jump_forward and len(out) < limit:
+            mask = self.matcher.compute_bitmask()
+            if _allowed(mask) != 1:
+                break
+            out.append(_only(mask))
+            if self.matcher.is_stopped():
+                break
+            self._consume(out[-1:])
+        return out
+
+    def check(self, proposal: Proposal, greedy: bool) -> tuple[Proposal, list[bytes]]:
+        """The proposal (cut at its first refused draft where that is exact) and the K + 1 masks."""
+        if proposal.parents:
+            raise ValueError("structured output verifies chains only")
+        tokens = proposal.tokens
+        masks, valid = [self.matcher.compute_bitmask()], 0
+        for d in tokens:
+            if not self.matcher.try_consume_tokens([d]):
+                break
+            valid += 1
+            masks.append(self.matcher.compute_bitmask())
+        if valid:
+            self.matcher.rollback(valid)
+        if valid < len(tokens):
+            if greedy or not proposal.q:  # exact to cut: the target would refuse d_{valid+1} for sure
+                proposal = dataclasses.replace(proposal, tokens=tokens[:valid], q=proposal.q[:valid],
+                                               probs=proposal.probs[:valid])
+            else:  # verification stops at the refused draft; later masks are never read
+                masks += [masks[-1]] * (len(tokens) - valid)
+        return proposal, masks
+
+    def commit(self, tokens: list[int]) -> None:
+        self._consume(tokens)
+
+    def _consume(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if self.matcher.is_stopped():  # the grammar is complete: what follows is the EOS it allowed
+                return
+            if not self.matcher.consume_token(t):
+                raise RuntimeError(f"a committed token left the grammar: {self.matcher.get_error()}")

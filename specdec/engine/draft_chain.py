@@ -1,0 +1,83 @@
+"""The draft's autoregressive steps as one chain on the device: a Propose costs one host round trip.
+
+Proposing K tokens takes K forwards, each feeding the token the last one drew. Step by step, every
+forward goes back through the engine's loop (plan, feeds built on the host, logits copied back, the
+draw, the next feed): K host round trips and, on a GPU, K synchronisations. Once a batch of proposals
+has drawn d_1 (the step that fed their new committed tokens), the draft chain runs their remaining
+steps back to back: the token drawn on the device is the next step's input on the device, the draw is
+specdec.engine.draft_sampler's (keyed by seed and position, the same numbers as the step-by-step
+path), and the tokens and q rows come back in one copy at the end. With CUDA graphs the whole chain
+(decoder, LM head and draw, for every step) is one captured graph per bucket
+(specdec.engine.cuda_graphs.CudaGraphStep.chain); otherwise each step's layout is built on the host
+without waiting for the device (it depends only on lengths, not on the tokens).
+
+Sessions in a chain all take the same number of steps (the engine groups them) and step together: a
+request that arrives meanwhile waits at most one chain, as in vLLM's draft proposer. Requests whose
+logits the penalties or a logit bias adjust (the counts change with every draw) run step by step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.engine.attention import active, build_layout
+from specdec.engine.draft_sampler import DraftSampler
+
+
+@dataclass
+class ChainFeed:
+    slot: int
+    cached: int  # tokens in the slot before the chain (the first token's position)
+    first: int  # the token the chain feeds first (d_1)
+
+
+@dataclass
+class ChainOutput:
+    tokens: list[list[int]]  # per session: the `steps` tokens drawn (d_2..d_{steps+1})
+    q_ids: list[list[torch.Tensor]]  # per sampled session (sampler order), per step: q's token ids [n] (host)
+    q_probs: list[list[torch.Tensor]]  # ...and their probabilities [n], 0 past the row's truncation
+
+
+@torch.inference_mode()
+def run_chain(runner, feeds: list[ChainFeed], steps: int, sampler: DraftSampler) -> ChainOutput:
+    """`steps` forwards of every feed, each feeding the token the last drew; the slots then hold
+    cached + steps tokens (first and the first steps - 1 draws)."""
+    graphs = runner.graphs
+    try:
+        if graphs is not None and sampler.capturable and graphs.chain_bucket(feeds, steps) is not None:
+            tokens, q_ids, q_probs = graphs.chain(feeds, steps, sampler, runner.head)
+        else:
+            tokens, q_ids, q_probs = _device_loop(runner, feeds, steps, sampler)
+    except BaseException:
+        for f in feeds:  # what the chain wrote may be incomplete: never read it unmasked
+            runner.cache.initialized[f.slot] = min(runner.cache.initialized[f.slot], f.cached)
+        raise
+    tokens = tokens.cpu().tolist()  # [B, steps]: the chain's one copy back (with q's, below)
+    if q_ids is None:
+        return ChainOutput(tokens, [], [])
+    ids, probs = q_ids.cpu(), q_probs.cpu()  # [steps, S, n]
+    return ChainOutput(tokens, [list(ids[:, s]) for s in range(ids.shape[1])],
+                       [list(probs[:, s]) for s in range(probs.shape[1])])
+
+
+def _device_loop(runner, feeds: list[ChainFeed], steps: int, sampler: DraftSampler):
+    """The chain through the step program, one forward per step, nothing waiting on the device."""
+    device = runner.device
+    token = torch.tensor([f.first for f in feeds], dtype=torch.long, device=device)  # [B]
+    rows = torch.arange(len(feeds), device=device)
+    drawn, q_ids, q_probs = [], [], []
+    for j in range(steps):
+        layout = build_layout(runner.cache, [(f.slot, f.cached + j, 1) for f in feeds], device)
+        with active(layout):
+            logits = runner.program(token, layout.positions, rows).float()  # [B, V]
+        token, ids, probs = sampler(logits, layout.positions + 1)  # each draw lands one past its input
+        drawn.append(token)
+        if ids is not None:
+            q_ids.append(ids)
+            q_probs.append(probs)
+    tokens = torch.stack(drawn, dim=1)  # [B, steps]
+    if not q_ids:
+        return tokens, None, None
+    return tokens, torch.stack(q_ids), torch.stack(q_probs)  # [steps, S, n]

@@ -1,0 +1,222 @@
+"""Structured output (coordinator.constraint, VerifyRequest.token_masks), through real servers.
+
+Greedy: constrained speculative output equals the target's own constrained greedy output (transformers'
+generate with a logits processor driven by the same grammar engine, llguidance), for every proposer and
+K, batched with unconstrained sessions, and it parses. Sampling: the engine's verification with masks
+keeps the constrained target's law (chi-square against the exact law). Bad input: a schema or grammar
+that cannot compile, a grammar that allows no token, bad masks on the target's wire: INVALID_ARGUMENT /
+400 naming the field, before any token, and the server stays healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import llguidance
+import llguidance.hf
+import openai
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from specdec.client import Client
+from specdec.engine.verify import VerifyWork, _verify_sampled
+from specdec.math.params import SamplingParams
+from specdec.models import load_tokenizer
+from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
+from specdec.serving import token_masks
+from tests.test_batching import prompt
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "bc", "d"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+REGEX = r"(yes|no|maybe), [a-z]{2,6}[.!]"
+N = 40
+
+
+class GrammarLogits(LogitsProcessor):
+    """The reference: transformers' generate with the grammar's mask on the logits at every position."""
+
+    def __init__(self, grammar: str, tokenizer, vocab_size: int, eos: int, prompt_len: int) -> None:
+        self.matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos),
+                                            grammar, log_level=0)
+        self.vocab_size, self.seen = vocab_size, prompt_len
+
+    def __call__(self, input_ids, scores):
+        new = input_ids[0, self.seen:].tolist()
+        self.seen += len(new)
+        assert not new or self.matcher.consume_tokens(new)
+        allowed = token_masks.decode([self.matcher.compute_bitmask()], 1, self.vocab_size)[0].to(scores.device)
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+def constrained_reference(model, tokenizer, grammar: str, ids: list[int], eos: list[int]) -> list[int]:
+    processor = GrammarLogits(grammar, tokenizer, model.config.vocab_size, eos[0], len(ids))
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=N, do_sample=False, eos_token_id=eos, pad_token_id=2,
+                             logits_processor=LogitsProcessorList([processor]))
+    new = out[0, len(ids):].tolist()
+    return new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+
+
+@pytest.fixture(scope="module")
+def cluster(random_draft_cluster):
+    return random_draft_cluster
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target):
+    return load_tokenizer(tiny_target)
+
+
+def formats():
+    return [("json_schema", json.dumps(SCHEMA), llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)),
+            ("regex", REGEX, llguidance.LLMatcher.grammar_from_regex(REGEX))]
+
+
+@pytest.mark.parametrize("proposer,k", [("draft", 2), ("draft", 5), ("hybrid", None), ("suffix", 4),
+                                        ("prompt_lookup", 3), ("draft", 0)])
+def test_constrained_greedy_equals_the_constrained_target(cluster, tiny_target_model, tokenizer, proposer, k):
+    eos = list(cluster.pipeline.target_info.eos_token_ids)
+    jobs = []
+    for i, (kind, text, grammar) in enumerate(formats()):
+        ids = prompt(900 + i, 12)
+        jobs.append((dict(response_format={kind: text}), ids,
+                     constrained_reference(tiny_target_model, tokenizer, grammar, ids, eos)))
+    jobs.append((dict(), prompt(950, 10), None))  # an unconstrained session in the same batches
+
+    def one(job):
+        extra, ids, _ = job
+        with Client(cluster.address) as c:
+            return c.generate(token_ids=ids, max_new_tokens=N, proposer=proposer, num_speculative_tokens=k, **extra)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(one, jobs))
+    for (extra, ids, want), out in zip(jobs, outs):
+        if want is None:
+            continue
+        assert out.token_ids == want, (extra, out.token_ids, want)
+        text = tokenizer.decode([t for t in out.token_ids if t not in eos])
+        if "json_schema" in extra["response_format"] and out.finish_reason == "eos":
+            doc = json.loads(text)
+            assert set(doc) == {"name", "age", "tags"} and 0 <= doc["age"] <= 150
+        if "regex" in extra["response_format"]:  # a language of short strings: it always ends, at EOS
+            assert out.finish_reason == "eos" and re.fullmatch(REGEX, text), (out.finish_reason, text)
+
+
+def test_forced_tokens_cost_no_forward(cluster, tokenizer):
+    """A regex with one possible output: every token is forced, so the whole output comes with no round."""
+    with Client(cluster.address) as c:
+        out = c.generate(token_ids=prompt(960, 8), max_new_tokens=N, response_format={"regex": "hello world"})
+    text = tokenizer.decode([t for t in out.token_ids if t not in cluster.pipeline.target_info.eos_token_ids])
+    assert (text, out.finish_reason) == ("hello world", "eos")
+    assert out.stats["rounds"] == 0
+
+
+BAD = [({"json_schema": "{not json"}, "response_format.json_schema"),
+       ({"json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "nonsense"}}})},
+        "response_format.json_schema"),
+       ({"regex": "(unclosed"}, "response_format.regex"),
+       ({"lark": "start: nothing_defined"}, "response_format.lark")]
+
+
+@pytest.mark.parametrize("fmt,field", BAD)
+def test_a_format_that_cannot_compile_is_refused_before_any_token(cluster, fmt, field):
+    with Client(cluster.address) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(token_ids=prompt(970, 8), max_new_tokens=4, response_format=fmt)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field), e.value.details()
+        assert len(c.generate(token_ids=prompt(971, 8), max_new_tokens=4).token_ids) == 4  # still healthy
+
+
+def _verify(cluster, requests):
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.target_port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            return await asyncio.gather(*(stub.Verify(r) for r in requests), return_exceptions=True)
+    return asyncio.run(run())
+
+
+def _mask(allowed: list[int], vocab: int) -> bytes:
+    bits = 0
+    for t in allowed:
+        bits |= 1 << t
+    return bits.to_bytes((vocab + 31) // 32 * 4, "little")
+
+
+def test_the_target_applies_masks_and_refuses_bad_ones_alone(cluster):
+    vocab = cluster.pipeline.target_info.vocab_size
+
+    def req(sid, masks, drafts=(5, 6)):
+        return target_pb2.VerifyRequest(context=common_pb2.SessionContext(session_id=sid, new_tokens=prompt(980, 8)),
+                                        draft_tokens=list(drafts), sampling=common_pb2.SamplingParams(),
+                                        token_masks=masks)
+
+    forced = [_mask([5], vocab), _mask([6], vocab), _mask([321], vocab)]  # the grammar allows d_1, d_2, then 321
+    good, short, empty, wide = _verify(cluster, [
+        req("m-good", forced), req("m-short", forced[:2]),
+        req("m-empty", [forced[0], bytes((vocab + 31) // 32 * 4), forced[2]]),
+        req("m-wide", [forced[0] + b"\1\0\0\0", forced[1], forced[2]])])
+    assert (good.num_accepted, good.next_token) == (2, 321)
+    for error, message in ((short, "token_masks has 2 masks but 3 positions"), (empty, "token_masks[1] allows no token"),
+                           (wide, f"token_masks[0] allows token {vocab}, outside the vocabulary")):
+        assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith(message), error.details()
+
+
+def test_sampled_verification_with_masks_keeps_the_constrained_law():
+    """One position, V = 6: p restricted to the mask and renormalised is the law of the committed first token,
+    whatever q proposed (including drafts the mask refuses)."""
+    vocab = 6
+    p = torch.tensor([0.3, 0.25, 0.2, 0.1, 0.1, 0.05])
+    q = torch.tensor([0.05, 0.05, 0.4, 0.1, 0.3, 0.1])  # puts mass where the grammar refuses
+    allowed = torch.tensor([True, True, False, True, False, True])
+    from specdec.engine.draft_probs import DraftProbs
+
+    n, counts = 40_000, torch.zeros(vocab)
+    logits = p.log()
+    for trial in range(n):
+        d = int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(trial)))
+        w = VerifyWork.create("s", 0, 0, [1], [d], DraftProbs.from_rows([(torch.arange(vocab), q)]),
+                              SamplingParams(temperature=1.0), seed=trial, allowed=allowed[None].expand(2, -1))
+        rows = logits[None].expand(2, -1).masked_fill(~w.allowed, float("-inf"))
+        n_acc, nxt = _verify_sampled([w], [rows], vocab)
+        counts[d if int(n_acc[0]) else int(nxt[0])] += 1
+    want = torch.where(allowed, p, torch.zeros(())) / p[allowed].sum()
+    assert int(counts[~allowed].sum()) == 0
+    kept = allowed.nonzero()[:, 0]
+    expected = (want[kept] * n).double().numpy()
+    assert chisquare(counts[kept].double().numpy(), expected / expected.sum() * n).pvalue > 1e-3
+
+
+def test_the_openai_client_gets_schema_valid_json(oai, model, tokenizer):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Ada, 36, tags a and d."}],
+                                    max_tokens=80, response_format=fmt, extra_body={"proposer": "draft"})
+    text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert reason in ("stop", "length") and len(ids) > 0
+    if reason == "stop":
+        doc = json.loads(text)
+        assert set(doc) == {"name", "age", "tags"}
+    obj = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                      response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("fmt,param", [({"type": "xml"}, "response_format.type"),
+                                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}},
+                                        "response_format.json_schema")])
+def test_the_openai_api_refuses_a_bad_response_format_with_400(oai, model, fmt, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                    response_format=fmt)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
