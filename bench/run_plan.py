@@ -122,17 +122,6 @@ def tree_variants(m: dict) -> list[str]:
     return out
 
 
-def variant_flags(row: dict, plan: dict) -> tuple[str, ...]:
-    """The coordinator flags of a row's variant."""
-    v = row.get("variant", "")
-    flags: tuple[str, ...] = ()
-    if "tree" in v:
-        flags += ("--draft-tree-nodes", str(plan["draft_trees"]))
-    if "overlap" in v:
-        flags += ("--overlap", "true", "--speculate-outcomes", str(plan["speculate"]))
-    return flags
-
-
 def describe_plan(plan: dict) -> list[str]:
     n = plan["max_new_tokens"]
     lines = [f"mode **{plan['mode']}**: {n} new tokens per generation"

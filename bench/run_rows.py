@@ -67,10 +67,19 @@ MAIN_COORDINATOR_FLAGS = ("--suffix-cache-entries", "0")
 WARMUP_PROMPT = next(p for p in PROMPTS if p.workload == "open")  # unrelated to the template requests
 
 
+def variant_flags(row: dict, plan: dict) -> tuple[str, ...]:
+    """The coordinator flags of a row's variant (bench.run_plan.tree_variants)."""
+    v = row.get("variant", "")
+    flags: tuple[str, ...] = ()
+    if "tree" in v:
+        flags += ("--draft-tree-nodes", str(plan["draft_trees"]))
+    if "overlap" in v:
+        flags += ("--overlap", "--speculate-outcomes", str(plan["speculate"]))
+    return flags
+
+
 def coordinator_flags(row: dict, plan: dict | None = None) -> tuple[tuple[str, ...], bool]:
     """(coordinator flags the row needs beyond the main coordinator's, whether it needs a fresh one)."""
-    from bench.run_plan import variant_flags
-
     flags = ("--default-proposer", "suffix") if row["proposer"] == "suffix" else ()
     flags += variant_flags(row, plan or {})
     if row["workload"] == "template" and row["proposer"] in ("suffix", "hybrid"):

@@ -27,7 +27,6 @@ def test_overlap_greedy_equals_target_generate(self_draft_overlap_cluster, rando
     # round after the first starts with drafts already made, but for a last round whose K the token budget
     # cut (another request than the one pre-drafted).
     assert out.stats["overlapped_rounds"] >= out.stats["rounds"] - 2 > 0
-    assert out.stats["overlap_saved_ms"] > 0
     with Client(random_draft_overlap_cluster.address) as c:
         out = c.generate(token_ids=PROMPT, max_new_tokens=40, num_speculative_tokens=k, proposer="draft")
     assert out.token_ids == expected

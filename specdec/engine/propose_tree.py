@@ -14,11 +14,13 @@ one, by the scheme the target verifies with (specdec.engine.verify):
   * CANDIDATES: q's top-b tokens, sent without q (proposal-invariant verification).
 Every node carries the q row it was drawn from (its parent's). Which nodes get children depends only on
 probabilities known before those children are drawn, and no drawn node is discarded, so the siblings keep
-the law the verifier assumes. Draws are keyed by (seed, position, node): the children of the node with key
-k at absolute position i use a generator seeded from derive_seed(seed, i, DRAFT_STREAM), mixed with k
-when k != 0; child j of k has key k for j = 0 (the first-child spine: a tree with b = 1 draws exactly as
-specdec.engine.propose's chain), else a mix of (k, j). A proposal therefore depends on neither batching
-nor on whether it was drafted fresh or pre-drafted.
+the law the verifier assumes. Draws are keyed by (seed, position, node, token): the exponential race of
+specdec.math.keyed_draws (E a hash of (seed, position, token)) with the seed mixed with a node key; child j
+of the node with key k has key k for j = 0, else a mix of (k, j); i.i.d. siblings each race with their own
+key, siblings without replacement take the order of one race with the parent's key. Key 0 is the session's
+own seed, so the first-child spine draws exactly as specdec.engine.propose's chain (a tree with b = 1 is
+the chain). A proposal therefore depends on neither batching nor on whether it was drafted fresh or
+pre-drafted.
 
 **Compaction (the draft infers the verdict).** The fed nodes' KV entries stay in the slot past the
 session's tokens (`Session.draft_tree`, a TreeRecord: valid until the slot is next written). The reply's
@@ -50,8 +52,9 @@ from specdec.engine.propose import ProposeResult
 from specdec.engine.verify import CANDIDATES, IID, WITHOUT_REPLACEMENT
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
-from specdec.math.sampling import adjust_logits_rows, make_generator, renormalise_top, shape_rows
-from specdec.math.seeds import DRAFT_STREAM, derive_seed, mix64
+from specdec.math.keyed_draws import keyed_exponential, split_seeds
+from specdec.math.sampling import adjust_logits_rows, renormalise_top, shape_rows
+from specdec.math.seeds import mix64
 
 GREEDY = "greedy"  # a greedy request's tree: the top-b tokens, no q
 NODE_STREAM_SALT = 0x5DEECE66D  # mixed into a node key before it salts a position's seed
@@ -78,10 +81,10 @@ class TreeProposeResult(ProposeResult):
     salvaged: int = 0  # committed tokens whose KV entries were moved into place instead of fed
 
 
-def node_seed(seed: int, position: int, key: int) -> int:
-    """The seed of the draws for the children (at absolute `position`) of the node with draw key `key`."""
-    base = derive_seed(seed, position, DRAFT_STREAM)
-    return base if key == 0 else mix64(base ^ mix64(key + NODE_STREAM_SALT)) >> 1
+def node_seed(seed: int, key: int) -> int:
+    """The draft seed whose keyed draws (specdec.math.keyed_draws: a function of (seed, position, token)) decide
+    the draws keyed `key`; key 0 is the session's own seed, so the first-child spine draws as the chain does."""
+    return seed if key == 0 else mix64(seed ^ mix64(key + NODE_STREAM_SALT)) >> 1
 
 
 def child_key(key: int, j: int) -> int:
@@ -124,15 +127,15 @@ class Growth:
         if s.scheme in (GREEDY, CANDIDATES) or greedy_logits:
             picks = list(range(min(b, len(ids))))  # the top-b (dist is sorted, most likely first)
         else:
-            gen = make_generator(node_seed(seed, self.first_pos + depth, key))
-            if s.scheme == IID:
-                picks = []
-                for _ in range(b):
-                    noise = torch.empty_like(probs).exponential_(1, generator=gen)
-                    picks.append(int((probs / noise).argmax()))  # = torch.multinomial(q, 1, generator=gen)
-            else:  # without replacement: Gumbel-top-k, whose first is the IID / chain draw
-                noise = torch.empty_like(probs).exponential_(1, generator=gen)
-                picks = torch.argsort(probs / noise, descending=True)[: min(b, len(ids))].tolist()
+            position = torch.tensor([self.first_pos + depth])
+
+            def race(k: int) -> torch.Tensor:  # q / E with E keyed by (seed of key k, position, token)
+                return probs / keyed_exponential(split_seeds([node_seed(seed, k)], "cpu"), position, ids[None])[0]
+
+            if s.scheme == IID:  # child j raced with its own key: independent draws, child 0 the chain's
+                picks = [int(race(child_key(key, j)).argmax()) for j in range(b)]
+            else:  # without replacement: the race's order (Gumbel-top-k), whose first is the chain's draw
+                picks = torch.argsort(race(key), descending=True)[: min(b, len(ids))].tolist()
         made = []
         tokens, values = ids.tolist(), probs.tolist()
         for j, pick in enumerate(picks):
