@@ -149,7 +149,7 @@ def target_alone(target: str, prompts: list[str], max_new: int) -> dict:
     tokens, seconds, ok = 0, 0.0, 0
     for p in prompts:
         ids = tok.apply_chat_template(messages(p), add_generation_prompt=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        ids = ids if isinstance(ids, list) else ids["input_ids"]  # BatchEncoding in newer transformers
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
