@@ -80,7 +80,7 @@ class GrammarCompiler:
             raise ConstraintError(f"{field}: {matcher.get_error()}")
         if _allowed(matcher.compute_bitmask()) == 0:
             raise ConstraintError(f"{field}: the grammar allows no token")
-        return Constraint(matcher, jump_forward)
+        return Constraint(matcher, jump_forward, set(self._eos))
 
 
 def _allowed(mask: bytes) -> int:
@@ -107,9 +107,10 @@ class NoConstraint:
 
 
 class Constraint:
-    def __init__(self, matcher: llguidance.LLMatcher, jump_forward: bool = True) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, jump_forward: bool = True, eos: set[int] = frozenset()) -> None:
         self.matcher = matcher
         self.jump_forward = jump_forward
+        self.eos = eos  # a forced EOS ends the output: nothing is forced after it
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces one after another (each the only one allowed); consumed.
@@ -120,7 +121,7 @@ class Constraint:
             if _allowed(mask) != 1:
                 break
             out.append(_only(mask))
-            if self.matcher.is_stopped():
+            if self.matcher.is_stopped() or out[-1] in self.eos:
                 break
             self._consume(out[-1:])
         return out
@@ -153,5 +154,5 @@ class Constraint:
         for t in tokens:
             if self.matcher.is_stopped():  # the grammar is complete: what follows is the EOS it allowed
                 return
-            if not self.matcher.consume_token(t):
-                raise RuntimeError(f"a committed token left the grammar: {self.matcher.get_error()}")
+            if not self.matcher.consume_token(t):  # the engine's own limits (a grammar too complex to follow)
+                raise RuntimeError(f"structured output: the grammar engine stopped: {self.matcher.get_error()}")
