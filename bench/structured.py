@@ -23,10 +23,12 @@ import sys
 import time
 
 from bench.common import REPO, append_section, log, machine_info
+from coordinator.constraint import grammar_text
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig
 from specdec.models import default_draft, default_target
+from specdec.proto import generate_pb2
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
@@ -67,7 +69,7 @@ def mask_cost(tokenizer_path: str) -> dict:
 
     lt = llguidance.hf.from_tokenizer(tok)
     t0 = time.perf_counter()
-    m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA))
+    m = llguidance.LLMatcher(lt, grammar_text(generate_pb2.ResponseFormat(json_schema=json.dumps(SCHEMA))))
     compile_ms = (time.perf_counter() - t0) * 1e3
     times = []
     for t in ids:
@@ -132,7 +134,7 @@ def target_alone(target: str, prompts: list[str], max_new: int) -> dict:
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     lt = llguidance.hf.from_tokenizer(tok, n_vocab=model.config.vocab_size, eos_token=eos[0])
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)
+    grammar = grammar_text(generate_pb2.ResponseFormat(json_schema=json.dumps(SCHEMA)))  # the coordinator's grammar
 
     class Grammar(LogitsProcessor):
         def __init__(self, start: int) -> None:

@@ -56,22 +56,8 @@ class GrammarCompiler:
     def constraint(self, fmt: generate_pb2.ResponseFormat, jump_forward: bool = True) -> "Constraint":
         """The session's constraint, or ConstraintError naming the field. jump_forward=False: forced tokens
         go through the target too (a request for logprobs gets the target's own for them)."""
-        kind = fmt.WhichOneof("format")
-        field = f"response_format.{kind}"
-        text = getattr(fmt, kind) if kind != "json_object" else ""
-        if len(text) > MAX_GRAMMAR_CHARS:
-            raise ConstraintError(f"{field}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
-        try:
-            if kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
-            elif kind == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(text))
-            elif kind == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(text)
-            else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(text)
-        except (ValueError, TypeError) as e:
-            raise ConstraintError(f"{field}: {e}") from None
+        field = f"response_format.{fmt.WhichOneof('format')}"
+        grammar = grammar_text(fmt)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
         if error:
             raise ConstraintError(f"{field}: {error}")
@@ -81,6 +67,31 @@ class GrammarCompiler:
         if _allowed(matcher.compute_bitmask()) == 0:
             raise ConstraintError(f"{field}: the grammar allows no token")
         return Constraint(matcher, jump_forward, set(self._eos))
+
+
+# JSON as json.dumps writes it: no free whitespace between tokens, ", " and ": " as separators. The keys a
+# schema requires, the braces and the separators are then forced (jump-forward commits them for free) and
+# the output's layout is fixed; a schema may ask otherwise with llguidance's "x-guidance" options.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(fmt: generate_pb2.ResponseFormat) -> str:
+    """The llguidance grammar of a response format, or ConstraintError naming the field."""
+    kind = fmt.WhichOneof("format")
+    field = f"response_format.{kind}"
+    text = getattr(fmt, kind) if kind != "json_object" else ""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ConstraintError(f"{field}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+    try:
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_LAYOUT)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(text)
+        return llguidance.LLMatcher.grammar_from_lark(text)
+    except (ValueError, TypeError) as e:
+        raise ConstraintError(f"{field}: {e}") from None
 
 
 def _allowed(mask: bytes) -> int:

@@ -24,11 +24,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from coordinator.constraint import grammar_text
 from specdec.client import Client
 from specdec.engine.verify import VerifyWork, _verify_sampled
 from specdec.math.params import SamplingParams
 from specdec.models import load_tokenizer
-from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
+from specdec.proto import common_pb2, generate_pb2, target_pb2, target_pb2_grpc
 from specdec.serving import token_masks
 from tests.test_batching import prompt
 
@@ -78,8 +79,9 @@ def tokenizer(tiny_target):
 
 
 def formats():
-    return [("json_schema", json.dumps(SCHEMA), llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)),
-            ("regex", REGEX, llguidance.LLMatcher.grammar_from_regex(REGEX))]
+    """(kind, text, the grammar the reference follows: the coordinator's, from the same function)."""
+    return [(kind, text, grammar_text(generate_pb2.ResponseFormat(**{kind: text})))
+            for kind, text in (("json_schema", json.dumps(SCHEMA)), ("regex", REGEX))]
 
 
 @pytest.mark.parametrize("proposer,k", [("draft", 2), ("draft", 5), ("hybrid", None), ("suffix", 4),
@@ -105,9 +107,10 @@ def test_constrained_greedy_equals_the_constrained_target(cluster, tiny_target_m
             continue
         assert out.token_ids == want, (extra, out.token_ids, want)
         text = tokenizer.decode([t for t in out.token_ids if t not in eos])
-        if "json_schema" in extra["response_format"] and out.finish_reason == "eos":
+        if "json_schema" in extra["response_format"]:  # bounded by the schema and the fixed layout: it ends
+            assert out.finish_reason == "eos", (out.finish_reason, text)
             doc = json.loads(text)
-            assert set(doc) == {"name", "age", "tags"} and 0 <= doc["age"] <= 150
+            assert set(doc) == {"name", "age", "tags"} and 0 <= doc["age"] <= 150 and text == json.dumps(doc)
         if "regex" in extra["response_format"]:  # a language of short strings: it always ends, at EOS
             assert out.finish_reason == "eos" and re.fullmatch(REGEX, text), (out.finish_reason, text)
 
