@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.core.errors import invalid_argument
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeResult, ProposeWork
@@ -52,8 +53,11 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         ctx = request.context
         params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
                                                      ctx.prefix_len + len(ctx.new_tokens))
+        if request.grammar and (error := engine.grammars.check(request.grammar)):
+            raise invalid_argument(f"grammar: {error}")
         return ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
-                                  request.num_tokens, params, request.seed, self.draft_top_n, prompt_len=prompt_len)
+                                  request.num_tokens, params, request.seed, self.draft_top_n, prompt_len=prompt_len,
+                                  grammar=request.grammar)
 
     @staticmethod
     def to_response(r: ProposeResult) -> draft_pb2.ProposeResponse:

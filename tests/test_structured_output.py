@@ -223,3 +223,41 @@ def test_the_openai_api_refuses_a_bad_response_format_with_400(oai, model, fmt, 
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                     response_format=fmt)
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_the_drafts_q_is_masked_by_the_grammar(tiny_target, tokenizer, params):
+    """A Propose with the grammar proposes only tokens it allows after the session's output, and q has no
+    mass outside them, greedy or sampled (specdec.engine.grammar)."""
+    from specdec.engine.config import TierConfig
+    from specdec.engine.engine import Engine
+    from specdec.engine.propose import ProposeWork
+    from specdec.models import ModelConfig, load_model
+    from tests.helpers import device_model
+
+    grammar = grammar_text(generate_pb2.ResponseFormat(json_schema=json.dumps(SCHEMA)))
+    engine = Engine(TierConfig(ModelConfig("tiny")), load_model(device_model(tiny_target)), tokenizer)
+    engine.start()
+    ids = prompt(990, 8)
+    output = tokenizer.encode('{"name": "Ada", "age": ', add_special_tokens=False)  # digits must follow
+    try:
+        work = ProposeWork.create("g", 0, 0, ids + output, 8, params, seed=5, top_n=32, prompt_len=len(ids), grammar=grammar)
+        result = asyncio.run(_submit(engine, work))
+    finally:
+        engine.close()
+    check = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=engine.vocab_size,
+                                                              eos_token=engine.eos_token_ids[0]), grammar)
+    assert check.consume_tokens(output)
+    for j, d in enumerate(result.tokens):
+        allowed = token_masks.decode([check.compute_bitmask()], 1, engine.vocab_size)[0]
+        assert allowed[d], (j, d)
+        if result.q is not None:
+            q_ids, q_probs = result.q.row(j)
+            assert bool(allowed[q_ids].all()) and abs(float(q_probs.sum()) - 1) < 1e-5
+        if check.is_stopped():
+            break
+        assert check.consume_token(d)
+
+
+async def _submit(engine, work):
+    return await engine.submit(work)

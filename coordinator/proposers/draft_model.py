@@ -20,8 +20,10 @@ class DraftModelProposer:
 
     source = DRAFT_MODEL
 
-    def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int) -> None:
-        """session: the draft's TierSession, over the session's ProposeStream (a SessionStream)."""
+    def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int, grammar: str = "") -> None:
+        """session: the draft's TierSession, over the session's ProposeStream (a SessionStream); grammar: structured
+        output's (coordinator.constraint.grammar_text), which the draft masks its q with."""
+        self.grammar = grammar
         self.session = session
         self.stream: SessionStream = session.calls  # send / recv apart, for the overlap
         self.sampling = sampling
@@ -36,7 +38,8 @@ class DraftModelProposer:
         """Raises TierError if the draft is unreachable (the caller falls back)."""
         reply = await self.session.call(
             committed, hashes,
-            lambda ctx: draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed),
+            lambda ctx: draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed,
+                                                 grammar=self.grammar),
             extra=lambda response: list(response.tokens))
         response = reply.message
         return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q), wall_ms=reply.wall_ms,
@@ -49,7 +52,8 @@ class DraftModelProposer:
         committed + drafts, the first being the draft's guess of the target's bonus token. Only sends;
         collect() reads the reply. Returns False if the request could not be sent."""
         ctx = self.session.context(Extended(committed, drafts), hashes.extended(drafts))
-        request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k + 1, sampling=self.sampling, seed=self.seed)
+        request = draft_pb2.ProposeRequest(context=ctx, num_tokens=k + 1, sampling=self.sampling, seed=self.seed,
+                                           grammar=self.grammar)
         try:
             await self.stream.send(request)
         except TierError as e:
