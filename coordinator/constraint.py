@@ -56,22 +56,8 @@ class GrammarCompiler:
     def constraint(self, fmt: generate_pb2.ResponseFormat, jump_forward: bool = True) -> "Constraint":
         """The session's constraint, or ConstraintError naming the field. jump_forward=False: forced tokens
         go through the target too (a request for logprobs gets the target's own for them)."""
-        kind = fmt.WhichOneof("format")
-        field = f"response_format.{kind}"
-        text = getattr(fmt, kind) if kind != "json_object" else ""
-        if len(text) > MAX_GRAMMAR_CHARS:
-            raise ConstraintError(f"{field}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
-        try:
-            if kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
-            elif kind == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(text))
-            elif kind == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(text)
-            else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(text)
-        except (ValueError, TypeError) as e:
-            raise ConstraintError(f"{field}: {e}") from None
+        field = f"response_format.{fmt.WhichOneof('format')}"
+        grammar = grammar_text(fmt)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
         if error:
             raise ConstraintError(f"{field}: {error}")
@@ -80,7 +66,32 @@ class GrammarCompiler:
             raise ConstraintError(f"{field}: {matcher.get_error()}")
         if _allowed(matcher.compute_bitmask()) == 0:
             raise ConstraintError(f"{field}: the grammar allows no token")
-        return Constraint(matcher, jump_forward)
+        return Constraint(matcher, jump_forward, set(self._eos))
+
+
+# JSON as json.dumps writes it: no free whitespace between tokens, ", " and ": " as separators. The keys a
+# schema requires, the braces and the separators are then forced (jump-forward commits them for free) and
+# the output's layout is fixed; a schema may ask otherwise with llguidance's "x-guidance" options.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(fmt: generate_pb2.ResponseFormat) -> str:
+    """The llguidance grammar of a response format, or ConstraintError naming the field."""
+    kind = fmt.WhichOneof("format")
+    field = f"response_format.{kind}"
+    text = getattr(fmt, kind) if kind != "json_object" else ""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ConstraintError(f"{field}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+    try:
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_LAYOUT)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(text)
+        return llguidance.LLMatcher.grammar_from_lark(text)
+    except (ValueError, TypeError) as e:
+        raise ConstraintError(f"{field}: {e}") from None
 
 
 def _allowed(mask: bytes) -> int:
@@ -107,9 +118,10 @@ class NoConstraint:
 
 
 class Constraint:
-    def __init__(self, matcher: llguidance.LLMatcher, jump_forward: bool = True) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, jump_forward: bool = True, eos: set[int] = frozenset()) -> None:
         self.matcher = matcher
         self.jump_forward = jump_forward
+        self.eos = eos  # a forced EOS ends the output: nothing is forced after it
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces one after another (each the only one allowed); consumed.
@@ -120,7 +132,7 @@ class Constraint:
             if _allowed(mask) != 1:
                 break
             out.append(_only(mask))
-            if self.matcher.is_stopped():
+            if self.matcher.is_stopped() or out[-1] in self.eos:
                 break
             self._consume(out[-1:])
         return out
@@ -153,5 +165,5 @@ class Constraint:
         for t in tokens:
             if self.matcher.is_stopped():  # the grammar is complete: what follows is the EOS it allowed
                 return
-            if not self.matcher.consume_token(t):
-                raise RuntimeError(f"a committed token left the grammar: {self.matcher.get_error()}")
+            if not self.matcher.consume_token(t):  # the engine's own limits (a grammar too complex to follow)
+                raise RuntimeError(f"structured output: the grammar engine stopped: {self.matcher.get_error()}")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import grpc
 
-from coordinator.constraint import GrammarCompiler, NoConstraint
+from coordinator.constraint import GrammarCompiler, NoConstraint, grammar_text
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.output import Output
@@ -172,7 +172,8 @@ class Pipeline:
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
             draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                                    self.draft_reachability),
-                                       sampling, derive_seed(params.seed, 0, DRAFT_STREAM), self._draft_trees(params))
+                                       sampling, derive_seed(params.seed, 0, DRAFT_STREAM), self._draft_trees(params),
+                                       grammar=grammar_text(params.response_format) if params.response_format else "")
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
         max_k = self.max_k()
         policy = ProposerPolicy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)),

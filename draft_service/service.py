@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.core.errors import invalid_argument
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeResult, ProposeWork
@@ -56,8 +57,11 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
                                                      ctx.prefix_len + len(ctx.new_tokens))
         draft_tree.shape_of(request, params, engine.config.max_draft_tokens)  # a chain: no tree fields
+        if request.grammar and (error := engine.grammars.check(request.grammar)):
+            raise invalid_argument(f"grammar: {error}")
         return ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
-                                  request.num_tokens, params, request.seed, self.draft_top_n, prompt_len=prompt_len)
+                                  request.num_tokens, params, request.seed, self.draft_top_n, prompt_len=prompt_len,
+                                  grammar=request.grammar)
 
     def _tree_work(self, request: draft_pb2.ProposeRequest) -> ProposeTreeWork:
         engine, ctx = self.engine, request.context

@@ -137,7 +137,7 @@ def test_more_bad_requests(cluster, oai, model):
     with pytest.raises(openai.BadRequestError, match="num_speculative_tokens"):
         oai.completions.create(model=model, prompt="hi", extra_body={"num_speculative_tokens": 99})
     with pytest.raises(openai.BadRequestError, match="role"):
-        oai.chat.completions.create(model=model, messages=[{"role": "tool", "content": "x"}])
+        oai.chat.completions.create(model=model, messages=[{"role": "function", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="batch"):
         oai.completions.create(model=model, prompt=["a", "b"])
     with pytest.raises(openai.NotFoundError) as e:

@@ -24,11 +24,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from coordinator.constraint import grammar_text
 from specdec.client import Client
 from specdec.engine.verify import VerifyWork, _verify_sampled
 from specdec.math.params import SamplingParams
 from specdec.models import load_tokenizer
-from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
+from specdec.proto import common_pb2, generate_pb2, target_pb2, target_pb2_grpc
 from specdec.serving import token_masks
 from tests.test_batching import prompt
 
@@ -78,8 +79,9 @@ def tokenizer(tiny_target):
 
 
 def formats():
-    return [("json_schema", json.dumps(SCHEMA), llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)),
-            ("regex", REGEX, llguidance.LLMatcher.grammar_from_regex(REGEX))]
+    """(kind, text, the grammar the reference follows: the coordinator's, from the same function)."""
+    return [(kind, text, grammar_text(generate_pb2.ResponseFormat(**{kind: text})))
+            for kind, text in (("json_schema", json.dumps(SCHEMA)), ("regex", REGEX))]
 
 
 @pytest.mark.parametrize("proposer,k", [("draft", 2), ("draft", 5), ("hybrid", None), ("suffix", 4),
@@ -105,9 +107,10 @@ def test_constrained_greedy_equals_the_constrained_target(cluster, tiny_target_m
             continue
         assert out.token_ids == want, (extra, out.token_ids, want)
         text = tokenizer.decode([t for t in out.token_ids if t not in eos])
-        if "json_schema" in extra["response_format"] and out.finish_reason == "eos":
+        if "json_schema" in extra["response_format"]:  # bounded by the schema and the fixed layout: it ends
+            assert out.finish_reason == "eos", (out.finish_reason, text)
             doc = json.loads(text)
-            assert set(doc) == {"name", "age", "tags"} and 0 <= doc["age"] <= 150
+            assert set(doc) == {"name", "age", "tags"} and 0 <= doc["age"] <= 150 and text == json.dumps(doc)
         if "regex" in extra["response_format"]:  # a language of short strings: it always ends, at EOS
             assert out.finish_reason == "eos" and re.fullmatch(REGEX, text), (out.finish_reason, text)
 
@@ -220,3 +223,41 @@ def test_the_openai_api_refuses_a_bad_response_format_with_400(oai, model, fmt, 
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                     response_format=fmt)
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_the_drafts_q_is_masked_by_the_grammar(tiny_target, tokenizer, params):
+    """A Propose with the grammar proposes only tokens it allows after the session's output, and q has no
+    mass outside them, greedy or sampled (specdec.engine.grammar)."""
+    from specdec.engine.config import TierConfig
+    from specdec.engine.engine import Engine
+    from specdec.engine.propose import ProposeWork
+    from specdec.models import ModelConfig, load_model
+    from tests.helpers import device_model
+
+    grammar = grammar_text(generate_pb2.ResponseFormat(json_schema=json.dumps(SCHEMA)))
+    engine = Engine(TierConfig(ModelConfig("tiny")), load_model(device_model(tiny_target)), tokenizer)
+    engine.start()
+    ids = prompt(990, 8)
+    output = tokenizer.encode('{"name": "Ada", "age": ', add_special_tokens=False)  # digits must follow
+    try:
+        work = ProposeWork.create("g", 0, 0, ids + output, 8, params, seed=5, top_n=32, prompt_len=len(ids), grammar=grammar)
+        result = asyncio.run(_submit(engine, work))
+    finally:
+        engine.close()
+    check = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=engine.vocab_size,
+                                                              eos_token=engine.eos_token_ids[0]), grammar)
+    assert check.consume_tokens(output)
+    for j, d in enumerate(result.tokens):
+        allowed = token_masks.decode([check.compute_bitmask()], 1, engine.vocab_size)[0]
+        assert allowed[d], (j, d)
+        if result.q is not None:
+            q_ids, q_probs = result.q.row(j)
+            assert bool(allowed[q_ids].all()) and abs(float(q_probs.sum()) - 1) < 1e-5
+        if check.is_stopped():
+            break
+        assert check.consume_token(d)
+
+
+async def _submit(engine, work):
+    return await engine.submit(work)

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from coordinator.api.frontend import finish_reason_name
+from coordinator.api.openai_tools import ToolUse
 from specdec.core.errors import RequestError
 from specdec.proto import generate_pb2
 
@@ -41,10 +42,13 @@ class Reply:
     """OpenAI response objects for one request: chat.completion(.chunk) or text_completion."""
 
     def __init__(self, rid: str, model: str, chat: bool, tokenizer, logprobs: bool = False,
-                 max_context: int = 0) -> None:
+                 max_context: int = 0, tools: ToolUse | None = None) -> None:
         """logprobs: the request asked for them (each choice then carries a logprobs object); max_context:
-        the target's context (prompt + generated tokens), for the message of a generation it ended."""
+        the target's context (prompt + generated tokens), for the message of a generation it ended; tools:
+        the request's tools (coordinator.api.openai_tools): an answer that is a call becomes tool_calls, and
+        a stream holds each choice's text back until its end, when it is known whether it is a call."""
         self.rid, self.model, self.chat = rid, model, chat
+        self.tools = tools
         self.max_context = max_context
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.created = int(time.time())
@@ -111,10 +115,15 @@ class Reply:
                 "finish_reason": finish}
 
     def _final(self, index: int, text: str | None, result: generate_pb2.GenerationResult, chunk: bool,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, calls: list[dict] | None = None) -> dict:
         """The choice that ends a generation: OpenAI's finish_reason, and finish_details saying what ended it
-        (max_tokens or the model's context both read "length")."""
+        (max_tokens or the model's context both read "length"); with calls, the answer was a tool call."""
         ours = finish_reason_name(result.finish_reason)
+        if calls is not None:
+            choice = self._choice(index, None, "tool_calls", chunk, logprobs=logprobs)
+            if not chunk:
+                choice["message"]["tool_calls"] = calls
+            return {**choice, "finish_details": {"type": FINISH_DETAIL[ours]}}
         details = {"type": FINISH_DETAIL[ours]}
         if ours == "context":
             s = result.stats
@@ -122,10 +131,15 @@ class Reply:
                                   f"+ {s.generated_tokens} generated tokens, before max_tokens was reached")
         return {**self._choice(index, text, FINISH_REASON[ours], chunk, logprobs=logprobs), "finish_details": details}
 
+    def _calls(self, text: str) -> list[dict] | None:
+        return self.tools.parse_call(text) if self.tools is not None else None
+
     def whole(self, choices: Sequence[Choice]) -> dict:
         out = []
         for i, c in enumerate(choices):
-            out.append(self._final(i, "".join(c.text), c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs)))
+            text = "".join(c.text)
+            out.append(self._final(i, text, c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs),
+                                   calls=self._calls(text)))
         return {**self._envelope(False), "choices": out, "usage": self.usage([c.result for c in choices])}
 
     async def stream(self, n: int, events: AsyncIterator[Indexed], include_usage: bool, scope: dict,
@@ -139,15 +153,31 @@ class Reply:
             if self.chat:  # OpenAI's first chunk of each choice announces the role
                 for i in range(n):
                     yield sse({**self._envelope(True), "choices": [self._choice(i, "", None, True, role=True)], **extra})
+            held: dict[int, Choice] = {}  # with tools: each choice's text and logprobs until its end
             async for i, event in events:
                 if event.HasField("chunk"):
                     c = event.chunk
-                    if c.text or (self.logprobs and c.logprobs):
+                    if self.tools is not None:
+                        held.setdefault(i, Choice()).text.append(c.text)
+                        held[i].logprobs.extend(c.logprobs)
+                    elif c.text or (self.logprobs and c.logprobs):
                         choice = self._choice(i, c.text, None, True, logprobs=self._logprobs(i, c.logprobs))
                         yield sse({**self._envelope(True), "choices": [choice], **extra})
                 else:
                     results.append(event.result)
-                    yield sse({**self._envelope(True), "choices": [self._final(i, None, event.result, True)], **extra})
+                    calls = None
+                    if self.tools is not None:
+                        h = held.pop(i, Choice())
+                        text, logprobs = "".join(h.text), self._logprobs(i, h.logprobs)
+                        calls = self._calls(text)
+                        if calls is not None:
+                            delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]}
+                            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+                        else:
+                            choice = self._choice(i, text, None, True, logprobs=logprobs)
+                        yield sse({**self._envelope(True), "choices": [choice], **extra})
+                    final = self._final(i, None, event.result, True, calls=calls)
+                    yield sse({**self._envelope(True), "choices": [final], **extra})
             if include_usage:
                 yield sse({**self._envelope(True), "choices": [], "usage": self.usage(results)})
         except RequestError as e:

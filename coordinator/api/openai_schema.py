@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.api.openai_tools import ToolError, ToolUse, call_text
 from coordinator.params import MAX_CACHE_KEY_LEN
 from coordinator.proposers.names import NAMES, Proposer
 from specdec.proto import generate_pb2
@@ -54,6 +55,8 @@ class Message(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted, not used
+    tool_calls: list[Any] | None = None  # an earlier assistant turn's calls (coordinator.api.openai_tools)
+    tool_call_id: str | None = None  # a "tool" message: the call it answers (accepted, not used)
 
     def text(self) -> str:
         if self.content is None:
@@ -144,6 +147,13 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools and tool_choice (None: no tools), or BadRequest naming the field."""
+        try:
+            return ToolUse.parse(self.tools, self.tool_choice)
+        except ToolError as e:
+            raise BadRequest(str(e), e.param) from None
+
     def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
         """One GenerateRequest per choice."""
         self._check_common()
@@ -151,13 +161,24 @@ class ChatCompletionRequest(_Common):
             raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise BadRequest("tools are not supported", "tools")
+        tools = self.tool_use()
         req = generate_pb2.GenerateRequest()
         _response_format(self.response_format, req)
+        if tools is not None and tools.constrained:
+            if req.HasField("response_format"):
+                raise BadRequest("response_format cannot be combined with a tool_choice that forces a call",
+                                 "response_format")
+            req.response_format.json_schema = json.dumps(tools.call_schema())
         req.chat.SetInParent()
-        for m in self.messages:
-            req.chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=m.text())
+        messages = [(ROLE_ALIASES.get(m.role, m.role),
+                     call_text(m.tool_calls) if m.tool_calls and not m.text() else m.text()) for m in self.messages]
+        if tools is not None and tools.active:  # the tools, described in the system message
+            if messages and messages[0][0] == "system":
+                messages[0] = ("system", messages[0][1] + "\n\n" + tools.system_text())
+            else:
+                messages.insert(0, ("system", tools.system_text()))
+        for role, content in messages:
+            req.chat.messages.add(role=role, content=content)
         max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         req.logprobs = self.logprobs
         req.top_logprobs = self.top_logprobs or 0

@@ -14,7 +14,7 @@ from specdec.math.params import SamplingParams
 from specdec.proto import generate_pb2
 from specdec.core.errors import RequestError, check_token_ids, invalid_argument
 
-CHAT_ROLES = {"system", "user", "assistant"}
+CHAT_ROLES = {"system", "user", "assistant", "tool"}  # "tool": a function call's result (OpenAI tools)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap; the target's too)

@@ -19,9 +19,11 @@ class DraftModelProposer:
     source = DRAFT_MODEL
 
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int,
-                 trees: DraftTreePolicy | None = None) -> None:
+                 trees: DraftTreePolicy | None = None, grammar: str = "") -> None:
         """session: the draft's TierSession, over the session's ProposeStream. trees: how trees and the
-        speculation cache are asked for (None: chains only)."""
+        speculation cache are asked for (None: chains only). grammar: structured output's
+        (coordinator.constraint.grammar_text), which the draft masks its q with."""
+        self.grammar = grammar
         self.session = session
         self.sampling = sampling
         self.seed = seed
@@ -34,7 +36,8 @@ class DraftModelProposer:
     async def propose(self, committed: list[int], hashes: PrefixHashes, k: int, tree: TreeAsk | None = None) -> Proposal:
         """k drafts, or the tree `tree`. Raises TierError if the draft is unreachable (the caller falls back)."""
         def request(ctx: common_pb2.SessionContext) -> draft_pb2.ProposeRequest:
-            message = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed)
+            message = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed,
+                                               grammar=self.grammar)
             if self.trees is not None:
                 self.trees.request_fields(message, tree, k)
             return message

@@ -28,6 +28,7 @@ import grpc
 import torch
 
 from specdec.engine.config import TierConfig
+from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.engine.scheduler import DROPPED, STARTED, WAIT, Planned, Scheduler
@@ -96,6 +97,7 @@ class Engine:
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        self.grammars = GrammarCache(tokenizer, self.vocab_size, list(self.eos_token_ids))  # the draft's masked q
         self.sessions = SessionTable(config.sessions, self.cache)
         self.scheduler = Scheduler(config.batch)
         self.observers: list[StepObserver] = []

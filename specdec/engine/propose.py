@@ -23,6 +23,7 @@ import torch
 from specdec.engine.draft_chain import ChainFeed, run_chain
 from specdec.engine.draft_probs import DraftProbs
 from specdec.engine.draft_sampler import DraftSampler
+from specdec.engine.grammar import allowed_row
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
 from specdec.math.penalties import TokenCounts
@@ -48,6 +49,8 @@ class ProposeWork(Work):
     seed: int = 0  # the session's base draft seed
     top_n: int = 64  # q truncation
     prompt_len: int = 0  # the session's prompt tokens: the penalties count the tokens after them as output
+    grammar: str = ""  # structured output: the grammar (llguidance's text) that masks q (specdec.engine.grammar)
+    matcher: object = None  # ...advanced through the session's output and this proposal's draws so far
     tokens: list[int] = field(default_factory=list)
     q_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (token_ids [n], probs [n]) per draft
 
@@ -55,9 +58,10 @@ class ProposeWork(Work):
 
     @classmethod
     def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], num_tokens: int,
-               params: SamplingParams, seed: int, top_n: int, prompt_len: int = 0) -> "ProposeWork":
+               params: SamplingParams, seed: int, top_n: int, prompt_len: int = 0, grammar: str = "") -> "ProposeWork":
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, pending=list(new_tokens),
-                   num_logits=1, num_tokens=num_tokens, params=params, seed=seed, top_n=top_n, prompt_len=prompt_len)
+                   num_logits=1, num_tokens=num_tokens, params=params, seed=seed, top_n=top_n, prompt_len=prompt_len,
+                   grammar=grammar)
 
     @classmethod
     def finish_step(cls, works: list["ProposeWork"], logits: list[torch.Tensor], engine) -> None:
@@ -67,6 +71,8 @@ class ProposeWork(Work):
                                                                engine.vocab_size, rows.device)
                                       for i, w in enumerate(works) if w.params.penalized])
             rows = adjust_logits_rows(rows, [w.params for w in works], counts)  # [B, V] float32
+        if any(w.grammar for w in works):
+            rows = _mask_grammar(works, rows, engine)
         sampler = _sampler(works, engine.vocab_size, rows.device)
         positions = torch.tensor([len(w.session) for w in works], device=rows.device)  # where each draw lands
         tokens, q_ids, q_probs = sampler(rows, positions)
@@ -78,8 +84,10 @@ class ProposeWork(Work):
         chain = engine.config.step.draft_chain
         for w, d in zip(works, tokens):
             w.tokens.append(d)
+            if w.matcher is not None and not w.matcher.is_stopped() and not w.matcher.consume_token(d):
+                w.matcher, w.grammar = None, ""  # (cannot happen for a masked draw) propose the rest unmasked
             left = w.num_tokens - len(w.tokens)
-            if left and chain and not w.params.adjusts_logits:
+            if left and chain and not w.params.adjusts_logits and not w.grammar:
                 w.chain_steps = left  # the engine runs the rest as one chain (run_chain)
             elif left:
                 w.pending, w.num_logits = [d], 1  # feed it back for the next position
@@ -115,6 +123,23 @@ class ProposeWork(Work):
         q = DraftProbs.from_rows(self.q_rows) if self.q_rows else None
         self.result = ProposeResult(self.tokens, q, len(self.session), self.compute_s * 1e3, sessions, seconds * 1e3,
                                     self.queue_ms(), self.reused)
+
+
+def _mask_grammar(works: list[ProposeWork], rows: torch.Tensor, engine) -> torch.Tensor:
+    """Each constrained work's row outside its grammar's allowed tokens set to -inf (q then has no mass there)."""
+    rows = rows.float().clone() if rows.dtype != torch.float32 else rows
+    for i, w in enumerate(works):
+        if not w.grammar:
+            continue
+        if w.matcher is None:  # the first step: the session's output so far
+            w.matcher = engine.grammars.matcher(w.grammar, w.session.tokens[w.prompt_len:])
+            if w.matcher is None:
+                w.grammar = ""
+                continue
+        allowed = allowed_row(w.matcher, engine.vocab_size)  # (a complete grammar allows only EOS)
+        if allowed is not None:
+            rows[i].masked_fill_(~allowed.to(rows.device), float("-inf"))
+    return rows
 
 
 def _sampler(works: list[ProposeWork], vocab_size: int, device) -> DraftSampler:

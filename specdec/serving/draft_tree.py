@@ -39,6 +39,8 @@ def shape_of(request: draft_pb2.ProposeRequest, params: SamplingParams, max_node
         raise invalid_argument(f"tree_scheme {request.tree_scheme} is not a TreeScheme")
     if not 0 <= request.speculate <= MAX_SPECULATE:
         raise invalid_argument(f"speculate must be in [0, {MAX_SPECULATE}], got {request.speculate}")
+    if request.grammar:
+        raise invalid_argument("tree_nodes: structured output (grammar) drafts chains only; ask for a chain")
     if params.penalized:
         raise invalid_argument("tree_nodes: penalised sampling (presence, frequency or repetition penalty) takes no "
                                "trees, their counts differ per branch; ask for a chain")

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdec.core.errors import invalid_argument
-
-_BITS = torch.arange(8, dtype=torch.uint8)
 
 
 def decode(masks: Sequence[bytes], num_rows: int, vocab_size: int) -> torch.Tensor | None:
@@ -21,18 +20,17 @@ def decode(masks: Sequence[bytes], num_rows: int, vocab_size: int) -> torch.Tens
         raise invalid_argument(f"token_masks has {len(masks)} masks but {num_rows} positions are scored "
                                "(one per draft token plus one); send one per position or none")
     width = (vocab_size + 31) // 32 * 4  # bytes of a mask covering the vocabulary in 32-bit words
-    rows = []
-    for i, m in enumerate(masks):
+    rows = np.zeros((num_rows, vocab_size), dtype=np.bool_)
+    for i, m in enumerate(masks):  # in numpy: a few microseconds a row
         if not 0 < len(m) <= 2 * width:
             raise invalid_argument(f"token_masks[{i}]: {len(m)} bytes; a mask has 1..{width} bytes for "
                                    f"a vocabulary of {vocab_size} (grammar engines may pad a word or so)")
-        row = torch.frombuffer(bytearray(m), dtype=torch.uint8)  # [len(m)]
-        bits = ((row[:, None] >> _BITS) & 1).bool().flatten()  # token t: byte t // 8, bit t % 8
-        if bool(bits[vocab_size:].any()):
-            outside = vocab_size + int(bits[vocab_size:].nonzero()[0])
+        bits = np.unpackbits(np.frombuffer(m, dtype=np.uint8), bitorder="little").view(np.bool_)  # token t: bit t
+        if bits[vocab_size:].any():
+            outside = vocab_size + int(np.flatnonzero(bits[vocab_size:])[0])
             raise invalid_argument(f"token_masks[{i}] allows token {outside}, outside the vocabulary [0, {vocab_size})")
         bits = bits[:vocab_size]
-        if not bool(bits.any()):
+        if not bits.any():
             raise invalid_argument(f"token_masks[{i}] allows no token")
-        rows.append(torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[0])))
-    return torch.stack(rows)
+        rows[i, : bits.shape[0]] = bits
+    return torch.from_numpy(rows)
