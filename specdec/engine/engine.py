@@ -346,30 +346,35 @@ class Engine:
         self._returning[work.session_id] = time.perf_counter()
 
     def _chain(self, kind: type, works: list[Work]) -> None:
-        """The works' remaining steps as draft chains (Work.run_chain), outside the lock like any forward."""
-        steps = max(w.chain_steps for w in works)
-        t0 = time.perf_counter()
-        try:
-            kind.run_chain(works, self)
-        except Exception as e:
-            log.exception("%s chain failed", kind.kind)
+        """The works' remaining steps as draft chains (Work.run_chain), one per number of steps left, outside
+        the lock like any forward; each forward of a chain counts as a step."""
+        groups: dict[int, list[Work]] = {}
+        for w in works:
+            groups.setdefault(w.chain_steps, []).append(w)
+        for steps, group in groups.items():
+            t0 = time.perf_counter()
+            try:
+                kind.run_chain(group, self)
+            except Exception as e:
+                log.exception("%s chain failed", kind.kind)
+                with self._lock:
+                    for w in group:
+                        self._fail(w, grpc.StatusCode.INTERNAL, f"{kind.kind} failed: {type(e).__name__}: {e}", drop=True)
+                continue
+            seconds = time.perf_counter() - t0
             with self._lock:
-                for w in works:
-                    self._fail(w, grpc.StatusCode.INTERNAL, f"{kind.kind} failed: {type(e).__name__}: {e}", drop=True)
-            return
-        seconds = time.perf_counter() - t0
-        with self._lock:
-            self.steps += steps
-            self.step_tokens += sum(w.chain_steps for w in works)
-            for w in works:
-                w.compute_s += seconds
-                w.last_step = (len(works), len(works), seconds / steps)
-            kind.finish_chain(works, self)
-            for w in works:
-                self._done(w)
-            self._last_step_end = time.perf_counter()
-        for observe in self.observers:
-            observe(len(works), len(works), seconds / steps)
+                self.steps += steps
+                self.step_tokens += steps * len(group)
+                for w in group:
+                    w.compute_s += seconds
+                    w.last_step = (len(group), len(group), seconds / steps)
+                kind.finish_chain(group, self)
+                for w in group:
+                    self._done(w)
+                self._last_step_end = time.perf_counter()
+            for observe in self.observers:  # one observation per forward, as for any step
+                for _ in range(steps):
+                    observe(len(group), len(group), seconds / steps)
 
     def _drop_cancelled(self) -> None:
         for w in [w for w in self.scheduler.waiting if w.cancelled]:

@@ -96,19 +96,15 @@ class ProposeWork(Work):
 
     @classmethod
     def run_chain(cls, works: list["ProposeWork"], engine) -> None:
-        """The rest of every work's proposal as draft chains (specdec.engine.draft_chain), one per number
-        of steps left; no engine lock held. The sessions' new tokens are appended by finish_chain."""
-        by_steps: dict[int, list[ProposeWork]] = {}
-        for w in works:
-            by_steps.setdefault(w.chain_steps, []).append(w)
-        for steps, group in by_steps.items():
-            sampler = _sampler(group, engine.vocab_size, engine.device)
-            feeds = [ChainFeed(w.session.slot, len(w.session), w.tokens[-1]) for w in group]
-            out = run_chain(engine.runner, feeds, steps, sampler)
-            for w, drawn in zip(group, out.tokens):
-                w.tokens.extend(drawn)
-            for i, ids, probs in zip(sampler.sampled, out.q_ids, out.q_probs):
-                group[i].q_rows.extend(_q_row(a, b) for a, b in zip(ids, probs))
+        """The rest of the works' proposals as one draft chain (specdec.engine.draft_chain); they all have the
+        same number of steps left. No engine lock held: the sessions' new tokens are appended by finish_chain."""
+        sampler = _sampler(works, engine.vocab_size, engine.device)
+        feeds = [ChainFeed(w.session.slot, len(w.session), w.tokens[-1]) for w in works]
+        out = run_chain(engine.runner, feeds, works[0].chain_steps, sampler)
+        for w, drawn in zip(works, out.tokens):
+            w.tokens.extend(drawn)
+        for i, ids, probs in zip(sampler.sampled, out.q_ids, out.q_probs):
+            works[i].q_rows.extend(_q_row(a, b) for a, b in zip(ids, probs))
 
     @classmethod
     def finish_chain(cls, works: list["ProposeWork"], engine) -> None:

@@ -51,6 +51,13 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     return {"cpu": AUTO_CPU, "cuda": "cuda-graphs"}.get(device.type, "eager")
 
 
+def _raise_recompile_limits() -> None:
+    """Frozen constants make each model its own graph of the same code: a process holding several models
+    (tests, a self-draft beside its target) needs more than dynamo's default of 8 graphs per code object."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+
+
 class StepProgram:
     """The decoder + LM head as one callable, eager or compiled."""
 
@@ -71,10 +78,7 @@ class StepProgram:
             # oneDNN. (Set process-wide: passed as a torch.compile option it does not reach the passes
             # that pack; a tier process compiles nothing else.)
             torch._inductor.config.freezing = True
-            # Frozen constants make each model its own graph of the same code: a process holding several
-            # models (tests, a self-draft beside its target) needs more than dynamo's default of 8.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+            _raise_recompile_limits()
         self._fn = torch.compile(self._decode, dynamic=True, fullgraph=True) if compiled else self._decode_eager
         self._seen: set[bool] = set()  # which graphs (T == 1, T >= 2) have been compiled
 
@@ -106,6 +110,7 @@ class StepProgram:
             row_index = torch.cat([row_index, pad])
         key = input_ids.shape[0] == 1
         t0 = time.perf_counter() if key not in self._seen else None
+        _raise_recompile_limits()  # each call: torch's disable_cache_limit() in another thread may have restored 8
         out = self._fn(input_ids, positions, row_index)
         if t0 is not None:
             self._seen.add(key)

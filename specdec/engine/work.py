@@ -64,8 +64,8 @@ class Work:
 
     @classmethod
     def run_chain(cls, works: list["Work"], engine) -> None:
-        """Works that finish_step left with chain_steps > 0: run those steps on the device, without the
-        engine's lock (specdec.engine.draft_chain); finish_chain then completes them with it."""
+        """Works that finish_step left with the same chain_steps > 0: run those steps on the device, without
+        the engine's lock (specdec.engine.draft_chain); finish_chain then completes them with it."""
         raise NotImplementedError
 
     @classmethod
