@@ -179,8 +179,12 @@ def test_proposal_follows_the_most_frequent_continuation():
     assert d.match_len == 2 and d.tokens == [3, 7]
     assert d.probs == pytest.approx([0.75, 0.75]) and d.score == pytest.approx(1.5)
     # the match length caps the proposal: m * factor + offset
-    d = speculate(tree, array("i", [9, 1, 2]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0, max_spec_factor=0.5))
+    d = speculate(tree, array("i", [9, 1, 2]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0, max_spec_factor=0.5,
+                                                              max_spec_offset=0.0))
     assert d.tokens == [3] and d.match_len == 2
+    # the default limit is 2m + 2: a 1-token match proposes up to 4 tokens
+    tree.extend(9, [5, 6, 7, 8, 9, 10])
+    assert speculate(tree, array("i", [5]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0)).tokens == [6, 7, 8, 9]
     d = speculate(tree, array("i", [9, 1, 2]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0, max_spec_factor=0.0,
                                                               max_spec_offset=1.0))
     assert d.tokens == [3]
@@ -208,9 +212,11 @@ def test_depth_bounds_match_plus_proposal():
     tree = SuffixTree(4)
     tree.extend(0, [1, 2, 3, 4, 5, 6])
     # a 3-token match leaves one token of depth, a 2-token match two: the shorter match wins
-    d = speculate(tree, array("i", [1, 2, 3]), 8, SuffixConfig(max_depth=4, min_token_prob=0.0))
+    d = speculate(tree, array("i", [1, 2, 3]), 8, SuffixConfig(max_depth=4, min_token_prob=0.0, max_spec_factor=1.0,
+                                                               max_spec_offset=0.0))
     assert (d.tokens, d.match_len) == ([4, 5], 2)
-    d = speculate(tree, array("i", [1, 2, 3]), 8, SuffixConfig(max_depth=4, min_token_prob=0.0, max_spec_factor=3.0))
+    d = speculate(tree, array("i", [1, 2, 3]), 8, SuffixConfig(max_depth=4, min_token_prob=0.0, max_spec_factor=3.0,
+                                                               max_spec_offset=0.0))
     assert (d.tokens, d.match_len) == ([4, 5, 6], 1)
 
 
@@ -351,7 +357,8 @@ def test_memory_estimate_covers_measured_memory():
 
 
 def _proposer(cache, prompt):
-    p = SuffixProposer(SuffixConfig(max_depth=16, min_token_prob=0.0), cache)
+    # ArcticInference's limit (a match of m tokens proposes at most m), which the cases below count with
+    p = SuffixProposer(SuffixConfig(max_depth=16, min_token_prob=0.0, max_spec_factor=1.0, max_spec_offset=0.0), cache)
     asyncio.run(p.index_prompt(prompt))
     return p
 

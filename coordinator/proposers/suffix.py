@@ -36,8 +36,12 @@ from coordinator.proposers.token_tree import TreeBuilder
 @dataclass(frozen=True)
 class SuffixConfig:
     max_depth: int = 24  # longest indexed substring (match + proposal), vLLM's default
-    max_spec_factor: float = 1.0  # a match of m tokens proposes at most m * factor + offset tokens
-    max_spec_offset: float = 0.0  # (ArcticInference's max_spec_factor / max_spec_offset)
+    # A match of m tokens proposes at most m * factor + offset tokens (ArcticInference's max_spec_factor /
+    # max_spec_offset, whose defaults are 1 and 0). With a verify nearly flat in K a longer chain costs little:
+    # on recorded greedy outputs of the default target, 2 and 2 give 8-13% more tokens per forward than 1 and 0
+    # on the template and grounded workloads (docs/BENCHMARKS.md, "suffix decoding's chain limit").
+    max_spec_factor: float = 2.0
+    max_spec_offset: float = 2.0
     min_token_prob: float = 0.1  # stop the chain when its estimated probability falls below this
     cache_entries: int = 1024  # finished outputs kept in the shared tree (0 = no shared tree)
     cache_bytes: int = 64 << 20  # estimated memory bound of the shared tree, evicting the oldest output
