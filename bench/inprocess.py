@@ -120,7 +120,15 @@ class _ForwardCounter:
 
     def __init__(self, module) -> None:
         self.calls = 0
+        self.module = module
         self._handle = module.register_forward_pre_hook(self._hook)
+
+    def pause(self) -> None:
+        """Detach the hook (a compiled forward would trace it, and recompile as the count changes)."""
+        self._handle.remove()
+
+    def resume(self) -> None:
+        self._handle = self.module.register_forward_pre_hook(self._hook)
 
     def _hook(self, *_args) -> None:
         self.calls += 1
@@ -169,6 +177,18 @@ def run_baselines(spec: dict) -> dict:
         enc = tok.apply_chat_template(p["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
         inputs[p["id"]] = (enc["input_ids"].to(device), enc["attention_mask"].to(device))
 
+    # The target alone at its best settings: a static KV cache and a torch.compile'd decode step, the cache
+    # sized once for every prompt so that one compiled graph serves them all (weights not frozen: inductor's
+    # freezing failed to build a kernel here, see bench.step_cost).
+    longest = max(ids.shape[1] for ids, _ in inputs.values()) + n_new + 8
+
+    def compiled_kwargs() -> dict:
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True, dynamic=False)
+        config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        return dict(cache_implementation="static", compile_config=config, max_cache_len=longest)
+
     def generate(prompt_id: str, row: dict, n: int, seed: int):
         ids, mask = inputs[prompt_id]
         kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, use_cache=True,
@@ -183,6 +203,7 @@ def run_baselines(spec: dict) -> dict:
         # config), an int = fixed num_assistant_tokens with the confidence early-stop disabled.
         for key, value in default_draft_gen.items():
             setattr(draft.generation_config, key, value)
+        compiled = method == "target" and row.get("variant") == "compiled"
         if method == "peer":
             kw["assistant_model"] = draft
             if row.get("k"):
@@ -191,12 +212,16 @@ def run_baselines(spec: dict) -> dict:
                 draft.generation_config.assistant_confidence_threshold = 0.0
         elif method == "peer_lookup":
             kw["prompt_lookup_num_tokens"] = int(row["k"])
-        elif method != "target":
-            raise ValueError(f"unknown in-process method {method!r}")
+        elif compiled:
+            kw.update(compiled_kwargs())
+        elif method != "target" or row.get("variant"):
+            raise ValueError(f"unknown in-process method {method!r} {row.get('variant') or ''}")
         torch.manual_seed(seed)
         target_calls.reset()
         draft_calls.reset()
         meter.reset()
+        if compiled:
+            target_calls.pause()
         t = time.perf_counter()
         with torch.inference_mode():
             out = target.generate(**kw)
@@ -204,6 +229,9 @@ def run_baselines(spec: dict) -> dict:
             torch.cuda.synchronize()  # the last kernels have finished: the wall time is the generation's
         dt = time.perf_counter() - t
         new = out[0, ids.shape[1]:].tolist()
+        if compiled:
+            target_calls.resume()
+            target_calls.calls = len(new)  # one forward per token: the prompt's, then one per decode step
         return new, dt, target_calls.reset(), draft_calls.reset(), meter.fraction()
 
     results = []
@@ -212,7 +240,7 @@ def run_baselines(spec: dict) -> dict:
         prompts = [p for p in spec["prompts"] if p["workload"] == row["workload"]]
         res = {**row, "samples": [], "error": None}
         try:
-            group = (row["method"], bool(row.get("temperature")))
+            group = (row["method"], row.get("variant", ""), bool(row.get("temperature")))
             if spec.get("warmup_tokens") and group not in warmed:
                 generate(prompts[0]["id"], row, int(spec["warmup_tokens"]), seed=0)
                 warmed.add(group)

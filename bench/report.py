@@ -322,7 +322,7 @@ def _f(x, fmt="{:.2f}", none="–") -> str:
 def method_label(r: dict) -> str:
     m = r["method"]
     if m == "target":
-        return "target alone (HF generate)"
+        return "target alone (HF generate" + (", static cache + torch.compile)" if r.get("variant") == "compiled" else ")")
     if m == "peer":
         return "peer: HF assisted" + (" (default schedule)" if r["k"] is None else f" (K={r['k']} fixed)")
     if m == "peer_lookup":
@@ -404,7 +404,7 @@ def template_table(rows: list[dict], aggs: dict, placements) -> list[str]:
                          ("suffix", dict(method="specdec", proposer="suffix", k=None)),
                          ("hybrid", dict(method="specdec", proposer="hybrid", k=None))):
             r = find_row(rows, aggs, placement=pl, workload="template", temperature=0.0, **kw)
-            found[name] = r[0] if r else None
+            found[name] = best_row(r, aggs) if name == "target" else r[0] if r else None  # target: its best settings
         if not any(found.values()):
             continue
         tgt = aggs[found["target"]["key"]]["tps"] if found["target"] else None

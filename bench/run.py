@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sampled-everywhere", action="store_true",
                    help="sampled rows in every placement and workload (quick mode: only shared/open)")
     p.add_argument("--no-peer", action="store_true", help="skip the Hugging Face assisted-generation rows")
+    p.add_argument("--no-target-compiled", action="store_true",
+                   help="skip the target alone with a static cache + torch.compile (its best settings; compiles ~1 min)")
     p.add_argument("--warmup-tokens", type=int, default=None, help="tokens of the one warm-up generation per method (0 = none)")
     p.add_argument("--wait-idle", type=float, default=60.0, metavar="SECONDS",
                    help="before each placement, wait up to this long for other processes to go quiet (< 10%% CPU)")

@@ -51,6 +51,7 @@ def build_plan(args) -> dict:
     proposers = [x for x in args.proposers.split(",") if x]
     m.update(draft_trees=getattr(args, "draft_trees", 0), speculate=getattr(args, "speculate", 0))
     m.update(mode=mode, placements=placements, workloads=workloads, proposers=proposers, peer=not args.no_peer,
+             target_compiled=not getattr(args, "no_target_compiled", False),
              device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype or args.dtype,
              retry=dict(max_retries=args.retry_disturbed, wait_s=15.0, budget_s=args.retry_budget),
              extra_args={"target": shlex.split(args.target_args), "draft": shlex.split(args.draft_args),
@@ -74,6 +75,8 @@ def build_plan(args) -> dict:
                 if m["template_placements"] is not None and pl not in m["template_placements"]:
                     continue  # quick mode: the shared placement only
                 add("target")
+                if m["target_compiled"]:
+                    add("target", variant="compiled")
                 add("specdec", proposer="draft", k=0)
                 for prop in TEMPLATE_PROPOSERS:
                     add("specdec", proposer=prop, k=None)
@@ -81,6 +84,8 @@ def build_plan(args) -> dict:
                     add("specdec", proposer="hybrid", k=None, variant=variant)
                 continue
             add("target")
+            if m["target_compiled"]:  # the target alone at its best settings: static cache + torch.compile
+                add("target", variant="compiled")
             if m["peer"]:
                 add("peer")
                 for temp in (m["peer_sampled_temps"] if sampled_here else []):
