@@ -55,6 +55,8 @@ prometheus:
 #                     (~8 min; PREFIX_REUSE_ARGS=--help; --quick: a tiny model, ~1.5 min)
 #  bench.structured   grammar engines' mask cost; JSON-schema extraction constrained vs unconstrained vs the
 #                     target alone with the same grammar (~5 min; STRUCTURED_ARGS=--help)
+#  bench.proposer_replay  prompt lookup and suffix decoding's chain limits and trees replayed on the
+#                     target's greedy outputs: tokens per forward, exact and timing-free (~3 min; REPLAY_ARGS=--help)
 bench: setup
 	$(PY) -m bench.step_cost $(STEP_COST_ARGS)
 	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)
@@ -68,6 +70,7 @@ bench: setup
 	$(PY) -m bench.replicas $(BENCH_REPLICAS_ARGS)
 	$(PY) -m bench.prefix_reuse $(PREFIX_REUSE_ARGS)
 	$(PY) -m bench.structured $(STRUCTURED_ARGS)
+	$(PY) -m bench.proposer_replay $(REPLAY_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info

@@ -61,12 +61,18 @@ def greedy_outputs(target: str, workloads: dict[str, int], n_new: int) -> list[d
     return out
 
 
-def verify_curve(target: str, repeats: int = 5) -> dict[int, float]:
+def verify_curve(target: str, repeats: int = 9) -> dict[int, float]:
     """Time of one packed target forward scoring T tokens after a 100-token prefix, relative to T = 1."""
+    import torch
+
     from bench.step_cost import PREFIX, make_runner, median_ms
 
     runner, Feed, _ = make_runner(target, "cpu", "float32", "packed", 1)
-    ms = {t: median_ms(lambda: runner.forward([Feed(0, PREFIX, [5] * t, t)]), repeats, "cpu") for t in COST_TOKENS}
+    ms = {}
+    for t in COST_TOKENS:
+        step = lambda: runner.forward([Feed(0, PREFIX, [5] * t, t)])  # noqa: E731
+        step()  # warm-up
+        ms[t] = median_ms(step, repeats, torch.device("cpu"))
     return {t: v / ms[1] for t, v in ms.items()}
 
 
@@ -154,7 +160,8 @@ def main(argv=None) -> int:
     target = args.target or default_target()
     t0 = time.time()
     path = Path(args.outputs) if args.outputs else None
-    if path is not None and path.exists():
+    reused = path is not None and path.exists()
+    if reused:
         records = json.loads(path.read_text())
     else:
         records = greedy_outputs(target, {"template": 0, "grounded": args.grounded_prompts}, args.max_new_tokens)
@@ -173,7 +180,8 @@ def main(argv=None) -> int:
                 name = label + (f", tree of {tree} nodes" if tree else "")
                 rows.append((wl, name, replay(recs, SuffixReplay(cfg, cache, tree), cache, args.max_k, curve)))
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: suffix decoding's chain limit, replayed offline",
-             "", f"Command: `python -m bench.proposer_replay` ({time.time() - t0:.0f} s). The target's greedy outputs "
+             "", f"Command: `python -m bench.proposer_replay` ({time.time() - t0:.0f} s"
+             + (", the outputs read from an earlier run's file" if reused else "") + "). The target's greedy outputs "
              f"({args.max_new_tokens} tokens at most; template: all {sum(r['workload'] == 'template' for r in records)} "
              f"requests in order, the shared suffix tree on; grounded: the first {args.grounded_prompts} prompts, the "
              f"shared tree off) replayed round by round, each round proposing the whole chain or tree offered, K <= "

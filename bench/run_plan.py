@@ -106,6 +106,8 @@ def build_plan(args) -> dict:
                     add("specdec", proposer="draft", k=k, temperature=temp)
                 if "tree" in tree_variants(m):
                     add("specdec", proposer="draft", k=2, temperature=temp, variant="tree")
+            if wl == "open":  # the default request: hybrid proposer, adaptive K
+                add("specdec", proposer="hybrid", k=None)
             if wl == "grounded":
                 for prop in proposers:
                     for k in [*m["lookup_ks"], None]:
