@@ -7,7 +7,8 @@ definition) and its tokens per second; per level the aggregate tokens per second
 burst. Rows:
 
 * specdec, the default policy (hybrid proposer, adaptive K), and the mean K it chose at each level
-  (the cross-session suffix tree is off: the levels reuse prompts, so it would have seen the answers);
+  (the cross-session suffix tree and the tiers' prefix caches are off: the rows and levels reuse prompts,
+  so a later one would have found the answers or the prompts' KV ready);
 * specdec K = 0: the same services with no speculation (the target tier's batching alone);
 * the peer, Hugging Face transformers serving the same C prompts with the target alone, in this
   process: its continuous-batching API (``generate_batch``) and padded batched ``generate``; each
@@ -142,9 +143,12 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
     out: dict = {}
     config = LocalPipelineConfig(
         target_model=models["target"], draft_model=models["draft"],
-        target_args=["--device", args.device, "--dtype", args.dtype, *shlex.split(args.target_args)],
-        draft_args=["--device", args.device, "--dtype", args.draft_dtype or args.dtype, *shlex.split(args.draft_args)],
-        coordinator_args=["--log-level", "warning", *shlex.split(args.coordinator_args)])
+        # No prefix cache in the tiers: the rows and levels reuse prompts, so a later row would find the
+        # prompts' KV cached by an earlier one and skip their prefill (the peer has no such cache).
+        target_args=["--device", args.device, "--dtype", args.dtype, "--no-prefix-cache", *shlex.split(args.target_args)],
+        draft_args=["--device", args.device, "--dtype", args.draft_dtype or args.dtype, "--no-prefix-cache",
+                    *shlex.split(args.draft_args)],
+        coordinator_args=["--log-level", "warning", *shlex.split(args.coordinator_args)], shared_cores=args.device == "cpu")
     with LocalPipeline(config) as pipeline:
         log(f"services up at {pipeline.address}")
         with Client(pipeline.address, timeout_s=600) as client:  # warm-up: both tiers, both paths

@@ -67,7 +67,7 @@ def verify_curve(target: str, repeats: int = 9) -> dict[int, float]:
 
     from bench.step_cost import PREFIX, make_runner, median_ms
 
-    runner, Feed, _ = make_runner(target, "cpu", "float32", "packed", 1)
+    runner, Feed, _, _ = make_runner(target, "cpu", "float32", "packed", 1)
     ms = {}
     for t in COST_TOKENS:
         step = lambda: runner.forward([Feed(0, PREFIX, [5] * t, t)])  # noqa: E731

@@ -23,9 +23,10 @@ baselines use `min_new_tokens = max_new_tokens = N`) for the same fixed prompts
   through `specdec.client.Client`. `K = 0` is target-only decoding through the services (the
   in-pipeline baseline); `adaptive` leaves K unset (the coordinator's default policy).
 
-Two placements: **shared** (every process may use both cores, default torch threads; the tiers and
-the in-process baselines run with `OMP_WAIT_POLICY=PASSIVE`, so an idle process's OpenMP threads do not
-spin on a core another process needs) and **separate** (target pinned to core 0 with 1 thread; draft and
+Two placements: **shared** (every process may use both cores, default torch threads and OpenMP's
+default wait policy, the best for the baselines and for the tiers alike; until 2026-11-25 this
+placement ran both with `OMP_WAIT_POLICY=PASSIVE`, which slowed transformers' `generate` alone 1.7x and
+so inflated every "x target" of the shared placement before that date) and **separate** (target pinned to core 0 with 1 thread; draft and
 coordinator pinned to core 1, draft with 1 thread; the in-process baselines pinned to core 0 with 1
 thread).
 

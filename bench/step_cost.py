@@ -83,6 +83,7 @@ def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
     from specdec.models import ModelConfig, load_model
 
     model = load_model(ModelConfig(path, device=device, dtype=dtype))
+    weights = weight_bytes(model)  # before a mode packs them (packed weights are no parameters)
     cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode == "cuda-graphs")
     t0 = time.perf_counter()
     runner = ModelRunner(model, cache, StepConfig(mode=mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32)))
@@ -90,7 +91,7 @@ def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
         runner.forward([Feed(s, 0, list(range(1000, 1000 + PREFIX)), 1)])
     for n in (1, 5):  # compile both graphs (or capture) before timing
         runner.forward([Feed(0, PREFIX, [5] * n, n)])
-    return runner, Feed, time.perf_counter() - t0
+    return runner, Feed, time.perf_counter() - t0, weights
 
 
 def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats: int, quick: bool) -> dict:
@@ -100,7 +101,7 @@ def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats:
     batches = BATCHES[:3] if quick else BATCHES
     runners, setup_s = {}, {}
     for mode in modes:
-        runners[mode], Feed, setup_s[mode] = make_runner(path, device, dtype, mode, max(batches))
+        runners[mode], Feed, setup_s[mode], weights = make_runner(path, device, dtype, mode, max(batches))
     tokens = {m: {t: [] for t in TOKENS} for m in modes}
     batch = {m: {(b, n): [] for b in batches for n in (1, 4)} for m in modes}
     for _ in range(repeats):  # interleaved: each round times every mode at every shape once
@@ -112,10 +113,9 @@ def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats:
                 for m, r in runners.items():
                     feeds = [Feed(s, PREFIX, [7] * n, n) for s in range(b)]
                     batch[m][(b, n)].append(median_ms(lambda: r.forward(feeds), 1, dev))
-    model = runners[modes[0]].model
     return {"tokens": {m: {t: statistics.median(v) for t, v in d.items()} for m, d in tokens.items()},
             "batch": {m: {k: statistics.median(v) for k, v in d.items()} for m, d in batch.items()},
-            "setup_s": setup_s, "weight_bytes": weight_bytes(model),
+            "setup_s": setup_s, "weight_bytes": weights,
             "compile_s": {m: r.compile_s for m, r in runners.items()}}
 
 
@@ -131,7 +131,7 @@ def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: 
     prompt = list(range(1000, 1000 + PREFIX))
     out = {}
     for mode in modes:
-        runner, Feed, _ = make_runner(path, device, dtype, mode, 1)
+        runner, Feed, _, _ = make_runner(path, device, dtype, mode, 1)
         seq = list(prompt)
 
         def run():

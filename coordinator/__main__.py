@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
+
 import asyncio
 import logging
-import os
 import sys
 
 from coordinator.proposers.adaptive import AdaptiveConfig
@@ -50,6 +53,9 @@ def main(argv=None) -> None:
     a.add("--default-k", default="auto", help="K when a request leaves it unset: a number, or 'auto' for adaptive K")
     a.add("--max-k", type=int, default=D.max_num_speculative_tokens, help="largest K accepted")
     a.add("--adaptive-max-k", type=int, default=AdaptiveConfig.max_k, help="largest K adaptive K tries")
+    a.add("--draft-max-sessions", type=int, default=AdaptiveConfig.draft_max_sessions,
+          help="adaptive K asks the draft model only while at most this many generations run (0 = any): for tiers "
+               "sharing one machine's cores, where a draft beside a busy target slows both (specdec serve / run-local set 1)")
     a.add("--default-proposer", default=D.default_proposer, choices=list(NAMES),
           help="proposer when a request leaves it unset (a name or alias of coordinator.proposers.names)")
     a.add("--lookup-min-ngram", type=int, default=LookupConfig.min_ngram, help="prompt lookup: shortest suffix matched")
@@ -99,6 +105,8 @@ def main(argv=None) -> None:
     a.add("--served-model-name", default=None,
           help="model id of the OpenAI API and the metrics' model_name label (default: the target model's directory or .gguf name, or its hub id)")
     args = a.parse(argv)
+    if args.draft_max_sessions < 0:
+        config_error("--draft-max-sessions must be >= 0 (0 = any number)")
     auth_token = auth_token_from(args)
     try:
         suffix = SuffixConfig(max_depth=args.suffix_max_depth, max_spec_factor=args.suffix_max_spec_factor,
@@ -112,7 +120,7 @@ def main(argv=None) -> None:
         max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
         default_num_speculative_tokens=None if args.default_k == "auto" else int(args.default_k),
         max_num_speculative_tokens=args.max_k, default_proposer=Proposer.parse(args.default_proposer),
-        adaptive=AdaptiveConfig(max_k=args.adaptive_max_k),
+        adaptive=AdaptiveConfig(max_k=args.adaptive_max_k, draft_max_sessions=args.draft_max_sessions),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
         tree_nodes=args.tree_nodes, speculate_outcomes=args.speculate_outcomes, draft_tree_nodes=args.draft_tree_nodes,
         draft_tree_branching=args.draft_tree_branching, draft_tree_scheme=args.draft_tree_scheme,

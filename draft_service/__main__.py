@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
+
 from draft_service.service import SERVICE_NAME, DraftConfig, build
 from specdec.serving.flags import EnvArgs, add_tier_args, check_server_tls, server_config, tier_config
 from specdec.serving.tier import run_tier

@@ -13,6 +13,11 @@ from specdec.models import make_tiny_model
 from tests.helpers import Cluster, device_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The service processes the tests start (LocalPipeline, specdec serve, fault tests) inherit this: many
+# processes share 2 cores here, and OpenMP threads that sleep between parallel regions keep them from
+# starving each other. (Set after torch is imported, so this process keeps OpenMP's default; the tests
+# time nothing.)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # In-process coordinators route sessions with gRPC's ring hash on a header, as `python -m coordinator`
 # does (it sets this too); subprocesses inherit it.
 os.environ.setdefault(RING_HASH_ENV, "true")

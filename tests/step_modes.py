@@ -8,6 +8,7 @@ from specdec.engine.config import StepConfig
 from specdec.engine.cuda_graphs import CudaGraphStep
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import ModelRunner
+from specdec.engine.step import decoder_for
 from specdec.models import load_model
 from tests.helpers import TEST_DEVICE, TEST_DTYPE, device_model
 
@@ -40,6 +41,6 @@ def make_runner(model_dir: str, mode: str, slots: int = 8, slot_tokens: int = 25
     runner = ModelRunner(model, cache, StepConfig(mode="eager" if mode == "static" else mode,
                                                   capture_sessions=(1, 2, 4, 8), capture_tokens=(1, 2, 4, 8, 16)))
     if mode == "static":
-        runner.graphs = CudaGraphStep(model.base_model, cache, (1, 2, 4, 8), (1, 2, 4, 8, 16), max_graphs=32,
+        runner.graphs = CudaGraphStep(decoder_for(model), cache, (1, 2, 4, 8), (1, 2, 4, 8, 16), max_graphs=32,
                                       capture=False)
     return runner

@@ -83,3 +83,11 @@ def test_k_falls_as_the_batch_grows_and_speculation_stops_when_it_no_longer_pays
 
 def test_without_load_data_the_sessions_own_fit_decides():
     assert chosen_k(policy(TierLoad())) == chosen_k(policy(None))
+
+
+def test_a_negative_draft_session_limit_is_refused_at_start(capsys):
+    from coordinator.__main__ import main
+
+    with pytest.raises(SystemExit) as e:  # before connecting to anything
+        main(["--draft-max-sessions", "-1"])
+    assert e.value.code == 2 and "--draft-max-sessions must be >= 0" in capsys.readouterr().err

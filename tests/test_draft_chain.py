@@ -180,4 +180,7 @@ def test_an_engine_proposes_the_same_with_and_without_the_chain(parts):
         assert (on.tokens, on.cached_len) == (off.tokens, off.cached_len)
         assert (on.q is None) == (off.q is None)
         if on.q is not None:
-            assert torch.equal(on.q.token_ids, off.q.token_ids) and torch.allclose(on.q.probs, off.q.probs)
+            # The chain runs its sessions in other batches than the step-by-step path, and the matrix library
+            # rounds a product of 2 rows and one of 7 differently (~1e-6 in q): same tokens, q within 1e-5.
+            assert torch.equal(on.q.token_ids, off.q.token_ids)
+            assert torch.allclose(on.q.probs, off.q.probs, rtol=0, atol=1e-5)

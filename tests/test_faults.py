@@ -44,7 +44,7 @@ class Proc:
         log = open(self.workdir / f"{self.name}.log", "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, "--address", f"127.0.0.1:{self.port}", "--port-file", str(port_file), *self.args],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # OMP_WAIT_POLICY: conftest
         if wait:
             deadline = time.monotonic() + 120
             while not port_file.exists():
@@ -176,14 +176,17 @@ def test_target_restarted_mid_generation(services, reference):
     wait_chunks(chunks, 5)
     killed = time.monotonic()
     target.kill()
-    t.join(30)
-    assert not t.is_alive() and time.monotonic() - killed < 5, "the stream's error took too long"
-    err = result.get("error")
-    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, result
-    assert "no target replica is reachable" in err.details()
-    assert [tok for c in chunks for tok in c] == reference[:sum(len(c) for c in chunks)]  # what came was right
-    assert coordinator_health(services) == health_pb2.HealthCheckResponse.NOT_SERVING
-    target.start()  # a fresh process on the same port: the coordinator finds it by itself
+    try:
+        t.join(30)
+        assert not t.is_alive() and time.monotonic() - killed < 5, "the stream's error took too long"
+        err = result.get("error")
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, result
+        assert "no target replica is reachable" in err.details()
+        assert [tok for c in chunks for tok in c] == reference[:sum(len(c) for c in chunks)]  # what came was right
+        assert coordinator_health(services) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        target.start()  # a fresh process on the same port (the module's later tests need it even if one failed)
+    # the coordinator finds it by itself
     wait_health(services, health_pb2.HealthCheckResponse.SERVING, 10)
     assert generate(f"127.0.0.1:{services['coordinator'].port}").token_ids == reference
 

@@ -53,7 +53,7 @@ class Replica:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--address", f"{self.address}:{self.port}", "--port-file", str(self.port_file),
              *self.args], stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # OMP_WAIT_POLICY: conftest
 
     @property
     def port_file(self) -> Path:

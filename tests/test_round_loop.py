@@ -19,7 +19,7 @@ import pytest
 from coordinator.generation import Generation
 from coordinator.output import Output
 from coordinator.params import GenerationParams
-from coordinator.proposers.adaptive import AdaptiveConfig
+from coordinator.proposers.adaptive import AdaptiveConfig, TierLoad
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.drafter import Drafter
 from coordinator.proposers.lookup import LookupConfig, PromptLookupProposer
@@ -27,9 +27,9 @@ from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, Prop
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.stats import RoundStats
 from coordinator.tiers.client import TierError
-from coordinator.tiers.target import Verdict
+from coordinator.tiers.target import TargetVerifier, Verdict
 from specdec.math.params import SamplingParams
-from specdec.proto import generate_pb2
+from specdec.proto import common_pb2, generate_pb2
 
 PROMPT = [1, 2, 3, 4]
 EOS = 0
@@ -114,12 +114,12 @@ class FakeDraft:
 
 def generation(target, draft=None, *, k: int | None = 3, max_new: int = 20, proposer: Proposer = DRAFT_MODEL,
                stop=(), eos=frozenset(), max_context: int = 1000, prompt=PROMPT,
-               constraint=None) -> Generation:
+               constraint=None, adaptive: AdaptiveConfig = AdaptiveConfig(max_k=8), load: TierLoad | None = None) -> Generation:
     params = GenerationParams(prompt_ids=list(prompt), max_new_tokens=max_new, sampling=SamplingParams(), seed=1,
                               num_speculative_tokens=k, proposer=proposer, stop=tuple(stop))
     clock = Clock()
     stats = RoundStats(clock=clock)
-    policy = ProposerPolicy(AdaptiveConfig(max_k=8), (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL))
+    policy = ProposerPolicy(adaptive, (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=load)
     drafter = Drafter(params, policy, PromptLookupProposer(LookupConfig(), params.prompt_ids), stats, max_k=16,
                       draft=draft, draft_max_context=max_context)
     output = Output(Tokenizer(), params.prompt_ids, max_new, set(eos), stop)
@@ -226,6 +226,39 @@ def test_a_failed_draft_tier_falls_back_to_prompt_lookup():
     records = gen.stats.records
     assert draft.proposed == 1 and all(r.fallback for r in records)
     assert records[0].proposer == PROMPT_LOOKUP and sum(r.accepted for r in records) > 0
+
+
+@pytest.mark.parametrize("open_sessions, k, asked", [(1, None, True), (2, None, False), (2, 3, True)])
+def test_the_draft_model_is_asked_only_while_few_sessions_share_the_target(open_sessions, k, asked):
+    """AdaptiveConfig.draft_max_sessions = 1 (tiers on shared cores): with another generation open on the
+    target, adaptive K leaves the draft model alone; a request's own K still gets its drafts. The output
+    is the target's either way."""
+    cont = truth()
+    load = TierLoad()
+    load.live = open_sessions
+    target, draft = FakeTarget(cont), FakeDraft(cont)
+    gen = generation(target, draft, k=k, max_new=12, adaptive=AdaptiveConfig(max_k=8, draft_max_sessions=1), load=load)
+    chunks, _ = run(gen)
+    assert tokens(chunks) == cont[:12]
+    assert (draft.proposed > 0) == asked
+    if not asked:
+        assert all(not calls for calls in target.calls)  # nothing local to offer here: target-only rounds
+
+
+def test_the_target_verifier_counts_the_sessions_open_on_the_target():
+    class Session:
+        async def close(self) -> None:
+            pass
+
+    load = TierLoad()
+    a = TargetVerifier(Session(), common_pb2.SamplingParams(), 1, RoundStats(), load)
+    b = TargetVerifier(Session(), common_pb2.SamplingParams(), 2, RoundStats(), load)
+    assert load.live == 2
+    asyncio.run(a.close())
+    asyncio.run(a.close())  # closing twice counts once
+    assert load.live == 1
+    asyncio.run(b.close())
+    assert load.live == 0
 
 
 def test_a_failed_target_fails_the_generation():

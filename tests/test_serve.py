@@ -143,16 +143,19 @@ def test_serve_answers_restarts_and_stops_cleanly(serve_factory, tiny_target):
             time.sleep(0.05)
         return time.monotonic() - t0
 
-    def answers() -> bool:
+    def answers() -> str:
+        """'' when a completion comes back whole; else what went wrong, with serve's output (the children's
+        logs), so that a failure says why."""
         try:
-            return complete().usage.completion_tokens == 5
-        except openai.APIError:
-            return False
+            n = complete().usage.completion_tokens
+            return "" if n == 5 else f"{n} tokens instead of 5"
+        except openai.APIError as e:
+            return f"{type(e).__name__}: {e}\n{s.output()[-4000:]}"
 
     # The draft dies: only a degradation (prompt lookup drafts), /health stays 200; serve restarts it.
     os.kill(s.child("draft_service"), signal.SIGKILL)
     wait_output("the draft was killed by SIGKILL; restarting it")
-    assert answers()
+    assert not (failure := answers()), failure
     assert health().status_code == 200
     until(lambda: health().json().get("draft") is None, START_TIMEOUT_S)  # back: no longer reported missing
 
@@ -182,7 +185,7 @@ def test_serve_answers_restarts_and_stops_cleanly(serve_factory, tiny_target):
     assert refused_s < 1.5, f"a request took {refused_s:.1f}s to be refused"
     wait_output("the target was killed by SIGKILL; restarting it")
     until(lambda: health().status_code == 200, START_TIMEOUT_S)
-    assert answers()
+    assert not (failure := answers()), failure
     s.children.update(children(s.proc.pid))
     oai.close()
     live = children(s.proc.pid)

@@ -127,20 +127,30 @@ def test_compiled_tiers_sample_what_eager_tiers_sample(compiled_cluster, self_dr
     assert runs[0] == runs[1]
 
 
-def test_packed_mode_keeps_what_onednn_cannot_pack():
-    """A float16 weight on a CPU without AVX-512 FP16 cannot be packed: it stays a plain linear, the
-    same function. Either way the packed model computes what the plain one does."""
-    from specdec.engine.packed import PackedLinear, pack_linears
+def test_packed_mode_keeps_what_onednn_cannot_pack(tiny_target):
+    """The packed mode packs the LM head, and in bfloat16 / float16 the decoder's linears as well (float32
+    layers stay on the library's own product). A float16 weight on a CPU without AVX-512 FP16 cannot be
+    packed: it stays a plain linear, the same function. Either way the model computes what the plain
+    one does."""
+    from specdec.engine.packed import PackedLinear, pack_head, pack_layers
+    from specdec.models import ModelConfig, load_model
 
-    torch.manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8, bias=False)).to(dtype)
-        packed = torch.nn.Sequential(*[torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8, bias=False)]).to(dtype)
-        packed.load_state_dict(plain.state_dict())
-        count = pack_linears(packed)
-        assert count == sum(isinstance(m, PackedLinear) for m in packed) <= 2
-        x = torch.randn(3, 16).to(dtype)
+    ids = torch.tensor([[5, 17, 300, 42, 9]])
+    for dtype in ("float32", "bfloat16", "float16"):
+        plain = load_model(ModelConfig(tiny_target, dtype=dtype))
+        model = load_model(ModelConfig(tiny_target, dtype=dtype))
+        packed = pack_head(model)
+        layers = pack_layers(model)
+        head = model.get_output_embeddings()
+        assert packed == isinstance(head, PackedLinear)
+        if dtype == "float32":  # oneDNN packs float32 on every CPU torch supports
+            assert packed
+        linears = 7 * len(model.model.layers)  # q, k, v, o, gate, up, down
+        n_packed = sum(isinstance(m, PackedLinear) for m in model.model.modules())
+        assert n_packed == layers and layers in ((0,) if dtype == "float32" else (0, linears))
+        if dtype == "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX-512 BF16 / AMX
+            assert layers == linears
         with torch.inference_mode():
-            got, want = packed(x).float(), plain(x).float()
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+            got, want = model(ids).logits.float(), plain(ids).logits.float()
+        tol = 1e-5 if dtype == "float32" else 2e-2
         assert torch.allclose(got, want, atol=tol, rtol=tol), (dtype, float((got - want).abs().max()))

@@ -1,6 +1,8 @@
 """The per-session streams (the target's VerifyStream, the draft's ProposeStream) through the real servers:
 a stream answers exactly what the unary rpc answers, the tier drops a stream's sessions when it ends, and a
-draining replica ends its streams at their next request with UNAVAILABLE (so sessions move at once)."""
+draining replica ends its streams at their next request with UNAVAILABLE (so sessions move at once). A
+status the replica chose says so in its trailing metadata; the coordinator reads one without it as the
+connection failing."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import queue
 import grpc
 import pytest
 
+from coordinator.tiers.client import stream_status
+from specdec.core.errors import TIER_STATUS_METADATA
 from specdec.proto import common_pb2, draft_pb2, target_pb2
 from specdec.core.prefix import PrefixHashes
 from specdec.serving.tier import DRAINING
@@ -48,6 +52,15 @@ class Stream:
         self._responses.cancel()
 
 
+def first_request(tier: str, target_stub, draft_stub, session_id: str, tokens: list[int]):
+    """A new stream on `tier` (the target's VerifyStream, the draft's ProposeStream) and a first request over
+    `tokens` for it."""
+    if tier == "target":
+        return (Stream(target_stub.VerifyStream),
+                target_pb2.VerifyRequest(context=context(session_id, tokens, 0), draft_tokens=[5]))
+    return Stream(draft_stub.ProposeStream), draft_pb2.ProposeRequest(context=context(session_id, tokens, 0), num_tokens=2)
+
+
 def run_rounds(call, session_id: str) -> list[tuple[int, int, int]]:
     rounds = [[5, 6, 7], [], [8], [9, 10]]
     gen = verify_requests(session_id, rounds)
@@ -75,12 +88,7 @@ def test_verify_stream_answers_what_unary_verify_answers(cluster, target_stub):
 @pytest.mark.parametrize("tier", ["target", "draft"])
 def test_a_stream_that_ends_drops_its_sessions(cluster, target_stub, draft_stub, tier):
     cluster.wait_no_sessions()
-    if tier == "target":
-        stream = Stream(target_stub.VerifyStream)
-        request = target_pb2.VerifyRequest(context=context("s-drop", PROMPT, 0), draft_tokens=[5])
-    else:
-        stream = Stream(draft_stub.ProposeStream)
-        request = draft_pb2.ProposeRequest(context=context("s-drop", PROMPT, 0), num_tokens=2)
+    stream, request = first_request(tier, target_stub, draft_stub, "s-drop", PROMPT)
     assert stream.call(request).cached_len > 0
     assert cluster.status(tier).num_sessions == 1
     stream.close()
@@ -97,6 +105,7 @@ def test_a_draining_replica_ends_its_streams_at_the_next_request(cluster, target
         with pytest.raises(grpc.RpcError) as err:
             stream.call(gen.send(first))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and err.value.details() == DRAINING
+        assert set(TIER_STATUS_METADATA) <= set(err.value.trailing_metadata())
         # unary rpcs are still served while draining (in-flight work finishes)
         assert target_stub.GetStatus(common_pb2.StatusRequest(), timeout=TIMEOUT).num_waiting == 0
     finally:
@@ -110,6 +119,33 @@ def test_a_draining_replica_ends_its_streams_at_the_next_request(cluster, target
     finally:
         stream.close()
     cluster.wait_no_sessions()
+
+
+@pytest.mark.parametrize("tier", ["target", "draft"])
+def test_a_refused_request_ends_the_stream_with_the_tiers_own_status(cluster, target_stub, draft_stub, tier):
+    bad = [*PROMPT, 10**7]  # a token id outside the vocabulary
+    stream, request = first_request(tier, target_stub, draft_stub, "s-bad", bad)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stream.call(request)
+    finally:
+        stream.close()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in err.value.details()
+    assert set(TIER_STATUS_METADATA) <= set(err.value.trailing_metadata())
+    assert stream_status(err.value.code(), err.value.details(), err.value.trailing_metadata())[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_coordinator_reads_an_unmarked_internal_status_as_the_connection_failing():
+    """gRPC core reports a replica that died under a call as UNAVAILABLE, or at times as INTERNAL ("Internal
+    error from Core"): without the tier's mark that is the connection, retried like UNAVAILABLE; with it,
+    the tier's own verdict stands."""
+    internal, unknown, unavailable = grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE
+    assert stream_status(internal, "Internal error from Core", ()) == (
+        unavailable, "connection lost (INTERNAL: Internal error from Core)")
+    assert stream_status(unknown, "Stream removed", None) == (unavailable, "connection lost (UNKNOWN: Stream removed)")
+    assert stream_status(internal, "forward failed: boom", TIER_STATUS_METADATA) == (internal, "forward failed: boom")
+    assert stream_status(unavailable, "Socket closed", ()) == (unavailable, "Socket closed")
+    assert stream_status(grpc.StatusCode.INVALID_ARGUMENT, "bad", ()) == (grpc.StatusCode.INVALID_ARGUMENT, "bad")
 
 
 def test_generation_stats_split_the_round_into_its_parts(cluster, generation_stub):

@@ -77,6 +77,7 @@ class TierLoad:
         # cost of this session's tokens.
         self.overhead_ms = 0.0
         self.observations = 0
+        self.live = 0  # sessions this coordinator has open on the tier now (generations in progress)
 
     def observe(self, batch_sessions: int, batch_tokens: int, step_ms: float, wall_ms: float,
                 compute_ms: float = 0.0, queue_ms: float = 0.0) -> None:
@@ -109,6 +110,12 @@ class AdaptiveConfig:
     decay: float = 0.9  # weight of the past per round (~10-round memory)
     prior_acceptance: float = 0.5  # acceptance assumed before any round
     probe_every: int = 8  # when K = 0 wins, probe K = 1 this often
+    # Ask the draft model only while at most this many sessions verify on the target at once (0 = any
+    # number). Where the tiers share a machine's cores, a draft step under load runs beside the busy
+    # target's and both slow down far more than the policy's timings show (each tier's threads spin on
+    # the cores the other needs); above the limit only the local proposers draft. vLLM's
+    # speculative_disable_by_batch_size, counted in sessions this coordinator has open on the target.
+    draft_max_sessions: int = 0
 
 
 class SourceEstimate:

@@ -96,12 +96,13 @@ class Drafter:
 
     async def _choose(self, committed: list[int], hashes: PrefixHashes, budget: int) -> Proposal:
         max_k = self._max_k(budget)
+        fixed = self.params.num_speculative_tokens is not None
         draft_ok = (self.draft is not None and self.draft.available
                     and len(committed) + budget <= self.draft_max_context)
         local = self.local if self.local or draft_ok else [self.lookup]  # draft mode, draft down: lookup
+        draft_ok = draft_ok and self.policy.draft_allowed(fixed)  # not while the target is crowded (shared cores)
         shared = not self.params.reproducible
         offers = [x.propose(max_k, shared, self.tree_nodes) for x in local] if max_k > 0 else []
-        fixed = self.params.num_speculative_tokens is not None
         choice = self.policy.choose(offers, max_k, draft_ok, fixed, measured_costs=shared)
         # The draft model is down and backing off: the local proposers stand in.
         fallback = self.draft is not None and not self.draft.available

@@ -123,6 +123,12 @@ class ProposerPolicy:
             best = best_k1
         return Choice(best[1], best[2])
 
+    def draft_allowed(self, fixed: bool) -> bool:
+        """Whether the draft model may be asked this round: always for a request's own K; otherwise not
+        while more sessions than AdaptiveConfig.draft_max_sessions are open on the target."""
+        limit = self.config.draft_max_sessions
+        return fixed or not limit or self.load is None or self.load.live <= limit
+
     def verify_line(self, measured_costs: bool = True) -> tuple[float, float]:
         """(intercept, slope) of the verify time against K: from the target's load once it is known."""
         if measured_costs and self.load is not None and self.load.observations > 0:

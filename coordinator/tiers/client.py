@@ -10,6 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from coordinator.tiers.routing import RoutingConfig
+from specdec.core.errors import TIER_STATUS_METADATA
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 
@@ -22,6 +23,17 @@ class TierError(Exception):
         self.code = code
         self.details = details
         self.rpc = rpc or ("VerifyStream" if tier == "target" else "ProposeStream")  # the internal rpc that failed
+
+
+def stream_status(code: grpc.StatusCode, details: str, trailing_metadata) -> tuple[grpc.StatusCode, str]:
+    """A session stream's end as the coordinator acts on it. A status the replica chose carries
+    TIER_STATUS_METADATA and stands. Without it the connection failed under the call (the replica died or
+    shut down): gRPC core reports that as UNAVAILABLE, but at times as INTERNAL or UNKNOWN, which would
+    read as the tier's verdict on the request and end the generation instead of retrying elsewhere."""
+    from_tier = all(item in tuple(trailing_metadata or ()) for item in TIER_STATUS_METADATA)
+    if from_tier or code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        return code, details
+    return grpc.StatusCode.UNAVAILABLE, f"connection lost ({code.name}: {details})"
 
 
 def call_timeout(default_s: float, limit_s: float | None) -> float:
@@ -65,11 +77,12 @@ class SessionStream:
             if self._expired is not None and call is self._call and e.code() == grpc.StatusCode.CANCELLED:
                 raise self._timed_out() from None  # our timer cancelled it
             self.close()
-            raise TierError(self.tier, e.code(), e.details() or "", self.rpc) from None
+            code, details = stream_status(e.code(), e.details() or "", e.trailing_metadata())
+            raise TierError(self.tier, code, details, self.rpc) from None
         except asyncio.InvalidStateError:  # a write after the stream ended (drained, stopped, timed out): why?
             if self._expired is not None and call is self._call:
                 raise self._timed_out() from None
-            code, details = await call.code(), await call.details()
+            code, details = stream_status(await call.code(), await call.details(), await call.trailing_metadata())
             self.close()
             if code == grpc.StatusCode.OK:
                 code = grpc.StatusCode.UNAVAILABLE
@@ -100,7 +113,7 @@ class SessionStream:
             raise TierError(self.tier, grpc.StatusCode.INTERNAL, f"no request in flight on the {self.rpc} stream", self.rpc)
         response = await self._io(call, call.read(), limit_s)
         if response is grpc.aio.EOF:
-            code, details = await call.code(), await call.details()
+            code, details = stream_status(await call.code(), await call.details(), await call.trailing_metadata())
             self.close()
             raise TierError(self.tier, code, details or "stream ended", self.rpc)
         self.pending -= 1

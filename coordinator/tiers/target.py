@@ -35,6 +35,9 @@ class TargetVerifier:
         self.seed = seed
         self.stats = stats
         self.load = load
+        self._open = load is not None  # counted in load.live until close()
+        if load is not None:
+            load.live += 1
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
                      q: list[common_pb2.DraftDistribution], parents: list[int] = (), masks: list[bytes] = (),
@@ -59,4 +62,7 @@ class TargetVerifier:
                        tuple(response.logprobs))
 
     async def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.load.live -= 1
         await self.session.close()

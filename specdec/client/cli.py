@@ -161,7 +161,7 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     config = LocalPipelineConfig(
         target_model=args.target_model, draft_model=draft_model,
         target_args=["--device", args.device, *threads],
-        draft_args=["--device", args.device, "--dtype", draft_dtype, *threads],
+        draft_args=["--device", args.device, "--dtype", draft_dtype, *threads], shared_cores=args.device == "cpu",
     )
     print(f"starting target ({config.target_model}), draft ({config.draft_model}) and coordinator on loopback...", file=sys.stderr)
     t0 = time.perf_counter()

@@ -77,7 +77,7 @@ def pipeline_config(args: argparse.Namespace) -> LocalPipelineConfig:
         target_args=["--device", args.device, "--dtype", args.dtype, *threads, *shlex.split(args.target_args)],
         draft_args=["--device", args.device, "--dtype", args.draft_dtype, *threads, *shlex.split(args.draft_args)],
         coordinator_args=[*coordinator, *shlex.split(args.coordinator_args)],
-        coordinator_address=f"{args.host}:{args.port}", start_timeout_s=args.start_timeout,
+        coordinator_address=f"{args.host}:{args.port}", start_timeout_s=args.start_timeout, shared_cores=args.device == "cpu",
         inherit_output=True, die_with_parent=True)
 
 

@@ -11,6 +11,13 @@ import grpc
 log = logging.getLogger(__name__)
 
 
+# Trailing metadata on every status a tier's session stream ends with by the tier's own decision. A status
+# without it came from the connection: gRPC core reports a connection that died under a call as INTERNAL at
+# times ("Internal error from Core"), not only as UNAVAILABLE, and the coordinator must not take that for
+# the tier's verdict on the request.
+TIER_STATUS_METADATA = (("specdec-status-from", "tier"),)
+
+
 class RequestError(Exception):
     """A request the service refuses, with the gRPC status to answer."""
 

@@ -293,14 +293,21 @@ def _(query, key, value, layer, scaling):
     return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
 
 
-def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention interface: ([1, T, H, D], None) over the active step."""
+def step_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   scaling: float | None) -> torch.Tensor:
+    """A layer's attention over the active step, whatever its form: query [1, H, T, D], key / value
+    [1, H_kv, T, D] (rotary applied) -> [T, H, D]."""
     if torch.compiler.is_compiling():  # the compiled step: never look at the layout while tracing
-        return ragged_attention_op(query, key, value, module.layer_idx, float(scaling))[None], None
+        return ragged_attention_op(query, key, value, layer, float(scaling))
     layout = current_layout()
     if not isinstance(layout, StepLayout):  # a StaticLayout: fixed shapes, capturable
-        return layout.attend(module.layer_idx, query, key, value, scaling)[None], None
-    return attend(layout, module.layer_idx, query, key, value, scaling)[None], None
+        return layout.attend(layer, query, key, value, scaling)
+    return attend(layout, layer, query, key, value, scaling)
+
+
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: ([1, T, H, D], None) over the active step."""
+    return step_attention(module.layer_idx, query, key, value, scaling)[None], None
 
 
 AttentionInterface.register(ATTENTION, ragged_attention)

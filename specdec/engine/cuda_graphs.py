@@ -138,8 +138,7 @@ class CudaGraphStep:
         b = self.buffers
         with active(layout):
             layout.prepare()
-            return self.decoder(input_ids=b.input_ids[:t][None], position_ids=b.positions[:t][None],
-                                use_cache=False).last_hidden_state[0]  # [S * n, H]
+            return self.decoder(b.input_ids[:t], b.positions[:t])  # [S * n, H]
 
     def _capture(self, bucket: Bucket):
         layout = StaticLayout(self.cache, self.buffers, bucket.sessions, bucket.tokens, bucket.kv_len)

@@ -33,7 +33,8 @@ from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.engine.scheduler import DROPPED, STARTED, WAIT, Planned, Scheduler
 from specdec.engine.sessions import PrefixMismatch, SessionTable
-from specdec.engine.step import StepProgram, resolve_mode
+from specdec.engine.step import resolve_mode
+from specdec.engine.threads import release_thread_pool
 from specdec.engine.work import Work
 from specdec.models import eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
 from specdec.core.errors import RequestError
@@ -122,6 +123,7 @@ class Engine:
         t0 = time.perf_counter()
         engine = cls(config, _load_model(config), load_tokenizer(config.model.path))
         engine.warm_up()
+        release_thread_pool()  # this thread is done computing: the engine thread's team is the only one
         engine.start()
         m, cache = config.model, engine.cache
         log.info("loaded %s in %.1fs on %s/%s, %s steps (compiling / capturing took %.1fs); KV pool: %d slots x %d "
@@ -132,19 +134,7 @@ class Engine:
 
     def warm_up(self) -> None:
         """A prefill and a few decode-sized forwards, so the first request pays no lazy initialisation: this
-        is where the step program compiles (both of its graphs) or captures its CUDA graphs. If compiling
-        fails under step mode `auto`, the tier runs eager and says so."""
-        try:
-            self._warm_up()
-        except Exception:
-            if self.config.step.mode != "auto" or not self.runner.program.compiled:
-                raise
-            log.warning("compiling the step failed; running eager (--step-mode eager skips the attempt)", exc_info=True)
-            self.runner.program = StepProgram(self.runner.model, kind="eager")
-            self.runner.mode = "eager"
-            self._warm_up()
-
-    def _warm_up(self) -> None:
+        is where the step program compiles (both of its graphs) or captures its CUDA graphs."""
         slot = self.cache.allocate()
         try:
             self.runner.forward([Feed(slot, 0, [0] * 16, 1)])

@@ -1,10 +1,19 @@
-"""Linear layers on weights packed once for the CPU's matrix library (oneDNN).
+"""Linears on weights packed once for the CPU's matrix library (oneDNN): the LM head always, the decoder
+layers' too when the weights are bfloat16 or float16.
 
-An eager float32 product on a CPU with a few rows (a verify of K + 1 = 2-9 tokens) takes a slow path:
-the library repacks the whole weight on every call, so 2-3 rows cost 1.8-2.6x one row and the LM head
-(49152 x 576) costs 10 ms for one row. Packing each weight once at start, in oneDNN's blocked layout,
-and calling oneDNN's linear on it keeps a 2-17 row product near the cost of one row (the same packing
-inductor's weight freezing does, without compiling). Works for float32 and bfloat16 weights.
+The vocabulary projection is a step's one large product (49152 x 576 for the default target, 28% of
+its weights) and the one the library's own path handles worst with a few rows: it repacks the whole
+weight on every call, so a 5-row product of the default target's head costs 2.4x a 1-row one (6.1 vs
+2.5 ms on this project's 2-core CPU). Packed once at start in oneDNN's blocked layout, 5 rows cost 1.4x
+(3.3 ms) and 9 rows 1.6x. The decoder layers' linears stay on the library's own product: at the 1-3
+rows of a decode or a short verify it beats the packed one by 10-40 us a product (~8 ms a step over
+the target's 210 of them), and in batched steps of 4-64 rows the two are within 5% (measured with
+OpenMP spin-waiting as it does by default; specdec.engine.threads). Works for float32 and bfloat16.
+
+In bfloat16 it is the other way round for the layers too: the library's own bfloat16 product takes a
+slow path, while a packed one runs on the CPU's bfloat16 matrix units (AMX / AVX-512 BF16), 1.4-2.6x
+faster at one row and flat from 1 to 17 rows (bench/step_cost.py records the step). So a bfloat16 or
+float16 model gets every linear packed.
 """
 
 from __future__ import annotations
@@ -31,18 +40,37 @@ class PackedLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every plain nn.Linear of `model` (the LM head included) by a PackedLinear, in place;
-    returns how many were packed. A weight oneDNN cannot pack on this CPU (float16 without AVX-512
-    FP16, say) stays a plain linear: same function, eager speed."""
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                try:
-                    packed = PackedLinear(child)
-                except RuntimeError:
-                    continue
-                setattr(module, name, packed)
-                count += 1
-    return count
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def pack_layers(model) -> int:
+    """Replace every plain nn.Linear inside the decoder (not the head) by a PackedLinear, in place, if the
+    weights are bfloat16 or float16; returns how many were packed (0: float32, or a weight oneDNN cannot
+    pack on this CPU, which keeps the same function at eager speed)."""
+    if next(model.parameters()).dtype not in LOW_PRECISION:
+        return 0
+    head = model.get_output_embeddings()
+    swaps = [(parent, name, child) for parent in model.base_model.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear and child is not head]
+    try:
+        packed = [PackedLinear(child) for _, _, child in swaps]
+    except RuntimeError:
+        return 0
+    for (parent, name, _), p in zip(swaps, packed):
+        setattr(parent, name, p)
+    return len(packed)
+
+
+def pack_head(model) -> bool:
+    """Replace the model's LM head (a plain nn.Linear) by a PackedLinear, in place; False if it stays as it
+    was: not a plain linear, or a weight oneDNN cannot pack on this CPU (float16 without AVX-512 FP16,
+    say), which keeps the same function at eager speed."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return False
+    try:
+        packed = PackedLinear(head)
+    except RuntimeError:
+        return False
+    model.set_output_embeddings(packed)
+    return True

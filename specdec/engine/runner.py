@@ -60,7 +60,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.geometry.device
         self.mode = resolve_mode(step.mode, self.device)
-        self.program = StepProgram(model, kind=self.mode if self.mode != "cuda-graphs" else "eager")
+        self.program = StepProgram(model, kind=self.mode)
         self.head = self.program.head
         self.vocab_size = int(model.config.vocab_size if not self.program.plain_head else self.head.weight.shape[0])
         if self.device.type == "cuda":
@@ -69,7 +69,7 @@ class ModelRunner:
         if self.mode == "cuda-graphs":
             from specdec.engine.cuda_graphs import CudaGraphStep
 
-            self.graphs = CudaGraphStep(model.base_model, cache, step.capture_sessions, step.capture_tokens,
+            self.graphs = CudaGraphStep(self.program.decoder, cache, step.capture_sessions, step.capture_tokens,
                                         step.max_graphs, max_capture_tokens=step.max_capture_tokens)
 
     @property

@@ -5,8 +5,11 @@ A step is (input_ids [T], positions [T], row_index [R]) -> logits [R, V] over th
 head on the rows someone needs. One program per tier, in one of four modes:
 
   eager        transformers' modules as they are: the reference, and the debugging path;
-  packed       eager, with every linear on weights packed once for oneDNN (specdec.engine.packed):
-               no compile time, and products of 2-17 rows cost about what one row does;
+  packed       the Llama decoder as plain tensor code (specdec.engine.llama; other models: transformers'
+               modules), with the LM head on a weight packed once for oneDNN (specdec.engine.packed): no
+               compile time, a verify's small-row head product at ~1.0-1.6x one row instead of 2.4-4x,
+               and in float32 the layers' linears on the library's own product, the fastest at 1-3 rows
+               (in bfloat16 / float16 they are packed too: the CPU's bfloat16 matrix units, flat to 17 rows);
   compile      the same forward through torch.compile (inductor, frozen weights): norms, rotary and
                the MLP fuse, and every linear runs on weights packed once at start for the CPU's
                matrix library (oneDNN), which keeps a 2-17 row product near the cost of one row, where
@@ -31,7 +34,8 @@ import torch
 import torch._dynamo.config
 import torch._inductor.config
 
-from specdec.engine.packed import can_pack, pack_linears
+from specdec.engine.llama import LlamaDecoder
+from specdec.engine.packed import can_pack, pack_head, pack_layers
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +62,37 @@ def _raise_recompile_limits() -> None:
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
 
 
+class TransformersDecoder:
+    """transformers' own decoder modules (embeddings + layers + final norm), as a step's decoder."""
+
+    def __init__(self, base_model) -> None:
+        self.base_model = base_model
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T], [T] -> [T, H]
+        return self.base_model(input_ids=input_ids[None], position_ids=positions[None],
+                               use_cache=False).last_hidden_state[0]
+
+
+def decoder_for(model, plain: bool = False):
+    """The step's decoder: the plain-tensor Llama decoder where it runs this model exactly
+    (specdec.engine.llama), else (or with plain=True, the eager mode's reference) transformers' modules."""
+    if not plain and LlamaDecoder.unsupported(model) is None:
+        return LlamaDecoder(model)
+    return TransformersDecoder(model.base_model)
+
+
 class StepProgram:
     """The decoder + LM head as one callable, eager or compiled."""
 
     def __init__(self, model, kind: str = "eager") -> None:
-        """kind: eager | packed | compile (a CUDA-graph tier runs its other steps eager)."""
+        """kind: eager | packed | compile | cuda-graphs (the steps a CUDA-graph tier does not replay run
+        uncompiled, through the same decoder its graphs captured)."""
         if kind == "packed":
-            pack_linears(model)
+            pack_head(model)
+            pack_layers(model)  # bfloat16 / float16 weights only
         compiled = kind == "compile"
         self.kind = kind
-        self.decoder = model.base_model  # embeddings + layers + final norm
+        self.decoder = decoder_for(model, plain=kind == "eager")  # (input_ids [T], positions [T]) -> [T, H]
         self.head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.plain_head = isinstance(self.head, torch.nn.Linear)  # False for e.g. a quantized head
@@ -82,14 +107,11 @@ class StepProgram:
         self._fn = torch.compile(self._decode, dynamic=True, fullgraph=True) if compiled else self._decode_eager
         self._seen: set[bool] = set()  # which graphs (T == 1, T >= 2) have been compiled
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T], [T] -> [T, H]
-        return self.decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False).last_hidden_state[0]
-
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
-        return self.head(self._hidden(input_ids, positions)[row_index])  # [R, V]
+        return self.head(self.decoder(input_ids, positions)[row_index])  # [R, V]
 
     def _decode_eager(self, input_ids, positions, row_index) -> torch.Tensor:
-        x = self._hidden(input_ids, positions)[row_index]
+        x = self.decoder(input_ids, positions)[row_index]
         # On a CPU, x @ W.T for a few rows makes the BLAS pack all of W (a 49152 x 576 head: 24 ms for 2
         # rows on one core) while W @ x.T costs 6 ms: same product, same weights.
         if self.plain_head and self.device.type == "cpu" and self.head.bias is None and 1 < x.shape[0] <= 16:

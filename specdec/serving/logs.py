@@ -5,6 +5,11 @@ Structured fields travel as `extra=` on a log call and become JSON keys (text fo
 the message). The fields in use: session_id, request_id, round, proposer, k, drafts, accepted, code
 (a gRPC status name), status (an HTTP status), finish_reason, and counts and timings. Prompt and
 output text are never logged at INFO or above.
+
+gRPC core (C++) logs past Python's logging, as plain text on stderr, and by default at INFO (a GOAWAY from
+a replica that stopped with calls in flight, for one): that would break `--log-format json`'s one object
+per line. So each service's entry point keeps it to errors (GRPC_VERBOSITY=ERROR, unless the user set it)
+before gRPC loads: gRPC reads it once, when it starts, and a service imports gRPC before it parses flags.
 """
 
 from __future__ import annotations

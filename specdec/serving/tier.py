@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
-from specdec.core.errors import as_request_error
+from specdec.core.errors import TIER_STATUS_METADATA, as_request_error
 from specdec.models import served_model_name
 from specdec.proto import common_pb2
 from specdec.serving.flags import write_port_file
@@ -51,13 +51,13 @@ async def serve_session_stream(servicer: "TierRpcs", requests: AsyncIterator, co
     try:
         async for request in requests:
             if servicer.draining:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING, TIER_STATUS_METADATA)
             sessions.add(request.context.session_id)
             try:
                 response = await handle(request)
             except Exception as e:
                 err = as_request_error(e)
-                await context.abort(err.code, err.message)
+                await context.abort(err.code, err.message, TIER_STATUS_METADATA)
             yield response
     finally:
         for sid in sessions:
