@@ -53,10 +53,7 @@ class Pipeline:
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        opts = [# Reconnect quickly to a tier that restarts (gRPC's default back-off grows to 120 s).
-                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-                ("grpc.max_receive_message_length", config.server.max_message_bytes),
+        opts = [("grpc.max_receive_message_length", config.server.max_message_bytes),
                 ("grpc.max_send_message_length", config.server.max_message_bytes)]
         credentials = self._tier_credentials(config)  # raises on unusable settings, before any channel exists
         if credentials is not None and config.tier_server_name:

@@ -16,8 +16,6 @@ from coordinator.tiers.reachability import ReachabilityConfig, TierReachability
 from coordinator.tiers.routing import RoutingConfig
 
 SERVICE = "specdec.v1.TargetService"
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]  # the coordinator's tier channels' back-off
 
 
 async def replica(port: int = 0) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
@@ -42,7 +40,7 @@ async def until(predicate, timeout_s: float) -> float:
 def test_reachability_follows_the_replicas():
     async def scenario():
         (a, health_a, port_a), (b, _, port_b) = await replica(), await replica()
-        options = CHANNEL_OPTIONS + RoutingConfig().channel_options(health_service=SERVICE)
+        options = RoutingConfig().channel_options(health_service=SERVICE)
         channel = grpc.aio.insecure_channel(f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}", options=options)
         changes = []
         watch = TierReachability("target", channel, SERVICE, ReachabilityConfig(interval_s=0.2), on_change=changes.append)
@@ -70,5 +68,60 @@ def test_reachability_follows_the_replicas():
             await watch.close()
             await channel.close()
             await a.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_just_came_back_keeps_the_tier_reachable():
+    """A replica restarts and the other one stops before the channel has reconnected to the first (it waits
+    out its reconnect back-off): for a moment no replica is connected and every check fails, although one
+    serves. Seen in the drain test: the tier was declared unreachable within milliseconds and every session
+    failed. An outage counts only after `confirm_s` of failed probes, longer than the back-off."""
+    async def scenario():
+        (a, _, port_a), (b, _, port_b) = await replica(), await replica()
+        channel = grpc.aio.insecure_channel(f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}",
+                                            options=RoutingConfig().channel_options(health_service=SERVICE))
+        changes = []
+        watch = TierReachability("target", channel, SERVICE, ReachabilityConfig(interval_s=0.2), on_change=changes.append)
+        watch.start()
+        try:
+            assert await watch.probe()
+            await a.stop(None)
+            await asyncio.sleep(1.5)  # the channel's attempts to reach a back off to their longest
+            a, _, _ = await replica(port_a)
+            await b.stop(None)
+            watch.suspect()
+            await asyncio.sleep(2.0)
+            assert changes == [] and watch.reachable and await watch.probe()
+        finally:
+            await watch.close()
+            await channel.close()
+            await a.stop(None)
+            await b.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_check_ends_the_probe_at_its_timeout():
+    async def scenario():
+        server, _, port = await replica()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            watch = TierReachability("target", channel, SERVICE, ReachabilityConfig(timeout_s=0.3))
+            calls = []
+
+            async def stalled(request, timeout):
+                calls.append(timeout)
+                await asyncio.sleep(timeout)
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "Deadline Exceeded")
+
+            watch._check = stalled
+            t0 = time.monotonic()
+            assert await watch.probe() is False
+            assert time.monotonic() - t0 < 0.6 and len(calls) == 1
+        finally:
+            await channel.close()
+            await server.stop(None)
 
     asyncio.run(scenario())

@@ -2,10 +2,15 @@
 
 A probe per tier asks the standard gRPC health service for the tier's service over the tier's own channel
 (the channel every session uses: the same name resolution, ring hash and client-side health checks), every
-`interval_s`. With no session header the ring hash picks a random replica and passes over ones that are
-down or NOT_SERVING, so a probe succeeds while any replica serves. `failures` failed probes in a row make
-the tier unreachable; one success makes it reachable again. A session that sees its tier fail asks for a
-probe at once (suspect()), so an outage is known within about a second of the first failed call.
+`interval_s`. With no session header the ring hash starts at a random point of the ring and walks it to a
+connected replica, so a check fails only when no replica is connected (or the one it lands on has just
+turned NOT_SERVING). An outage counts once probes have failed `failures` times in a row over at least
+`confirm_s`: a replica that has just come back is connected within the channel's reconnect back-off
+(RoutingConfig.max_reconnect_backoff_s), and until then every check fails although it serves (measured: a
+target restarted 0.6 s before the other one drained was still waiting out its back-off, and an outage
+declared at once failed every session). One success makes the tier reachable again. A session that sees
+its tier fail asks for a probe at once (suspect()), so an outage is known about `confirm_s` after the first
+failed call.
 
 What follows from it (coordinator wiring): no reachable target replica = the coordinator's health is
 NOT_SERVING (HTTP /health 503), new requests fail at once with UNAVAILABLE, and sessions waiting for the
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +37,8 @@ class ReachabilityConfig:
     interval_s: float = 0.5  # between probes
     timeout_s: float = 2.0  # a probe's deadline (a replica busy with a long step still answers within it)
     failures: int = 2  # failed probes in a row before the tier counts as unreachable
+    confirm_s: float = 1.0  # ... and for at least this long (longer than the tier channels' reconnect back-off)
+    retry_s: float = 0.1  # between probes while they fail and the verdict still stands
 
 
 class TierReachability:
@@ -47,7 +55,8 @@ class TierReachability:
         self.down = asyncio.Event()  # set while unreachable (retries wait on it)
         self.last_error = ""  # why the last probe failed ("" after a success)
         self._check = health_pb2_grpc.HealthStub(channel).Check
-        self._failures = 0
+        self._failures = 0  # failed probes in a row
+        self._failing_since: float | None = None  # when the first of them ran (time.monotonic())
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -76,9 +85,16 @@ class TierReachability:
             error = "" if ok else f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
         except grpc.aio.AioRpcError as e:
             ok, error = False, f"{e.code().name}: {e.details()}"
-        self._failures = 0 if ok else self._failures + 1
+        now = time.monotonic()
+        if ok:
+            self._failures, self._failing_since = 0, None
+        else:
+            self._failures += 1
+            self._failing_since = now if self._failing_since is None else self._failing_since
         self.last_error = error
-        self._set(ok or (self.reachable and self._failures < self.config.failures))
+        confirmed = (self._failures >= self.config.failures
+                     and now - self._failing_since >= self.config.confirm_s)
+        self._set(ok or (self.reachable and not confirmed))
         return ok
 
     def _set(self, reachable: bool) -> None:
@@ -98,9 +114,8 @@ class TierReachability:
         while True:
             self._wake.clear()
             await self.probe()
-            # Right after a failure that did not yet flip the verdict, probe again at once: an outage counts
-            # after `failures` quick probes, not `failures` intervals.
-            if self.reachable and self._failures:
-                continue
+            # While probes fail and the verdict still stands, probe again soon: an outage counts `confirm_s`
+            # after the first failure, not `failures` intervals.
+            wait = self.config.retry_s if self.reachable and self._failures else self.config.interval_s
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.interval_s)
+                await asyncio.wait_for(self._wake.wait(), wait)

@@ -46,6 +46,7 @@ class RoutingConfig:
     max_ring_size: int = 4096  # ring entries at most (grpc's default and its cap)
     health_check: bool = True  # watch each replica's health service; a NOT_SERVING replica gets no new calls
     min_resolution_interval_s: float = 5.0  # re-resolve the tier's name at most this often (grpc's default: 30 s)
+    max_reconnect_backoff_s: float = 0.5  # a replica that comes back is connected within this (grpc's default grows to 120 s)
 
     def service_config(self, health_service: str) -> dict:
         """The channel's service config: ring hash on hash_header, health checks on health_service."""
@@ -57,8 +58,13 @@ class RoutingConfig:
 
     def channel_options(self, health_service: str) -> list[tuple[str, object]]:
         """gRPC channel options for one tier's channel."""
+        backoff_ms = int(self.max_reconnect_backoff_s * 1000)
         return [("grpc.service_config", json.dumps(self.service_config(health_service))),
-                ("grpc.dns_min_time_between_resolutions_ms", int(self.min_resolution_interval_s * 1000))]
+                ("grpc.dns_min_time_between_resolutions_ms", int(self.min_resolution_interval_s * 1000)),
+                # Connection attempts to a replica start 0.1 s apart, then at most max_reconnect_backoff_s
+                # apart; each may take up to 1 s (grpc's "min reconnect backoff" is the connect timeout).
+                ("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)), ("grpc.max_reconnect_backoff_ms", backoff_ms),
+                ("grpc.min_reconnect_backoff_ms", 1000)]
 
     def metadata(self, key: str) -> tuple[tuple[str, str], ...]:
         """The call metadata that routes an rpc to the replica of a session's routing key."""
