@@ -8,9 +8,9 @@ GEN    := specdec/proto/.generated-stamp
 # Torch first, pinned: this machine's local CPU wheel. A looser pin pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup proto run test bench clean prometheus
+.PHONY: setup proto kernels run test bench clean prometheus
 
-setup: $(STAMP) $(GEN)
+setup: $(STAMP) $(GEN) kernels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml
 	touch $@
 
 proto: $(GEN)
+
+# specdec's CPU kernel (specdec/engine/skinny_gemm.py), compiled once with the host's C++ compiler and
+# cached; prints why not where it cannot be (no AVX-512, no compiler), and the tiers then run without it.
+kernels: $(STAMP)
+	$(PY) -m specdec.engine.skinny_gemm
 
 $(GEN): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)

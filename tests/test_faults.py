@@ -22,7 +22,7 @@ from specdec.client import Client
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 QUESTION = "Write a long story about a lighthouse keeper and a storm."
-N = 300  # long enough (~20 s on 2 cores) for a tier to restart mid-generation
+N = 300  # long enough (~20 s on 2 cores, the target's steps eager) for a tier to restart mid-generation
 
 
 def free_port() -> int:
@@ -66,7 +66,9 @@ def services(real_pair):
     target_model, draft_model = real_pair
     workdir = Path(tempfile.mkdtemp(prefix="specdec-faults-"))
     tp, dp, cp = free_port(), free_port(), free_port()
-    target = Proc(workdir, "target", "target_service", tp, ["--model", target_model, "--threads", "1"])
+    # The target steps eager here: packed steps would finish a generation before a killed draft restarts
+    # (a draft process takes ~6 s to start and be asked again on these shared cores).
+    target = Proc(workdir, "target", "target_service", tp, ["--model", target_model, "--threads", "1", "--step-mode", "eager"])
     draft = Proc(workdir, "draft", "draft_service", dp, ["--model", draft_model, "--threads", "1"])
     coordinator = Proc(workdir, "coordinator", "coordinator", cp, [
         "--target", f"127.0.0.1:{tp}", "--draft", f"127.0.0.1:{dp}", "--tokenizer", target_model, "--rpc-timeout", "10",

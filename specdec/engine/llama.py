@@ -19,6 +19,10 @@ static (CUDA-graph) and compiled forms all work through it. Measured on this pro
 transformers' modules at T = 1, 30.1 against 36.3 at T = 3, 46.8 against 52.4 at T = 9; the draft 1.8
 against 2.3 ms.
 
+The products are a strategy (`product`): by default each linear on its own (transformers' arithmetic);
+the packed step mode in float32 passes specdec.engine.skinny_gemm.fused_product, which runs q, k and v as
+one product and gate and up as another, on specdec's batch-invariant kernel.
+
 Only plain Llama models take it (LlamaForCausalLM: SiLU MLP, rotary position embeddings whose
 frequencies do not depend on the sequence length); anything else runs transformers' own modules,
 the same function at their speed (`LlamaDecoder.unsupported` says why).
@@ -26,12 +30,22 @@ the same function at their speed (`LlamaDecoder.unsupported` says why).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 
 from specdec.engine.attention import step_attention
 
 DYNAMIC_ROPE = ("dynamic", "longrope")  # frequencies recomputed from the sequence length: not supported
+
+# A product strategy: linears sharing an input -> a function of that input returning each one's output.
+Product = Callable[[Sequence[torch.nn.Module]], Callable[[torch.Tensor], Sequence[torch.Tensor]]]
+
+
+def separate_product(linears: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """Each linear's own product, as transformers computes it."""
+    return lambda x: [_linear(x, layer) for layer in linears]
 
 
 class LlamaDecoder:
@@ -53,7 +67,7 @@ class LlamaDecoder:
             return "pretraining_tp > 1"
         return None
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, product: Product = separate_product) -> None:
         reason = self.unsupported(model)
         if reason is not None:
             raise ValueError(f"LlamaDecoder cannot run this model: {reason}")
@@ -62,7 +76,12 @@ class LlamaDecoder:
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, first.head_dim
         self.scaling = first.scaling
         self.embed = base.embed_tokens
-        self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
+        self.layers = [(layer.input_layernorm,
+                        product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                        product([layer.self_attn.o_proj]),
+                        layer.post_attention_layernorm,
+                        product([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                        product([layer.mlp.down_proj]))
                        for layer in base.layers]
         self.norm = base.norm
         self.rotary = base.rotary_emb
@@ -71,16 +90,20 @@ class LlamaDecoder:
         t = input_ids.shape[0]
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self._rotary(positions, x.dtype)  # [T, 1, D]
-        for i, (norm1, attn, norm2, mlp) in enumerate(self.layers):
+        for i, (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = _rms(x, norm1.weight, norm1.variance_epsilon)
-            q = _rotate(_linear(h, attn.q_proj).view(t, self.heads, self.head_dim), cos, sin)
-            k = _rotate(_linear(h, attn.k_proj).view(t, self.kv_heads, self.head_dim), cos, sin)
-            v = _linear(h, attn.v_proj).view(t, self.kv_heads, self.head_dim)
+            q, k, v = qkv_proj(h)
+            q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
+            k = _rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
+            v = v.view(t, self.kv_heads, self.head_dim)
             o = step_attention(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                self.scaling)  # [T, H, D]
-            x = x + _linear(o.reshape(t, self.heads * self.head_dim), attn.o_proj)
+            (o,) = o_proj(o.reshape(t, self.heads * self.head_dim))
+            x = x + o
             h = _rms(x, norm2.weight, norm2.variance_epsilon)
-            x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+            gate, up = gate_up_proj(h)
+            (down,) = down_proj(F.silu(gate) * up)
+            x = x + down
         return _rms(x, self.norm.weight, self.norm.variance_epsilon)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

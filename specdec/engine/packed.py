@@ -49,16 +49,22 @@ def pack_layers(model) -> int:
     pack on this CPU, which keeps the same function at eager speed)."""
     if next(model.parameters()).dtype not in LOW_PRECISION:
         return 0
+    try:
+        return replace_linears(model, PackedLinear)
+    except RuntimeError:
+        return 0
+
+
+def replace_linears(model, make) -> int:
+    """Replace every plain nn.Linear inside the decoder (not the head) by make(linear), in place; returns
+    how many. All are made before any is replaced, so an error leaves the model as it was."""
     head = model.get_output_embeddings()
     swaps = [(parent, name, child) for parent in model.base_model.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear and child is not head]
-    try:
-        packed = [PackedLinear(child) for _, _, child in swaps]
-    except RuntimeError:
-        return 0
-    for (parent, name, _), p in zip(swaps, packed):
-        setattr(parent, name, p)
-    return len(packed)
+    made = [make(child) for _, _, child in swaps]
+    for (parent, name, _), new in zip(swaps, made):
+        setattr(parent, name, new)
+    return len(made)
 
 
 def pack_head(model) -> bool:

@@ -60,7 +60,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.geometry.device
         self.mode = resolve_mode(step.mode, self.device)
-        self.program = StepProgram(model, kind=self.mode)
+        self.program = StepProgram(model, kind=self.mode, use_skinny_gemm=step.skinny_gemm)
         self.head = self.program.head
         self.vocab_size = int(model.config.vocab_size if not self.program.plain_head else self.head.weight.shape[0])
         if self.device.type == "cuda":

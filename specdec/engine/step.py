@@ -6,10 +6,12 @@ head on the rows someone needs. One program per tier, in one of four modes:
 
   eager        transformers' modules as they are: the reference, and the debugging path;
   packed       the Llama decoder as plain tensor code (specdec.engine.llama; other models: transformers'
-               modules), with the LM head on a weight packed once for oneDNN (specdec.engine.packed): no
-               compile time, a verify's small-row head product at ~1.0-1.6x one row instead of 2.4-4x,
-               and in float32 the layers' linears on the library's own product, the fastest at 1-3 rows
-               (in bfloat16 / float16 they are packed too: the CPU's bfloat16 matrix units, flat to 17 rows);
+               modules) over weights packed once at start, no compile time. In float32 on an AVX-512
+               CPU every linear, LM head included, runs on specdec's skinny GEMM kernel
+               (specdec.engine.skinny_gemm: q, k, v as one product, gate and up as another;
+               batch-invariant; 0.1-0.5x the libraries' time at 1-3 rows); elsewhere the LM head runs
+               on oneDNN-packed weights (specdec.engine.packed), and in bfloat16 / float16 the layers
+               too (the CPU's bfloat16 matrix units, flat to 17 rows);
   compile      the same forward through torch.compile (inductor, frozen weights): norms, rotary and
                the MLP fuse, and every linear runs on weights packed once at start for the CPU's
                matrix library (oneDNN), which keeps a 2-17 row product near the cost of one row, where
@@ -34,8 +36,9 @@ import torch
 import torch._dynamo.config
 import torch._inductor.config
 
+from specdec.engine import skinny_gemm
 from specdec.engine.llama import LlamaDecoder
-from specdec.engine.packed import can_pack, pack_head, pack_layers
+from specdec.engine.packed import can_pack, pack_head, pack_layers, replace_linears
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +84,75 @@ def decoder_for(model, plain: bool = False):
     return TransformersDecoder(model.base_model)
 
 
+class MovedLinear(torch.nn.Module):
+    """Left where a linear was whose weights moved into the step's packed products: calling it is a bug."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this linear's weights moved into the step program's skinny GEMM products")
+
+
+SKINNY_DECODER = "specdec_skinny_decoder"  # a model packed for the skinny GEMM keeps its decoder here
+
+
+def skinny_applies(model, enabled: bool = True) -> str | None:
+    """Why the packed mode cannot run this model's linears on the skinny GEMM kernel, or None if it can."""
+    if getattr(model, SKINNY_DECODER, None) is not None:
+        if not enabled:
+            raise ValueError("this model's linears were packed for the skinny GEMM by another engine: load it "
+                             "again to run it without")
+        return None
+    weight = next(model.parameters())
+    if not enabled:
+        return "turned off (--no-skinny-gemm)"
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"{weight.dtype} on {weight.device.type} (the kernel is float32 on a CPU)"
+    if type(model.get_output_embeddings()) is not torch.nn.Linear:
+        return "the LM head is not a plain linear"
+    return skinny_gemm.unavailable()
+
+
+def packed_decoder(model, skinny: bool):
+    """The packed mode's decoder and head, in place. skinny: every float32 linear on specdec's skinny GEMM
+    kernel (q, k, v fused into one product and gate, up into another, where the plain Llama decoder
+    runs the model; the originals' weights are dropped, and engines sharing the model share the
+    decoder); else the LM head packed for oneDNN, and the layers too in bfloat16 / float16
+    (specdec.engine.packed)."""
+    if not skinny:
+        pack_head(model)
+        pack_layers(model)  # bfloat16 / float16 weights only
+        return decoder_for(model)
+    decoder = getattr(model, SKINNY_DECODER, None)
+    if decoder is not None:
+        return decoder
+    model.set_output_embeddings(skinny_gemm.SkinnyLinear([model.get_output_embeddings()]))
+    if LlamaDecoder.unsupported(model) is None:
+        decoder = LlamaDecoder(model, product=skinny_gemm.fused_product)
+        replace_linears(model, MovedLinear)
+    else:
+        replace_linears(model, lambda linear: skinny_gemm.SkinnyLinear([linear]))
+        decoder = TransformersDecoder(model.base_model)
+    setattr(model, SKINNY_DECODER, decoder)
+    return decoder
+
+
 class StepProgram:
     """The decoder + LM head as one callable, eager or compiled."""
 
-    def __init__(self, model, kind: str = "eager") -> None:
+    def __init__(self, model, kind: str = "eager", use_skinny_gemm: bool = True) -> None:
         """kind: eager | packed | compile | cuda-graphs (the steps a CUDA-graph tier does not replay run
-        uncompiled, through the same decoder its graphs captured)."""
-        if kind == "packed":
-            pack_head(model)
-            pack_layers(model)  # bfloat16 / float16 weights only
+        uncompiled, through the same decoder its graphs captured). use_skinny_gemm: in packed mode, run
+        float32 linears on specdec's kernel where it applies (skinny_applies)."""
         compiled = kind == "compile"
         self.kind = kind
-        self.decoder = decoder_for(model, plain=kind == "eager")  # (input_ids [T], positions [T]) -> [T, H]
+        self.skinny = kind == "packed" and skinny_applies(model, use_skinny_gemm) is None  # linears on the kernel
+        if kind == "packed":
+            self.decoder = packed_decoder(model, self.skinny)  # (input_ids [T], positions [T]) -> [T, H]
+        else:
+            self.decoder = decoder_for(model, plain=kind == "eager")
         self.head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.plain_head = isinstance(self.head, torch.nn.Linear)  # False for e.g. a quantized head

@@ -115,6 +115,9 @@ def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
     a.add("--draft-chain", default=StepConfig.draft_chain, action=argparse.BooleanOptionalAction,
           help="draft tier: run a proposal's steps after the first as one chain on the device, one host round trip "
                "(--no-draft-chain: one engine step each)")
+    a.add("--skinny-gemm", default=StepConfig.skinny_gemm, action=argparse.BooleanOptionalAction,
+          help="packed steps in float32 on an AVX-512 CPU: run every linear on specdec's batch-invariant kernel "
+               "(built once with the host's C++ compiler; --no-skinny-gemm: oneDNN's and the library's products)")
     a.add("--capture-sessions", default=",".join(map(str, StepConfig.capture_sessions)),
           help="CUDA graphs: batch sizes (sessions per step) captured")
     a.add("--capture-tokens", default=",".join(map(str, StepConfig.capture_tokens)),
@@ -143,7 +146,8 @@ def tier_config(args: argparse.Namespace):
         torch_threads=args.threads,
         step=StepConfig(mode=args.step_mode, capture_sessions=_sizes(args.capture_sessions, "capture_sessions"),
                         capture_tokens=_sizes(args.capture_tokens, "capture_tokens"),
-                        max_capture_tokens=args.max_batch_tokens, draft_chain=args.draft_chain),
+                        max_capture_tokens=args.max_batch_tokens, draft_chain=args.draft_chain,
+                        skinny_gemm=args.skinny_gemm),
     )
 
 
