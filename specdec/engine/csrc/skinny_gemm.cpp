@@ -1,17 +1,20 @@
 // Skinny GEMM: y = x W^T (+ b) in float32 for the few rows of a decode or verify step (AVX-512).
 //
 // Batch invariance. Every output y[m, n] is one sum over k = 0 .. K-1 in order, one fused multiply-add
-// per term, in its own register lane; the bias is added after. How rows and columns are blocked decides
-// which sums share a register, never the order of any one of them, so a row's result is bitwise the same
+// per term, in a register lane of its own; the bias is added after. How rows and columns are blocked decides
+// which sums share registers, never the order of any one of them, so a row's result is bitwise the same
 // whether it is multiplied alone or among many others, and whatever the other columns are (weights
 // concatenated into one product give what separate products give).
 //
-// Layout. W [N, K] is packed once into tiles of TILE = 64 columns: tile t holds W[64t .. 64t+63, :]
-// transposed, [K][64] contiguous (columns past N are zeros), so a tile's weights are one sequential
-// stream. A tile times a block of up to 6 rows of x is the micro-kernel: 6 x 4 accumulators of 16 lanes,
-// 4 weight vectors and 1 broadcast value stay in the 32 vector registers; per k it loads 4 weight
-// vectors and broadcasts MB values of x. The rows' blocks read the tile in turn (from L2 after the
-// first); tiles are split among torch's OpenMP threads.
+// Layout. W [N, K] is packed once into panels of 16 columns: panel p holds W[16p .. 16p+15, :] transposed,
+// [K][16] contiguous (columns past N are zeros), so each panel is one sequential stream.
+//
+// Blocking. The rows of x go in blocks of at most 9, as even as they come (17 = 9 + 8). A block of MB rows
+// against NV panels at a time is the micro-kernel: MB x NV accumulators, NV weight vectors and one
+// broadcast value of x in the 32 vector registers (NV = the most that fit: 8 for 1-2 rows, 3 for 7-9). Per
+// k it loads NV weight vectors and broadcasts MB values, then does MB x NV multiply-adds. The row blocks
+// take each group of NV panels in turn (from L2 after the first: W streams from memory once per product);
+// the groups are split among torch's OpenMP threads.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,11 +22,11 @@
 
 namespace {
 
-constexpr int64_t TILE = 64;  // columns per packed tile (4 vectors of 16)
-constexpr int NV = TILE / 16;
-constexpr int MAX_MB = 6;     // rows per micro-kernel block: 6 x 4 accumulators + 4 + 1 registers
+constexpr int64_t PANEL = 16;   // columns per packed panel (one vector)
+constexpr int64_t MAX_MB = 9;   // rows per block
+constexpr int NV_FOR[MAX_MB + 1] = {0, 8, 8, 6, 6, 5, 4, 3, 3, 3};  // panels per step: MB x NV + NV + 1 <= 32
 
-template <int MB>
+template <int MB, int NV>
 inline void kernel(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
                    const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols) {
   __m512 acc[MB][NV];
@@ -31,55 +34,58 @@ inline void kernel(const float* __restrict x, int64_t ldx, const float* __restri
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm512_load_ps(w + k * TILE + 16 * v);
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_load_ps(w + v * K * PANEL + k * PANEL);
     for (int i = 0; i < MB; ++i) {
       const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
     }
   }
   for (int v = 0; v < NV; ++v) {
-    const int64_t left = cols - 16 * v;
+    const int64_t left = cols - PANEL * v;
     if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
-    for (int i = 0; i < MB; ++i) {
-      const __m512 out = bias ? _mm512_add_ps(acc[i][v], b) : acc[i][v];
-      _mm512_mask_storeu_ps(y + i * ldy + 16 * v, mask, out);
-    }
+    const __mmask16 mask = left >= PANEL ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + PANEL * v) : _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i)
+      _mm512_mask_storeu_ps(y + i * ldy + PANEL * v, mask, bias ? _mm512_add_ps(acc[i][v], b) : acc[i][v]);
   }
 }
 
-// Every row of x against one tile, in blocks of at most MAX_MB rows, as even as they come.
-inline void tile_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, const float* bias, float* y,
-                      int64_t ldy, int64_t cols) {
-  const int64_t blocks = (M + MAX_MB - 1) / MAX_MB;
-  int64_t m = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t mb = (M - m) / (blocks - b);  // the remaining rows shared out: 9 = 5 + 4, 13 = 5 + 4 + 4
-    const int64_t rows = mb + ((M - m) % (blocks - b) ? 1 : 0);
-    const float* xm = x + m * ldx;
-    float* ym = y + m * ldy;
-    switch (rows) {
-      case 1: kernel<1>(xm, ldx, w, K, bias, ym, ldy, cols); break;
-      case 2: kernel<2>(xm, ldx, w, K, bias, ym, ldy, cols); break;
-      case 3: kernel<3>(xm, ldx, w, K, bias, ym, ldy, cols); break;
-      case 4: kernel<4>(xm, ldx, w, K, bias, ym, ldy, cols); break;
-      case 5: kernel<5>(xm, ldx, w, K, bias, ym, ldy, cols); break;
-      default: kernel<6>(xm, ldx, w, K, bias, ym, ldy, cols); break;
-    }
-    m += rows;
+// Rows [0, MB) of x against panels [p0, p1): NV at a time, then one at a time.
+template <int MB>
+inline void panels(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y, int64_t ldy,
+                   int64_t N, int64_t p0, int64_t p1) {
+  constexpr int NV = NV_FOR[MB];
+  int64_t p = p0;
+  for (; p + NV <= p1; p += NV)
+    kernel<MB, NV>(x, ldx, w + p * K * PANEL, K, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
+  for (; p < p1; ++p)
+    kernel<MB, 1>(x, ldx, w + p * K * PANEL, K, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
+}
+
+inline void block(int64_t mb, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+                  int64_t ldy, int64_t N, int64_t p0, int64_t p1) {
+  switch (mb) {
+    case 1: panels<1>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    case 2: panels<2>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    case 3: panels<3>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    case 4: panels<4>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    case 5: panels<5>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    case 6: panels<6>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    case 7: panels<7>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    case 8: panels<8>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    default: panels<9>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
   }
 }
 
 }  // namespace
 
-// W [N, K] float32 -> its packed tiles [ceil(N / 64), K, 64] (64-byte aligned, zero-padded).
+// W [N, K] float32 -> its packed panels [ceil(N / 16), K, 16] (zero-padded).
 torch::Tensor skinny_pack(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "skinny_pack: float32 CPU W [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), tiles = (N + TILE - 1) / TILE;
-  auto padded = torch::zeros({tiles * TILE, K}, w.options());
+  const int64_t N = w.size(0), K = w.size(1), count = (N + PANEL - 1) / PANEL;
+  auto padded = torch::zeros({count * PANEL, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  return padded.view({tiles, TILE, K}).transpose(1, 2).contiguous();  // [tiles, K, 64]
+  return padded.view({count, PANEL, K}).transpose(1, 2).contiguous();  // [panels, K, 16]
 }
 
 // y [M, N] = x [M, K] W^T + bias [N], W given packed (skinny_pack) with its N.
@@ -87,10 +93,10 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
               "skinny_linear: x [M, K] float32 with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == TILE && packed.size(1) == x.size(1) && packed.is_contiguous() &&
-              packed.size(0) * TILE >= N && (packed.size(0) - 1) * TILE < N, "skinny_linear: packed W does not fit x / N");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous() &&
+              packed.size(0) * PANEL >= N && (packed.size(0) - 1) * PANEL < N, "skinny_linear: packed W does not fit x / N");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 64 == 0, "skinny_linear: packed W not 64-byte aligned");
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), tiles = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), count = packed.size(0);
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "skinny_linear: bias [N]");
@@ -101,10 +107,19 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      tile_rows(xp, ldx, M, wp + t * K * TILE, K, b ? b + t * TILE : nullptr, yp + t * TILE, N,
-                std::min(TILE, N - t * TILE));
+  const int64_t blocks = (M + MAX_MB - 1) / MAX_MB;
+  const int64_t group = NV_FOR[(M + blocks - 1) / blocks];  // panels per group: the first (largest) block's NV
+  const int64_t groups = (count + group - 1) / group;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * group, p1 = std::min(count, p0 + group);
+      int64_t m = 0;
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t mb = (M - m + (blocks - i) - 1) / (blocks - i);  // the remaining rows, shared out evenly
+        block(mb, xp + m * ldx, ldx, wp, K, b, yp + m * N, N, N, p0, p1);
+        m += mb;
+      }
+    }
   });
   return y;
 }
