@@ -15,10 +15,12 @@ bench times, in one process and interleaved (so a noisy machine shifts every mod
    without the network) against transformers' `generate` eager, and with a static cache and
    torch.compile'd forward (its best settings on this device).
 
-Modes: eager, packed (oneDNN-packed linears), compile (torch.compile, frozen weights) on a CPU;
-eager and cuda-graphs on CUDA. Writes a section to docs/BENCHMARKS.md and docs/bench_step_cost[_gpu].png.
+Modes: eager, packed (float32 on an AVX-512 CPU: every linear on specdec's skinny GEMM kernel), packed-onednn
+(the packed mode without that kernel: the LM head on oneDNN-packed weights, the layers on the library's
+products, as on a CPU without AVX-512), compile (torch.compile, frozen weights) on a CPU; eager and
+cuda-graphs on CUDA. Writes a section to docs/BENCHMARKS.md and docs/bench_step_cost[_gpu].png.
 
-    python -m bench.step_cost [--device cpu] [--dtype float32] [--modes eager,packed,compile] [--quick]
+    python -m bench.step_cost [--device cpu] [--dtype float32] [--modes eager,packed,packed-onednn,compile] [--quick]
 """
 
 from __future__ import annotations
@@ -76,8 +78,16 @@ def weight_bytes(model) -> int:
     return total
 
 
-def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
+def step_config(mode: str, **kw):
+    """The StepConfig of a bench mode: a step mode, or packed-onednn (packed without the skinny GEMM)."""
     from specdec.engine.config import StepConfig
+
+    if mode == "packed-onednn":
+        return StepConfig(mode="packed", skinny_gemm=False, **kw)
+    return StepConfig(mode=mode, **kw)
+
+
+def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner
     from specdec.models import ModelConfig, load_model
@@ -86,7 +96,7 @@ def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
     weights = weight_bytes(model)  # before a mode packs them (packed weights are no parameters)
     cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode == "cuda-graphs")
     t0 = time.perf_counter()
-    runner = ModelRunner(model, cache, StepConfig(mode=mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32)))
+    runner = ModelRunner(model, cache, step_config(mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32)))
     for s in range(slots):  # every session holds the same 100-token prefix (prefill chunks run eager-sized)
         runner.forward([Feed(s, 0, list(range(1000, 1000 + PREFIX)), 1)])
     for n in (1, 5):  # compile both graphs (or capture) before timing
@@ -247,7 +257,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--modes", default=None, help="comma list (default: eager,packed,compile on CPU; eager,cuda-graphs on CUDA)")
+    p.add_argument("--modes", default=None, help="comma list (default: eager,packed,packed-onednn,compile on CPU; "
+                                                 "eager,cuda-graphs on CUDA)")
     p.add_argument("--target", default=None, help="target model (default: the shared pair's)")
     p.add_argument("--draft", default=None, help="draft model (default: the shared pair's; '' to skip)")
     p.add_argument("--repeats", type=int, default=9)
@@ -263,7 +274,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     modes = args.modes.split(",") if args.modes else (["eager", "cuda-graphs"] if device.type == "cuda"
-                                                       else ["eager", "packed", "compile"])
+                                                       else ["eager", "packed", "packed-onednn", "compile"])
     repeats = 5 if args.quick else args.repeats
     bw = bandwidth_gbs(device)
     models = {"target": args.target or default_target()}
