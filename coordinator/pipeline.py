@@ -16,7 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.output import Output
 from coordinator.params import GenerationParams
-from coordinator.proposers.adaptive import TierLoad
+from coordinator.proposers.adaptive import SourcePriors, TierLoad
 from coordinator.proposers.draft_model import DraftModelProposer
 from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTreePolicy
 from coordinator.proposers.drafter import Drafter
@@ -82,6 +82,7 @@ class Pipeline:
                                                        on_change=lambda reachable: self.announce_reachability())
         self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
         self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
+        self.source_priors = SourcePriors(config.adaptive)  # each proposer's acceptance, learnt from ended sessions
         self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
         self.tokenizer = None
         self.grammar: GrammarCompiler | None = None  # structured output's compiler, once the tokenizer is known
@@ -174,7 +175,9 @@ class Pipeline:
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
         max_k = self.max_k()
         policy = ProposerPolicy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)),
-                                (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=self.target_load)
+                                (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=self.target_load,
+                                priors=None if params.reproducible else self.source_priors,  # no other session sways it
+                                greedy=params.sampling.temperature == 0)
         drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
                           suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, expected_tokens
+from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourcePriors, expected_tokens
 from coordinator.proposers.lookup import LookupConfig, NgramIndex
 from coordinator.proposers.policy import Choice, ProposerPolicy
 from coordinator.proposers.base import Proposal
@@ -208,3 +208,36 @@ def test_policy_without_measured_costs_ignores_timings():
     assert slow.choose(lookup, max_k=4, draft=True, fixed=True) == Choice(PROMPT_LOOKUP, 4)
     assert (fast.choose(lookup, max_k=4, draft=True, fixed=True, measured_costs=False)
             == slow.choose(lookup, max_k=4, draft=True, fixed=True, measured_costs=False))
+
+
+def test_sessions_start_from_what_earlier_sessions_learnt():
+    """SourcePriors: a session's acceptance and ratio start where the coordinator's earlier sessions left
+    them, kept apart for greedy and sampled sessions; a session that judged too few drafts teaches nothing."""
+    priors = SourcePriors(AdaptiveConfig())
+    chain = Proposal(SUFFIX, [1, 2, 3, 4], probs=[1.0, 1.0, 1.0, 1.0])
+    lookup = Proposal(PROMPT_LOOKUP, [1, 2, 3, 4])
+    fresh = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors)
+    assert fresh.estimates[SUFFIX].acceptance == 0.5 and fresh.ratios[SUFFIX].value == 1.0  # nothing learnt yet
+    assert fresh.choose([chain, lookup], max_k=8, draft=False, fixed=False) == Choice(SUFFIX, 4)
+
+    brief = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors)
+    brief.observe(chain, 1, 0, 50.0)  # one judged draft: below SourcePriors.MIN_ATTEMPTS
+    brief.teach()
+    assert priors.ratio(SUFFIX, True) == 1.0
+
+    for _ in range(3):  # sessions of open chat: the chains fail
+        session = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors)
+        for _ in range(6):
+            session.observe(chain, 4, 0, 50.0)
+            session.observe_unchosen([lookup], SUFFIX, [9])
+        session.teach()
+    assert priors.ratio(SUFFIX, True) < 0.15 and priors.acceptance(PROMPT_LOOKUP, True) < 0.15
+    assert priors.ratio(SUFFIX, False) == 1.0 and priors.acceptance(PROMPT_LOOKUP, False) == 0.5  # sampled: apart
+
+    wary = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors)
+    assert wary.choose([chain, lookup], max_k=8, draft=False, fixed=False) == Choice(SUFFIX, 0)  # target only
+    for _ in range(3):  # its own rounds outweigh the prior: the chains are right this time
+        wary.observe_unchosen([chain, lookup], None, [1])
+    assert wary.choose([chain, lookup], max_k=8, draft=False, fixed=False).k > 0
+    sampled = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors, greedy=False)
+    assert sampled.choose([chain, lookup], max_k=8, draft=False, fixed=False) == Choice(SUFFIX, 4)

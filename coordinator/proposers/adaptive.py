@@ -118,15 +118,49 @@ class AdaptiveConfig:
     draft_max_sessions: int = 0
 
 
+class SourcePriors:
+    """Where a new session's estimates start: what the coordinator's recent sessions learnt of each
+    proposer, per (source, greedy or sampled): its per-token acceptance and the ratio of accepted drafts to
+    those its own estimate expected (the suffix tree's), each an exponentially weighted mean over the
+    sessions that measured it (MIN_ATTEMPTS drafts at least). Before any, AdaptiveConfig.prior_acceptance
+    and a ratio of 1. Shared by all sessions, like TierLoad: a chat service's sessions stop opening with
+    chains of prompt n-grams that its earlier sessions saw fail, and a template service's start trusting
+    the suffix tree at once; a session's own rounds outweigh the prior within a few rounds either way."""
+
+    MIN_ATTEMPTS = 4  # drafts a session must have judged for its estimates to count
+
+    def __init__(self, config: "AdaptiveConfig", decay: float = 0.7) -> None:
+        self.config = config
+        self.decay = decay  # weight of the earlier sessions against the newest
+        self._acceptance: dict[tuple[str, bool], float] = {}
+        self._ratio: dict[tuple[str, bool], float] = {}
+
+    def acceptance(self, source: str, greedy: bool) -> float:
+        return self._acceptance.get((source, greedy), self.config.prior_acceptance)
+
+    def ratio(self, source: str, greedy: bool) -> float:
+        return self._ratio.get((source, greedy), 1.0)
+
+    def learn(self, source: str, greedy: bool, acceptance: float | None, ratio: float | None) -> None:
+        """A finished session's estimates (None: it did not measure that one)."""
+        for table, value in ((self._acceptance, acceptance), (self._ratio, ratio)):
+            if value is not None:
+                key = (source, greedy)
+                table[key] = value if key not in table else self.decay * table[key] + (1 - self.decay) * value
+
+
 class SourceEstimate:
     """What one proposer's rounds have taught a session: per-token acceptance (exponentially
     weighted) and the propose and verify costs as linear fits in K. Times are in milliseconds."""
 
-    def __init__(self, config: AdaptiveConfig, local_proposer: bool, verify_cost: LinearCost | None = None) -> None:
-        """verify_cost: a fit shared with other sources (verifying K tokens costs the same whoever proposed them)."""
+    def __init__(self, config: AdaptiveConfig, local_proposer: bool, verify_cost: LinearCost | None = None,
+                 prior_acceptance: float | None = None) -> None:
+        """verify_cost: a fit shared with other sources (verifying K tokens costs the same whoever proposed them).
+        prior_acceptance: where the acceptance starts (default config.prior_acceptance; SourcePriors)."""
         self.config = config
-        self._acc_num = config.prior_acceptance  # weighted accepted drafts
+        self._acc_num = config.prior_acceptance if prior_acceptance is None else prior_acceptance  # weighted accepted
         self._acc_den = 1.0  # weighted draft attempts
+        self.attempts = 0  # drafts judged in this session (accepted ones and first rejections)
         # A remote draft costs about a network hop plus a few ms per token; a local proposer ~nothing.
         self.propose_cost = LinearCost(config.decay, 0.0 if local_proposer else 1.0, 0.0 if local_proposer else 5.0)
         self.verify_cost = verify_cost or LinearCost(config.decay, 50.0, 3.0)
@@ -151,6 +185,7 @@ class SourceEstimate:
         attempts = n_accepted + (1 if n_accepted < k else 0)
         self._acc_num = self._acc_num * d + n_accepted
         self._acc_den = self._acc_den * d + attempts
+        self.attempts += attempts
 
     def cost(self, k: int, measured: bool = True) -> float:
         """Predicted wall time of a round with k drafts from this source (k = 0: target only);

@@ -158,7 +158,9 @@ class Drafter:
         self._output = committed[prompt_len - min(self.cache_context, prompt_len):]
 
     async def close(self) -> None:
-        """End the draft's session (best effort); a finished generation's output joins the shared suffix tree."""
+        """End the draft's session (best effort); a finished generation's output joins the shared suffix tree,
+        and what its rounds taught the policy joins the coordinator's priors."""
+        self.policy.teach()
         if self.draft is not None:
             await self.draft.close()
         if self.suffix_cache is not None and self._output is not None:

@@ -12,7 +12,9 @@ and its wall time, C(K):
          once the target's load is known (TierLoad: its step time against tokens per step, and B
          sessions per step), verify(K) = overhead + T_step(B (K + 1)), the cost when every session
          of the step sends K, so K falls as the batch grows.
-It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included. The draft's
+It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included. A session's
+acceptance estimates and ratios start from what the coordinator's earlier sessions learnt (SourcePriors;
+not for reproducible requests), and at its end it teaches them what it measured. The draft's
 propose(K) is fitted on its steady rounds only (fed 1-2 committed tokens first): a call that first
 catches up on the prompt or on rounds the draft sat out is a one-off cost, and counting it would make
 a costly draft (the target's own low-precision copy) look dearer the less it is asked, until it is
@@ -29,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, TierLoad
+from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, SourcePriors, TierLoad
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.names import DRAFT_MODEL
 from coordinator.proposers.token_tree import match
@@ -49,10 +51,11 @@ class Choice:
 class AcceptanceRatio:
     """Exponentially weighted (accepted drafts) / (drafts the tree expected to be accepted)."""
 
-    def __init__(self, decay: float, prior_weight: float = 1.0) -> None:
+    def __init__(self, decay: float, prior: float = 1.0, prior_weight: float = 1.0) -> None:
         self.decay = decay
-        self._accepted = prior_weight  # prior: the tree's estimate is right
+        self._accepted = prior * prior_weight  # prior: the tree's estimate is right (or SourcePriors' ratio)
         self._expected = prior_weight
+        self.observations = 0
 
     @property
     def value(self) -> float:
@@ -61,20 +64,25 @@ class AcceptanceRatio:
     def observe(self, accepted: int, expected: float) -> None:
         self._accepted = self._accepted * self.decay + accepted
         self._expected = self._expected * self.decay + expected
+        self.observations += 1
 
 
 class ProposerPolicy:
     """Per session: estimates for every source, and the per-round choice."""
 
-    def __init__(self, config: AdaptiveConfig, sources: Sequence[str], load: TierLoad | None = None) -> None:
+    def __init__(self, config: AdaptiveConfig, sources: Sequence[str], load: TierLoad | None = None,
+                 priors: SourcePriors | None = None, greedy: bool = True) -> None:
         """load: the target's batching, shared by the coordinator's sessions (None: this session's own
-        verify timings only)."""
+        verify timings only). priors: what earlier sessions learnt (None: the config's priors); greedy:
+        whether this session is greedy (priors are kept apart for greedy and sampled sessions)."""
         self.config = config
         self.load = load
+        self.priors, self.greedy = priors, greedy
         self.verify_cost = LinearCost(config.decay, 50.0, 3.0)
-        self.estimates = {s: SourceEstimate(config, local_proposer=s != DRAFT_MODEL, verify_cost=self.verify_cost)
+        self.estimates = {s: SourceEstimate(config, local_proposer=s != DRAFT_MODEL, verify_cost=self.verify_cost,
+                                            prior_acceptance=priors.acceptance(s, greedy) if priors else None)
                           for s in sources}
-        self.ratios = {s: AcceptanceRatio(config.decay) for s in sources}
+        self.ratios = {s: AcceptanceRatio(config.decay, prior=priors.ratio(s, greedy) if priors else 1.0) for s in sources}
         self._since_probe = 0
 
     def choose(self, offers: Sequence[Proposal], max_k: int, draft: bool, fixed: bool, measured_costs: bool = True) -> Choice:
@@ -122,6 +130,16 @@ class ProposerPolicy:
             self._since_probe = 0
             best = best_k1
         return Choice(best[1], best[2])
+
+    def teach(self) -> None:
+        """At the session's end: hand what it measured to the shared priors (the sources it judged often
+        enough: SourcePriors.MIN_ATTEMPTS drafts)."""
+        if self.priors is None:
+            return
+        for source, est in self.estimates.items():
+            if est.attempts >= SourcePriors.MIN_ATTEMPTS:
+                ratio = self.ratios[source]
+                self.priors.learn(source, self.greedy, est.acceptance, ratio.value if ratio.observations else None)
 
     def draft_allowed(self, fixed: bool) -> bool:
         """Whether the draft model may be asked this round: always for a request's own K; otherwise not
