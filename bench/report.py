@@ -24,7 +24,8 @@ baselines use `min_new_tokens = max_new_tokens = N`) for the same fixed prompts
   in-pipeline baseline); `adaptive` leaves K unset (the coordinator's default policy).
 
 Two placements: **shared** (every process may use both cores, default torch threads and OpenMP's
-default wait policy, the best for the baselines and for the tiers alike; until 2026-11-25 this
+default wait policy, the best for the baselines and for the tiers alike, except the draft tier's one
+thread, which `LocalPipeline` sets on shared cores since 2026-11-25 13:40; until 2026-11-25 this
 placement ran both with `OMP_WAIT_POLICY=PASSIVE`, which slowed transformers' `generate` alone 1.7x and
 so inflated every "x target" of the shared placement before that date) and **separate** (target pinned to core 0 with 1 thread; draft and
 coordinator pinned to core 1, draft with 1 thread; the in-process baselines pinned to core 0 with 1
