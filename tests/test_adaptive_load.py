@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.proposers.adaptive import AdaptiveConfig, TierLoad, expected_tokens
+from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, StepCurve, TierLoad, expected_tokens
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import PROMPT_LOOKUP
+from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP
 
 
-def loaded(sessions: int, alpha: float = 40.0, beta: float = 3.0, overhead: float = 2.0, rounds: int = 60) -> TierLoad:
-    """A TierLoad fed steps of a tier whose step time is alpha + beta * tokens."""
+def loaded(sessions: int, alpha: float = 40.0, beta: float = 3.0, overhead: float = 2.0, rounds: int = 60,
+           step=None, max_k: int = 4) -> TierLoad:
+    """A TierLoad fed steps of a tier whose step time is alpha + beta * tokens (or step(tokens)), the
+    sessions' K varied 0..max_k."""
+    step = step or (lambda n: alpha + beta * n)
     load = TierLoad()
     for i in range(rounds):
-        tokens = sessions * (1 + i % 5)  # the sessions' K varied 0..4
-        load.observe(sessions, tokens, alpha + beta * tokens, alpha + beta * tokens + overhead)
+        tokens = sessions * (1 + i % (max_k + 1))
+        load.observe(sessions, tokens, step(tokens), step(tokens) + overhead)
     return load
 
 
@@ -23,12 +26,56 @@ def test_tier_load_learns_the_step_cost_line_and_the_batch():
     load = loaded(8)
     assert load.sessions == pytest.approx(8.0)
     assert load.overhead_ms == pytest.approx(2.0)
-    assert load.step_cost.predict(0) == pytest.approx(40.0, rel=0.02)
+    assert load.step_cost.predict(1) == pytest.approx(43.0, rel=0.02)
     assert load.step_cost.predict(100) == pytest.approx(340.0, rel=0.02)
-    # A round with K drafts when all 8 sessions send K: its share of a step of 8 * (K + 1) tokens.
-    assert load.round_ms(3) == pytest.approx(2.0 + (40.0 + 3.0 * 32) / 8, rel=0.02)
-    v0, v1 = load.verify_line()
-    assert (v0, v1) == pytest.approx((2.0 + 40.0 / 8 + 3.0, 3.0), rel=0.02)
+    # A round with K drafts when all 8 sessions send K: the call's overhead and a step of 8 * (K + 1) tokens.
+    assert load.round_ms(3) == pytest.approx(2.0 + 40.0 + 3.0 * 32, rel=0.02)
+    assert load.round_ms(0) == pytest.approx(2.0 + 40.0 + 3.0 * 8, rel=0.02)
+
+
+def hinge(n: float) -> float:
+    """A CPU-like step: flat at 22 ms while the weights' streaming bounds it (up to 5 tokens), then 2.4 ms a token."""
+    return 22.0 + 2.4 * max(n - 5.0, 0.0)
+
+
+def test_the_step_curve_follows_a_flat_then_steep_step_where_a_line_cannot():
+    curve, line = StepCurve(), LinearCost(0.98, 50.0, 3.0)
+    for _ in range(20):
+        for n in (1, 2, 3, 4, 6, 9, 12, 16, 24, 32, 40, 48):  # a batch ramping up and down
+            curve.observe(n, hinge(n))
+            line.observe(n, hinge(n))
+    for n in (1, 3, 16, 20, 44, 48, 64):
+        assert curve.predict(n) == pytest.approx(hinge(n), rel=0.08), n
+    # The slope at a 16-session batch's size is the marginal cost of a token there.
+    slope = (curve.predict(48) - curve.predict(16)) / 32
+    assert slope == pytest.approx(2.4, rel=0.03)
+    assert abs(line.predict(1) - hinge(1)) > 0.2 * hinge(1)  # a line cannot be flat and steep
+
+
+def test_the_step_curve_reads_the_prior_slope_from_one_size_and_never_slopes_down():
+    curve = StepCurve(prior_intercept=50.0, prior_slope=3.0)
+    assert curve.predict(10) == pytest.approx(80.0)  # no step seen: the prior line
+    for _ in range(20):
+        curve.observe(16, 60.0)
+    assert curve.predict(16) == pytest.approx(60.0)
+    assert curve.predict(20) == pytest.approx(72.0)  # one size seen: the prior's slope through it
+    for _ in range(20):
+        curve.observe(24, 50.0)  # bigger steps that happened to be faster (noise): no line downhill from them
+    assert all(50.0 <= curve.predict(n) <= 60.0 for n in (8, 16, 20, 24, 40, 100))
+    pol = ProposerPolicy(AdaptiveConfig(max_k=8), (PROMPT_LOOKUP,), load=TierLoad())
+    pol.load.step_cost = curve
+    pol.load.observations, pol.load.sessions = 1, 8.0
+    costs = pol.verify_costs(8)
+    assert costs == sorted(costs)  # the policy's verify times never fall with K
+
+
+def test_the_step_curve_forgets_old_steps():
+    curve = StepCurve(window=64)
+    for _ in range(64):
+        curve.observe(16, 100.0)  # a slower past (longer contexts, another process on the cores)
+    for _ in range(64):
+        curve.observe(16, 60.0)
+    assert curve.predict(16) == pytest.approx(60.0)
 
 
 def test_queueing_is_not_charged_the_calls_own_overhead_is():
@@ -59,9 +106,11 @@ def chosen_k(pol: ProposerPolicy) -> int:
     return pol.choose(OFFER, max_k=8, draft=False, fixed=False).k
 
 
-def best_k(a: float, sessions: int, alpha: float, beta: float) -> int:
-    """The K maximising expected tokens per unit of the tier's time when every session sends K."""
-    return max(range(9), key=lambda k: expected_tokens(a, k) / (2.0 + (alpha + beta * sessions * (k + 1)) / sessions))
+def best_k(a: float, sessions: int, alpha: float, beta: float, step=None) -> int:
+    """The K maximising the tier's tokens per unit of time when every session sends K: B E(K) tokens per
+    round of the call's overhead (2 ms) and a step of B (K + 1) tokens."""
+    step = step or (lambda n: alpha + beta * n)
+    return max(range(9), key=lambda k: sessions * expected_tokens(a, k) / (2.0 + step(sessions * (k + 1))))
 
 
 @pytest.mark.parametrize("sessions", [1, 4, 16])
@@ -79,6 +128,41 @@ def test_k_falls_as_the_batch_grows_and_speculation_stops_when_it_no_longer_pays
     # acceptance ~0.25 with 64 sessions a step: no K beats target-only (probing aside)
     assert best_k(policy(None, accepted=1).estimates[PROMPT_LOOKUP].acceptance, 64, 80.0, 6.0) == 0
     assert ks[-1] == 0
+
+
+@pytest.mark.parametrize("sessions", [1, 16])
+def test_on_a_flat_then_steep_step_k_is_the_aggregate_optimum(sessions):
+    """One session: a verify of up to 5 tokens costs one step, so it drafts deep; sixteen sessions on the
+    steep part of the curve: a draft token accepted half the time does not pay for the 2.4 ms it
+    adds to a step every session waits for (a linear fit over the same steps drafted there)."""
+    pol = policy(loaded(sessions, step=hinge, rounds=100, max_k=8), accepted=1)  # acceptance ~0.5
+    a = pol.estimates[PROMPT_LOOKUP].acceptance
+    want = best_k(a, sessions, 0.0, 0.0, step=hinge)
+    assert (want > 0) == (sessions == 1)
+    k = chosen_k(pol)
+    assert (k > 0) == (want > 0)
+
+    def rate(k: int) -> float:  # the tier's tokens per ms when every session sends k
+        return sessions * expected_tokens(a, k) / (2.0 + hinge(sessions * (k + 1)))
+
+    assert rate(k) >= 0.95 * rate(want)  # the fit rounds the curve's corner: a K as good, if not the same
+
+
+def test_a_greedy_session_never_probes_a_local_chain_it_judges_for_free():
+    """K = 0 wins: a greedy session's local chains are judged against the committed tokens every round
+    (observe_unchosen), so no round spends a verify row probing them; a sampled session's are not, so it
+    probes one K = 1 every probe_every rounds, and a greedy session still probes the draft model."""
+    def ks(greedy: bool, draft: bool) -> list[int]:
+        pol = ProposerPolicy(AdaptiveConfig(max_k=8, probe_every=4), (PROMPT_LOOKUP, DRAFT_MODEL), load=loaded(16, step=hinge),
+                             greedy=greedy)
+        for est in pol.estimates.values():
+            for _ in range(20):
+                est.observe_acceptance(4, 0)  # nothing accepted lately
+        return [pol.choose([] if draft else OFFER, max_k=8, draft=draft, fixed=False).k for _ in range(16)]
+
+    assert ks(greedy=True, draft=False) == [0] * 16
+    assert ks(greedy=False, draft=False) == [0, 0, 0, 1] * 4
+    assert ks(greedy=True, draft=True) == [0, 0, 0, 1] * 4
 
 
 def test_without_load_data_the_sessions_own_fit_decides():

@@ -13,6 +13,11 @@ from specdec.proto import draft_pb2, target_pb2
 ADAPTIVE = AdaptiveConfig()
 
 
+def line(intercept: float, slope: float, n: int = 16) -> list[float]:
+    """Predicted verify times of rounds scoring 0..n drafts."""
+    return [intercept + slope * k for k in range(n + 1)]
+
+
 def chain(acceptance: float) -> SourceEstimate:
     est = SourceEstimate(ADAPTIVE, local_proposer=False)
     for _ in range(40):
@@ -25,7 +30,7 @@ def chain(acceptance: float) -> SourceEstimate:
 def test_shape_and_fixed_k():
     trees = DraftTreePolicy(DraftTreeConfig(max_nodes=12, branching=2), ADAPTIVE)
     assert [trees.nodes(d) for d in (1, 2, 3, 4)] == [2, 6, 10, 12]
-    flat = (50.0, 0.0)
+    flat = line(50.0, 0.0)
     assert trees.choose(chain(0.3), flat, k=3, max_k=3, max_nodes=16, fixed=True) == TreeAsk(10, 3, 2)
     assert trees.choose(chain(0.3), flat, k=3, max_k=3, max_nodes=8, fixed=True) is None  # over the tier's cap
     assert DraftTreePolicy(DraftTreeConfig(max_nodes=0), ADAPTIVE).choose(chain(0.3), flat, 3, 3, 16) is None
@@ -35,12 +40,12 @@ def test_trees_only_where_they_pay():
     trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE)
     low = chain(0.3)
     assert 0.15 < low.acceptance < 0.45
-    assert trees.choose(low, (50.0, 0.1), k=2, max_k=8, max_nodes=16) is not None  # flat verify: a tree pays
-    assert trees.choose(low, (10.0, 30.0), k=1, max_k=8, max_nodes=16) is None  # each node costs a lot: the chain
+    assert trees.choose(low, line(50.0, 0.1), k=2, max_k=8, max_nodes=16) is not None  # flat verify: a tree pays
+    assert trees.choose(low, line(10.0, 30.0), k=1, max_k=8, max_nodes=16) is None  # each node costs a lot: the chain
     for _ in range(30):
         trees.observe(depth=3, accepted=0)  # measured: the trees' levels fail
     assert trees.rounds == 30 and trees.levels.acceptance < 0.1
-    assert trees.choose(low, (50.0, 0.1), k=2, max_k=8, max_nodes=16) is None
+    assert trees.choose(low, line(50.0, 0.1), k=2, max_k=8, max_nodes=16) is None
 
 
 def test_request_fields():

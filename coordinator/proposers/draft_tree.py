@@ -15,6 +15,7 @@ with a fixed K asks for the tree of depth K (N(K) nodes), so that its proposals 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate, expected_tokens
@@ -55,11 +56,11 @@ class DraftTreePolicy:
         b = self.config.branching
         return min(self.config.max_nodes, b + b * b * (depth - 1))
 
-    def choose(self, chain: SourceEstimate, verify_line: tuple[float, float], k: int, max_k: int, max_nodes: int,
+    def choose(self, chain: SourceEstimate, verify: Sequence[float], k: int, max_k: int, max_nodes: int,
                measured: bool = True, fixed: bool = False) -> TreeAsk | None:
         """The tree to ask for instead of the chosen chain of k drafts (None: the chain), at most max_k deep
-        and max_nodes large. chain: the draft model's estimates; verify_line: (intercept, slope) of
-        verification against tokens scored. fixed: the request set K, which is then the tree's depth (its
+        and max_nodes large. chain: the draft model's estimates; verify[n]: the predicted verify time of
+        a round scoring n drafts (n = 0..max_nodes). fixed: the request set K, which is then the tree's depth (its
         nodes: N(K)), no timing involved."""
         c = self.config
         if c.max_nodes <= 1 or c.branching <= 1 or k <= 0:
@@ -67,17 +68,16 @@ class DraftTreePolicy:
         if fixed:
             n = self.nodes(k)
             return TreeAsk(n, k, c.branching) if k < n <= max_nodes else None
-        v0, v1 = verify_line
         p0, p1 = chain.propose_cost.line(measured)
         a = chain.acceptance
-        best_rate = expected_tokens(a, k) / (max(v0 + v1 * k, 1e-6) + max(p0 + p1 * k, 1e-6))
+        best_rate = expected_tokens(a, k) / (verify[k] + max(p0 + p1 * k, 1e-6))
         a_t = self.levels.acceptance if self.rounds else 1.0 - (1.0 - a) ** c.branching
         best = None
         for depth in range(1, max_k + 1):
             n = self.nodes(depth)
-            if n < depth or n > max_nodes:
+            if n < depth or n > max_nodes or n >= len(verify):
                 break
-            rate = expected_tokens(a_t, depth) / (max(v0 + v1 * n, 1e-6) + max(p0 + p1 * depth, 1e-6))
+            rate = expected_tokens(a_t, depth) / (verify[n] + max(p0 + p1 * depth, 1e-6))
             if rate > best_rate:
                 best_rate, best = rate, TreeAsk(n, depth, c.branching)
         return best

@@ -109,7 +109,8 @@ class Drafter:
         if choice.source == DRAFT_MODEL and choice.k > 0:
             trees = self.draft.trees
             tree = None if trees is None else trees.choose(
-                self.policy.estimates[DRAFT_MODEL], self.policy.verify_line(shared), choice.k, max_k, self.max_k, measured=shared,
+                self.policy.estimates[DRAFT_MODEL], self.policy.verify_costs(self.max_k, shared), choice.k, max_k, self.max_k,
+                measured=shared,
                 fixed=fixed)
             try:
                 proposal = await self.draft.propose(committed, hashes, choice.k, tree)

@@ -9,9 +9,9 @@ and its wall time, C(K):
          P(first i+1 drafts right)), the sum of probs[:K] times the measured ratio of accepted to
          estimated drafts (so a tree that is too confident is discounted);
   C(K) = verify(K) + propose(K): linear fits of measured wall times (verify shared by all sources);
-         once the target's load is known (TierLoad: its step time against tokens per step, and B
-         sessions per step), verify(K) = overhead + T_step(B (K + 1)), the cost when every session
-         of the step sends K, so K falls as the batch grows.
+         once the target's load is known (TierLoad: its step time against tokens per step, a curve,
+         and B sessions per step), verify(K) = overhead + T_step(B (K + 1)), the round when every
+         session of the step sends K, so K falls as the batch grows.
 It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included. A session's
 acceptance estimates and ratios start from what the coordinator's earlier sessions learnt (SourcePriors;
 not for reproducible requests), and at its end it teaches them what it measured. The draft's
@@ -21,8 +21,11 @@ a costly draft (the target's own low-precision copy) look dearer the less it is 
 never asked. The draft
 is asked only when its rate wins. (A sampled request with a fixed K is meant to be reproducible: there
 C(K) comes from the priors alone, so no timing sways which source proposes.) When K = 0 wins, the best K = 1 is still probed every probe_every
-rounds so the estimates can recover. In greedy rounds, the local chains that were not chosen are
-scored against the committed tokens as well: free measurements that keep every estimate current.
+rounds so the estimates can recover, unless that K = 1 is a local chain in a greedy session: there the
+local chains that were not chosen are scored against the committed tokens (the target's own greedy
+continuation) every round, free measurements that keep their estimates current, so a probe would only
+spend a row of the step on a draft the policy expects to lose (under load, measured: probing every 8th
+round cost ~4% of a 16-session burst's tokens/s).
 Cost: O(sources x max_k) arithmetic per round, a few microseconds.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, SourcePriors, TierLoad
 from coordinator.proposers.base import Proposal
@@ -99,7 +103,7 @@ class ProposerPolicy:
         if not candidates:
             return Choice(default, 0)
         best = best_k1 = (0.0, default, 0)  # (rate, source, k); best_k1: the best K = 1 option, for probing
-        v0, v1 = self.verify_line(measured_costs)
+        verify = self.verify_costs(max(limit for _, _, limit in candidates), measured_costs)
         for offer, source, limit in candidates:
             est = self.estimates[source]
             p0, p1 = est.propose_cost.line(measured_costs)
@@ -115,17 +119,17 @@ class ProposerPolicy:
                     expected += a_k
                 if fixed and k < limit:
                     continue
-                rate = expected / (max(v0 + v1 * k, 1e-6) + max(p0 + p1 * k, 1e-6))
+                rate = expected / (verify[k] + max(p0 + p1 * k, 1e-6))
                 if rate > best[0]:
                     best = (rate, source, k)
                 if k == 1 and rate > best_k1[0]:
                     best_k1 = (rate, source, k)
         if fixed:
             return Choice(best[1], best[2])
-        target_only = 1.0 / max(v0, 1e-6)
+        target_only = 1.0 / verify[0]
         if target_only >= best[0]:
             self._since_probe += 1
-            if self._since_probe < self.config.probe_every:
+            if self._since_probe < self.config.probe_every or self.measured_free(best_k1[1]):
                 return Choice(default, 0)
             self._since_probe = 0
             best = best_k1
@@ -147,11 +151,17 @@ class ProposerPolicy:
         limit = self.config.draft_max_sessions
         return fixed or not limit or self.load is None or self.load.live <= limit
 
-    def verify_line(self, measured_costs: bool = True) -> tuple[float, float]:
-        """(intercept, slope) of the verify time against K: from the target's load once it is known."""
+    def measured_free(self, source: str) -> bool:
+        """Whether the source's chains are judged every round without being verified (observe_unchosen):
+        a local proposer in a greedy session."""
+        return self.greedy and source != DRAFT_MODEL
+
+    def verify_costs(self, n: int, measured_costs: bool = True) -> list[float]:
+        """The predicted verify time (ms) of a round scoring k = 0..n drafts: from the target's load once it
+        is known (TierLoad.round_ms), else this session's own linear fit."""
         if measured_costs and self.load is not None and self.load.observations > 0:
-            return self.load.verify_line()
-        return self.verify_cost.line(measured_costs)
+            return list(accumulate((max(self.load.round_ms(k), 1e-6) for k in range(n + 1)), max))  # never falling
+        return [self.verify_cost.predict(k, measured_costs) for k in range(n + 1)]
 
     def observe(self, proposal: Proposal, k: int, n_accepted: int, verify_ms: float) -> None:
         """The round's outcome: k drafts of proposal verified, n accepted."""
