@@ -21,10 +21,11 @@ $(STAMP): pyproject.toml
 
 proto: $(GEN)
 
-# specdec's CPU kernel (specdec/engine/skinny_gemm.py), compiled once with the host's C++ compiler and
-# cached; prints why not where it cannot be (no AVX-512, no compiler), and the tiers then run without it.
+# specdec's CPU kernels (specdec/engine/cpu_kernels.py: the skinny GEMM, row attention), compiled once with the
+# host's C++ compiler and cached; prints why not where they cannot be (no AVX-512, no compiler), and the tiers
+# then run without them.
 kernels: $(STAMP)
-	$(PY) -m specdec.engine.skinny_gemm
+	$(PY) -m specdec.engine.cpu_kernels
 
 $(GEN): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)

@@ -37,6 +37,7 @@ class StepConfig:
     max_capture_tokens: int = 512  # buckets captured at start: at most this many (padded) tokens
     draft_chain: bool = True  # the draft's K - 1 steps after d_1 as one chain on the device (specdec.engine.draft_chain)
     skinny_gemm: bool = True  # packed mode, float32: linears on specdec's batch-invariant CPU kernel (specdec.engine.skinny_gemm)
+    row_attention: bool = True  # packed / compile mode, float32 CPU: few-token feeds' attention on specdec's row kernel
 
 
 @dataclass(frozen=True)

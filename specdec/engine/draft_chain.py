@@ -69,7 +69,8 @@ def _device_loop(runner, feeds: list[ChainFeed], steps: int, sampler: DraftSampl
     rows = torch.arange(len(feeds), device=device)
     drawn, q_ids, q_probs = [], [], []
     for j in range(steps):
-        layout = build_layout(runner.cache, [(f.slot, f.cached + j, 1) for f in feeds], device)
+        layout = build_layout(runner.cache, [(f.slot, f.cached + j, 1) for f in feeds], device,
+                              row_attention=runner.row_attention)
         with active(layout):
             logits = runner.program(token, layout.positions, rows).float()  # [B, V]
         token, ids, probs = sampler(logits, layout.positions + 1)  # each draw lands one past its input

@@ -128,7 +128,8 @@ class Engine:
         m, cache = config.model, engine.cache
         log.info("loaded %s in %.1fs on %s/%s, %s steps (compiling / capturing took %.1fs); KV pool: %d slots x %d "
                  "tokens, at most %.0f MiB, %.0f MiB resident now", m.path, time.perf_counter() - t0, m.device, m.dtype,
-                 engine.runner.mode + (" (skinny GEMM)" if engine.runner.program.skinny else ""),
+                 engine.runner.mode + "".join(f" ({what})" for what, on in (("skinny GEMM", engine.runner.program.skinny),
+                                                                        ("row attention", engine.runner.row_attention)) if on),
                  engine.runner.compile_s, cache.num_slots, cache.slot_tokens,
                  cache.capacity_bytes / 2**20, cache.resident_bytes / 2**20)
         return engine

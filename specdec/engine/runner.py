@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.engine.attention import ATTENTION, active, build_layout
+from specdec.engine.attention import ATTENTION, active, build_layout, row_attention_applies
 from specdec.engine.config import StepConfig
 from specdec.engine.kv_cache import SlotKVCache
 from specdec.engine.step import StepProgram, resolve_mode
@@ -61,6 +61,8 @@ class ModelRunner:
         self.device = cache.geometry.device
         self.mode = resolve_mode(step.mode, self.device)
         self.program = StepProgram(model, kind=self.mode, use_skinny_gemm=step.skinny_gemm)
+        # Few-token feeds attend on the row kernel (not the eager mode: transformers' path as it comes).
+        self.row_attention = self.mode in ("packed", "compile") and row_attention_applies(cache, step.row_attention) is None
         self.head = self.program.head
         self.vocab_size = int(model.config.vocab_size if not self.program.plain_head else self.head.weight.shape[0])
         if self.device.type == "cuda":
@@ -109,7 +111,7 @@ class ModelRunner:
                 ids.extend(f.tokens)
                 rows.extend(range(start + n - f.num_logits, start + n))
             layout = build_layout(self.cache, [(f.slot, f.cached, len(f.tokens)) for f in feeds], self.device,
-                                  extra=(ids, rows), trees=[f.tree for f in feeds])
+                                  extra=(ids, rows), trees=[f.tree for f in feeds], row_attention=self.row_attention)
             input_ids, row_index = layout.extra
             with active(layout):
                 return self.program(input_ids, layout.positions, row_index).float()  # [R, V]

@@ -18,82 +18,28 @@ cannot depend on its shape through the products. Against transformers' own float
 library's products, another summation order) the logits differ in the last bits, as any two BLAS do;
 greedy output differs only at an exact near-tie (bench/exactness.py counts them).
 
-The kernel is compiled on first use with the host's C++ compiler and ninja (torch.utils.cpp_extension,
-~25 s), once: the build lives in $SPECDEC_KERNELS_DIR (default $SPECDEC_CACHE_DIR/kernels), in a folder
-named after the torch version and a hash of the source and flags, and a process that finds it there
-imports it with no compiler at all (`make setup` builds it; the container image ships it). Without
-AVX-512 or a compiler, kernel() is None, unavailable() says why, and the packed step mode keeps oneDNN's
-products.
+The kernel is built once with the host's C++ compiler and then imported with none (specdec.engine.cpu_kernels,
+which `make setup` runs). Without AVX-512 or a compiler, kernel() is None, unavailable() says why, and
+the packed step mode keeps oneDNN's products.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.machinery
-import importlib.util
-import logging
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from specdec.models import cache_dir
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "skinny_gemm.cpp"
-CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # -fopenmp: the kernel runs on torch's OpenMP threads
-NAME = "specdec_skinny_gemm"  # the extension module's name
-
-
-def build_dir() -> Path:
-    """Where this source, these flags and this torch build the kernel."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("SPECDEC_KERNELS_DIR", cache_dir() / "kernels"))
-    return root / f"skinny_gemm-torch{torch.__version__}-{digest}"
-
-
-def _build():
-    """The compiled extension module, or the reason there is none."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith("AVX512"):
-        return None, f"this CPU has no AVX-512 (torch reports {capability})"
-    where = build_dir()
-    built = where / f"{NAME}.so"
-    if built.exists():  # built before (by make setup, an earlier process, the image): no compiler needed
-        spec = importlib.util.spec_from_file_location(NAME, built, loader=importlib.machinery.ExtensionFileLoader(NAME, str(built)))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module, None
-    from torch.utils.cpp_extension import load
-
-    where.mkdir(parents=True, exist_ok=True)
-    try:
-        return load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(where),
-                    verbose=False), None
-    except Exception as e:  # no compiler, no ninja, a failed build: say why, and run without it
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        return None, f"building {SOURCE.name} failed: {lines[-1] if lines else type(e).__name__}"
-
-
-@functools.cache
-def _kernel():
-    module, reason = _build()
-    if module is None:
-        log.warning("skinny GEMM kernel unavailable (%s): float32 CPU steps use oneDNN's products", reason)
-    return module, reason
+from specdec.engine import cpu_kernels
 
 
 def kernel():
     """The kernel's module (skinny_pack, skinny_linear), built on first call; None where unavailable."""
-    return _kernel()[0]
+    return cpu_kernels.load("skinny_gemm")[0]
 
 
 def unavailable() -> str | None:
     """Why kernel() is None, or None when it is there."""
-    return _kernel()[1]
+    return cpu_kernels.load("skinny_gemm")[1]
 
 
 class SkinnyLinear(torch.nn.Module):
@@ -132,8 +78,3 @@ def fused_product(linears: Sequence[torch.nn.Module]):
     """A decoder's product over several linears as one skinny GEMM: x -> each linear's output."""
     fused = SkinnyLinear(linears)
     return lambda x: fused.split(fused(x))
-
-
-if __name__ == "__main__":  # `make setup`: build (or explain) once, so no process pays it later
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    print("skinny GEMM kernel:", "ready" if kernel() is not None else f"unavailable ({unavailable()})")

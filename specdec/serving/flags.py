@@ -118,6 +118,10 @@ def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
     a.add("--skinny-gemm", default=StepConfig.skinny_gemm, action=argparse.BooleanOptionalAction,
           help="packed steps in float32 on an AVX-512 CPU: run every linear on specdec's batch-invariant kernel "
                "(built once with the host's C++ compiler; --no-skinny-gemm: oneDNN's and the library's products)")
+    a.add("--row-attention", default=StepConfig.row_attention, action=argparse.BooleanOptionalAction,
+          help="packed and compile steps in float32 on an AVX-512 CPU: each decode or verify token attends to its own "
+               "session's cache on specdec's batch-invariant kernel, with no padding (--no-row-attention: PyTorch's "
+               "attention over padded groups)")
     a.add("--capture-sessions", default=",".join(map(str, StepConfig.capture_sessions)),
           help="CUDA graphs: batch sizes (sessions per step) captured")
     a.add("--capture-tokens", default=",".join(map(str, StepConfig.capture_tokens)),
@@ -147,7 +151,7 @@ def tier_config(args: argparse.Namespace):
         step=StepConfig(mode=args.step_mode, capture_sessions=_sizes(args.capture_sessions, "capture_sessions"),
                         capture_tokens=_sizes(args.capture_tokens, "capture_tokens"),
                         max_capture_tokens=args.max_batch_tokens, draft_chain=args.draft_chain,
-                        skinny_gemm=args.skinny_gemm),
+                        skinny_gemm=args.skinny_gemm, row_attention=args.row_attention),
     )
 
 

@@ -1,0 +1,76 @@
+"""specdec's CPU kernels (csrc/): compiled once with the host's C++ compiler, then imported with none.
+
+Two float32 AVX-512 kernels serve the packed step mode on a CPU: the skinny GEMM (every linear,
+specdec.engine.skinny_gemm) and row attention (each few-token feed's attention over its own slot,
+specdec.engine.attention). Each is a torch C++ extension built on first use (torch.utils.cpp_extension
+with ninja, ~25 s) into $SPECDEC_KERNELS_DIR (default $SPECDEC_CACHE_DIR/kernels), in a folder named after
+the torch version and a hash of its source and flags; a process that finds the build there imports it
+with no compiler at all (`make setup` builds both; the container image ships them). Without AVX-512 or a
+compiler, load() returns None and the reason, and the step keeps the libraries' operators.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from specdec.models import cache_dir
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # -fopenmp: the kernels run on torch's OpenMP threads
+KERNELS = {"skinny_gemm": "the skinny GEMM", "row_attention": "row attention"}  # csrc/<name>.cpp: what it is
+
+
+def build_dir(name: str) -> Path:
+    """Where this source, these flags and this torch build kernel `name`."""
+    digest = hashlib.sha256((CSRC / f"{name}.cpp").read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    root = Path(os.environ.get("SPECDEC_KERNELS_DIR", cache_dir() / "kernels"))
+    return root / f"{name}-torch{torch.__version__}-{digest}"
+
+
+def _build(name: str):
+    """The compiled extension module of csrc/<name>.cpp, or the reason there is none."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return None, f"this CPU has no AVX-512 (torch reports {capability})"
+    module_name, source, where = f"specdec_{name}", CSRC / f"{name}.cpp", build_dir(name)
+    built = where / f"{module_name}.so"
+    if built.exists():  # built before (by make setup, an earlier process, the image): no compiler needed
+        loader = importlib.machinery.ExtensionFileLoader(module_name, str(built))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, built, loader=loader))
+        loader.exec_module(module)
+        return module, None
+    from torch.utils.cpp_extension import load as compile_and_load
+
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        return compile_and_load(module_name, [str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                build_directory=str(where), verbose=False), None
+    except Exception as e:  # no compiler, no ninja, a failed build: say why, and run without it
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        return None, f"building {source.name} failed: {lines[-1] if lines else type(e).__name__}"
+
+
+@functools.cache
+def load(name: str):
+    """(module, None) for kernel `name` (a KERNELS key), built on first call; (None, why) where unavailable."""
+    module, reason = _build(name)
+    if module is None:
+        log.warning("%s kernel unavailable (%s): CPU steps use the libraries' operators there", KERNELS[name], reason)
+    return module, reason
+
+
+if __name__ == "__main__":  # `make setup`: build (or explain) each once, so no process pays it later
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for kernel_name, what in KERNELS.items():
+        module, why = load(kernel_name)
+        print(f"{what} kernel:", "ready" if module is not None else f"unavailable ({why})")

@@ -1,0 +1,149 @@
+"""Row attention (csrc/row_attention.cpp through specdec.engine.attention): each few-token feed's tokens attend
+to their own slot with a bit mask of the new tokens they see. Exact visibility cases, equality with
+PyTorch's attention over padded groups (chains, trees, a tree grown over several feeds), batch invariance
+(a feed's output is bitwise the same alone or among others), a step through the packed mode, and a bad row
+refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.engine import attention
+from specdec.engine.attention import ROW_SPAN, build_layout, row_attention_applies, row_visibility
+from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+from tests.helpers import TEST_DEVICE
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+                                reason="the row attention kernel is for AVX-512 CPUs")
+
+H, H_KV, D, L = 9, 3, 64, 256  # the default target's heads
+
+
+def test_the_kernel_is_built():
+    assert attention.row_kernel() is not None, row_attention_applies(cache())
+
+
+def test_visibility_of_chains_and_trees():
+    assert row_visibility(10, 1, None) == (10, [0b1])
+    assert row_visibility(10, 3, None) == (10, [0b1, 0b11, 0b111])  # causal over the new tokens
+    # a tree after one committed token: nodes 1, 2 children of 0 (the new token before the tree)... node 2
+    # must not see node 1 (its sibling): pair (2, 1) hidden
+    assert row_visibility(5, 3, [(2, 1)]) == (5, [0b1, 0b11, 0b101])
+    # a tree grown over feeds: cached node at position cached - 1 hidden from new token 0 (j = -1)
+    assert row_visibility(8, 2, [(0, -1)]) == (7, [0b10, 0b111])
+    assert row_visibility(0, ROW_SPAN, None) is not None
+    assert row_visibility(0, ROW_SPAN + 1, None) is None  # wider than the bit mask: the padded path
+
+
+def cache(slots: int = 8, seed: int = 1) -> SlotKVCache:
+    c = SlotKVCache(KVGeometry(num_layers=1, num_kv_heads=H_KV, head_dim=D, dtype=torch.float32,
+                               device=torch.device("cpu")), slots, L)
+    g = torch.Generator().manual_seed(seed)
+    c.keys[0].copy_(torch.randn(c.keys[0].shape, generator=g))
+    c.values[0].copy_(torch.randn(c.values[0].shape, generator=g))
+    return c
+
+
+def step(feeds, trees, rows: bool, queries: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Attend one layer over `feeds` (slot, cached, new); queries / keys / values of each feed's new tokens
+    are fixed per slot (queries[slot]: [H + 2 H_KV, new, D]), so a feed's inputs are the same in any batch.
+    Returns each slot's output [new, H, D]."""
+    c = cache()
+    for slot, cached, _ in feeds:
+        c.mark_written(slot, cached)
+    parts = [queries[slot] for slot, _, _ in feeds]
+    qkv = torch.cat(parts, dim=1)  # [H + 2 H_KV, T, D]
+    q, k, v = qkv[:H][None], qkv[H : H + H_KV][None], qkv[H + H_KV :][None]
+    layout = build_layout(c, feeds, torch.device("cpu"), trees=trees, row_attention=rows)
+    assert (layout.rows is not None) == rows and (layout.group is None or not rows)
+    out = attention.attend(layout, 0, q, k, v, None)
+    result, start = {}, 0
+    for slot, _, new in feeds:
+        result[slot] = out[start : start + new]
+        start += new
+    return result
+
+
+FEEDS = [(0, 40, 1), (1, 17, 3), (3, 100, 5), (4, 7, 1), (6, 60, 4), (7, 0, 2)]
+TREES = [None, None, [-1, 0, 0, 1, 2], None, [-1, 0, 1, 0], None]
+
+
+def inputs(seed: int = 2) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {slot: torch.randn(H + 2 * H_KV, new, D, generator=g) for slot, _, new in FEEDS}
+
+
+@pytest.mark.parametrize("trees", [None, TREES], ids=["chains", "trees"])
+def test_equal_to_attention_over_padded_groups(trees):
+    x = inputs()
+    want, got = step(FEEDS, trees, False, x), step(FEEDS, trees, True, x)
+    for slot in want:
+        torch.testing.assert_close(got[slot], want[slot], rtol=1e-5, atol=1e-5)
+
+
+def test_a_tree_grown_over_feeds_sees_only_its_ancestors():
+    """The draft drafts a tree a level per step: the second feed's nodes must not see the first feed's
+    nodes that are not their ancestors (hidden pairs with j < 0)."""
+    x = {2: torch.randn(H + 2 * H_KV, 2, D, generator=torch.Generator().manual_seed(3))}
+    feeds, trees = [(2, 30, 2)], [[-1, -1, 0, 1]]  # two roots cached; now a child of each
+    want, got = step(feeds, trees, False, x), step(feeds, trees, True, x)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+
+
+def test_batch_invariant_bitwise():
+    x = inputs()
+    together = step(FEEDS, TREES, True, x)
+    for i, feed in enumerate(FEEDS):
+        alone = step([feed], [TREES[i]], True, x)
+        assert torch.equal(alone[feed[0]], together[feed[0]]), feed
+    reordered = step(FEEDS[::-1], TREES[::-1], True, x)
+    assert all(torch.equal(reordered[s], together[s]) for s in together)
+
+
+def test_a_row_past_the_cache_is_refused():
+    c = cache()
+    out = torch.empty(1, H, D)
+    q = torch.randn(1, H, D)
+    one = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="row_attention"):
+        attention.row_kernel().row_attention(q, c.keys[0], c.values[0], one, torch.tensor([99]), one, torch.tensor([1]),
+                                             0.125, out)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        attention.row_kernel().row_attention(q, c.keys[0], c.values[0], one, one, torch.tensor([L]), torch.tensor([1]),
+                                             0.125, out)
+
+
+def test_the_packed_step_uses_it_and_decodes_as_the_eager_step(tiny_target):
+    """A packed runner attends by rows; its greedy continuation equals the eager runner's (transformers'
+    attention), and a feed's logits are bitwise the same alone or batched when one thread computes them."""
+    from specdec.engine.config import StepConfig
+    from specdec.engine.runner import Feed, ModelRunner
+    from specdec.models import ModelConfig, load_model
+
+    runners = {}
+    for mode in ("eager", "packed"):
+        model = load_model(ModelConfig(tiny_target, device="cpu", dtype="float32"))
+        runners[mode] = ModelRunner(model, SlotKVCache(KVGeometry.of(model), 4, 128), StepConfig(mode=mode))
+    assert runners["packed"].row_attention and not runners["eager"].row_attention
+    prompt = [5, 17, 42, 9, 33, 2, 71]
+    outs = {}
+    for mode, r in runners.items():
+        tokens, cached = list(prompt), 0
+        for _ in range(12):
+            logits = r.forward([Feed(0, cached, tokens[cached:], 1)])[0]
+            cached = len(tokens)
+            tokens.append(int(logits[-1].argmax()))
+        outs[mode] = tokens
+    assert outs["packed"] == outs["eager"]
+    r = runners["packed"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r.forward([Feed(1, 0, prompt, 1), Feed(2, 0, prompt[:4], 1)])
+        alone = r.forward([Feed(1, len(prompt), [3, 4, 5], 3)])[0]
+        r.cache.initialized[1] = len(prompt)
+        batched = r.forward([Feed(2, 4, [8], 1), Feed(1, len(prompt), [3, 4, 5], 3)])[1]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, batched)
