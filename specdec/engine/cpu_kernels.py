@@ -1,11 +1,11 @@
 """specdec's CPU kernels (csrc/): compiled once with the host's C++ compiler, then imported with none.
 
-Two float32 AVX-512 kernels serve the packed step mode on a CPU: the skinny GEMM (every linear,
-specdec.engine.skinny_gemm) and row attention (each few-token feed's attention over its own slot,
-specdec.engine.attention). Each is a torch C++ extension built on first use (torch.utils.cpp_extension
+Three float32 AVX-512 kernels serve the packed step mode on a CPU: the skinny GEMM (every linear,
+specdec.engine.skinny_gemm), row attention (each few-token feed's attention over its own slot,
+specdec.engine.attention) and the row ops (a Llama layer's small operators, specdec.engine.llama). Each is a torch C++ extension built on first use (torch.utils.cpp_extension
 with ninja, ~25 s) into $SPECDEC_KERNELS_DIR (default $SPECDEC_CACHE_DIR/kernels), in a folder named after
 the torch version and a hash of its source and flags; a process that finds the build there imports it
-with no compiler at all (`make setup` builds both; the container image ships them). Without AVX-512 or a
+with no compiler at all (`make setup` builds them; the container image ships them). Without AVX-512 or a
 compiler, load() returns None and the reason, and the step keeps the libraries' operators.
 """
 
@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # -fopenmp: the kernels run on torch's OpenMP threads
-KERNELS = {"skinny_gemm": "the skinny GEMM", "row_attention": "row attention"}  # csrc/<name>.cpp: what it is
+KERNELS = {"skinny_gemm": "the skinny GEMM", "row_attention": "row attention",  # csrc/<name>.cpp: what it is
+           "row_ops": "the row ops (RMSNorm with its residual, rotary, SiLU gate)"}
 
 
 def build_dir(name: str) -> Path:

@@ -36,7 +36,7 @@ import torch
 import torch._dynamo.config
 import torch._inductor.config
 
-from specdec.engine import skinny_gemm
+from specdec.engine import cpu_kernels, skinny_gemm
 from specdec.engine.llama import LlamaDecoder
 from specdec.engine.packed import can_pack, pack_head, pack_layers, replace_linears
 
@@ -118,8 +118,8 @@ def skinny_applies(model, enabled: bool = True) -> str | None:
 def packed_decoder(model, skinny: bool):
     """The packed mode's decoder and head, in place. skinny: every float32 linear on specdec's skinny GEMM
     kernel (q, k, v fused into one product and gate, up into another, where the plain Llama decoder
-    runs the model; the originals' weights are dropped, and engines sharing the model share the
-    decoder); else the LM head packed for oneDNN, and the layers too in bfloat16 / float16
+    runs the model, with its small operators on the row ops kernel; the originals' weights are dropped,
+    and engines sharing the model share the decoder); else the LM head packed for oneDNN, and the layers too in bfloat16 / float16
     (specdec.engine.packed)."""
     if not skinny:
         pack_head(model)
@@ -130,7 +130,7 @@ def packed_decoder(model, skinny: bool):
         return decoder
     model.set_output_embeddings(skinny_gemm.SkinnyLinear([model.get_output_embeddings()]))
     if LlamaDecoder.unsupported(model) is None:
-        decoder = LlamaDecoder(model, product=skinny_gemm.fused_product)
+        decoder = LlamaDecoder(model, product=skinny_gemm.fused_product, ops=cpu_kernels.load("row_ops")[0])
         replace_linears(model, MovedLinear)
     else:
         replace_linears(model, lambda linear: skinny_gemm.SkinnyLinear([linear]))
