@@ -12,6 +12,7 @@ import torch
 from specdec.engine import attention
 from specdec.engine.attention import ROW_SPAN, build_layout, row_attention_applies, row_visibility
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+from specdec.engine.runner import Feed
 from tests.helpers import TEST_DEVICE
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
@@ -116,15 +117,8 @@ def test_a_row_past_the_cache_is_refused():
 
 def test_the_packed_step_uses_it_and_decodes_as_the_eager_step(tiny_target):
     """A packed runner attends by rows; its greedy continuation equals the eager runner's (transformers'
-    attention), and a feed's logits are bitwise the same alone or batched when one thread computes them."""
-    from specdec.engine.config import StepConfig
-    from specdec.engine.runner import Feed, ModelRunner
-    from specdec.models import ModelConfig, load_model
-
-    runners = {}
-    for mode in ("eager", "packed"):
-        model = load_model(ModelConfig(tiny_target, device="cpu", dtype="float32"))
-        runners[mode] = ModelRunner(model, SlotKVCache(KVGeometry.of(model), 4, 128), StepConfig(mode=mode))
+    attention)."""
+    runners = {mode: runner(tiny_target, mode) for mode in ("eager", "packed")}
     assert runners["packed"].row_attention and not runners["eager"].row_attention
     prompt = [5, 17, 42, 9, 33, 2, 71]
     outs = {}
@@ -136,14 +130,28 @@ def test_the_packed_step_uses_it_and_decodes_as_the_eager_step(tiny_target):
             tokens.append(int(logits[-1].argmax()))
         outs[mode] = tokens
     assert outs["packed"] == outs["eager"]
-    r = runners["packed"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        r.forward([Feed(1, 0, prompt, 1), Feed(2, 0, prompt[:4], 1)])
-        alone = r.forward([Feed(1, len(prompt), [3, 4, 5], 3)])[0]
-        r.cache.initialized[1] = len(prompt)
-        batched = r.forward([Feed(2, 4, [8], 1), Feed(1, len(prompt), [3, 4, 5], 3)])[1]
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(alone, batched)
+
+
+def test_a_packed_verify_computes_bitwise_what_decoding_computes(tiny_target):
+    """Every operator of the packed float32 step is row-wise with sums in a fixed order (skinny GEMM, row
+    attention, row ops), on all of torch's threads: so the logits of a verify's K + 1 rows, batched with
+    another session, are bitwise those of decoding the same tokens one step at a time. Greedy verification
+    then accepts exactly what greedy decoding would emit, whatever the batch and K."""
+    r = runner(tiny_target, "packed")
+    prompt, drafts = [5, 17, 42, 9, 33, 2, 71], [8, 120, 3, 77, 14]
+    for slot in (0, 1):
+        r.forward([Feed(slot, 0, prompt, 1)])
+    r.forward([Feed(2, 0, prompt[:4], 1)])
+    decoded = [r.forward([Feed(0, len(prompt) + i, [t], 1)])[0][0] for i, t in enumerate(drafts)]
+    verified = r.forward([Feed(2, 4, [8, 9], 2), Feed(1, len(prompt), drafts, len(drafts))])[1]
+    for i in range(len(drafts)):
+        assert torch.equal(verified[i], decoded[i]), i
+
+
+def runner(path: str, mode: str):
+    from specdec.engine.config import StepConfig
+    from specdec.engine.runner import ModelRunner
+    from specdec.models import ModelConfig, load_model
+
+    model = load_model(ModelConfig(path, device="cpu", dtype="float32"))
+    return ModelRunner(model, SlotKVCache(KVGeometry.of(model), 4, 128), StepConfig(mode=mode))
