@@ -175,3 +175,18 @@ def test_a_negative_draft_session_limit_is_refused_at_start(capsys):
     with pytest.raises(SystemExit) as e:  # before connecting to anything
         main(["--draft-max-sessions", "-1"])
     assert e.value.code == 2 and "--draft-max-sessions must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("acceptance, drafts", [(0.09, False), (0.2, True)])
+def test_drafting_must_beat_target_only_by_the_margin(acceptance, drafts):
+    """verify(K) = 50 + 3K ms (the prior line), a free local chain: K = 1 is predicted at (1 + a) / 53 tokens
+    a ms against K = 0's 1 / 50, 1.03x for a = 0.09 (not enough: AdaptiveConfig.min_gain is 1.05) and
+    1.13x for a = 0.2. A greedy session judges its local chains for free, so K = 0 rounds probe nothing."""
+    from coordinator.proposers.adaptive import SourcePriors
+
+    config = AdaptiveConfig(max_k=1)
+    priors = SourcePriors(config)
+    priors.learn(PROMPT_LOOKUP, True, acceptance, None)
+    pol = ProposerPolicy(config, (PROMPT_LOOKUP,), priors=priors, greedy=True)
+    ks = [pol.choose([Proposal(PROMPT_LOOKUP, [100])], max_k=1, draft=False, fixed=False).k for _ in range(12)]
+    assert ks == [1 if drafts else 0] * 12

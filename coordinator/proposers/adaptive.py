@@ -169,6 +169,7 @@ class AdaptiveConfig:
     decay: float = 0.9  # weight of the past per round (~10-round memory)
     prior_acceptance: float = 0.5  # acceptance assumed before any round
     probe_every: int = 8  # when K = 0 wins, probe K = 1 this often
+    min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor
     # Ask the draft model only while at most this many sessions verify on the target at once (0 = any
     # number). Where the tiers share a machine's cores, a draft step under load runs beside the busy
     # target's and both slow down far more than the policy's timings show (each tier's threads spin on

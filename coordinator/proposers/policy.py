@@ -12,7 +12,11 @@ and its wall time, C(K):
          once the target's load is known (TierLoad: its step time against tokens per step, a curve,
          and B sessions per step), verify(K) = overhead + T_step(B (K + 1)), the round when every
          session of the step sends K, so K falls as the batch grows.
-It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included. A session's
+It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included, drafting only
+where that beats K = 0 by AdaptiveConfig.min_gain (5%): the largest of many noisy estimates overstates
+its own value (the optimizer's curse), and where drafting is predicted to gain a few percent (a batch of
+sessions on the steep part of the step's curve, drafts accepted a fifth of the time) it measured a few
+percent slower instead. A session's
 acceptance estimates and ratios start from what the coordinator's earlier sessions learnt (SourcePriors;
 not for reproducible requests), and at its end it teaches them what it measured. The draft's
 propose(K) is fitted on its steady rounds only (fed 1-2 committed tokens first): a call that first
@@ -127,7 +131,7 @@ class ProposerPolicy:
         if fixed:
             return Choice(best[1], best[2])
         target_only = 1.0 / verify[0]
-        if target_only >= best[0]:
+        if target_only * self.config.min_gain >= best[0]:
             self._since_probe += 1
             if self._since_probe < self.config.probe_every or self.measured_free(best_k1[1]):
                 return Choice(default, 0)
