@@ -40,7 +40,7 @@ from bench.common import REPO, append_section, git_commit, gpu_name, log, machin
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="1,4,16,32", help="comma list of concurrent clients")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3,
                    help="bursts per row and level, the rows alternating (specdec, K = 0, specdec, ...); the median "
                         "by aggregate tok/s is reported, with the range (a 2-core machine's bursts vary by ~10%%)")
