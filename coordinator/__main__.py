@@ -53,6 +53,8 @@ def main(argv=None) -> None:
     a.add("--default-k", default="auto", help="K when a request leaves it unset: a number, or 'auto' for adaptive K")
     a.add("--max-k", type=int, default=D.max_num_speculative_tokens, help="largest K accepted")
     a.add("--adaptive-max-k", type=int, default=AdaptiveConfig.max_k, help="largest K adaptive K tries")
+    a.add("--adaptive-min-gain", type=float, default=AdaptiveConfig.min_gain,
+          help="adaptive K drafts only where its predicted tokens per unit of time beat K = 0's by this factor (>= 1)")
     a.add("--draft-max-sessions", type=int, default=AdaptiveConfig.draft_max_sessions,
           help="adaptive K asks the draft model only while at most this many generations run (0 = any): for tiers "
                "sharing one machine's cores, where a draft beside a busy target slows both (specdec serve / run-local set 1)")
@@ -105,6 +107,8 @@ def main(argv=None) -> None:
     a.add("--served-model-name", default=None,
           help="model id of the OpenAI API and the metrics' model_name label (default: the target model's directory or .gguf name, or its hub id)")
     args = a.parse(argv)
+    if args.adaptive_min_gain < 1.0:
+        config_error("--adaptive-min-gain must be >= 1 (1 = draft wherever the prediction favours it)")
     if args.draft_max_sessions < 0:
         config_error("--draft-max-sessions must be >= 0 (0 = any number)")
     auth_token = auth_token_from(args)
@@ -120,7 +124,8 @@ def main(argv=None) -> None:
         max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
         default_num_speculative_tokens=None if args.default_k == "auto" else int(args.default_k),
         max_num_speculative_tokens=args.max_k, default_proposer=Proposer.parse(args.default_proposer),
-        adaptive=AdaptiveConfig(max_k=args.adaptive_max_k, draft_max_sessions=args.draft_max_sessions),
+        adaptive=AdaptiveConfig(max_k=args.adaptive_max_k, draft_max_sessions=args.draft_max_sessions,
+                                min_gain=args.adaptive_min_gain),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
         tree_nodes=args.tree_nodes, speculate_outcomes=args.speculate_outcomes, draft_tree_nodes=args.draft_tree_nodes,
         draft_tree_branching=args.draft_tree_branching, draft_tree_scheme=args.draft_tree_scheme,

@@ -169,6 +169,14 @@ def test_without_load_data_the_sessions_own_fit_decides():
     assert chosen_k(policy(TierLoad())) == chosen_k(policy(None))
 
 
+def test_a_margin_below_one_is_refused_at_start(capsys):
+    from coordinator.__main__ import main
+
+    with pytest.raises(SystemExit) as e:  # before connecting to anything
+        main(["--adaptive-min-gain", "0.9"])
+    assert e.value.code == 2 and "--adaptive-min-gain must be >= 1" in capsys.readouterr().err
+
+
 def test_a_negative_draft_session_limit_is_refused_at_start(capsys):
     from coordinator.__main__ import main
 
