@@ -32,8 +32,9 @@ KERNELS = {"skinny_gemm": "the skinny GEMM", "row_attention": "row attention",  
 
 
 def build_dir(name: str) -> Path:
-    """Where this source, these flags and this torch build kernel `name`."""
-    digest = hashlib.sha256((CSRC / f"{name}.cpp").read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    """Where this source (with the headers of csrc/ it may include), these flags and this torch build kernel `name`."""
+    sources = [CSRC / f"{name}.cpp", *sorted(CSRC.glob("*.h"))]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(CFLAGS).encode()).hexdigest()[:12]
     root = Path(os.environ.get("SPECDEC_KERNELS_DIR", cache_dir() / "kernels"))
     return root / f"{name}-torch{torch.__version__}-{digest}"
 

@@ -22,27 +22,11 @@
 
 #include <vector>
 
+#include "avx512_exp.h"
+
 namespace {
 
 constexpr int64_t V = 16;  // floats per vector
-
-// exp(x) for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor
-// polynomial to degree 6 (relative error below 2e-7 on that range), times 2^n.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: exact n * hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One (row, head): out[0, D) = softmax(q K^T * scale) V over the positions in `pos` (n of them).
 inline void attend_one(const float* q, const float* keys, const float* values, int64_t stride_pos, int64_t D,
@@ -64,7 +48,7 @@ inline void attend_one(const float* q, const float* keys, const float* values, i
   for (int64_t i = 0; i < n; i += V) {
     const int64_t left = n - i;
     const __mmask16 m = left >= V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + i), topv));
+    const __m512 e = specdec::exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + i), topv));
     _mm512_mask_storeu_ps(scores + i, m, e);
     sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
   }

@@ -18,30 +18,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx512_exp.h"
+
 namespace {
 
 constexpr int64_t V = 16;
 
 inline __mmask16 tail(int64_t left) {
   return left >= V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
-// exp(x), x clamped to [-87, 88]: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
-// (relative error below 2e-7), times 2^n.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 void check_rows(const torch::Tensor& t, const char* what) {
@@ -150,7 +134,7 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
     for (int64_t j = 0; j < I; j += V) {
       const __mmask16 m = tail(I - j);
       const __m512 gv = _mm512_maskz_loadu_ps(m, g + j);
-      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, specdec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       _mm512_mask_storeu_ps(op + t * I + j, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + j)));
     }
   });
