@@ -69,6 +69,27 @@ def test_the_step_curve_reads_the_prior_slope_from_one_size_and_never_slopes_dow
     assert costs == sorted(costs)  # the policy's verify times never fall with K
 
 
+def test_the_step_curve_tells_sessions_from_tokens():
+    """One session verifying up to 9 tokens costs a flat ~22 ms (CPU-like); four sessions' steps cost 23 ms
+    plus 1.4 ms for each token past 4. The curve at 8 tokens in 4 sessions is the 4 sessions' cost, not the
+    single session's flat line, whichever came last."""
+    def single(n):
+        return 22.0
+
+    def four(n):
+        return 23.0 + 1.4 * (n - 4)
+
+    for order in ("single first", "four first"):
+        curve = StepCurve()
+        batches = [(1, range(1, 10), single), (4, range(4, 17, 2), four)]
+        for sessions, sizes, cost in batches if order == "single first" else batches[::-1]:
+            for _ in range(8):
+                for n in sizes:
+                    curve.observe(n, cost(n), sessions)
+        assert curve.predict(8, 4) == pytest.approx(four(8), rel=0.05), order
+        assert curve.predict(8, 1) == pytest.approx(22.0, rel=0.05), order
+
+
 def test_the_step_curve_forgets_old_steps():
     curve = StepCurve(window=64)
     for _ in range(64):

@@ -71,12 +71,16 @@ class LinearCost:
 
 
 class StepCurve:
-    """A tier's step time (ms) against the tokens in the step, n, from its recent steps: at each n, a
-    weighted least-squares line through the last `window` steps (locally weighted regression), each
-    weighted by its age (decay per newer step) and by how near its size is to n (a Gaussian in log n,
-    `width` wide: a step twice or half the size counts 0.38, four times 0.02). The line's value at n is
-    the prediction, and its slope, never below 0, the marginal cost of a token at that size; where the
-    nearby steps all had one size, the prior slope stands in, and before any step, the prior line.
+    """A tier's step time (ms) against the tokens in the step, n, for steps of about B sessions, from its
+    recent steps: at each (n, B), a weighted least-squares line in n through the last `window` steps
+    (locally weighted regression), each weighted by its age (decay per newer step) and by how near its
+    tokens and its sessions are to n and B (Gaussians in log n and log B, `width` wide: twice or half
+    counts 0.38, four times 0.02). The line's value at n is the prediction, and its slope, never below 0,
+    the marginal cost of a token at that size; where the nearby steps all had one size, the prior slope
+    stands in, and before any step, the prior line. Sessions matter beside tokens: each brings its own
+    attention and bookkeeping, so 16 tokens cost more as 4 sessions x 4 than as one verify of 16 (40 ms
+    against ~35 on a 2-core CPU), and the flat start of the curve a single session sees (a verify of up
+    to 9 tokens at ~1.1x a step) is no guide to the cost of 4 sessions' drafts.
 
     One line over all steps cannot be flat and steep at once: on 16 clients of a 2-core CPU such a fit
     measured a slope of 1.2-1.4 ms a token and an intercept of 38-65 ms where the steps took ~57 ms at 16
@@ -87,31 +91,31 @@ class StepCurve:
                  prior_intercept: float = 50.0, prior_slope: float = 3.0) -> None:
         self.width, self.decay, self.refresh = width, decay, refresh
         self.prior = (prior_intercept, prior_slope)
-        self._steps: deque[tuple[float, float]] = deque(maxlen=window)  # (log n, ms), oldest first
-        self._cache: dict[int, float] = {}
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (log n, log B, ms), oldest first
+        self._cache: dict[tuple[int, int], float] = {}
         self._since = 0  # steps since the cache was cleared
 
-    def observe(self, n: int, ms: float) -> None:
-        self._steps.append((math.log(max(n, 1)), ms))
+    def observe(self, n: int, ms: float, sessions: int = 1) -> None:
+        self._steps.append((math.log(max(n, 1)), math.log(max(sessions, 1)), ms))
         self._since += 1
         if self._since >= min(self.refresh, len(self._steps)):
             self._cache.clear()
             self._since = 0
 
-    def predict(self, n: float) -> float:
-        key = max(int(round(n)), 1)
+    def predict(self, n: float, sessions: float = 1.0) -> float:
+        key = (max(int(round(n)), 1), max(int(round(sessions)), 1))
         if key not in self._cache:
-            self._cache[key] = self._fit(key)
+            self._cache[key] = self._fit(*key)
         return self._cache[key]
 
-    def _fit(self, n: int) -> float:
+    def _fit(self, n: int, sessions: int) -> float:
         if not self._steps:
             return max(self.prior[0] + self.prior[1] * n, 1e-6)
-        at, last = math.log(n), len(self._steps) - 1
+        at, at_b, last = math.log(n), math.log(sessions), len(self._steps) - 1
         sw = swx = swy = swxx = swxy = 0.0
-        for i, (log_m, ms) in enumerate(self._steps):
-            d = (log_m - at) / self.width
-            w = self.decay ** (last - i) * math.exp(-0.5 * d * d)
+        for i, (log_m, log_b, ms) in enumerate(self._steps):
+            d, e = (log_m - at) / self.width, (log_b - at_b) / self.width
+            w = self.decay ** (last - i) * math.exp(-0.5 * (d * d + e * e))
             x = math.exp(log_m)
             sw += w
             swx += w * x
@@ -149,7 +153,7 @@ class TierLoad:
         if batch_sessions <= 0 or batch_tokens <= 0:
             return  # a tier that reports no batching (an older replica)
         d = self.decay if self.observations else 0.0
-        self.step_cost.observe(batch_tokens, step_ms)
+        self.step_cost.observe(batch_tokens, step_ms, batch_sessions)
         self.sessions = d * self.sessions + (1 - d) * batch_sessions
         overhead = max(0.0, wall_ms - (compute_ms or step_ms) - queue_ms)
         self.overhead_ms = d * self.overhead_ms + (1 - d) * overhead
@@ -161,7 +165,7 @@ class TierLoad:
         token costs B tokens' worth of the step's slope (it delays every session of the step), so k is
         chosen for the tier's throughput, not for one session's latency."""
         b = max(self.sessions, 1.0)
-        return self.overhead_ms + self.step_cost.predict(b * (k + 1))
+        return self.overhead_ms + self.step_cost.predict(b * (k + 1), b)
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
