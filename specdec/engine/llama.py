@@ -72,7 +72,7 @@ class LlamaDecoder:
         return None
 
     def __init__(self, model, product: Product = separate_product, ops=None) -> None:
-        """ops: the row ops kernel's module (float32 CPU models), or None for PyTorch's operators."""
+        """ops: the row ops kernel's module (float32 CPU models), or None for PyTorch's (TorchRowOps)."""
         reason = self.unsupported(model)
         if reason is not None:
             raise ValueError(f"LlamaDecoder cannot run this model: {reason}")
@@ -90,35 +90,11 @@ class LlamaDecoder:
                        for layer in base.layers]
         self.norm = base.norm
         self.rotary = base.rotary_emb
-        self.ops = ops
+        self.ops = ops or TorchRowOps
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
-            return self._fused(input_ids, positions)
-        t = input_ids.shape[0]
-        x = self.embed(input_ids)  # [T, hidden]
-        cos, sin = self._rotary(positions, x.dtype)  # [T, 1, D]
-        for i, (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
-            h = _rms(x, norm1.weight, norm1.variance_epsilon)
-            q, k, v = qkv_proj(h)
-            q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
-            k = _rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
-            v = v.view(t, self.kv_heads, self.head_dim)
-            o = step_attention(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                               self.scaling)  # [T, H, D]
-            (o,) = o_proj(o.reshape(t, self.heads * self.head_dim))
-            x = x + o
-            h = _rms(x, norm2.weight, norm2.variance_epsilon)
-            gate, up = gate_up_proj(h)
-            (down,) = down_proj(F.silu(gate) * up)
-            x = x + down
-        return _rms(x, self.norm.weight, self.norm.variance_epsilon)
-
-    def _fused(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """__call__ with the row ops: the residual stream x is updated in place, each norm fused with the add
-        before it."""
         ops, t, d = self.ops, input_ids.shape[0], self.head_dim
-        x = self.embed(input_ids)  # [T, hidden], a fresh tensor
+        x = self.embed(input_ids)  # [T, hidden], a fresh tensor: the residual stream, updated in place
         cos, sin = (c[:, 0] for c in self._rotary(positions, x.dtype))  # [T, D]
         down = None
         for i, (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
@@ -147,6 +123,28 @@ def _linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     if type(layer) is torch.nn.Linear:
         return F.linear(x, layer.weight, layer.bias)
     return layer.forward(x)
+
+
+class TorchRowOps:
+    """The row ops (csrc/row_ops.cpp's three calls) in PyTorch's operators, as transformers writes them, so that
+    the decoder's hidden states are bitwise transformers' forward's: any device and dtype."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += delta (the residual, in place), then LlamaRMSNorm(x)."""
+        if delta is not None:
+            x.add_(delta)
+        return _rms(x, weight, eps)
+
+    @staticmethod
+    def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+        """Rotary embedding in place on each head of x [T, heads * D] (cos, sin [T, D])."""
+        t = x.shape[0]
+        x.copy_(_rotate(x.view(t, -1, head_dim), cos[:, None], sin[:, None]).view(t, -1))
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
