@@ -16,9 +16,9 @@ It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1
 where that beats K = 0 by AdaptiveConfig.min_gain (5%): the largest of many noisy estimates overstates
 its own value (the optimizer's curse), and where drafting is predicted to gain a few percent (a batch of
 sessions on the steep part of the step's curve, drafts accepted a fifth of the time) it measured a few
-percent slower instead. A session's
-acceptance estimates and ratios start from what the coordinator's earlier sessions learnt (SourcePriors;
-not for reproducible requests), and at its end it teaches them what it measured. The draft's
+percent slower instead. A session's acceptance estimates and ratios start from what the coordinator's
+earlier sessions learnt (SourcePriors; not for reproducible requests), and at its end it teaches them
+what it measured. The draft's
 propose(K) is fitted on its steady rounds only (fed 1-2 committed tokens first): a call that first
 catches up on the prompt or on rounds the draft sat out is a one-off cost, and counting it would make
 a costly draft (the target's own low-precision copy) look dearer the less it is asked, until it is

@@ -95,7 +95,7 @@ class LlamaDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ops, t, d = self.ops, input_ids.shape[0], self.head_dim
         x = self.embed(input_ids)  # [T, hidden], a fresh tensor: the residual stream, updated in place
-        cos, sin = (c[:, 0] for c in self._rotary(positions, x.dtype))  # [T, D]
+        cos, sin = self._rotary(positions, x.dtype)  # [T, D]
         down = None
         for i, (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = ops.add_rms_norm(x, down, norm1.weight, norm1.variance_epsilon)
@@ -111,11 +111,11 @@ class LlamaDecoder:
         return ops.add_rms_norm(x, down, self.norm.weight, self.norm.variance_epsilon)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] of each token's position, as transformers' LlamaRotaryEmbedding computes them."""
+        """cos, sin [T, D] of each token's position, as transformers' LlamaRotaryEmbedding computes them."""
         freqs = positions[:, None].float() * self.rotary.inv_freq.float()[None, :]  # [T, D / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = self.rotary.attention_scaling
-        return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def _linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
