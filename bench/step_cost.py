@@ -18,7 +18,7 @@ bench times, in one process and interleaved (so a noisy machine shifts every mod
 Modes: eager, packed (float32 on an AVX-512 CPU: every linear on specdec's skinny GEMM kernel), packed-onednn
 (the packed mode without that kernel: the LM head on oneDNN-packed weights, the layers on the library's
 products, as on a CPU without AVX-512), compile (torch.compile, frozen weights) on a CPU; eager and
-cuda-graphs on CUDA. Writes a section to docs/BENCHMARKS.md and docs/bench_step_cost[_gpu].png.
+cuda-graphs (and cuda-graphs-plain, its graphs without fused ops) on CUDA. Writes a section to docs/BENCHMARKS.md and docs/bench_step_cost[_gpu_<dtype>].png.
 
     python -m bench.step_cost [--device cpu] [--dtype float32] [--modes eager,packed,packed-onednn,compile] [--quick]
 """
@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +70,17 @@ def bandwidth_gbs(device) -> float:
     return 2 * src.numel() * 4 / (ms / 1e3) / 1e9
 
 
+def free(device) -> None:
+    """Give a dropped model's device memory back before the next one loads (an 8B model is 16 GB)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def weight_bytes(model) -> int:
     """Bytes a forward must stream: every parameter once (a tied embedding / head counts once)."""
     seen, total = set(), 0
@@ -79,22 +92,45 @@ def weight_bytes(model) -> int:
 
 
 def step_config(mode: str, **kw):
-    """The StepConfig of a bench mode: a step mode, or packed-onednn (packed without the skinny GEMM)."""
+    """The StepConfig of a bench mode: a step mode, packed-onednn (packed without the skinny GEMM), or
+    cuda-graphs-plain (graphs of the decoder without fused ops: --no-fused-ops)."""
     from specdec.engine.config import StepConfig
 
     if mode == "packed-onednn":
         return StepConfig(mode="packed", skinny_gemm=False, **kw)
+    if mode == "cuda-graphs-plain":
+        return StepConfig(mode="cuda-graphs", fused_ops=False, **kw)
     return StepConfig(mode=mode, **kw)
+
+
+RANDOM = {"on": False}  # --random-weights: models from their config.json alone, random weights on the device
+
+
+def load(path: str, device: str, dtype: str):
+    """The model at `path`, or with --random-weights one of its shape (config.json alone) with random weights
+    made on the device: a step's time depends on shapes, not values (bench/shapes/ holds the default target's
+    and an 8B Llama's)."""
+    from specdec.models import ModelConfig, load_model
+
+    cfg = ModelConfig(path, device=device, dtype=dtype)
+    if not RANDOM["on"]:
+        return load_model(cfg)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=cfg.torch_dtype)
+    return model.eval()
 
 
 def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner
-    from specdec.models import ModelConfig, load_model
 
-    model = load_model(ModelConfig(path, device=device, dtype=dtype))
+    model = load(path, device, dtype)
     weights = weight_bytes(model)  # before a mode packs them (packed weights are no parameters)
-    cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode == "cuda-graphs")
+    cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode.startswith("cuda-graphs"))
     t0 = time.perf_counter()
     runner = ModelRunner(model, cache, step_config(mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32)))
     for s in range(slots):  # every session holds the same 100-token prefix (prefill chunks run eager-sized)
@@ -123,10 +159,13 @@ def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats:
                 for m, r in runners.items():
                     feeds = [Feed(s, PREFIX, [7] * n, n) for s in range(b)]
                     batch[m][(b, n)].append(median_ms(lambda: r.forward(feeds), 1, dev))
-    return {"tokens": {m: {t: statistics.median(v) for t, v in d.items()} for m, d in tokens.items()},
-            "batch": {m: {k: statistics.median(v) for k, v in d.items()} for m, d in batch.items()},
-            "setup_s": setup_s, "weight_bytes": weights,
-            "compile_s": {m: r.compile_s for m, r in runners.items()}}
+    result = {"tokens": {m: {t: statistics.median(v) for t, v in d.items()} for m, d in tokens.items()},
+              "batch": {m: {k: statistics.median(v) for k, v in d.items()} for m, d in batch.items()},
+              "setup_s": setup_s, "weight_bytes": weights,
+              "compile_s": {m: r.compile_s for m, r in runners.items()}}
+    runners.clear()
+    free(dev)
+    return result
 
 
 def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: int) -> dict:
@@ -134,8 +173,6 @@ def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: 
     import torch
     import torch._dynamo
     import torch._inductor.config
-
-    from specdec.models import ModelConfig, load_model
 
     dev = torch.device(device)
     prompt = list(range(1000, 1000 + PREFIX))
@@ -154,7 +191,9 @@ def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: 
 
         run()
         out[f"specdec runner, {mode}"] = n_tokens / (median_ms(run, 3, dev) / 1e3)
-    model = load_model(ModelConfig(path, device=device, dtype=dtype))
+        del runner
+        free(dev)
+    model = load(path, device, dtype)
     ids = torch.tensor([prompt], device=dev)
     mask = torch.ones_like(ids)
 
@@ -258,11 +297,14 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--modes", default=None, help="comma list (default: eager,packed,packed-onednn,compile on CPU; "
-                                                 "eager,cuda-graphs on CUDA)")
+                                                 "eager,cuda-graphs-plain,cuda-graphs on CUDA)")
     p.add_argument("--target", default=None, help="target model (default: the shared pair's)")
     p.add_argument("--draft", default=None, help="draft model (default: the shared pair's; '' to skip)")
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens of the decode-loop comparison (0: skip it)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="build each model from its config.json with random weights on the device (times depend on "
+                        "shapes only; e.g. --target bench/shapes/llama-3-8b --draft '' --dtype bfloat16)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the tiers' default here)")
     p.add_argument("--quick", action="store_true", help="batches up to 16, 5 repeats")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
@@ -272,8 +314,9 @@ def main(argv=None) -> int:
     from specdec.models import default_draft, default_target
 
     torch.set_num_threads(args.threads)
+    RANDOM["on"] = args.random_weights
     device = torch.device(args.device)
-    modes = args.modes.split(",") if args.modes else (["eager", "cuda-graphs"] if device.type == "cuda"
+    modes = args.modes.split(",") if args.modes else (["eager", "cuda-graphs-plain", "cuda-graphs"] if device.type == "cuda"
                                                        else ["eager", "packed", "packed-onednn", "compile"])
     repeats = 5 if args.quick else args.repeats
     bw = bandwidth_gbs(device)
@@ -286,20 +329,31 @@ def main(argv=None) -> int:
         r = measure_model(path, args.device, args.dtype, modes, repeats, args.quick)
         r["floor_ms"] = r["weight_bytes"] / (bw * 1e9) * 1e3
         results[name] = r
-    decode = decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens)
+    decode = decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens) if args.decode_tokens else {}
     propose_ks, propose_batches = (1, 2, 4, 8), (1, 4)
     draft_mode = "cuda-graphs" if device.type == "cuda" else "auto"
-    propose = (propose_cost(models["draft"], args.device, args.dtype, draft_mode, propose_ks, propose_batches, repeats)
-               if "draft" in models else {})
+    propose = {}
+    if "draft" in models:
+        with tempfile.TemporaryDirectory() as tmp:
+            draft = models["draft"]
+            if args.random_weights:  # the engine loads from a directory: the random draft and the pair's tokenizer
+                from specdec.models import load_tokenizer
 
-    cmd = "python -m bench.step_cost" + "".join(" " + a for a in (argv if argv is not None else sys.argv[1:]))
+                load(draft, "cpu", "float32").save_pretrained(tmp)
+                load_tokenizer(default_draft()).save_pretrained(tmp)
+                draft = tmp
+            propose = propose_cost(draft, args.device, args.dtype, draft_mode, propose_ks, propose_batches, repeats)
+
+    cmd = "python -m bench.step_cost " + shlex.join(argv if argv is not None else sys.argv[1:])
     info = machine_info()
     machine = (f"GPU {gpu_name(args.device)}" if device.type == "cuda"
                else f"{info['cpu']}, {info['cores']} cores, {args.threads} torch threads")
     machine += f"; torch {info.get('torch')}, transformers {info.get('transformers')}; git {git_commit()}"
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: step cost ({args.device}, {args.dtype})", "",
              f"Command: `{cmd}`. Machine: {machine}; memory bandwidth (copy, read + write) {bw:.1f} GB/s. "
-             f"Median of {repeats} interleaved repeats; one session holds a {PREFIX}-token prefix.", ""]
+             f"Median of {repeats} interleaved repeats; one session holds a {PREFIX}-token prefix." +
+             (" Random weights of the models' shapes (`--random-weights`: times depend on shapes only)."
+              if args.random_weights else ""), ""]
     for name, r in results.items():
         floor = r["floor_ms"]
         lines += [f"**{name}**: weights {r['weight_bytes'] / 2**20:.0f} MiB, floor {floor:.2f} ms per forward "
@@ -319,9 +373,10 @@ def main(argv=None) -> int:
         for mode, cells in r["batch"].items():
             lines.append(f"| {mode} | " + " | ".join(f"{v:.1f}" for v in cells.values()) + " |")
         lines.append("")
-    lines += [f"Decode loop, target, {args.decode_tokens} greedy tokens after a {PREFIX}-token prompt (tokens/s; "
-              "ours is the runner's K = 0 step loop in-process, without the network):", "",
-              "| path | tok/s |", "|---|---|"]
+    if decode:
+        lines += [f"Decode loop, target, {args.decode_tokens} greedy tokens after a {PREFIX}-token prompt (tokens/s; "
+                  "ours is the runner's K = 0 step loop in-process, without the network):", "",
+                  "| path | tok/s |", "|---|---|"]
     for k, v in decode.items():
         lines.append(f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |")
     if propose:
@@ -334,7 +389,7 @@ def main(argv=None) -> int:
             lines.append(f"| {b} | " + " | ".join(f"{propose[(False, b, k)]:.1f} / {propose[(True, b, k)]:.1f} ms "
                                                   f"({propose[(True, b, k)] / propose[(False, b, k)]:.2f}x)"
                                                   for k in propose_ks) + " |")
-    suffix = "" if device.type == "cpu" else "_gpu"
+    suffix = "" if device.type == "cpu" else f"_gpu_{args.dtype}"
     png = Path(args.out).parent / f"bench_step_cost{suffix}.png" if args.out else None
     if png is not None and plot(results, png, f"step cost, {args.device} {args.dtype}"):
         lines += ["", f"![step cost]({png.name})"]

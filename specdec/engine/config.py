@@ -35,6 +35,8 @@ class StepConfig:
     capture_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # ...and query tokens per session (K + 1 fits one)
     max_graphs: int = 128  # CUDA graphs kept (least recently used dropped); steps beyond the buckets run eager
     max_capture_tokens: int = 512  # buckets captured at start: at most this many (padded) tokens
+    fused_ops: bool = True  # CUDA graphs capture the decoder with fused ops (norms, rotary, SiLU on Triton
+    #                         kernels; q/k/v and gate/up as one product each): specdec.engine.step.graph_decoder
     draft_chain: bool = True  # the draft's K - 1 steps after d_1 as one chain on the device (specdec.engine.draft_chain)
     skinny_gemm: bool = True  # packed mode, float32: linears on specdec's batch-invariant CPU kernel (specdec.engine.skinny_gemm)
     row_attention: bool = True  # packed / compile mode, float32 CPU: few-token feeds' attention on specdec's row kernel

@@ -63,7 +63,8 @@ class CudaGraphStep:
     step uncaptured). The cache must have a scratch slot: cache.scratch_slot."""
 
     def __init__(self, decoder, cache: SlotKVCache, capture_sessions: tuple[int, ...], capture_tokens: tuple[int, ...],
-                 max_graphs: int, capture: bool = True, max_capture_tokens: int = 512) -> None:
+                 max_graphs: int, capture: bool = True, max_capture_tokens: int = 512, kernel: bool = False) -> None:
+        """kernel: attend on specdec.engine.triton_attention's kernel (StaticLayout.kernel)."""
         if cache.scratch_slot is None:
             raise ValueError("CUDA-graph steps need a KV cache with a scratch slot")
         self.decoder = decoder
@@ -74,6 +75,7 @@ class CudaGraphStep:
         self.max_graphs = max_graphs
         self.max_capture_tokens = max_capture_tokens  # capture_at_start skips buckets of more padded tokens
         self.capture = capture
+        self.kernel = kernel
         self.device = cache.geometry.device
         self.buffers = StaticBuffers.allocate(self.sessions[-1], self.tokens[-1], self.device)
         self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor, StaticLayout]] = OrderedDict()
@@ -141,7 +143,7 @@ class CudaGraphStep:
             return self.decoder(b.input_ids[:t], b.positions[:t])  # [S * n, H]
 
     def _capture(self, bucket: Bucket):
-        layout = StaticLayout(self.cache, self.buffers, bucket.sessions, bucket.tokens, bucket.kv_len)
+        layout = StaticLayout(self.cache, self.buffers, bucket.sessions, bucket.tokens, bucket.kv_len, self.kernel)
         if not self.capture:
             entry = (None, None, layout)
         else:
@@ -220,7 +222,7 @@ class CudaGraphStep:
         """The chain's device work: each step the decoder, the head on the real rows, the draw, and every
         real session moved on by one token (padding sessions stay on the scratch slot's key 0)."""
         b, s = self.buffers, bucket.sessions
-        layout = StaticLayout(self.cache, self.buffers, s, 1, bucket.kv_len)
+        layout = StaticLayout(self.cache, self.buffers, s, 1, bucket.kv_len, self.kernel)
         drawn, q_ids, q_probs = [], [], []
         for _ in range(steps):
             logits = head(self._static_step(layout)[:rows]).float()  # [B, V]

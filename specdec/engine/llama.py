@@ -52,6 +52,24 @@ def separate_product(linears: Sequence[torch.nn.Module]) -> Callable[[torch.Tens
     return lambda x: [_linear(x, layer) for layer in linears]
 
 
+def concatenated_product(linears: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], Sequence[torch.Tensor]]:
+    """Linears sharing an input as one product (q, k, v; gate, up): their weights concatenated once, and each
+    linear's weight then a view of its rows, so the model's own modules still hold it and nothing is copied
+    twice. One wide product instead of two or three narrow ones: on a GPU, fewer launches per layer (the
+    same function; the rounding of a product may differ with its shape, as between any two shapes)."""
+    if len(linears) == 1 or any(type(layer) is not torch.nn.Linear or layer.bias is not None for layer in linears):
+        return separate_product(linears)
+    with torch.no_grad():
+        weight = torch.cat([layer.weight for layer in linears])  # [sum of outputs, in]
+        start = 0
+        for layer in linears:
+            rows = layer.weight.shape[0]
+            layer.weight.data = weight[start : start + rows]
+            start += rows
+    sizes = [layer.weight.shape[0] for layer in linears]
+    return lambda x: F.linear(x, weight).split(sizes, dim=-1)
+
+
 class LlamaDecoder:
     """decoder(input_ids [T], positions [T]) -> hidden states [T, hidden] (after the final norm), over
     the active step layout."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.engine.attention import ATTENTION, active, build_layout, row_attention_applies
+from specdec.engine import triton_attention
 from specdec.engine.config import StepConfig
 from specdec.engine.kv_cache import SlotKVCache
 from specdec.engine.step import StepProgram, resolve_mode
@@ -60,7 +61,8 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.geometry.device
         self.mode = resolve_mode(step.mode, self.device)
-        self.program = StepProgram(model, kind=self.mode, use_skinny_gemm=step.skinny_gemm)
+        self.program = StepProgram(model, kind=self.mode, use_skinny_gemm=step.skinny_gemm,
+                                   fused_ops=step.fused_ops)
         # Few-token feeds attend on the row kernel (not the eager mode: transformers' path as it comes).
         self.row_attention = self.mode in ("packed", "compile") and row_attention_applies(cache, step.row_attention) is None
         self.head = self.program.head
@@ -71,8 +73,9 @@ class ModelRunner:
         if self.mode == "cuda-graphs":
             from specdec.engine.cuda_graphs import CudaGraphStep
 
+            kernel = step.fused_ops and triton_attention.available(self.device, cache.geometry.head_dim) is None
             self.graphs = CudaGraphStep(self.program.decoder, cache, step.capture_sessions, step.capture_tokens,
-                                        step.max_graphs, max_capture_tokens=step.max_capture_tokens)
+                                        step.max_graphs, max_capture_tokens=step.max_capture_tokens, kernel=kernel)
 
     @property
     def compile_s(self) -> float:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engine.kv_cache import SlotKVCache
+from specdec.engine.triton_attention import static_attention
 
 
 @dataclass
@@ -75,6 +76,7 @@ class StaticLayout:
     num_sessions: int  # S
     tokens_per_session: int  # n
     kv_len: int  # L
+    kernel: bool = False  # attend on specdec.engine.triton_attention's kernel (CUDA), no gather and no mask
     mask: torch.Tensor | None = None  # [S, 1, n, L] additive, computed by prepare() from the buffers
 
     @property
@@ -82,7 +84,10 @@ class StaticLayout:
         return self.num_sessions * self.tokens_per_session
 
     def prepare(self) -> None:
-        """Build the mask on the device from cached / new (inside a captured graph: no host work)."""
+        """Build the mask on the device from cached / new (inside a captured graph: no host work). The
+        kernel applies the same rule itself."""
+        if self.kernel:
+            return
         b, s, n, length = self.buffers, self.num_sessions, self.tokens_per_session, self.kv_len
         device = b.cached.device
         keys = torch.arange(length, device=device)[None, None, :]  # [1, 1, L]
@@ -102,6 +107,9 @@ class StaticLayout:
         t = s * n
         self.cache.write(layer, b.slots[:t], b.kv_positions[:t], key[0], value[0])
         heads, dim = query.shape[1], query.shape[3]
+        if self.kernel:
+            return static_attention(query[0], self.cache.keys[layer], self.cache.values[layer], b.session_slots,
+                                    b.cached, b.new, b.hidden, n, self.kv_len, scaling if scaling is not None else dim ** -0.5)
         q = query[0].reshape(heads, s, n, dim).transpose(0, 1)  # [S, H, n, D]
         k = self.cache.keys[layer][:, :, : self.kv_len].index_select(0, b.session_slots[:s])  # [S, H_kv, L, D]
         v = self.cache.values[layer][:, :, : self.kv_len].index_select(0, b.session_slots[:s])

@@ -20,7 +20,12 @@ head on the rows someone needs. One program per tier, in one of four modes:
                one dynamic-shape graph serves every T (plus one for T = 1, which the compiler
                specialises);
   cuda-graphs  decode and verify steps replayed from CUDA graphs captured per shape bucket
-               (specdec.engine.cuda_graphs); other steps (prefill chunks) run eager.
+               (specdec.engine.cuda_graphs); other steps (prefill chunks) run uncaptured. The graphs
+               capture the Llama decoder with fused ops (`fused_ops`): each layer's norms, rotary and
+               SiLU on three Triton kernels (specdec.engine.triton_row_ops), and q, k, v and gate, up
+               as one product each (specdec.engine.llama.concatenated_product), so a layer launches
+               ~15 kernels instead of ~50. On a GPU a small model's step is bound by kernel count,
+               not by its weights' bytes.
 
 `auto` picks AUTO_CPU on a CPU (measured by bench/step_cost.py) and cuda-graphs on CUDA. Every mode computes the same function; the
 tests compare each against eager and against transformers' own forward, and bench/exactness.py counts
@@ -36,8 +41,8 @@ import torch
 import torch._dynamo.config
 import torch._inductor.config
 
-from specdec.engine import cpu_kernels, skinny_gemm
-from specdec.engine.llama import LlamaDecoder
+from specdec.engine import cpu_kernels, skinny_gemm, triton_row_ops
+from specdec.engine.llama import LlamaDecoder, concatenated_product
 from specdec.engine.packed import can_pack, pack_head, pack_layers, replace_linears
 
 log = logging.getLogger(__name__)
@@ -82,6 +87,19 @@ def decoder_for(model, plain: bool = False):
     if not plain and LlamaDecoder.unsupported(model) is None:
         return LlamaDecoder(model)
     return TransformersDecoder(model.base_model)
+
+
+def graph_decoder(model):
+    """The decoder CUDA graphs capture: the plain Llama decoder with q, k, v and gate, up as one product
+    each, and its small operators on the Triton row ops where they run (a CUDA device with Triton;
+    elsewhere PyTorch's). Other models: transformers' modules. (torch.compile of the whole decoder would
+    fuse as much, but took over 5 minutes to compile the default target's 30 layers, on a GPU machine as
+    on a CPU.)"""
+    if LlamaDecoder.unsupported(model) is not None:
+        return decoder_for(model)
+    device = next(model.parameters()).device
+    ops = triton_row_ops.TritonRowOps if triton_row_ops.available(device) is None else None
+    return LlamaDecoder(model, product=concatenated_product, ops=ops)
 
 
 class MovedLinear(torch.nn.Module):
@@ -142,15 +160,18 @@ def packed_decoder(model, skinny: bool):
 class StepProgram:
     """The decoder + LM head as one callable, eager or compiled."""
 
-    def __init__(self, model, kind: str = "eager", use_skinny_gemm: bool = True) -> None:
+    def __init__(self, model, kind: str = "eager", use_skinny_gemm: bool = True, fused_ops: bool = True) -> None:
         """kind: eager | packed | compile | cuda-graphs (the steps a CUDA-graph tier does not replay run
-        uncompiled, through the same decoder its graphs captured). use_skinny_gemm: in packed mode, run
-        float32 linears on specdec's kernel where it applies (skinny_applies)."""
+        uncaptured, through the same decoder its graphs captured). use_skinny_gemm: in packed mode, run
+        float32 linears on specdec's kernel where it applies (skinny_applies). fused_ops: in cuda-graphs mode,
+        the decoder the graphs capture runs fused kernels (graph_decoder)."""
         compiled = kind == "compile"
         self.kind = kind
         self.skinny = kind == "packed" and skinny_applies(model, use_skinny_gemm) is None  # linears on the kernel
         if kind == "packed":
             self.decoder = packed_decoder(model, self.skinny)  # (input_ids [T], positions [T]) -> [T, H]
+        elif kind == "cuda-graphs" and fused_ops:
+            self.decoder = graph_decoder(model)
         else:
             self.decoder = decoder_for(model, plain=kind == "eager")
         self.head = model.get_output_embeddings()

@@ -124,6 +124,9 @@ def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
                "attention over padded groups)")
     a.add("--capture-sessions", default=",".join(map(str, StepConfig.capture_sessions)),
           help="CUDA graphs: batch sizes (sessions per step) captured")
+    a.add("--fused-ops", default=StepConfig.fused_ops, action=argparse.BooleanOptionalAction,
+          help="CUDA graphs capture the decoder with fused ops: norms, rotary and SiLU on Triton kernels, q/k/v and "
+               "gate/up as one product each (--no-fused-ops: PyTorch's operators, one product per linear)")
     a.add("--capture-tokens", default=",".join(map(str, StepConfig.capture_tokens)),
           help="CUDA graphs: query tokens per session captured (a verify of K drafts needs K + 1)")
 
@@ -151,7 +154,8 @@ def tier_config(args: argparse.Namespace):
         step=StepConfig(mode=args.step_mode, capture_sessions=_sizes(args.capture_sessions, "capture_sessions"),
                         capture_tokens=_sizes(args.capture_tokens, "capture_tokens"),
                         max_capture_tokens=args.max_batch_tokens, draft_chain=args.draft_chain,
-                        skinny_gemm=args.skinny_gemm, row_attention=args.row_attention),
+                        skinny_gemm=args.skinny_gemm, row_attention=args.row_attention,
+                        fused_ops=args.fused_ops),
     )
 
 
