@@ -360,12 +360,8 @@ def attend(step: StepLayout, layer: int, query: torch.Tensor, key: torch.Tensor,
 def ragged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
                         scaling: float) -> torch.Tensor:
     """attend() over the active step, as one op a compiled forward calls without tracing into it (it
-    writes the KV pool, a side effect the compiler never sees: its output is always used). Over a
-    StaticLayout (a CUDA-graph step whose decoder is compiled) it is that layout's attention."""
-    layout = current_layout()
-    if not isinstance(layout, StepLayout):
-        return layout.attend(layer, query, key, value, scaling)
-    return attend(layout, layer, query, key, value, scaling)
+    writes the KV pool, a side effect the compiler never sees: its output is always used)."""
+    return attend(current_layout(), layer, query, key, value, scaling)
 
 
 @ragged_attention_op.register_fake
