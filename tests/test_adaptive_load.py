@@ -106,6 +106,19 @@ def test_queueing_is_not_charged_the_calls_own_overhead_is():
     assert load.overhead_ms == pytest.approx(2.0)
 
 
+def test_a_calls_overhead_grows_with_the_drafts_it_carries():
+    """Each draft adds its token and q row to the request and its verdict to the reply: the overhead is a
+    line in K, and a round with K drafts is charged the overhead of K."""
+    load = TierLoad()
+    for i in range(60):
+        k = i % 5
+        load.observe(4, 4 * (k + 1), 30.0, 30.0 + 2.0 + 0.5 * k + 7.0, compute_ms=30.0, queue_ms=7.0, drafts=k)
+    assert load.overhead_ms == pytest.approx(2.0, rel=1e-3)
+    assert load.overhead.line()[1] == pytest.approx(0.5, rel=1e-3)
+    assert load.round_ms(3) - load.round_ms(0) == pytest.approx(1.5 + load.step_cost.predict(16, 4) - load.step_cost.predict(4, 4),
+                                                                rel=1e-3)
+
+
 def test_tier_load_ignores_replies_without_batch_data():
     load = TierLoad()
     load.observe(0, 0, 0.0, 5.0)

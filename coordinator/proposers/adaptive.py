@@ -135,37 +135,43 @@ class StepCurve:
 
 class TierLoad:
     """A tier's batching as the coordinator sees it: step time against tokens per step, sessions per
-    step, and a call's own overhead (network, serialisation). Shared by all sessions."""
+    step, and a call's own overhead (network, serialisation) against the drafts it carries. Shared by
+    all sessions."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
         self.step_cost = StepCurve()  # ms vs tokens in a step
         self.sessions = 1.0  # sessions per step, exponentially weighted
-        # A call's wall time beyond the tier's work for it (network, serialisation): the tier reports
-        # its compute and its queueing separately, and queueing behind other sessions' steps is not a
-        # cost of this session's tokens.
-        self.overhead_ms = 0.0
+        # A call's wall time beyond the tier's work for it (network, serialisation), a line in the drafts
+        # it carries (each adds its token and its q row to both messages): the tier reports its compute
+        # and its queueing separately, and queueing behind other sessions' steps is not a cost of this
+        # session's tokens. Fitted without a prior (a negligible one).
+        self.overhead = LinearCost(decay, 0.0, 0.0, prior_weight=1e-9)
         self.observations = 0
         self.live = 0  # sessions this coordinator has open on the tier now (generations in progress)
 
+    @property
+    def overhead_ms(self) -> float:
+        """A call's overhead without drafts."""
+        return self.overhead.predict(0)
+
     def observe(self, batch_sessions: int, batch_tokens: int, step_ms: float, wall_ms: float,
-                compute_ms: float = 0.0, queue_ms: float = 0.0) -> None:
+                compute_ms: float = 0.0, queue_ms: float = 0.0, drafts: int = 0) -> None:
         if batch_sessions <= 0 or batch_tokens <= 0:
             return  # a tier that reports no batching (an older replica)
         d = self.decay if self.observations else 0.0
         self.step_cost.observe(batch_tokens, step_ms, batch_sessions)
         self.sessions = d * self.sessions + (1 - d) * batch_sessions
-        overhead = max(0.0, wall_ms - (compute_ms or step_ms) - queue_ms)
-        self.overhead_ms = d * self.overhead_ms + (1 - d) * overhead
+        self.overhead.observe(drafts, max(0.0, wall_ms - (compute_ms or step_ms) - queue_ms))
         self.observations += 1
 
     def round_ms(self, k: int) -> float:
-        """What a round with k drafts takes when the step's B sessions all send k: the call's overhead and
-        the whole step of B (k + 1) tokens. At B = 1 that is this session's own step; as B grows each draft
+        """What a round with k drafts takes when the step's B sessions all send k: the call's overhead with k
+        drafts and the whole step of B (k + 1) tokens. At B = 1 that is this session's own step; as B grows each draft
         token costs B tokens' worth of the step's slope (it delays every session of the step), so k is
         chosen for the tier's throughput, not for one session's latency."""
         b = max(self.sessions, 1.0)
-        return self.overhead_ms + self.step_cost.predict(b * (k + 1), b)
+        return self.overhead.predict(k) + self.step_cost.predict(b * (k + 1), b)
 
 @dataclass(frozen=True)
 class AdaptiveConfig:

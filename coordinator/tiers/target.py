@@ -57,7 +57,7 @@ class TargetVerifier:
         self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)
         if self.load is not None:
             self.load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
-                              response.compute_ms, response.queue_ms)
+                              response.compute_ms, response.queue_ms, drafts=len(drafts))
         return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.accepted_path),
                        tuple(response.logprobs))
 

@@ -305,6 +305,7 @@ class Engine:
                 del w.pending[: p.take]
                 w.compute_s += seconds
                 w.last_step = (len(plan), tokens, seconds)
+                w.step_started = t0
                 if w.cancelled:
                     self._finish(w)
                 elif p.num_logits and not ok:

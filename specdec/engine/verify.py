@@ -65,10 +65,10 @@ class VerifyResult:
     num_accepted: int  # n: leading drafts accepted
     next_token: int  # the bonus (n == K) or the recovered token (n < K)
     cached_len: int  # tokens the session now caches: committed + n
-    compute_ms: float  # forward steps this request took part in
+    compute_ms: float  # steps this request took part in (their forwards, its last one's verification)
     batch_sessions: int  # sessions in the step that verified it
     batch_tokens: int  # tokens in that step
-    step_ms: float  # that step's forward time
+    step_ms: float  # that step's time: the forward and the verification of the batch's rows
     queue_ms: float  # waiting, not computing
     reused: int = 0  # leading tokens of a fresh start taken from the prefix cache, not fed
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed token, when asked
@@ -140,9 +140,10 @@ class VerifyWork(Work):
                                   list(range(w.committed_len, keep)))
                 engine.sessions.crop(w.session, w.committed_len)
                 engine.sessions.append(w.session, [w.drafts[j] for j in path])
-            sessions, tokens, seconds = w.last_step
-            w.result = VerifyResult(len(path), nxt, keep, w.compute_s * 1e3, sessions, tokens, seconds * 1e3,
-                                    w.queue_ms(), w.reused, logprobs.get(i, []), tuple(path), w.parents is not None)
+            sessions, tokens, _ = w.last_step
+            step_ms, compute_ms, queue_ms = w.finished_step()  # the verification counted in the step
+            w.result = VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, w.reused,
+                                    logprobs.get(i, []), tuple(path), w.parents is not None)
 
 
 def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[SamplingParams], TokenCounts | None]:

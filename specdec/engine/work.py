@@ -35,6 +35,7 @@ class Work:
     compute_s: float = 0.0  # time in the forward steps this work took part in
     submitted_at: float = 0.0  # time.perf_counter() when the engine got it
     last_step: tuple[int, int, float] = (0, 0, 0.0)  # (sessions, tokens, seconds) of its last step
+    step_started: float = 0.0  # time.perf_counter() when its last step's forward began
     chain_steps: int = 0  # > 0: steps the engine runs as one chain after this step (run_chain)
 
     kind: ClassVar[str] = "work"
@@ -46,6 +47,16 @@ class Work:
     def queue_ms(self) -> float:
         """Time since submission not spent in this work's own steps."""
         return max(0.0, (time.perf_counter() - self.submitted_at - self.compute_s) * 1e3)
+
+    def finished_step(self) -> tuple[float, float, float]:
+        """(step, compute, queue) in ms as the work's last step ends: the step is its forward and the
+        batch's work on its rows so far (verification, sampling), the time a session's round costs the
+        tier; compute counts that step whole, and queue the rest since submission."""
+        now = time.perf_counter()
+        _, _, forward_s = self.last_step
+        step_s = max(forward_s, now - self.step_started)
+        compute_ms = (self.compute_s - forward_s + step_s) * 1e3
+        return step_s * 1e3, compute_ms, max(0.0, (now - self.submitted_at) * 1e3 - compute_ms)
 
     def on_start(self, engine) -> None:
         """The work has its session (cropped to prefix_len), before its first feed: it may change what it
