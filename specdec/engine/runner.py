@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.engine.attention import ATTENTION, active, build_layout, row_attention_applies
 from specdec.engine import triton_attention
+from specdec.engine.attention import ATTENTION, active, build_layout, row_attention_applies
 from specdec.engine.config import StepConfig
 from specdec.engine.kv_cache import SlotKVCache
 from specdec.engine.step import StepProgram, resolve_mode

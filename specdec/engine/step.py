@@ -22,10 +22,11 @@ head on the rows someone needs. One program per tier, in one of four modes:
   cuda-graphs  decode and verify steps replayed from CUDA graphs captured per shape bucket
                (specdec.engine.cuda_graphs); other steps (prefill chunks) run uncaptured. The graphs
                capture the Llama decoder with fused ops (`fused_ops`): each layer's norms, rotary and
-               SiLU on three Triton kernels (specdec.engine.triton_row_ops), and q, k, v and gate, up
-               as one product each (specdec.engine.llama.concatenated_product), so a layer launches
-               ~15 kernels instead of ~50. On a GPU a small model's step is bound by kernel count,
-               not by its weights' bytes.
+               SiLU on three Triton kernels (specdec.engine.triton_row_ops), its attention on one
+               (specdec.engine.triton_attention), and q, k, v and gate, up as one product each
+               (specdec.engine.llama.concatenated_product), so a layer launches ~12 kernels instead
+               of ~50. On a GPU a small model's step is bound by kernel count, not by its weights'
+               bytes.
 
 `auto` picks AUTO_CPU on a CPU (measured by bench/step_cost.py) and cuda-graphs on CUDA. Every mode computes the same function; the
 tests compare each against eager and against transformers' own forward, and bench/exactness.py counts
@@ -93,8 +94,8 @@ def graph_decoder(model):
     """The decoder CUDA graphs capture: the plain Llama decoder with q, k, v and gate, up as one product
     each, and its small operators on the Triton row ops where they run (a CUDA device with Triton;
     elsewhere PyTorch's). Other models: transformers' modules. (torch.compile of the whole decoder would
-    fuse as much, but took over 5 minutes to compile the default target's 30 layers, on a GPU machine as
-    on a CPU.)"""
+    fuse as much, but compiling the default target's 30 layers had not finished after 4.5 minutes on a
+    GPU machine, nor after 10 on a CPU.)"""
     if LlamaDecoder.unsupported(model) is not None:
         return decoder_for(model)
     device = next(model.parameters()).device
