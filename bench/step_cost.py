@@ -103,17 +103,14 @@ def step_config(mode: str, **kw):
     return StepConfig(mode=mode, **kw)
 
 
-RANDOM = {"on": False}  # --random-weights: models from their config.json alone, random weights on the device
-
-
-def load(path: str, device: str, dtype: str):
+def load(path: str, device: str, dtype: str, random_weights: bool = False):
     """The model at `path`, or with --random-weights one of its shape (config.json alone) with random weights
     made on the device: a step's time depends on shapes, not values (bench/shapes/ holds the default target's
     and an 8B Llama's)."""
     from specdec.models import ModelConfig, load_model
 
     cfg = ModelConfig(path, device=device, dtype=dtype)
-    if not RANDOM["on"]:
+    if not random_weights:
         return load_model(cfg)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -124,11 +121,11 @@ def load(path: str, device: str, dtype: str):
     return model.eval()
 
 
-def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
+def make_runner(path: str, device: str, dtype: str, mode: str, slots: int, random_weights: bool = False):
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner
 
-    model = load(path, device, dtype)
+    model = load(path, device, dtype, random_weights)
     weights = weight_bytes(model)  # before a mode packs them (packed weights are no parameters)
     cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode.startswith("cuda-graphs"))
     t0 = time.perf_counter()
@@ -140,14 +137,16 @@ def make_runner(path: str, device: str, dtype: str, mode: str, slots: int):
     return runner, Feed, time.perf_counter() - t0, weights
 
 
-def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats: int, quick: bool) -> dict:
+def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats: int, quick: bool,
+                  random_weights: bool = False) -> dict:
     import torch
 
     dev = torch.device(device)
     batches = BATCHES[:3] if quick else BATCHES
     runners, setup_s = {}, {}
     for mode in modes:
-        runners[mode], Feed, setup_s[mode], weights = make_runner(path, device, dtype, mode, max(batches))
+        runners[mode], Feed, setup_s[mode], weights = make_runner(path, device, dtype, mode, max(batches),
+                                                                                random_weights)
     tokens = {m: {t: [] for t in TOKENS} for m in modes}
     batch = {m: {(b, n): [] for b in batches for n in (1, 4)} for m in modes}
     for _ in range(repeats):  # interleaved: each round times every mode at every shape once
@@ -168,7 +167,8 @@ def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats:
     return result
 
 
-def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: int) -> dict:
+def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: int,
+                random_weights: bool = False) -> dict:
     """Tokens/s of N greedy tokens: our runner (per mode) vs transformers' generate eager and compiled."""
     import torch
     import torch._dynamo
@@ -178,7 +178,7 @@ def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: 
     prompt = list(range(1000, 1000 + PREFIX))
     out = {}
     for mode in modes:
-        runner, Feed, _, _ = make_runner(path, device, dtype, mode, 1)
+        runner, Feed, _, _ = make_runner(path, device, dtype, mode, 1, random_weights)
         seq = list(prompt)
 
         def run():
@@ -193,7 +193,7 @@ def decode_loop(path: str, device: str, dtype: str, modes: list[str], n_tokens: 
         out[f"specdec runner, {mode}"] = n_tokens / (median_ms(run, 3, dev) / 1e3)
         del runner
         free(dev)
-    model = load(path, device, dtype)
+    model = load(path, device, dtype, random_weights)
     ids = torch.tensor([prompt], device=dev)
     mask = torch.ones_like(ids)
 
@@ -314,7 +314,6 @@ def main(argv=None) -> int:
     from specdec.models import default_draft, default_target
 
     torch.set_num_threads(args.threads)
-    RANDOM["on"] = args.random_weights
     device = torch.device(args.device)
     modes = args.modes.split(",") if args.modes else (["eager", "cuda-graphs-plain", "cuda-graphs"] if device.type == "cuda"
                                                        else ["eager", "packed", "packed-onednn", "compile"])
@@ -326,10 +325,11 @@ def main(argv=None) -> int:
     results = {}
     for name, path in models.items():
         print(f"measuring {name} ({path}) in {modes}", flush=True)
-        r = measure_model(path, args.device, args.dtype, modes, repeats, args.quick)
+        r = measure_model(path, args.device, args.dtype, modes, repeats, args.quick, args.random_weights)
         r["floor_ms"] = r["weight_bytes"] / (bw * 1e9) * 1e3
         results[name] = r
-    decode = decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens) if args.decode_tokens else {}
+    decode = (decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens, args.random_weights)
+              if args.decode_tokens else {})
     propose_ks, propose_batches = (1, 2, 4, 8), (1, 4)
     draft_mode = "cuda-graphs" if device.type == "cuda" else "auto"
     propose = {}
@@ -339,7 +339,7 @@ def main(argv=None) -> int:
             if args.random_weights:  # the engine loads from a directory: the random draft and the pair's tokenizer
                 from specdec.models import load_tokenizer
 
-                load(draft, "cpu", "float32").save_pretrained(tmp)
+                load(draft, "cpu", "float32", random_weights=True).save_pretrained(tmp)
                 load_tokenizer(default_draft()).save_pretrained(tmp)
                 draft = tmp
             propose = propose_cost(draft, args.device, args.dtype, draft_mode, propose_ks, propose_batches, repeats)
