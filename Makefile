@@ -63,6 +63,8 @@ prometheus:
 #                     target alone with the same grammar (~5 min; STRUCTURED_ARGS=--help)
 #  bench.proposer_replay  prompt lookup and suffix decoding's chain limits and trees replayed on the
 #                     target's greedy outputs: tokens per forward, exact and timing-free (~3 min; REPLAY_ARGS=--help)
+#  bench.tree_replay  the draft model's token trees (chains, dynamic trees, the exhaustive best-first bound)
+#                     replayed on the target's greedy answers: tokens per round (~5 min; TREE_REPLAY_ARGS=--help)
 bench: setup
 	$(PY) -m bench.step_cost $(STEP_COST_ARGS)
 	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)
@@ -77,6 +79,7 @@ bench: setup
 	$(PY) -m bench.prefix_reuse $(PREFIX_REUSE_ARGS)
 	$(PY) -m bench.structured $(STRUCTURED_ARGS)
 	$(PY) -m bench.proposer_replay $(REPLAY_ARGS)
+	$(PY) -m bench.tree_replay $(TREE_REPLAY_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info

@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="> 0: every coordinator proposes token trees of this many nodes from lookup / suffix (issue 17)")
     p.add_argument("--draft-trees", type=int, default=16,
                    help="node budget of the draft model's token-tree rows (beside its chains; 0 = no tree rows)")
+    p.add_argument("--tree-ks", type=_ints, default=[2],
+                   help="depths of the fixed-K draft-tree rows (an adaptive tree row is always added)")
     p.add_argument("--speculate", type=int, default=4,
                    help="outcomes the draft's speculation cache pre-drafts in the overlap rows (0 = no overlap rows)")
     p.add_argument("--target", default=None, help="target model (default: specdec.models.default_target())")

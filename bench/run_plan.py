@@ -49,7 +49,8 @@ def build_plan(args) -> dict:
             raise SystemExit(f"placement {pl!r} does not fit --device {args.device} (gpu goes with a GPU device, "
                              "shared and separate with cpu)")
     proposers = [x for x in args.proposers.split(",") if x]
-    m.update(draft_trees=getattr(args, "draft_trees", 0), speculate=getattr(args, "speculate", 0))
+    m.update(draft_trees=getattr(args, "draft_trees", 0), speculate=getattr(args, "speculate", 0),
+             tree_ks=list(getattr(args, "tree_ks", None) or [2]))
     m.update(mode=mode, placements=placements, workloads=workloads, proposers=proposers, peer=not args.no_peer,
              target_compiled=not getattr(args, "no_target_compiled", False),
              device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype or args.dtype,
@@ -99,7 +100,7 @@ def build_plan(args) -> dict:
             for k in [*m["greedy_ks"], None]:
                 add("specdec", proposer="draft", k=k)
             for variant in tree_variants(m):  # the draft's trees and speculation cache beside its chains
-                for k in ([2, None] if variant == "tree" else [2]):
+                for k in ([*m["tree_ks"], None] if variant == "tree" else [2]):
                     add("specdec", proposer="draft", k=k, variant=variant)
             for temp in (m["sampled_temps"] if sampled_here else []):
                 for k in [*m["sampled_ks"], None]:

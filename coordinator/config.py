@@ -35,7 +35,7 @@ class CoordinatorConfig:
     speculate_outcomes: int = 4  # with overlap: outcomes of a round the draft pre-drafts the next round for
     tree_nodes: int = 0  # > 0: prompt lookup and suffix decoding propose token trees of this many nodes (0 = chains)
     draft_tree_nodes: int = 0  # > 0: the draft model may propose token trees of up to this many nodes (0 = chains)
-    draft_tree_branching: int = 2  # children per expanded node of the draft's trees
+    draft_tree_branching: int = 4  # children per expanded node of the draft's trees, and nodes expanded per level
     draft_tree_scheme: str = "without_replacement"  # sampled draft trees' siblings: without_replacement | iid | candidates
     tier_retry_s: float = 30.0  # retry an unreachable target this long when the client set no deadline
     admission: AdmissionConfig = AdmissionConfig()  # concurrency and request-rate limits

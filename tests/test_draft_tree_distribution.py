@@ -1,11 +1,13 @@
 """Trees grown as the draft engine grows them (specdec.engine.propose_tree.Growth: siblings drawn i.i.d. or
 without replacement from q with position- and node-keyed draws, the likeliest nodes of a level expanded within
-the node budget) and verified by the target's engine (specdec.engine.verify) keep the target's distribution
+the node budget) (CANDIDATES trees dynamic: grown past the budget, the likeliest N kept) and verified by the target's engine (specdec.engine.verify) keep the target's distribution
 exactly: the first N_TOKENS tokens generated round after round match the exact target joint (chi-square and
 total variation, test_distribution's harness), for each scheme and for a batch that mixes them with chains.
 Synthetic bigram tables stand in for the models (q at a node: the draft table's row of the node's token)."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -30,11 +32,12 @@ def dist(Q: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def grow(scheme: str, prev: int, Q: torch.Tensor, seed: int, position: int) -> Growth:
     """The draft engine's growth of one tree below `prev` (the last committed token)."""
-    g = Growth(TreeShape(scheme=scheme, **SHAPE), -1, position)
+    g = Growth(TreeShape(scheme=scheme, **SHAPE), -1, position, dynamic=scheme == CANDIDATES)
     level = g.expand(-1, dist(Q, prev), seed, greedy_logits=False)
     while True:
         nodes = g.to_expand(level)
         if not nodes:
+            g.keep_best()  # a dynamic (CANDIDATES) tree: the N likeliest of its candidates
             return g
         level = [c for n in nodes for c in g.expand(n, dist(Q, g.tokens[n]), seed, greedy_logits=False)]
 
@@ -97,3 +100,72 @@ def test_the_growth_really_branches_and_expands_the_likeliest_node():
     third = g.parents[6]
     second_level = [i for i, p in enumerate(g.parents) if p in (0, 1)]
     assert third == max(second_level, key=lambda i: g.prob[i])
+
+
+def grow_greedy(shape: TreeShape, dist_of, dynamic: bool, prune: bool = True) -> Growth:
+    """A greedy tree over synthetic distributions; prune=False expands every level's b likeliest nodes
+    whatever their chance of being kept (the reference for the dynamic tree's pruning)."""
+    g = Growth(shape, -1, 0, dynamic)
+    level = g.expand(-1, dist_of(()), 0, greedy_logits=True)
+    while True:
+        if prune:
+            nodes = g.to_expand(level)
+        else:
+            g.levels += 1
+            nodes = [] if g.levels >= shape.depth else sorted(sorted(level, key=lambda i: -g.prob[i])[: shape.branching])
+        if not nodes:
+            g.keep_best()
+            return g
+        level = [c for n in nodes for c in g.expand(n, dist_of(path(g, n)), 0, greedy_logits=True)]
+
+
+def path(g: Growth, node: int) -> tuple[int, ...]:
+    out = []
+    while node >= 0:
+        out.append(g.tokens[node])
+        node = g.parents[node]
+    return tuple(reversed(out))
+
+
+def synthetic(confidence: float, seed: int):
+    """Each node's distribution over 8 tokens: its top token `confidence`, the rest a random split."""
+    def dist_of(p: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + hash(p) % 1_000_003)
+        rest = torch.rand(7, generator=g)
+        probs = torch.cat([torch.tensor([confidence]), (1 - confidence) * rest / rest.sum()])
+        order = torch.argsort(probs, descending=True)
+        return torch.randperm(8, generator=g)[order] + 10, probs[order]
+    return dist_of
+
+
+@pytest.mark.parametrize("confidence, seed", [(0.9, 1), (0.5, 2), (0.2, 3), (0.35, 4)])
+def test_a_dynamic_tree_keeps_the_likeliest_paths_of_its_candidates(confidence, seed):
+    """Greedy children are deterministic, so a tree may be grown past its budget and cut to the N paths the
+    draft finds likeliest: the kept nodes are exactly the N best of every candidate the levels grew (pruning
+    the expansion loses none of them), each kept node's ancestors are kept, and the shape follows the
+    draft's confidence: a sure draft grows one deep path, an unsure one a wide, shallow tree."""
+    shape = TreeShape(8, 5, 4, "greedy")
+    dist_of = synthetic(confidence, seed)
+    g = grow_greedy(shape, dist_of, dynamic=True)
+    full = grow_greedy(shape, dist_of, dynamic=True, prune=False)
+    assert len(g.tokens) == shape.nodes and len(full.tokens) == shape.nodes
+    assert sorted(path(g, i) for i in range(8)) == sorted(path(full, i) for i in range(8))
+    assert all(p < i for i, p in enumerate(g.parents))  # ancestors kept, parents first
+    for i in range(8):  # each kept node's probability is its path's, through the renumbered parents
+        p = path(g, i)
+        expected = math.prod(float(dist_of(p[:d])[1][dist_of(p[:d])[0].tolist().index(t)]) for d, t in enumerate(p))
+        assert g.prob[i] == pytest.approx(expected, rel=1e-6)
+    depth = max(g.depth) + 1
+    root_children = sum(p == -1 for p in g.parents)
+    if confidence >= 0.9:
+        assert depth == shape.depth and root_children < shape.branching  # one deep path, little beside it
+    if confidence <= 0.2:
+        assert depth <= 2 and root_children == shape.branching
+
+
+def test_a_sampled_tree_keeps_every_drawn_node_within_its_budget():
+    """IID and WITHOUT_REPLACEMENT trees are not dynamic: no drawn node may be dropped for what it drew."""
+    _, Q = make_tables(PARAMS)
+    for scheme in (IID, WITHOUT_REPLACEMENT):
+        g = grow(scheme, START, Q, seed=5, position=0)
+        assert not g.dynamic and len(g.tokens) == SHAPE["nodes"]

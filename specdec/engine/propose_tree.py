@@ -4,9 +4,20 @@ pre-draft the next round for the likely outcomes of this one (the speculation ca
 **Growing a tree** (TreeShape: at most N nodes, D levels, branching b). The first step feeds the
 session's new committed tokens; its last row is the root's distribution. The root gets b children; each
 later level expands the b most likely nodes of the level before (by the draft's own path probability,
-known before their children are drawn) with b children each, within the node budget. One forward per
-level feeds all of a level's expanded nodes of all sessions (the engine's tree attention: a node sees the
-committed prefix and its ancestors; the tree grows over several feeds, specdec.engine.attention.tree_layout).
+known before their children are drawn) with b children each. One forward per level feeds all of a
+level's expanded nodes of all sessions (the engine's tree attention: a node sees the committed prefix and
+its ancestors; the tree grows over several feeds, specdec.engine.attention.tree_layout).
+
+Where the children are deterministic (a greedy request, or the CANDIDATES scheme) the tree is **dynamic**
+(EAGLE-2, Li et al. 2024): the levels grow past the node budget, up to b + b^2 (D - 1) candidates, and the
+proposal keeps the N with the highest path probability. A child's path probability is never above its
+parent's and a child comes after its parent, so the N best (ties to the earlier node) include every
+ancestor of each; a node is expanded only while its path probability beats the N-th best so far (else no
+descendant could be kept). The draft's confidence then decides the shape: deep where it is sure, wide
+where it is not. On held-out open prompts with the default pair (greedy), 8 nodes from b = 4 over 3-4
+levels put the target's greedy path ~1.9 tokens deep per round against ~1.7 for the fixed top-2 shape of
+6-8 nodes. Sampled trees (IID, WITHOUT_REPLACEMENT) keep every drawn node, within the budget: dropping a
+node for the value it drew would change the law the verifier assumes.
 Children of a node are, for a greedy request, its top-b tokens (deterministic candidates); for a sampled
 one, by the scheme the target verifies with (specdec.engine.verify):
   * IID: b independent draws from the node's truncated q (SpecInfer's multi-step speculative sampling);
@@ -99,8 +110,9 @@ class Growth:
     """One proposal grown below an anchor: the request's tree (anchor -1: the last committed token) or a
     pre-drafted next round (anchor: an outcome node of the speculation cache, a slot node)."""
 
-    def __init__(self, shape: TreeShape, anchor: int, first_pos: int) -> None:
+    def __init__(self, shape: TreeShape, anchor: int, first_pos: int, dynamic: bool = False) -> None:
         self.shape = shape
+        self.dynamic = dynamic and shape.branching > 1  # deterministic children: grow past N, keep the N best
         self.anchor = anchor  # slot node the tree hangs below; -1 = the last committed token
         self.first_pos = first_pos  # absolute position of the anchor's children
         self.tokens: list[int] = []
@@ -116,8 +128,7 @@ class Growth:
     def expand(self, node: int, dist: Dist, seed: int, greedy_logits: bool) -> list[int]:
         """Make node's children (node -1: the anchor's) from its distribution; returns their indices."""
         s = self.shape
-        room = s.nodes - len(self.tokens)
-        b = min(s.branching, room)
+        b = s.branching if self.dynamic else min(s.branching, s.nodes - len(self.tokens))
         if b <= 0:
             return []
         ids, probs = dist
@@ -153,12 +164,34 @@ class Growth:
         """Of a level just made, the nodes whose children the next level holds (empty: the tree is done)."""
         self.levels += 1
         s = self.shape
-        room = s.nodes - len(self.tokens)
+        if self.dynamic:  # only nodes whose descendants could still be among the N best
+            bar = self._nth_best()
+            level = [i for i in level if self.prob[i] > bar]
+            room = s.branching * s.branching
+        else:
+            room = s.nodes - len(self.tokens)
         if self.levels >= s.depth or room <= 0 or not level:
             self.done = True
             return []
         count = min(s.branching, math.ceil(room / s.branching), len(level))
         return sorted(sorted(level, key=lambda i: -self.prob[i])[:count])
+
+    def _nth_best(self) -> float:
+        """The N-th highest path probability among the nodes (0 while there are fewer than N)."""
+        n = self.shape.nodes
+        return sorted(self.prob, reverse=True)[n - 1] if len(self.prob) >= n else 0.0
+
+    def keep_best(self) -> None:
+        """A dynamic tree's proposal: the N nodes of highest path probability (ties to the earlier node), in
+        their order, parents renumbered. A no-op for a tree within its budget."""
+        if len(self.tokens) <= self.shape.nodes:
+            return
+        keep = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.prob[i], i))[: self.shape.nodes])
+        index = {old: new for new, old in enumerate(keep)}
+        self.parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
+        for name in ("tokens", "rows", "prob", "key", "depth", "slot"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in keep])
 
     def leaves(self) -> list[int]:
         has_child = set(self.parents)
@@ -208,6 +241,11 @@ class ProposeTreeWork(Work):
                    num_logits=1, shape=shape, params=params, seed=seed, top_n=top_n, speculate=speculate)
 
     @property
+    def dynamic(self) -> bool:
+        """Whether this work's trees are dynamic (deterministic children: a greedy request or CANDIDATES)."""
+        return self.params.greedy or self.shape.scheme in (GREEDY, CANDIDATES)
+
+    @property
     def cache_key(self) -> tuple:
         return (self.shape, self.params, self.seed, self.top_n)
 
@@ -241,7 +279,7 @@ class ProposeTreeWork(Work):
                 del self.pending[: len(keep)]
                 self.salvaged = len(keep)
         self.base = len(session) + len(self.pending)
-        self.main = Growth(self.shape, -1, self.base)
+        self.main = Growth(self.shape, -1, self.base, self.dynamic)
         self.feeding = [(self.main, -1, -1)]
 
     def _take_prepared(self, engine, record: TreeRecord, path: list[int], g: Growth) -> None:
@@ -340,6 +378,7 @@ class ProposeTreeWork(Work):
     def _answer(self, engine) -> None:
         """The proposal is complete: answer it; then pre-draft the next round, or finish."""
         g = self.main
+        g.keep_best()
         chain = g.shape.branching == 1
         q = DraftProbs.from_rows(g.rows) if g.shape.sends_q and not self.params.greedy else None
         sessions, _, seconds = self.last_step
@@ -347,19 +386,25 @@ class ProposeTreeWork(Work):
             list(g.tokens), q, self.base, self.compute_s * 1e3, sessions, seconds * 1e3, self.queue_ms(), self.reused,
             parents=[] if chain else list(g.parents), scheme=GREEDY if self.params.greedy else g.shape.scheme,
             speculated=self.hit, salvaged=self.salvaged)
-        if self.speculate <= 0 or not self._feed_leaves(engine):
+        if self.speculate <= 0:
             self._finish(engine)
             return
         engine.respond(self, self.answer)
+        self._feed_leaves(engine)
 
-    def _feed_leaves(self, engine) -> bool:
-        """The speculation's first step: the likeliest leaves, whose distributions the outcomes need."""
+    def _feed_leaves(self, engine) -> None:
+        """The speculation's first step: the likeliest leaves, whose distributions the outcomes need (a
+        dynamic tree's kept leaf may have been fed already, as a node whose children were not kept)."""
         g = self.main
         spine = self._spine_leaf()
         leaves = [spine] + sorted((i for i in g.leaves() if i != spine), key=lambda i: -g.prob[i])
         leaves = leaves[: self._outcomes(engine)]
         self.stage = "leaves"
-        return self._feed(engine, self._grow_items(g, sorted(leaves)))
+        unfed = [i for i in leaves if i >= 0 and g.slot[i] < 0]
+        if not unfed:
+            self._choose_outcomes(engine)
+        elif not self._feed(engine, self._grow_items(g, sorted(unfed))):
+            self._finish(engine)
 
     def _outcomes(self, engine) -> int:
         """Outcomes pre-drafted at once: each level feeds up to b nodes per outcome, within a step's budget."""
@@ -389,7 +434,7 @@ class ProposeTreeWork(Work):
         items = []
         for _, parent, token in scored[: self._outcomes(engine)]:
             depth = 0 if parent < 0 else self.slot_depth[parent] + 1
-            grown = Growth(self.shape, -1, self.base + depth + 1)
+            grown = Growth(self.shape, -1, self.base + depth + 1, self.dynamic)
             items.append((grown, -1, token, parent))
         self.stage = "outcomes"
         if not self._feed(engine, items):

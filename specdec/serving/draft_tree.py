@@ -11,7 +11,7 @@ from specdec.math.params import SamplingParams
 from specdec.proto import draft_pb2, target_pb2
 
 MAX_SPECULATE = 16  # outcomes one request may pre-draft
-DEFAULT_BRANCHING = 2  # tree_branching 0
+DEFAULT_BRANCHING = 4  # tree_branching 0
 SCHEMES = {target_pb2.TREE_SCHEME_UNSPECIFIED: WITHOUT_REPLACEMENT, target_pb2.TREE_SCHEME_CANDIDATES: CANDIDATES,
            target_pb2.TREE_SCHEME_IID: IID, target_pb2.TREE_SCHEME_WITHOUT_REPLACEMENT: WITHOUT_REPLACEMENT}
 WIRE_SCHEMES = {GREEDY: target_pb2.TREE_SCHEME_CANDIDATES, CANDIDATES: target_pb2.TREE_SCHEME_CANDIDATES,
