@@ -14,6 +14,12 @@ burst. Rows:
   process: its continuous-batching API (``generate_batch``) and padded batched ``generate``; each
   returns only when the whole batch is done, so its per-client figures are the batch's wall time.
 
+With ``--steady SECONDS`` each specdec row is also measured under a **steady load** at each level: C
+clients each send their next request as soon as the last one ends (closed loop, as a server with C
+users sees them), and the throughput is the tokens streamed in the window [``--steady-warmup``,
+SECONDS] over its length. Sessions then start and end at different times, as on a server; a burst's
+makespan instead waits for its slowest session, which a policy that maximises throughput may slow.
+
 Each specdec row runs ``--repeats`` bursts per level (default 3), alternating with the other row, and
 reports the median: on a 2-core machine two bursts of the same row differ by up to ~10%, more than the
 differences the rows are compared on.
@@ -45,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bursts per row and level, the rows alternating (specdec, K = 0, specdec, ...); the median "
                         "by aggregate tok/s is reported, with the range (a 2-core machine's bursts vary by ~10%%)")
     p.add_argument("--rows", default="specdec,k0,peer", help="comma list of specdec, k0, peer")
+    p.add_argument("--steady", type=float, default=0.0, metavar="SECONDS",
+                   help="also measure each specdec row under a steady load of C closed-loop clients for this long "
+                        "per level and row (0 = bursts only)")
+    p.add_argument("--steady-warmup", type=float, default=10.0, metavar="SECONDS",
+                   help="the steady load's first seconds, not counted (the clients' first requests start together)")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
     p.add_argument("--plot", default=None, help="PNG to draw (default docs/bench_concurrency.png; "
                    "docs/bench_concurrency_gpu.png with a GPU --device)")
@@ -125,6 +136,45 @@ def burst(address: str, prompts: list[list[dict]], max_new: int, k: int | None) 
     return summarise(results)
 
 
+def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, k: int | None, seconds: float,
+           warmup_s: float) -> dict:
+    """`clients` closed-loop streaming clients for `seconds`: client i sends prompts i, i + clients, ... (cycling)
+    back to back; the tokens that arrive in [warmup_s, seconds] over the window's length, and the requests
+    that ended in it."""
+    from specdec.client import Client
+
+    barrier = threading.Barrier(clients)
+    stamps: list[list[float]] = [[] for _ in range(clients)]
+    ended: list[list[float]] = [[] for _ in range(clients)]
+    start = [0.0]
+
+    def one(i: int) -> None:
+        with Client(address, timeout_s=1800) as client:
+            if barrier.wait() == 0:
+                start[0] = time.perf_counter()
+            barrier.wait()
+            j = 0
+            while time.perf_counter() < start[0] + seconds:
+                kw = dict(messages=prompts[(i + j * clients) % len(prompts)], max_new_tokens=max_new, ignore_eos=True)
+                if k is not None:
+                    kw["num_speculative_tokens"] = k
+                for event in client.stream(**kw):
+                    if event.HasField("chunk") and event.chunk.token_ids:
+                        stamps[i].extend([time.perf_counter()] * len(event.chunk.token_ids))
+                ended[i].append(time.perf_counter())
+                j += 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lo, hi = start[0] + warmup_s, start[0] + seconds
+    tokens = sum(lo <= t < hi for ts in stamps for t in ts)
+    return {"clients": clients, "window_s": hi - lo, "tokens": tokens, "steady_tok_s": tokens / (hi - lo),
+            "requests": sum(lo <= t < hi for ts in ended for t in ts)}
+
+
 def summarise(results: list[dict]) -> dict:
     start = min(r["start"] for r in results)
     end = max(r["end"] for r in results)
@@ -170,6 +220,15 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
                     runs[row][c].append(res)
                     log(f"{row} C={c}: {res['aggregate_tok_s']:.1f} tok/s aggregate, {res['per_client_tok_s']:.2f} per "
                         f"client, TTFT p50 {res['ttft_p50_s']:.2f}s, TPOT p50 {res['tpot_p50_ms']:.0f} ms, mean K {res['mean_k']:.2f}")
+        loads: dict = {row: {} for row in rows}
+        if args.steady > 0:
+            for c in levels:  # one window per row and level, the rows back to back
+                for row in rows:
+                    k = {"specdec": None, "k0": 0}[row]
+                    loads[row][c] = steady(pipeline.address, chat_prompts(2 * c), c, args.max_new_tokens, k,
+                                           args.steady, args.steady_warmup)
+                    log(f"{row} C={c} steady: {loads[row][c]['steady_tok_s']:.1f} tok/s over "
+                        f"{loads[row][c]['window_s']:.0f} s, {loads[row][c]['requests']} requests ended")
         for row in rows:
             out[row] = {}
             for c in levels:
@@ -179,6 +238,8 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
                 median["repeats"] = len(ordered)
                 # each request's own speed (tokens over its latency), pooled over every burst of the row
                 median["mean_client_tok_s"] = statistics.mean(x for r in ordered for x in r["client_rates"])
+                if c in loads[row]:
+                    median["steady"] = loads[row][c]
                 out[row][c] = median
     return out
 
@@ -317,6 +378,17 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
         L.append("- Each request's own speed (its tokens over its latency, the mean over every client of every "
                  f"burst), the default against K = 0, by clients: {', '.join(per_request)}. The aggregate is the "
                  "burst's tokens over its makespan, which its slowest client sets.")
+    steady_rows = [[c, f"{spec[c]['steady']['steady_tok_s']:.1f}", f"{k0[c]['steady']['steady_tok_s']:.1f}",
+                    f"{spec[c]['steady']['steady_tok_s'] / k0[c]['steady']['steady_tok_s']:.2f}x",
+                    f"{spec[c]['steady']['requests']} / {k0[c]['steady']['requests']}"]
+                   for c in levels if "steady" in spec.get(c, {}) and "steady" in k0.get(c, {})]
+    if steady_rows:
+        w = spec[levels[0]]["steady"]["window_s"]
+        L += ["", f"Steady load (C closed-loop clients, each sending its next request when the last ends; tokens "
+                  f"streamed in a {w:.0f} s window after the first requests, over the window):", ""]
+        L += md_table(["clients", "specdec tok/s", "K = 0 tok/s", "default / K = 0", "requests ended (specdec / K = 0)"],
+                      steady_rows)
+        L.append("")
     for c in sorted({lv for lv in levels if lv >= 16} | {levels[-1]}):
         if 1 not in spec or c not in spec or c == 1:
             continue
