@@ -139,13 +139,11 @@ def burst(address: str, prompts: list[list[dict]], max_new: int, k: int | None) 
 def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, k: int | None, seconds: float,
            warmup_s: float) -> dict:
     """`clients` closed-loop streaming clients for `seconds`: client i sends prompts i, i + clients, ... (cycling)
-    back to back; the tokens that arrive in [warmup_s, seconds] over the window's length, and the requests
-    that ended in it."""
+    back to back; the tokens that arrive in [warmup_s, seconds] over the window's length."""
     from specdec.client import Client
 
     barrier = threading.Barrier(clients)
     stamps: list[list[float]] = [[] for _ in range(clients)]
-    ended: list[list[float]] = [[] for _ in range(clients)]
     start = [0.0]
 
     def one(i: int) -> None:
@@ -161,7 +159,6 @@ def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, 
                 for event in client.stream(**kw):
                     if event.HasField("chunk") and event.chunk.token_ids:
                         stamps[i].extend([time.perf_counter()] * len(event.chunk.token_ids))
-                ended[i].append(time.perf_counter())
                 j += 1
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
@@ -171,8 +168,7 @@ def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, 
         t.join()
     lo, hi = start[0] + warmup_s, start[0] + seconds
     tokens = sum(lo <= t < hi for ts in stamps for t in ts)
-    return {"clients": clients, "window_s": hi - lo, "tokens": tokens, "steady_tok_s": tokens / (hi - lo),
-            "requests": sum(lo <= t < hi for ts in ended for t in ts)}
+    return {"clients": clients, "window_s": hi - lo, "tokens": tokens, "steady_tok_s": tokens / (hi - lo)}
 
 
 def summarise(results: list[dict]) -> dict:
@@ -222,13 +218,19 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
                         f"client, TTFT p50 {res['ttft_p50_s']:.2f}s, TPOT p50 {res['tpot_p50_ms']:.0f} ms, mean K {res['mean_k']:.2f}")
         loads: dict = {row: {} for row in rows}
         if args.steady > 0:
-            for c in levels:  # one window per row and level, the rows back to back
+            for c in levels:  # --repeats windows per row and level, the rows alternating
+                windows: dict = {row: [] for row in rows}
+                for _ in range(max(args.repeats, 1)):
+                    for row in rows:
+                        k = {"specdec": None, "k0": 0}[row]
+                        w = steady(pipeline.address, chat_prompts(2 * c), c, args.max_new_tokens, k, args.steady,
+                                   args.steady_warmup)
+                        windows[row].append(w)
+                        log(f"{row} C={c} steady: {w['steady_tok_s']:.1f} tok/s over {w['window_s']:.0f} s")
                 for row in rows:
-                    k = {"specdec": None, "k0": 0}[row]
-                    loads[row][c] = steady(pipeline.address, chat_prompts(2 * c), c, args.max_new_tokens, k,
-                                           args.steady, args.steady_warmup)
-                    log(f"{row} C={c} steady: {loads[row][c]['steady_tok_s']:.1f} tok/s over "
-                        f"{loads[row][c]['window_s']:.0f} s, {loads[row][c]['requests']} requests ended")
+                    rates = [w["steady_tok_s"] for w in windows[row]]
+                    loads[row][c] = {"steady_tok_s": statistics.mean(rates), "range": (min(rates), max(rates)),
+                                     "window_s": windows[row][0]["window_s"], "windows": len(rates)}
         for row in rows:
             out[row] = {}
             for c in levels:
@@ -378,16 +380,19 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
         L.append("- Each request's own speed (its tokens over its latency, the mean over every client of every "
                  f"burst), the default against K = 0, by clients: {', '.join(per_request)}. The aggregate is the "
                  "burst's tokens over its makespan, which its slowest client sets.")
-    steady_rows = [[c, f"{spec[c]['steady']['steady_tok_s']:.1f}", f"{k0[c]['steady']['steady_tok_s']:.1f}",
-                    f"{spec[c]['steady']['steady_tok_s'] / k0[c]['steady']['steady_tok_s']:.2f}x",
-                    f"{spec[c]['steady']['requests']} / {k0[c]['steady']['requests']}"]
+    def load_cell(r: dict) -> str:
+        lo, hi = r["range"]
+        return f"{r['steady_tok_s']:.1f}" + (f" ({lo:.0f}-{hi:.0f})" if r["windows"] > 1 else "")
+
+    steady_rows = [[c, load_cell(spec[c]["steady"]), load_cell(k0[c]["steady"]),
+                    f"{spec[c]['steady']['steady_tok_s'] / k0[c]['steady']['steady_tok_s']:.2f}x"]
                    for c in levels if "steady" in spec.get(c, {}) and "steady" in k0.get(c, {})]
     if steady_rows:
-        w = spec[levels[0]]["steady"]["window_s"]
+        first = spec[levels[0]]["steady"]
         L += ["", f"Steady load (C closed-loop clients, each sending its next request when the last ends; tokens "
-                  f"streamed in a {w:.0f} s window after the first requests, over the window):", ""]
-        L += md_table(["clients", "specdec tok/s", "K = 0 tok/s", "default / K = 0", "requests ended (specdec / K = 0)"],
-                      steady_rows)
+                  f"streamed in a {first['window_s']:.0f} s window after the first requests, over the window; the "
+                  f"mean of {first['windows']} windows per row, the rows alternating, range in brackets):", ""]
+        L += md_table(["clients", "specdec tok/s", "K = 0 tok/s", "default / K = 0"], steady_rows)
         L.append("")
     for c in sorted({lv for lv in levels if lv >= 16} | {levels[-1]}):
         if 1 not in spec or c not in spec or c == 1:
