@@ -197,8 +197,8 @@ class Pipeline:
         speculate = c.speculate_outcomes if c.overlap else 0
         if params.sampling.penalized or params.response_format or not (c.draft_tree_nodes or speculate):
             return None
-        config = DraftTreeConfig(min(c.draft_tree_nodes, self.max_k()), c.draft_tree_branching, c.draft_tree_scheme,
-                                 speculate)
+        nodes = min(c.draft_tree_nodes, self.max_k())
+        config = DraftTreeConfig(nodes, max(1, min(c.draft_tree_branching, nodes)), c.draft_tree_scheme, speculate)
         return DraftTreePolicy(config, c.adaptive)
 
     def run_cleanup(self, coro) -> None:

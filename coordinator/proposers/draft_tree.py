@@ -2,7 +2,8 @@
 a round asks for, from measured acceptance and measured costs, and the speculation cache's request fields.
 
 The draft grows a tree by expanding the b likeliest nodes of each level with b children each
-(specdec.engine.propose_tree), so a tree of depth D has N(D) = min(max_nodes, b + b^2 (D - 1)) nodes. A tree
+(specdec.engine.propose_tree), so a tree of depth D has N(D) = min(max_nodes, b + b^2 (D - 1)) nodes (a greedy
+tree is dynamic: it grows all b + b^2 (D - 1) candidates and keeps the N(D) likeliest). A tree
 round commits E(D) = (1 - a_t^(D+1)) / (1 - a_t) tokens for a per-level acceptance a_t (the walk goes one
 level deeper), measured on the session's tree rounds (exponentially weighted, as the chain's a), with the
 prior 1 - (1 - a)^b from the chain's a (a level holds when one of b siblings is right). It costs
