@@ -74,16 +74,8 @@ def grow(dist_at: DraftAt, b: int, depth: int, budget: int):
         nodes = g.to_expand(level)
         if not nodes:
             g.keep_best()
-            return [path_of(g, i) for i in range(len(g.tokens))]
-        level = [c for n in nodes for c in g.expand(n, dist_at(path_of(g, n)), 0, greedy_logits=True)]
-
-
-def path_of(g, node: int) -> tuple[int, ...]:
-    out = []
-    while node >= 0:
-        out.append(g.tokens[node])
-        node = g.parents[node]
-    return tuple(reversed(out))
+            return [g.path(i) for i in range(len(g.tokens))]
+        level = [c for n in nodes for c in g.expand(n, dist_at(g.path(n)), 0, greedy_logits=True)]
 
 
 def best_first(dist_at: DraftAt, budget: int) -> list[tuple[int, ...]]:

@@ -116,15 +116,7 @@ def grow_greedy(shape: TreeShape, dist_of, dynamic: bool, prune: bool = True) ->
         if not nodes:
             g.keep_best()
             return g
-        level = [c for n in nodes for c in g.expand(n, dist_of(path(g, n)), 0, greedy_logits=True)]
-
-
-def path(g: Growth, node: int) -> tuple[int, ...]:
-    out = []
-    while node >= 0:
-        out.append(g.tokens[node])
-        node = g.parents[node]
-    return tuple(reversed(out))
+        level = [c for n in nodes for c in g.expand(n, dist_of(g.path(n)), 0, greedy_logits=True)]
 
 
 def synthetic(confidence: float, seed: int):
@@ -149,10 +141,10 @@ def test_a_dynamic_tree_keeps_the_likeliest_paths_of_its_candidates(confidence, 
     g = grow_greedy(shape, dist_of, dynamic=True)
     full = grow_greedy(shape, dist_of, dynamic=True, prune=False)
     assert len(g.tokens) == shape.nodes and len(full.tokens) == shape.nodes
-    assert sorted(path(g, i) for i in range(8)) == sorted(path(full, i) for i in range(8))
+    assert sorted(g.path(i) for i in range(8)) == sorted(full.path(i) for i in range(8))
     assert all(p < i for i, p in enumerate(g.parents))  # ancestors kept, parents first
     for i in range(8):  # each kept node's probability is its path's, through the renumbered parents
-        p = path(g, i)
+        p = g.path(i)
         expected = math.prod(float(dist_of(p[:d])[1][dist_of(p[:d])[0].tolist().index(t)]) for d, t in enumerate(p))
         assert g.prob[i] == pytest.approx(expected, rel=1e-6)
     depth = max(g.depth) + 1

@@ -192,6 +192,14 @@ class Growth:
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in keep])
 
+    def path(self, node: int) -> tuple[int, ...]:
+        """The tokens from the anchor down to node, node's own last."""
+        out = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return tuple(reversed(out))
+
     def leaves(self) -> list[int]:
         has_child = set(self.parents)
         return [i for i in range(len(self.tokens)) if i not in has_child]
