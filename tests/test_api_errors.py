@@ -44,6 +44,8 @@ def test_parameters_are_named_as_the_request_named_them(cluster, oai, model):
     assert err["param"] == "messages[0].role" and err["message"].startswith("messages[0].role must be one of")
     err = bad_request(lambda: oai.completions.create(model=model, prompt="Hi", extra_body={"num_speculative_tokens": 99}))
     assert err["param"] == "num_speculative_tokens"
+    err = bad_request(lambda: oai.completions.create(model=model, prompt="Hi", extra_body={"num_speculative_nodes": 99}))
+    assert err["param"] == "num_speculative_nodes" and err["message"].startswith("num_speculative_nodes must be in [0, ")
     err = bad_request(lambda: oai.completions.create(model=model, prompt=[7] * CONTEXT, max_tokens=4))
     assert err["param"] == "prompt" and f"context is {CONTEXT}" in err["message"]
 

@@ -97,6 +97,8 @@ def _gen(**fields) -> generate_pb2.GenerateRequest:
     for name, value in fields.items():
         if name == "stop":
             req.stop.extend(value)
+        elif name == "response_format":
+            req.response_format.CopyFrom(value)
         else:
             setattr(req, name, value)
     return req
@@ -165,6 +167,14 @@ GENERATE_CASES = [
     ("top_p_nan", lambda: _gen(top_p=math.nan), ["top_p"]),
     ("num_speculative_tokens_negative", lambda: _gen(num_speculative_tokens=-1), ["num_speculative_tokens"]),
     ("num_speculative_tokens_above_cap", lambda: _gen(num_speculative_tokens=MAX_K + 1), ["num_speculative_tokens"]),
+    ("num_speculative_nodes_negative", lambda: _gen(num_speculative_nodes=-1), ["num_speculative_nodes", "-1"]),
+    ("num_speculative_nodes_above_cap", lambda: _gen(num_speculative_nodes=MAX_K + 1), ["num_speculative_nodes"]),
+    ("num_speculative_nodes_below_k", lambda: _gen(num_speculative_tokens=4, num_speculative_nodes=3),
+     ["num_speculative_nodes (3)", "at least num_speculative_tokens (4)"]),
+    ("num_speculative_nodes_penalised", lambda: _gen(num_speculative_nodes=6, presence_penalty=0.5),
+     ["num_speculative_nodes", "penalties"]),
+    ("num_speculative_nodes_structured", lambda: _gen(num_speculative_nodes=6, response_format=generate_pb2.ResponseFormat(
+        json_object=True)), ["num_speculative_nodes", "response_format"]),
     ("too_many_stop_strings", lambda: _gen(stop=[f"s{i}" for i in range(17)]), ["stop"]),
     ("empty_stop_string", lambda: _gen(stop=["ok", ""]), ["stop"]),
     ("stop_string_too_long", lambda: _gen(stop=["x" * 257]), ["stop"]),

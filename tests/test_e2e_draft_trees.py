@@ -151,3 +151,20 @@ def test_bad_tree_fields_are_invalid_argument_and_the_batch_completes(random_tre
         stub.Propose(penalised)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree_nodes: penalised" in e.value.details()
     channel.close()
+
+
+def test_a_request_sets_its_own_tree_budget(random_draft_cluster, random_tree_cluster, tiny_target_model):
+    """num_speculative_nodes asks for trees on a server whose default is chains (the draft model's and prompt
+    lookup's), and for chains (0) on one whose default is trees: the greedy output is the target's own either
+    way, and the rounds proposed what was asked (a tree of depth 3 holds more than 3 nodes; a chain at most 3)."""
+    k = 3
+    for cluster, nodes, trees in ((random_draft_cluster, 8, True), (random_tree_cluster, 0, False)):
+        with Client(cluster.address) as client:
+            for proposer in ("draft", "lookup"):
+                for prompt in PROMPTS[:2]:
+                    out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=k,
+                                          num_speculative_nodes=nodes, proposer=proposer)
+                    assert out.token_ids == reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+                    per_round = out.stats["mean_num_speculative_tokens"]
+                    if proposer == "draft":
+                        assert per_round > k if trees else per_round <= k, (cluster, per_round)

@@ -3,7 +3,8 @@ that the shared validation and generation path take. Only shapes are checked her
 length, max tokens, K, stop strings, sampling ranges) are the shared validator's.
 
 specdec's own options travel as extra body fields (openai client: `extra_body={...}`):
-num_speculative_tokens (K; 0 = target-only; unset = the server's default, adaptive), proposer (any name
+num_speculative_tokens (K; 0 = target-only; unset = the server's default, adaptive), num_speculative_nodes
+(a token tree's node budget N; 0 = chains; unset = the server's default), proposer (any name
 or alias of coordinator.proposers.names, the gRPC API's table), top_k, ignore_eos, and vLLM's
 repetition_penalty and min_p. n > 1 becomes n GenerateRequests (n generations; with a seed, choice i
 samples with seed + i, as vLLM does).
@@ -83,6 +84,7 @@ class _Common(_Body):
     prompt_cache_key: str | None = None  # requests with the same key reach the same replicas (their prefix caches)
     # specdec's extras
     num_speculative_tokens: int | None = None
+    num_speculative_nodes: int | None = None
     proposer: ProposerName | None = None
     top_k: int | None = None
     ignore_eos: bool = False
@@ -125,7 +127,7 @@ class _Common(_Body):
                 raise BadRequest(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias") from None
         values = {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": self.top_k, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens,
-                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "num_speculative_nodes": self.num_speculative_nodes, "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                   "repetition_penalty": self.repetition_penalty, "min_p": self.min_p}
         for name, value in values.items():
             if value is not None:

@@ -92,10 +92,21 @@ class RequestValidator:
             except ConstraintError as e:
                 raise invalid_argument(str(e), str(e).split(":")[0]) from None
             response_format = r.response_format
+        nodes = None
+        if r.HasField("num_speculative_nodes"):
+            nodes = r.num_speculative_nodes
+            if not 0 <= nodes <= self.max_k():
+                raise invalid_argument(f"num_speculative_nodes must be in [0, {self.max_k()}], got {nodes}", "num_speculative_nodes")
+            if k is not None and 0 < nodes < k:
+                raise invalid_argument(f"num_speculative_nodes ({nodes}) must be 0 or at least num_speculative_tokens ({k}): "
+                                       "a tree of depth K holds at least K nodes", "num_speculative_nodes")
+            if nodes and (sampling.penalized or response_format is not None):
+                raise invalid_argument("num_speculative_nodes: token trees are not available with penalties or "
+                                       "response_format (their rounds verify chains); leave it unset or 0", "num_speculative_nodes")
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
                                 cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
-                                response_format=response_format)
+                                response_format=response_format, tree_nodes=nodes)
 
     def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
         tok = self.pipeline.tokenizer

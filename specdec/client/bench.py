@@ -188,7 +188,7 @@ def main_bench(args, make_client) -> int:
         return 2
     generation = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, stop=args.stop, num_speculative_tokens=args.num_speculative_tokens,
-                      ignore_eos=args.ignore_eos, proposer=args.proposer)
+                      num_speculative_nodes=args.num_speculative_nodes, ignore_eos=args.ignore_eos, proposer=args.proposer)
     config = BenchConfig(num_requests=args.num_requests, concurrency=min(args.concurrency, args.num_requests),
                          prompt=args.prompt, chat=args.chat, generation=generation)
     print(f"{config.num_requests} requests, {config.concurrency} at a time, against {args.address}", file=sys.stderr)

@@ -55,6 +55,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="K; 0 = target-only decoding")
+    p.add_argument("--num-speculative-nodes", type=int, default=None,
+                   help="N, each round's token-tree node budget (K is then its depth); 0 = chains; default: the server's")
     p.add_argument("--ignore-eos", action="store_true")
     aliases = ", ".join(f"{a} = {p}" for a, p in ALIASES.items())
     p.add_argument("--proposer", choices=list(NAMES), default=None,
@@ -90,8 +92,8 @@ def make_client(address: str, args: argparse.Namespace) -> Client:
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              seed=args.seed, stop=args.stop, num_speculative_tokens=args.num_speculative_tokens, ignore_eos=args.ignore_eos,
-              proposer=args.proposer)
+              seed=args.seed, stop=args.stop, num_speculative_tokens=args.num_speculative_tokens,
+              num_speculative_nodes=args.num_speculative_nodes, ignore_eos=args.ignore_eos, proposer=args.proposer)
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
     else:

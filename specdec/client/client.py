@@ -46,6 +46,7 @@ def build_request(
     seed: int | None = None,
     stop: Sequence[str] = (),
     num_speculative_tokens: int | None = None,
+    num_speculative_nodes: int | None = None,
     ignore_eos: bool = False,
     proposer: str | None = None,
     prompt_cache_key: str = "",
@@ -80,6 +81,7 @@ def build_request(
             req.token_ids.SetInParent()
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
                         ("top_p", top_p), ("seed", seed), ("num_speculative_tokens", num_speculative_tokens),
+                        ("num_speculative_nodes", num_speculative_nodes),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_p", min_p)):
         if value is not None:
