@@ -107,8 +107,10 @@ def build_plan(args) -> dict:
                     add("specdec", proposer="draft", k=k, temperature=temp)
                 if "tree" in tree_variants(m):
                     add("specdec", proposer="draft", k=2, temperature=temp, variant="tree")
-            if wl == "open":  # the default request: hybrid proposer, adaptive K
+            if wl == "open":  # the default request: hybrid proposer, adaptive K; and with the draft's trees on
                 add("specdec", proposer="hybrid", k=None)
+                if "tree" in tree_variants(m):
+                    add("specdec", proposer="hybrid", k=None, variant="tree")
             if wl == "grounded":
                 for prop in proposers:
                     for k in [*m["lookup_ks"], None]:

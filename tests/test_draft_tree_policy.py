@@ -1,13 +1,16 @@
-"""The coordinator's draft-tree policy (coordinator.proposers.draft_tree): the tree shape N(D) = b + b^2 (D - 1)
-within the budget, a fixed K asked as the tree of depth K, trees only where their expected tokens per unit
-of time beat the chosen chain's (flat verification: yes; verification that grows with the nodes scored or
-trees whose levels keep failing: no), and the request fields (a chain with the speculation cache is a tree
-of branching 1)."""
+"""The coordinator's draft-tree policy (coordinator.proposers.draft_tree): Sequoia's acceptance vector counted
+exactly from verified trees, the expected tokens of dynamic (best-first) and sampled (level-grown) shapes
+computed by hand, N and D chosen freely for dynamic trees and N(D) for sampled ones, a fixed K asked as the
+tree of depth K, trees only where their expected tokens per unit of time beat the chosen chain's (flat
+verification: a large tree; verification that grows with the nodes scored: a small one or the chain;
+trees whose levels keep failing: the chain), the measured ratio lifting the vector's estimate, and the
+request fields (a chain with the speculation cache is a tree of branching 1)."""
 
 from __future__ import annotations
 
 from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate
-from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTreePolicy, TreeAsk
+from coordinator.proposers.draft_tree import (DraftTreeConfig, DraftTreePolicy, SiblingAcceptance, TreeAsk, best_first,
+                                              level_growth)
 from specdec.proto import draft_pb2, target_pb2
 
 ADAPTIVE = AdaptiveConfig()
@@ -36,16 +39,64 @@ def test_shape_and_fixed_k():
     assert DraftTreePolicy(DraftTreeConfig(max_nodes=0), ADAPTIVE).choose(chain(0.3), flat, 3, 3, 16) is None
 
 
-def test_trees_only_where_they_pay():
-    trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE)
+def test_sibling_acceptance_counts_each_level_of_the_walk():
+    s = SiblingAcceptance(3, decay=1.0)
+    # root -> 0, 1, 2; node 0 -> 3, 4; node 1 -> 5. The walk took child 1 of the root, then node 1's only child.
+    s.observe([-1, -1, -1, 0, 0, 1], [1, 5])
+    assert (s.hits, s.tries, s.levels) == ([1.0, 1.0, 0.0], [2.0, 1.0, 0.0], 2)
+    s.observe([-1, -1, -1, 0, 0, 1], [])  # every child of the root missed
+    assert (s.hits, s.tries) == ([1.0, 1.0, 0.0], [3.0, 2.0, 1.0])
+    s.observe([-1, 0, 0], [0])  # the root's child held, both of its children missed
+    assert (s.hits, s.tries) == ([2.0, 1.0, 0.0], [5.0, 3.0, 1.0])
+    w, a = SiblingAcceptance.PRIOR_LEVELS, 0.3
+    c = s.conditional(a)
+    assert c == [(2 + w * a) / (5 + w), (1 + w * a / 2) / (3 + w), (0 + w * a / 4) / (1 + w)]
+    p = s.path_probs(a)
+    assert p[0] == c[0] and abs(p[1] - (1 - c[0]) * c[1]) < 1e-12 and abs(p[2] - (1 - c[0]) * (1 - c[1]) * c[2]) < 1e-12
+    fresh = SiblingAcceptance(4, decay=0.9).path_probs(0.3)  # the prior: top 4 hold ~47% (the replay: ~50%)
+    assert abs(fresh[0] - 0.3) < 1e-12 and 0.45 < sum(fresh) < 0.5
+
+
+def test_shapes_expected_reach_by_hand():
+    assert best_first([0.5, 0.25], nodes=3, depth=2) == [0.5, 0.25, 0.25]
+    assert best_first([0.5, 0.25], nodes=5, depth=1) == [0.5, 0.25]  # depth 1: the root's children only
+    assert best_first([0.5, 0.25], nodes=4, depth=3) == [0.5, 0.25, 0.25, 0.125]
+    # sampled: the root's 2, then ceil(3 / 2) = 2 nodes expanded with 2 children each, cut at 5 nodes
+    assert level_growth([0.5, 0.25], nodes=5, depth=3) == [0.5, 0.25, 0.25, 0.125, 0.125]
+    assert level_growth([0.5, 0.25], nodes=8, depth=2) == [0.5, 0.25, 0.25, 0.125, 0.125, 0.0625]
+
+
+def test_dynamic_trees_choose_nodes_and_depth_where_they_pay():
     low = chain(0.3)
     assert 0.15 < low.acceptance < 0.45
-    assert trees.choose(low, line(50.0, 0.1), k=2, max_k=8, max_nodes=16) is not None  # flat verify: a tree pays
-    assert trees.choose(low, line(10.0, 30.0), k=1, max_k=8, max_nodes=16) is None  # each node costs a lot: the chain
+    greedy = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE)
+    flat = greedy.choose(low, line(100.0, 0.0), k=2, max_k=8, max_nodes=16)
+    assert flat is not None and flat.nodes == 16 and flat.depth >= 2  # nodes cost nothing: the whole budget
+    steep_after_8 = [100.0 if n <= 8 else 100.0 + 20.0 * (n - 8) for n in range(17)]
+    mid = greedy.choose(low, steep_after_8, k=2, max_k=8, max_nodes=16)
+    assert mid is not None and mid.nodes == 8  # not a node past the flat part, and not N(D) = 4 or 20
+    assert greedy.choose(low, line(10.0, 30.0), k=1, max_k=8, max_nodes=16) is None  # each node costs a lot: the chain
+    sampled = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE, greedy=False)
+    assert sampled.choose(low, steep_after_8, k=2, max_k=8, max_nodes=16) in (None, TreeAsk(4, 1, 4))  # N(D) only
+    assert sampled.choose(low, line(100.0, 0.0), k=2, max_k=8, max_nodes=16).nodes == 16
+
+
+def test_failing_levels_turn_trees_off_and_good_ones_raise_the_estimate():
+    trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE)
+    low, cheap = chain(0.3), line(50.0, 0.1)
+    tree = [-1, -1, 0, 0, 1, 1]  # depth 2, two children per node
+    assert trees.choose(low, cheap, k=2, max_k=8, max_nodes=16) is not None  # flat verify: a tree pays
     for _ in range(30):
-        trees.observe(depth=3, accepted=0)  # measured: the trees' levels fail
-    assert trees.rounds == 30 and trees.levels.acceptance < 0.1
-    assert trees.choose(low, line(50.0, 0.1), k=2, max_k=8, max_nodes=16) is None
+        trees.choose(low, cheap, k=2, max_k=8, max_nodes=16)
+        trees.observe(tree, [])  # measured: no child of the root ever holds
+    assert trees.siblings.conditional(low.acceptance)[0] < 0.1 and trees.ratio.value < 1.0
+    assert trees.choose(low, cheap, k=2, max_k=8, max_nodes=16) is None
+    lucky = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE)
+    before = lucky.expected(0.3, 6, 2)
+    for _ in range(30):
+        assert lucky.choose(low, cheap, k=2, max_k=2, max_nodes=16) is not None
+        lucky.observe(tree, [0, 2])  # the first child, then its first child: both levels held every time
+    assert lucky.ratio.value > 1.0 and lucky.expected(0.3, 6, 2) > before
 
 
 def test_request_fields():

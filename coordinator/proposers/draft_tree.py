@@ -2,24 +2,39 @@
 a round asks for, from measured acceptance and measured costs, and the speculation cache's request fields.
 
 The draft grows a tree by expanding the b likeliest nodes of each level with b children each
-(specdec.engine.propose_tree), so a tree of depth D has N(D) = min(max_nodes, b + b^2 (D - 1)) nodes (a greedy
-tree is dynamic: it grows all b + b^2 (D - 1) candidates and keeps the N(D) likeliest). A tree
-round commits E(D) = (1 - a_t^(D+1)) / (1 - a_t) tokens for a per-level acceptance a_t (the walk goes one
-level deeper), measured on the session's tree rounds (exponentially weighted, as the chain's a), with the
-prior 1 - (1 - a)^b from the chain's a (a level holds when one of b siblings is right). It costs
-verify(N(D)) + propose(D): the target's measured verify line against tokens scored (shared with the chains,
-from the target's load) and the draft's measured propose line against its steps (one per level, as a
-chain's K). A tree is asked for only when the policy chose the draft model for a chain of K > 0 and the
-best tree's E / C beats that chain's: never where the policy would run K = 0 (the target alone). A request
-with a fixed K asks for the tree of depth K (N(K) nodes), so that its proposals depend on no timing.
+(specdec.engine.propose_tree). A greedy tree (or the candidates scheme's) is dynamic: it grows past the
+budget and keeps the N nodes of highest path probability, so N and D are chosen freely. A sampled tree
+keeps every node it draws: the shape N(D) = min(budget, b + b^2 (D - 1)).
+
+What a shape commits is predicted from Sequoia's acceptance vector (Chen et al. 2024, "Sequoia: Scalable,
+Robust, and Hardware-aware Speculative Decoding", section 3.1): c_r, the chance that a level's r-th child
+(the draft's order, its likeliest first) holds the target's token when the children before it did not,
+measured per session on its tree rounds (SiblingAcceptance). Under it the walk goes through a node with
+the product of p_r = c_r (1 - c_1) ... (1 - c_{r-1}) along its path, and a round commits
+E = 1 + rho x (the sum over the tree's nodes of that product): the bonus token, plus each node the walk
+reaches. For a dynamic tree those products are its best-first nodes, the N largest within depth D: the
+draft's own order keeps the likeliest paths, which the vector models as the lowest ranks. The vector
+treats levels as independent, and they are not (a draft right once is likelier right again, and a
+dynamic tree follows the draft's confidence round by round), so rho, the session's measured ratio of
+the nodes its tree rounds accepted to the sum they predicted, scales it (on the default pair's replay the
+vector alone predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the trees commit 1.68 / 1.86 /
+1.95). A round costs verify(N) +
+propose(D): the target's measured verify time against tokens scored (shared with the chains, from the
+target's load) and the draft's measured propose line against its steps (one per level, as a chain's K).
+A tree is asked for only when the policy chose the draft model for a chain of K > 0 and the best shape's
+E / cost beats that chain's: never where the policy would run K = 0 (the target alone). A request with a
+fixed K asks for the tree of depth K with N(K) nodes, so that its proposals depend on no timing.
 """
 
 from __future__ import annotations
 
+import heapq
+from itertools import accumulate
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate, expected_tokens
+from coordinator.proposers.policy import AcceptanceRatio
 from specdec.proto import draft_pb2, target_pb2
 
 SCHEMES = {"without_replacement": target_pb2.TREE_SCHEME_WITHOUT_REPLACEMENT, "iid": target_pb2.TREE_SCHEME_IID,
@@ -45,48 +60,156 @@ class TreeAsk:
     branching: int  # b (1: a chain, asked as a tree for the speculation cache)
 
 
+class SiblingAcceptance:
+    """c_r of one session's draft trees, r = 0 .. b - 1 (the r-th child in the draft's order): each an
+    exponentially weighted ratio of the levels where child r held the target's token to those where it was
+    tried (the children before it had not held it). Until measured: c_0 = the chain's acceptance a (the
+    first child is the chain's token) and c_r = a / 2^r, worth PRIOR_LEVELS levels; replayed on the default
+    pair (bench/tree_replay.py) the draft's top 4 hold the target's token ~50% of the time against its top
+    1's ~30%, which this prior gives (0.47 at a = 0.3)."""
+
+    PRIOR_LEVELS = 2.0
+
+    def __init__(self, branching: int, decay: float) -> None:
+        self.decay = decay
+        self.hits = [0.0] * branching
+        self.tries = [0.0] * branching
+        self.levels = 0  # levels observed
+
+    def conditional(self, a: float) -> list[float]:
+        """c_r given the chain's acceptance a (the prior's scale)."""
+        w = self.PRIOR_LEVELS
+        return [(h + w * a / 2 ** r) / (t + w) for r, (h, t) in enumerate(zip(self.hits, self.tries))]
+
+    def path_probs(self, a: float) -> list[float]:
+        """p_r = c_r (1 - c_0) ... (1 - c_{r-1}): the chance that the walk goes on through child r."""
+        out, missed = [], 1.0
+        for c in self.conditional(a):
+            out.append(missed * c)
+            missed *= 1.0 - c
+        return out
+
+    def observe(self, parents: Sequence[int], path: Sequence[int]) -> None:
+        """A verified tree (parents: -1 = the root) and its accepted path, root-down: at each level of the walk
+        the children of the node reached before the one accepted were tried and missed, that one held; where
+        the walk stopped every child was tried and missed."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents):
+            children.setdefault(parent, []).append(node)
+        self.hits = [h * self.decay for h in self.hits]
+        self.tries = [t * self.decay for t in self.tries]
+        node = -1
+        for level in range(len(path) + 1):
+            kids = children.get(node, [])[: len(self.hits)]
+            if not kids:
+                break
+            held = kids.index(path[level]) if level < len(path) and path[level] in kids else len(kids)
+            for r in range(min(held + 1, len(kids))):
+                self.tries[r] += 1.0
+            if held < len(kids):
+                self.hits[held] += 1.0
+            self.levels += 1
+            if level == len(path):
+                break
+            node = path[level]
+
+
+def best_first(p: Sequence[float], nodes: int, depth: int) -> list[float]:
+    """The walk's chance of reaching each node of the N = `nodes` likeliest within `depth` levels, best first,
+    where child r of a node is reached with its parent's chance times p[r] (a dynamic tree's shape)."""
+    heap = [(-pr, 1) for pr in p if pr > 0]
+    heapq.heapify(heap)
+    out = []
+    while heap and len(out) < nodes:
+        v, d = heapq.heappop(heap)
+        out.append(-v)
+        if d < depth:
+            for pr in p:
+                if pr > 0:
+                    heapq.heappush(heap, (v * pr, d + 1))
+    return out
+
+
+def level_growth(p: Sequence[float], nodes: int, depth: int) -> list[float]:
+    """The same chances for a sampled tree's fixed shape (specdec.engine.propose_tree.Growth within its budget):
+    the root's b children, then per level the likeliest ceil(left / b) (at most b) nodes each with b children,
+    until N nodes or D levels."""
+    b, out, level = len(p), [], [1.0]
+    for _ in range(depth):
+        left = nodes - len(out)
+        if left <= 0 or not level:
+            break
+        expand = sorted(level, reverse=True)[: min(b, -(-left // b))]
+        level = [v * pr for v in expand for pr in p][:left]
+        out.extend(level)
+    return out
+
+
 class DraftTreePolicy:
     """Per session: the tree shape of each draft-model round, and what tree rounds have taught."""
 
-    def __init__(self, config: DraftTreeConfig, adaptive: AdaptiveConfig) -> None:
+    def __init__(self, config: DraftTreeConfig, adaptive: AdaptiveConfig, greedy: bool = True) -> None:
+        """greedy: the session's trees are dynamic (so are the candidates scheme's), their N chosen freely."""
         self.config = config
-        self.levels = SourceEstimate(adaptive, local_proposer=False)  # per-level acceptance of tree rounds
-        self.rounds = 0
+        self.dynamic = greedy or config.scheme == "candidates"
+        self.siblings = SiblingAcceptance(max(config.branching, 1), adaptive.decay)
+        self.ratio = AcceptanceRatio(adaptive.decay)  # rho: nodes accepted / the sum the vector predicted
+        self._asked = 0.0  # the sum the vector predicted for the tree last asked for
 
     def nodes(self, depth: int) -> int:
+        """N(D): a tree of depth D's nodes when every level fills (a sampled tree's; a fixed K's)."""
         b = self.config.branching
         return min(self.config.max_nodes, b + b * b * (depth - 1))
+
+    def reach(self, a: float, nodes: int, depth: int) -> float:
+        """The vector's sum over a tree of N nodes and depth D (chain acceptance a): its accepted nodes, unscaled."""
+        p = self.siblings.path_probs(a)
+        return sum(best_first(p, nodes, depth) if self.dynamic else level_growth(p, nodes, depth))
+
+    def expected(self, a: float, nodes: int, depth: int) -> float:
+        """E(N, D): tokens a round with this tree commits (the bonus included), for chain acceptance a."""
+        return 1.0 + self.ratio.value * self.reach(a, nodes, depth)
 
     def choose(self, chain: SourceEstimate, verify: Sequence[float], k: int, max_k: int, max_nodes: int,
                measured: bool = True, fixed: bool = False) -> TreeAsk | None:
         """The tree to ask for instead of the chosen chain of k drafts (None: the chain), at most max_k deep
         and max_nodes large. chain: the draft model's estimates; verify[n]: the predicted verify time of
         a round scoring n drafts (n = 0..max_nodes). fixed: the request set K, which is then the tree's depth (its
-        nodes: N(K)), no timing involved."""
+        nodes: N(K)), no timing involved. O(max_k x max_nodes log max_nodes)."""
         c = self.config
         if c.max_nodes <= 1 or c.branching <= 1 or k <= 0:
             return None
+        a, self._asked = chain.acceptance, 0.0
         if fixed:
             n = self.nodes(k)
-            return TreeAsk(n, k, c.branching) if k < n <= max_nodes else None
+            if not k < n <= max_nodes:
+                return None
+            self._asked = self.reach(a, n, k)
+            return TreeAsk(n, k, c.branching)
         p0, p1 = chain.propose_cost.line(measured)
-        a = chain.acceptance
         best_rate = expected_tokens(a, k) / (verify[k] + max(p0 + p1 * k, 1e-6))
-        a_t = self.levels.acceptance if self.rounds else 1.0 - (1.0 - a) ** c.branching
+        p, rho = self.siblings.path_probs(a), self.ratio.value
+        limit = min(c.max_nodes, max_nodes, len(verify) - 1)
         best = None
         for depth in range(1, max_k + 1):
-            n = self.nodes(depth)
-            if n < depth or n > max_nodes or n >= len(verify):
-                break
-            rate = expected_tokens(a_t, depth) / (verify[n] + max(p0 + p1 * depth, 1e-6))
-            if rate > best_rate:
-                best_rate, best = rate, TreeAsk(n, depth, c.branching)
+            propose = max(p0 + p1 * depth, 1e-6)
+            if self.dynamic:  # every N from depth + 1 (a chain's N is its depth) to the budget
+                reach = list(accumulate(best_first(p, limit, depth)))
+                shapes = [(n, reach[n - 1]) for n in range(depth + 1, len(reach) + 1)]
+            else:  # the shape the draft grows
+                n = self.nodes(depth)
+                shapes = [(n, sum(level_growth(p, n, depth)))] if depth < n <= limit else []
+            for n, r in shapes:
+                rate = (1.0 + rho * r) / (verify[n] + propose)
+                if rate > best_rate:
+                    best_rate, best, self._asked = rate, TreeAsk(n, depth, c.branching), r
         return best
 
-    def observe(self, depth: int, accepted: int) -> None:
-        """A tree round: `accepted` levels of `depth` held."""
-        self.levels.observe_acceptance(depth, accepted)
-        self.rounds += 1
+    def observe(self, parents: Sequence[int], path: Sequence[int]) -> None:
+        """A tree round: its nodes' parents and the accepted path (node indices, root-down)."""
+        if self._asked > 0:
+            self.ratio.observe(len(path), self._asked)
+        self.siblings.observe(parents, path)
 
     def request_fields(self, request: draft_pb2.ProposeRequest, tree: TreeAsk | None, k: int) -> None:
         """Fill a ProposeRequest's tree and speculation fields: the tree, or with the speculation cache on a
