@@ -9,6 +9,8 @@ request fields (a chain with the speculation cache is a tree of branching 1)."""
 from __future__ import annotations
 
 from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate
+from coordinator.proposers.names import DRAFT_MODEL
+from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.draft_tree import (DraftTreeConfig, DraftTreePolicy, SiblingAcceptance, TreeAsk, best_first,
                                               level_growth)
 from specdec.proto import draft_pb2, target_pb2
@@ -33,10 +35,10 @@ def chain(acceptance: float) -> SourceEstimate:
 def test_shape_and_fixed_k():
     trees = DraftTreePolicy(DraftTreeConfig(max_nodes=12, branching=2), ADAPTIVE)
     assert [trees.nodes(d) for d in (1, 2, 3, 4)] == [2, 6, 10, 12]
-    flat = line(50.0, 0.0)
-    assert trees.choose(chain(0.3), flat, k=3, max_k=3, max_nodes=16, fixed=True) == TreeAsk(10, 3, 2)
-    assert trees.choose(chain(0.3), flat, k=3, max_k=3, max_nodes=8, fixed=True) is None  # over the tier's cap
-    assert DraftTreePolicy(DraftTreeConfig(max_nodes=0), ADAPTIVE).choose(chain(0.3), flat, 3, 3, 16) is None
+    assert trees.fixed(3, 0.3, max_nodes=16) == TreeAsk(10, 3, 2)
+    assert trees.fixed(3, 0.3, max_nodes=8) is None  # over the tier's cap
+    assert DraftTreePolicy(DraftTreeConfig(max_nodes=0), ADAPTIVE).fixed(3, 0.3, 16) is None
+    assert DraftTreePolicy(DraftTreeConfig(max_nodes=0, speculate=4), ADAPTIVE).best(chain(0.3), line(50.0, 0.0), 8, 16) is None
 
 
 def test_sibling_acceptance_counts_each_level_of_the_walk():
@@ -66,35 +68,58 @@ def test_shapes_expected_reach_by_hand():
     assert level_growth([0.5, 0.25], nodes=8, depth=2) == [0.5, 0.25, 0.25, 0.125, 0.125, 0.0625]
 
 
-def test_dynamic_trees_choose_nodes_and_depth_where_they_pay():
+def test_dynamic_trees_choose_nodes_and_depth_sampled_ones_their_grown_shape():
     low = chain(0.3)
     assert 0.15 < low.acceptance < 0.45
     greedy = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE)
-    flat = greedy.choose(low, line(100.0, 0.0), k=2, max_k=8, max_nodes=16)
-    assert flat is not None and flat.nodes == 16 and flat.depth >= 2  # nodes cost nothing: the whole budget
+    _, flat = greedy.best(low, line(100.0, 0.0), max_k=8, max_nodes=16)
+    assert flat.nodes == 16 and flat.depth >= 2  # nodes cost nothing: the whole budget
     steep_after_8 = [100.0 if n <= 8 else 100.0 + 20.0 * (n - 8) for n in range(17)]
-    mid = greedy.choose(low, steep_after_8, k=2, max_k=8, max_nodes=16)
-    assert mid is not None and mid.nodes == 8  # not a node past the flat part, and not N(D) = 4 or 20
-    assert greedy.choose(low, line(10.0, 30.0), k=1, max_k=8, max_nodes=16) is None  # each node costs a lot: the chain
+    _, mid = greedy.best(low, steep_after_8, max_k=8, max_nodes=16)
+    assert mid.nodes == 8  # not a node past the flat part, and not N(D) = 4 or 16
     sampled = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE, greedy=False)
-    assert sampled.choose(low, steep_after_8, k=2, max_k=8, max_nodes=16) in (None, TreeAsk(4, 1, 4))  # N(D) only
-    assert sampled.choose(low, line(100.0, 0.0), k=2, max_k=8, max_nodes=16).nodes == 16
+    assert sampled.best(low, steep_after_8, max_k=8, max_nodes=16)[1] == TreeAsk(4, 1, 4)  # N(D) only
+    assert sampled.best(low, line(100.0, 0.0), max_k=8, max_nodes=16)[1].nodes == 16
+
+
+def policy(acceptance: float, intercept: float, slope: float) -> ProposerPolicy:
+    """A session's proposer policy whose draft chains have this acceptance and whose verify line is measured."""
+    pol = ProposerPolicy(ADAPTIVE, (DRAFT_MODEL,))
+    pol.estimates[DRAFT_MODEL] = chain(acceptance)
+    for _ in range(60):
+        for n in (0, 2, 8, 16):
+            pol.verify_cost.observe(n, intercept + slope * n)
+    return pol
+
+
+def test_trees_compete_with_chains_and_with_the_target_alone():
+    trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE)
+    weak = policy(0.3, 30.0, 0.0)
+    assert weak.estimates[DRAFT_MODEL].acceptance < 0.25
+    assert weak.choose([], 8, draft=True, fixed=False).k == 0  # no chain pays: the target alone
+    choice = weak.choose([], 8, draft=True, fixed=False, trees=trees, max_nodes=16)
+    assert choice.source == DRAFT_MODEL and choice.tree is not None and choice.k == choice.tree.depth  # a tree does
+    steep = policy(0.3, 10.0, 30.0)  # each node scored costs three steps' worth
+    assert steep.choose([], 8, draft=True, fixed=False, trees=trees, max_nodes=16).tree is None
+    assert weak.choose([], 8, draft=False, fixed=False, trees=trees, max_nodes=16).k == 0  # no draft: no tree
+    assert weak.choose([], 3, draft=True, fixed=True, trees=trees, max_nodes=16).tree is None  # a fixed K: the drafter's
 
 
 def test_failing_levels_turn_trees_off_and_good_ones_raise_the_estimate():
     trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE)
-    low, cheap = chain(0.3), line(50.0, 0.1)
+    pol = policy(0.3, 50.0, 0.1)
+    low = pol.estimates[DRAFT_MODEL]
     tree = [-1, -1, 0, 0, 1, 1]  # depth 2, two children per node
-    assert trees.choose(low, cheap, k=2, max_k=8, max_nodes=16) is not None  # flat verify: a tree pays
+    assert pol.choose([], 8, True, False, trees=trees, max_nodes=16).tree is not None  # flat verify: a tree pays
     for _ in range(30):
-        trees.choose(low, cheap, k=2, max_k=8, max_nodes=16)
+        trees.best(low, line(50.0, 0.1), max_k=2, max_nodes=16)
         trees.observe(tree, [])  # measured: no child of the root ever holds
-    assert trees.siblings.conditional(low.acceptance)[0] < 0.1 and trees.ratio.value < 1.0
-    assert trees.choose(low, cheap, k=2, max_k=8, max_nodes=16) is None
+    assert trees.siblings.conditional(low.acceptance)[0] < 0.1 and trees.ratio.value < 0.2
+    assert pol.choose([], 8, True, False, trees=trees, max_nodes=16).tree is None
     lucky = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE)
     before = lucky.expected(0.3, 6, 2)
     for _ in range(30):
-        assert lucky.choose(low, cheap, k=2, max_k=2, max_nodes=16) is not None
+        lucky.best(low, line(50.0, 0.1), max_k=2, max_nodes=16)
         lucky.observe(tree, [0, 2])  # the first child, then its first child: both levels held every time
     assert lucky.ratio.value > 1.0 and lucky.expected(0.3, 6, 2) > before
 

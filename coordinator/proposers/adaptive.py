@@ -133,6 +133,25 @@ class StepCurve:
         return max(mean_y + slope * (n - mean_x), 1e-6)
 
 
+class AcceptanceRatio:
+    """Exponentially weighted (accepted drafts) / (drafts the tree expected to be accepted)."""
+
+    def __init__(self, decay: float, prior: float = 1.0, prior_weight: float = 1.0) -> None:
+        self.decay = decay
+        self._accepted = prior * prior_weight  # prior: the tree's estimate is right (or SourcePriors' ratio)
+        self._expected = prior_weight
+        self.observations = 0
+
+    @property
+    def value(self) -> float:
+        return self._accepted / self._expected
+
+    def observe(self, accepted: int, expected: float) -> None:
+        self._accepted = self._accepted * self.decay + accepted
+        self._expected = self._expected * self.decay + expected
+        self.observations += 1
+
+
 class TierLoad:
     """A tier's batching as the coordinator sees it: step time against tokens per step, sessions per
     step, and a call's own overhead (network, serialisation) against the drafts it carries. Shared by

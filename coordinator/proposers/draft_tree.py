@@ -21,20 +21,19 @@ vector alone predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the tr
 1.95). A round costs verify(N) +
 propose(D): the target's measured verify time against tokens scored (shared with the chains, from the
 target's load) and the draft's measured propose line against its steps (one per level, as a chain's K).
-A tree is asked for only when the policy chose the draft model for a chain of K > 0 and the best shape's
-E / cost beats that chain's: never where the policy would run K = 0 (the target alone). A request with a
-fixed K asks for the tree of depth K with N(K) nodes, so that its proposals depend on no timing.
+The best shape competes in the proposer policy (coordinator/proposers/policy.py) with every source's
+chains and with K = 0 (the target alone), by expected tokens per unit of time. A request with a fixed K
+asks for the tree of depth K with N(K) nodes, so that its proposals depend on no timing.
 """
 
 from __future__ import annotations
 
 import heapq
-from itertools import accumulate
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
-from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate, expected_tokens
-from coordinator.proposers.policy import AcceptanceRatio
+from coordinator.proposers.adaptive import AcceptanceRatio, AdaptiveConfig, SourceEstimate
 from specdec.proto import draft_pb2, target_pb2
 
 SCHEMES = {"without_replacement": target_pb2.TREE_SCHEME_WITHOUT_REPLACEMENT, "iid": target_pb2.TREE_SCHEME_IID,
@@ -170,26 +169,26 @@ class DraftTreePolicy:
         """E(N, D): tokens a round with this tree commits (the bonus included), for chain acceptance a."""
         return 1.0 + self.ratio.value * self.reach(a, nodes, depth)
 
-    def choose(self, chain: SourceEstimate, verify: Sequence[float], k: int, max_k: int, max_nodes: int,
-               measured: bool = True, fixed: bool = False) -> TreeAsk | None:
-        """The tree to ask for instead of the chosen chain of k drafts (None: the chain), at most max_k deep
-        and max_nodes large. chain: the draft model's estimates; verify[n]: the predicted verify time of
-        a round scoring n drafts (n = 0..max_nodes). fixed: the request set K, which is then the tree's depth (its
-        nodes: N(K)), no timing involved. O(max_k x max_nodes log max_nodes)."""
-        c = self.config
-        if c.max_nodes <= 1 or c.branching <= 1 or k <= 0:
+    def fixed(self, k: int, a: float, max_nodes: int) -> TreeAsk | None:
+        """A request's fixed K as a tree: depth K, N(K) nodes (None: a chain, where N(K) <= K or over max_nodes).
+        No timing involved, so a seeded sampled run proposes the same trees. a: the chain's acceptance."""
+        n = self.nodes(k)
+        if self.config.branching <= 1 or not k < n <= max_nodes:
             return None
-        a, self._asked = chain.acceptance, 0.0
-        if fixed:
-            n = self.nodes(k)
-            if not k < n <= max_nodes:
-                return None
-            self._asked = self.reach(a, n, k)
-            return TreeAsk(n, k, c.branching)
-        p0, p1 = chain.propose_cost.line(measured)
-        best_rate = expected_tokens(a, k) / (verify[k] + max(p0 + p1 * k, 1e-6))
-        p, rho = self.siblings.path_probs(a), self.ratio.value
+        self._asked = self.reach(a, n, k)
+        return TreeAsk(n, k, self.config.branching)
+
+    def best(self, chain: SourceEstimate, verify: Sequence[float], max_k: int, max_nodes: int,
+             measured: bool = True) -> tuple[float, TreeAsk] | None:
+        """The tree of most expected tokens per ms, at most max_k deep and max_nodes large, and that rate (None:
+        no tree, e.g. a budget under 2). chain: the draft model's estimates (its acceptance a, its propose
+        line); verify[n]: the predicted verify time of a round scoring n drafts (n = 0..max_nodes)."""
+        c = self.config
         limit = min(c.max_nodes, max_nodes, len(verify) - 1)
+        if limit <= 1 or c.branching <= 1:
+            return None
+        p0, p1 = chain.propose_cost.line(measured)
+        p, rho = self.siblings.path_probs(chain.acceptance), self.ratio.value
         best = None
         for depth in range(1, max_k + 1):
             propose = max(p0 + p1 * depth, 1e-6)
@@ -201,9 +200,12 @@ class DraftTreePolicy:
                 shapes = [(n, sum(level_growth(p, n, depth)))] if depth < n <= limit else []
             for n, r in shapes:
                 rate = (1.0 + rho * r) / (verify[n] + propose)
-                if rate > best_rate:
-                    best_rate, best, self._asked = rate, TreeAsk(n, depth, c.branching), r
-        return best
+                if best is None or rate > best[0]:
+                    best = (rate, TreeAsk(n, depth, c.branching), r)
+        if best is None:
+            return None
+        self._asked = best[2]  # if it is asked for: what its round is judged against
+        return best[0], best[1]
 
     def observe(self, parents: Sequence[int], path: Sequence[int]) -> None:
         """A tree round: its nodes' parents and the accepted path (node indices, root-down)."""

@@ -103,15 +103,14 @@ class Drafter:
         draft_ok = draft_ok and self.policy.draft_allowed(fixed)  # not while the target is crowded (shared cores)
         shared = not self.params.reproducible
         offers = [x.propose(max_k, shared, self.tree_nodes) for x in local] if max_k > 0 else []
-        choice = self.policy.choose(offers, max_k, draft_ok, fixed, measured_costs=shared)
+        trees = self.draft.trees if draft_ok else None
+        choice = self.policy.choose(offers, max_k, draft_ok, fixed, measured_costs=shared, trees=trees, max_nodes=self.max_k)
         # The draft model is down and backing off: the local proposers stand in.
         fallback = self.draft is not None and not self.draft.available
         if choice.source == DRAFT_MODEL and choice.k > 0:
-            trees = self.draft.trees
-            tree = None if trees is None else trees.choose(
-                self.policy.estimates[DRAFT_MODEL], self.policy.verify_costs(self.max_k, shared), choice.k, max_k, self.max_k,
-                measured=shared,
-                fixed=fixed)
+            tree = choice.tree
+            if fixed and trees is not None:  # the request's K: the tree of that depth, whatever the timings
+                tree = trees.fixed(choice.k, self.policy.estimates[DRAFT_MODEL].acceptance, self.max_k)
             try:
                 proposal = await self.draft.propose(committed, hashes, choice.k, tree)
                 self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, proposal.queue_ms, is_draft=True)

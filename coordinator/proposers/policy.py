@@ -39,8 +39,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourceEstimate, SourcePriors, TierLoad
+from coordinator.proposers.adaptive import AcceptanceRatio, AdaptiveConfig, LinearCost, SourceEstimate, SourcePriors, TierLoad
 from coordinator.proposers.base import Proposal
+from coordinator.proposers.draft_tree import DraftTreePolicy, TreeAsk
 from coordinator.proposers.names import DRAFT_MODEL
 from coordinator.proposers.token_tree import match
 
@@ -53,26 +54,8 @@ STEADY_CATCH_UP = 2
 @dataclass(frozen=True)
 class Choice:
     source: str  # who proposes; for K = 0 the source the round is charged to
-    k: int  # drafts to propose (0 = target only)
-
-
-class AcceptanceRatio:
-    """Exponentially weighted (accepted drafts) / (drafts the tree expected to be accepted)."""
-
-    def __init__(self, decay: float, prior: float = 1.0, prior_weight: float = 1.0) -> None:
-        self.decay = decay
-        self._accepted = prior * prior_weight  # prior: the tree's estimate is right (or SourcePriors' ratio)
-        self._expected = prior_weight
-        self.observations = 0
-
-    @property
-    def value(self) -> float:
-        return self._accepted / self._expected
-
-    def observe(self, accepted: int, expected: float) -> None:
-        self._accepted = self._accepted * self.decay + accepted
-        self._expected = self._expected * self.decay + expected
-        self.observations += 1
+    k: int  # drafts to propose (0 = target only); for a tree its depth
+    tree: TreeAsk | None = None  # the draft model's token tree to ask for instead of a chain (None: a chain)
 
 
 class ProposerPolicy:
@@ -93,11 +76,14 @@ class ProposerPolicy:
         self.ratios = {s: AcceptanceRatio(config.decay, prior=priors.ratio(s, greedy) if priors else 1.0) for s in sources}
         self._since_probe = 0
 
-    def choose(self, offers: Sequence[Proposal], max_k: int, draft: bool, fixed: bool, measured_costs: bool = True) -> Choice:
+    def choose(self, offers: Sequence[Proposal], max_k: int, draft: bool, fixed: bool, measured_costs: bool = True,
+               trees: DraftTreePolicy | None = None, max_nodes: int = 0) -> Choice:
         """offers: the local sources' chains (up to max_k tokens each); draft: whether the draft model
         may be asked; fixed: max_k is the request's K (no K = 0 option, no shorter K for the draft);
         measured_costs=False: costs from the priors, so that no timing sways the choice (reproducible
-        sampling). O(sources x max_k)."""
+        sampling). trees: the draft model's trees, which compete with every chain and with K = 0 (at most
+        max_nodes nodes, max_k deep; a fixed K's tree is the drafter's, DraftTreePolicy.fixed).
+        O(sources x max_k + max_k x max_nodes log max_nodes)."""
         default = offers[0].source if offers else DRAFT_MODEL
         if max_k <= 0:
             return Choice(default, 0)
@@ -130,14 +116,20 @@ class ProposerPolicy:
                     best_k1 = (rate, source, k)
         if fixed:
             return Choice(best[1], best[2])
+        tree = None
+        if draft and trees is not None:
+            found = trees.best(self.estimates[DRAFT_MODEL], self.verify_costs(max(max_k, max_nodes), measured_costs),
+                               max_k, max_nodes, measured_costs)
+            if found is not None and found[0] > best[0]:
+                best, tree = (found[0], DRAFT_MODEL, found[1].depth), found[1]
         target_only = 1.0 / verify[0]
         if target_only * self.config.min_gain >= best[0]:
             self._since_probe += 1
             if self._since_probe < self.config.probe_every or self.measured_free(best_k1[1]):
                 return Choice(default, 0)
             self._since_probe = 0
-            best = best_k1
-        return Choice(best[1], best[2])
+            best, tree = best_k1, None
+        return Choice(best[1], best[2], tree)
 
     def teach(self) -> None:
         """At the session's end: hand what it measured to the shared priors (the sources it judged often
