@@ -77,6 +77,8 @@ def test_dynamic_trees_choose_nodes_and_depth_sampled_ones_their_grown_shape():
     steep_after_8 = [100.0 if n <= 8 else 100.0 + 20.0 * (n - 8) for n in range(17)]
     _, mid = greedy.best(low, steep_after_8, max_k=8, max_nodes=16)
     assert mid.nodes == 8  # not a node past the flat part, and not N(D) = 4 or 16
+    steep_after_2 = [100.0 if n <= 2 else 100.0 + 50.0 * (n - 2) for n in range(17)]
+    assert greedy.best(low, steep_after_2, max_k=8, max_nodes=16)[1] in (TreeAsk(2, 1, 2), TreeAsk(2, 2, 2))  # b <= N
     sampled = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE, greedy=False)
     assert sampled.best(low, steep_after_8, max_k=8, max_nodes=16)[1] == TreeAsk(4, 1, 4)  # N(D) only
     assert sampled.best(low, line(100.0, 0.0), max_k=8, max_nodes=16)[1].nodes == 16

@@ -56,7 +56,11 @@ class DraftTreeConfig:
 class TreeAsk:
     nodes: int  # N
     depth: int  # D
-    branching: int  # b (1: a chain, asked as a tree for the speculation cache)
+    branching: int  # b (1: a chain, asked as a tree for the speculation cache), at most N (the draft tier's rule)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.depth <= self.nodes or not 1 <= self.branching <= self.nodes:
+            raise ValueError(f"not a tree the draft tier takes: {self}")
 
 
 class SiblingAcceptance:
@@ -200,8 +204,8 @@ class DraftTreePolicy:
                 shapes = [(n, sum(level_growth(p, n, depth)))] if depth < n <= limit else []
             for n, r in shapes:
                 rate = (1.0 + rho * r) / (verify[n] + propose)
-                if best is None or rate > best[0]:
-                    best = (rate, TreeAsk(n, depth, c.branching), r)
+                if best is None or rate > best[0]:  # b <= N: the N best nodes use no child past the N-th
+                    best = (rate, TreeAsk(n, depth, min(c.branching, n)), r)
         if best is None:
             return None
         self._asked = best[2]  # if it is asked for: what its round is judged against
