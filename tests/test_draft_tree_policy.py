@@ -4,7 +4,8 @@ computed by hand, N and D chosen freely for dynamic trees and N(D) for sampled o
 tree of depth K, trees only where their expected tokens per unit of time beat the chosen chain's (flat
 verification: a large tree; verification that grows with the nodes scored: a small one or the chain;
 trees whose levels keep failing: the chain), the measured ratio lifting the vector's estimate, and the
-request fields (a chain with the speculation cache is a tree of branching 1)."""
+measured time of tree rounds charged to them, and the request fields (a chain with the speculation cache is a
+tree of branching 1)."""
 
 from __future__ import annotations
 
@@ -124,6 +125,20 @@ def test_failing_levels_turn_trees_off_and_good_ones_raise_the_estimate():
         lucky.best(low, line(50.0, 0.1), max_k=2, max_nodes=16)
         lucky.observe(tree, [0, 2])  # the first child, then its first child: both levels held every time
     assert lucky.ratio.value > 1.0 and lucky.expected(0.3, 6, 2) > before
+
+
+def test_trees_slower_than_predicted_are_charged_their_measured_time():
+    trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE)
+    pol = policy(0.3, 30.0, 0.0)
+    choice = pol.choose([], 8, True, False, trees=trees, max_nodes=16)
+    assert choice.tree is not None
+    predicted = trees._asked[1]
+    assert predicted > 30.0
+    for _ in range(20):  # each tree round takes twice its predicted time (its nodes accepted as predicted)
+        trees.best(pol.estimates[DRAFT_MODEL], pol.verify_costs(16), 8, 16)
+        trees.observe([-1, -1, -1, -1], [0], round_ms=2 * trees._asked[1])
+    assert 1.8 < trees.cost_ratio.value <= 2.0
+    assert pol.choose([], 8, True, False, trees=trees, max_nodes=16).tree is None
 
 
 def test_request_fields():

@@ -20,7 +20,9 @@ the nodes its tree rounds accepted to the sum they predicted, scales it (on the 
 vector alone predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the trees commit 1.68 / 1.86 /
 1.95). A round costs verify(N) +
 propose(D): the target's measured verify time against tokens scored (shared with the chains, from the
-target's load) and the draft's measured propose line against its steps (one per level, as a chain's K).
+target's load) and the draft's measured propose line against its steps (one per level, as a chain's K),
+times kappa, the session's measured ratio of its tree rounds' wall time to the time predicted for them
+(what a tree costs beyond its tokens: its mask, its layout, the draft's wider levels).
 The best shape competes in the proposer policy (coordinator/proposers/policy.py) with every source's
 chains and with K = 0 (the target alone), by expected tokens per unit of time. A request with a fixed K
 asks for the tree of depth K with N(K) nodes, so that its proposals depend on no timing.
@@ -157,7 +159,8 @@ class DraftTreePolicy:
         self.dynamic = greedy or config.scheme == "candidates"
         self.siblings = SiblingAcceptance(max(config.branching, 1), adaptive.decay)
         self.ratio = AcceptanceRatio(adaptive.decay)  # rho: nodes accepted / the sum the vector predicted
-        self._asked = 0.0  # the sum the vector predicted for the tree last asked for
+        self.cost_ratio = AcceptanceRatio(adaptive.decay)  # kappa: a tree round's time / the time predicted for it
+        self._asked = (0.0, 0.0)  # the sum the vector predicted for the tree last asked for, and its time (ms)
 
     def nodes(self, depth: int) -> int:
         """N(D): a tree of depth D's nodes when every level fills (a sampled tree's; a fixed K's)."""
@@ -179,7 +182,7 @@ class DraftTreePolicy:
         n = self.nodes(k)
         if self.config.branching <= 1 or not k < n <= max_nodes:
             return None
-        self._asked = self.reach(a, n, k)
+        self._asked = (self.reach(a, n, k), 0.0)  # no time predicted: a fixed K's tree asks none
         return TreeAsk(n, k, self.config.branching)
 
     def best(self, chain: SourceEstimate, verify: Sequence[float], max_k: int, max_nodes: int,
@@ -192,7 +195,7 @@ class DraftTreePolicy:
         if limit <= 1 or c.branching <= 1:
             return None
         p0, p1 = chain.propose_cost.line(measured)
-        p, rho = self.siblings.path_probs(chain.acceptance), self.ratio.value
+        p, rho, kappa = self.siblings.path_probs(chain.acceptance), self.ratio.value, self.cost_ratio.value
         best = None
         for depth in range(1, max_k + 1):
             propose = max(p0 + p1 * depth, 1e-6)
@@ -203,18 +206,22 @@ class DraftTreePolicy:
                 n = self.nodes(depth)
                 shapes = [(n, sum(level_growth(p, n, depth)))] if depth < n <= limit else []
             for n, r in shapes:
-                rate = (1.0 + rho * r) / (verify[n] + propose)
+                rate = (1.0 + rho * r) / ((verify[n] + propose) * kappa)
                 if best is None or rate > best[0]:  # b <= N: the N best nodes use no child past the N-th
-                    best = (rate, TreeAsk(n, depth, min(c.branching, n)), r)
+                    best = (rate, TreeAsk(n, depth, min(c.branching, n)), r, verify[n] + propose)
         if best is None:
             return None
-        self._asked = best[2]  # if it is asked for: what its round is judged against
+        self._asked = (best[2], best[3])  # if it is asked for: what its round is judged against
         return best[0], best[1]
 
-    def observe(self, parents: Sequence[int], path: Sequence[int]) -> None:
-        """A tree round: its nodes' parents and the accepted path (node indices, root-down)."""
-        if self._asked > 0:
-            self.ratio.observe(len(path), self._asked)
+    def observe(self, parents: Sequence[int], path: Sequence[int], round_ms: float = 0.0) -> None:
+        """A tree round: its nodes' parents, the accepted path (node indices, root-down) and the round's time
+        (the proposal's and the verification's wall time; 0: not timed, e.g. pre-drafted)."""
+        reach, predicted_ms = self._asked
+        if reach > 0:
+            self.ratio.observe(len(path), reach)
+        if predicted_ms > 0 and round_ms > 0:
+            self.cost_ratio.observe(round_ms, predicted_ms)
         self.siblings.observe(parents, path)
 
     def request_fields(self, request: draft_pb2.ProposeRequest, tree: TreeAsk | None, k: int) -> None:

@@ -136,7 +136,8 @@ class Drafter:
     def observe(self, proposal: Proposal, verdict: Verdict, accepted: Sequence[int]) -> None:
         """The round's outcome: accepted = the accepted drafts + the next token."""
         if proposal.parents and proposal.source == DRAFT_MODEL and self.draft.trees is not None:
-            self.draft.trees.observe(proposal.parents, verdict.path)  # which sibling held at each level
+            self.draft.trees.observe(proposal.parents, verdict.path,  # which sibling held at each level; the time
+                                     0.0 if proposal.overlapped else proposal.wall_ms + verdict.wall_ms)
             self.policy.verify_cost.observe(len(proposal.tokens), verdict.wall_ms)  # verify against nodes scored
             if proposal.catch_up <= STEADY_CATCH_UP:  # one draft step per level, as a chain's K
                 self.policy.estimates[DRAFT_MODEL].propose_cost.observe(proposal.k, proposal.wall_ms)
