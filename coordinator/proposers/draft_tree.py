@@ -17,8 +17,8 @@ draft's own order keeps the likeliest paths, which the vector models as the lowe
 treats levels as independent, and they are not (a draft right once is likelier right again, and a
 dynamic tree follows the draft's confidence round by round), so rho, the session's measured ratio of
 the nodes its tree rounds accepted to the sum they predicted, scales it (on the default pair's replay the
-vector alone predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the trees commit 1.68 / 1.86 /
-1.95). A round costs verify(N) +
+vector alone, its prior at a = 0.3, predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the
+trees commit 1.68 / 1.86 / 1.95). A round costs verify(N) +
 propose(D): the target's measured verify time against tokens scored (shared with the chains, from the
 target's load) and the draft's measured propose line against its steps (one per level, as a chain's K),
 times kappa, the session's measured ratio of its tree rounds' wall time to the time predicted for them
