@@ -12,6 +12,8 @@ and its wall time, C(K):
          once the target's load is known (TierLoad: its step time against tokens per step, a curve,
          and B sessions per step), verify(K) = overhead + T_step(B (K + 1)), the round when every
          session of the step sends K, so K falls as the batch grows.
+With the draft model's token trees on, its best tree (N nodes, depth D: coordinator/proposers/draft_tree.py,
+which predicts E and C for every shape) is one more option beside the chains.
 It picks the (source, K) with the largest E(K) / C(K), K = 0 (target only, E = 1) included, drafting only
 where that beats K = 0 by AdaptiveConfig.min_gain (5%): the largest of many noisy estimates overstates
 its own value (the optimizer's curse), and where drafting is predicted to gain a few percent (a batch of
@@ -30,7 +32,8 @@ local chains that were not chosen are scored against the committed tokens (the t
 continuation) every round, free measurements that keep their estimates current, so a probe would only
 spend a row of the step on a draft the policy expects to lose (under load, measured: probing every 8th
 round cost ~4% of a 16-session burst's tokens/s).
-Cost: O(sources x max_k) arithmetic per round, a few microseconds.
+Cost: O(sources x max_k) arithmetic per round, a few microseconds; with trees O(max_k x max_nodes log max_nodes)
+more, ~0.1 ms.
 """
 
 from __future__ import annotations
