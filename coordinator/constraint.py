@@ -12,7 +12,10 @@ One llguidance matcher per session follows the committed tokens. Each round it
   exact. A sampled draft-model chain is sent whole, because its q is the draft's unconstrained
   distribution: cutting it where a draw went astray would bias the output; the target rejects the
   refused draft with probability 1 (p = 0 there) and draws from the residual, which keeps the law exact.
-  Masks after a refused draft are never used (verification stops there): the last valid one is repeated;
+  Masks after a refused draft are never used (verification stops there): the last valid one is repeated.
+  A token tree (prompt lookup's and suffix decoding's) gets a mask per node, the grammar advanced along
+  the node's path (one step down and back up per node, depth first); a refused node is cut with its
+  subtree on the same terms, or else kept with its subtree's masks (never read) its parent's;
 - commits what the round committed.
 
 The grammar engine is llguidance (chosen over xgrammar by measured mask cost and because it needs no torch:
@@ -140,7 +143,7 @@ class Constraint:
     def check(self, proposal: Proposal, greedy: bool) -> tuple[Proposal, list[bytes]]:
         """The proposal (cut at its first refused draft where that is exact) and the K + 1 masks."""
         if proposal.parents:
-            raise ValueError("structured output verifies chains only")
+            return self._check_tree(proposal, greedy)
         tokens = proposal.tokens
         masks, valid = [self.matcher.compute_bitmask()], 0
         for d in tokens:
@@ -157,6 +160,42 @@ class Constraint:
             else:  # verification stops at the refused draft; later masks are never read
                 masks += [masks[-1]] * (len(tokens) - valid)
         return proposal, masks
+
+    def _check_tree(self, proposal: Proposal, greedy: bool) -> tuple[Proposal, list[bytes]]:
+        """A token tree: the root's mask, then one per node, the grammar advanced along the node's path. A refused
+        node goes with its subtree where that is exact (greedy, or deterministic candidates with no q: the
+        target never takes a token its mask refuses); else it stays, its subtree's masks its parent's."""
+        tokens, parents = proposal.tokens, proposal.parents
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents):
+            children.setdefault(parent, []).append(i)
+        masks: dict[int, bytes] = {-1: self.matcher.compute_bitmask()}
+        refused: set[int] = set()
+
+        def walk(node: int) -> None:  # the matcher has read node's path
+            for child in children.get(node, []):
+                if self.matcher.try_consume_tokens([tokens[child]]):
+                    masks[child] = self.matcher.compute_bitmask()
+                    walk(child)
+                    self.matcher.rollback(1)
+                else:
+                    refused.add(child)
+
+        walk(-1)
+        for i, parent in enumerate(parents):  # parents come before their children
+            if parent in refused:
+                refused.add(i)
+            if i not in masks:
+                masks[i] = masks[parent]  # never read: the walk cannot reach a refused node's row
+        if refused and (greedy or not proposal.q):
+            keep = [i for i in range(len(tokens)) if i not in refused]
+            index = {old: new for new, old in enumerate(keep)}
+            proposal = dataclasses.replace(
+                proposal, tokens=[tokens[i] for i in keep], parents=[index.get(parents[i], -1) for i in keep],
+                q=[proposal.q[i] for i in keep] if proposal.q else proposal.q,
+                probs=[proposal.probs[i] for i in keep if i < len(proposal.probs)])
+            return proposal, [masks[-1]] + [masks[i] for i in keep]
+        return proposal, [masks[-1]] + [masks[i] for i in range(len(tokens))]
 
     def commit(self, tokens: list[int]) -> None:
         self._consume(tokens)

@@ -181,7 +181,7 @@ class Pipeline:
         drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
                           suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
-                          tree_nodes=0 if params.sampling.penalized or params.response_format  # chains only
+                          tree_nodes=0 if params.sampling.penalized  # chains only
                           else c.tree_nodes if params.tree_nodes is None else params.tree_nodes)
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
@@ -192,7 +192,8 @@ class Pipeline:
 
     def _draft_trees(self, params: GenerationParams) -> DraftTreePolicy | None:
         """The draft model's trees and speculation cache for a session (None: chains only; penalised
-        requests, whose counts would differ per branch, structured output, which verifies chains, and a
+        requests, whose counts would differ per branch, structured output, whose grammar the draft tier applies
+        to chains only, and a
         session with neither on). The request's node budget, where it sets one, overrides the server's."""
         c = self.config
         speculate = c.speculate_outcomes if c.overlap else 0

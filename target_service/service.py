@@ -57,8 +57,6 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                                      ctx.prefix_len + len(ctx.new_tokens))
         parents, scheme = tree_of(request, q is not None, params.greedy, engine)
         allowed = token_masks.decode(request.token_masks, k + 1, engine.vocab_size)
-        if parents is not None and allowed is not None:
-            raise invalid_argument("token_masks: structured output verifies chains only (no draft_parents)")
         if parents is not None and params.penalized:
             raise invalid_argument("draft_parents: token trees take no presence, frequency or repetition penalty "
                                    "(send the drafts as a chain)")

@@ -97,8 +97,6 @@ def _gen(**fields) -> generate_pb2.GenerateRequest:
     for name, value in fields.items():
         if name == "stop":
             req.stop.extend(value)
-        elif name == "response_format":
-            req.response_format.CopyFrom(value)
         else:
             setattr(req, name, value)
     return req
@@ -172,9 +170,7 @@ GENERATE_CASES = [
     ("num_speculative_nodes_below_k", lambda: _gen(num_speculative_tokens=4, num_speculative_nodes=3),
      ["num_speculative_nodes (3)", "at least num_speculative_tokens (4)"]),
     ("num_speculative_nodes_penalised", lambda: _gen(num_speculative_nodes=6, presence_penalty=0.5),
-     ["num_speculative_nodes", "penalties"]),
-    ("num_speculative_nodes_structured", lambda: _gen(num_speculative_nodes=6, response_format=generate_pb2.ResponseFormat(
-        json_object=True)), ["num_speculative_nodes", "response_format"]),
+     ["num_speculative_nodes", "penalty"]),
     ("too_many_stop_strings", lambda: _gen(stop=[f"s{i}" for i in range(17)]), ["stop"]),
     ("empty_stop_string", lambda: _gen(stop=["ok", ""]), ["stop"]),
     ("stop_string_too_long", lambda: _gen(stop=["x" * 257]), ["stop"]),

@@ -26,7 +26,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from coordinator.constraint import grammar_text
 from specdec.client import Client
-from specdec.engine.verify import VerifyWork, _verify_sampled
+from specdec.engine.verify import CANDIDATES, VerifyWork, _verify_sampled, _verify_trees
 from specdec.math.params import SamplingParams
 from specdec.models import load_tokenizer
 from specdec.proto import common_pb2, generate_pb2, target_pb2, target_pb2_grpc
@@ -84,9 +84,11 @@ def formats():
             for kind, text in (("json_schema", json.dumps(SCHEMA)), ("regex", REGEX))]
 
 
-@pytest.mark.parametrize("proposer,k", [("draft", 2), ("draft", 5), ("hybrid", None), ("suffix", 4),
-                                        ("prompt_lookup", 3), ("draft", 0)])
-def test_constrained_greedy_equals_the_constrained_target(cluster, tiny_target_model, tokenizer, proposer, k):
+@pytest.mark.parametrize("proposer,k,nodes", [("draft", 2, None), ("draft", 5, None), ("hybrid", None, None),
+                                              ("suffix", 4, None), ("prompt_lookup", 3, None), ("draft", 0, None),
+                                              ("suffix", 4, 10), ("prompt_lookup", 3, 8), ("hybrid", None, 10)])
+def test_constrained_greedy_equals_the_constrained_target(cluster, tiny_target_model, tokenizer, proposer, k, nodes):
+    """For every proposer and K, and with token trees (nodes: the model-free sources' trees, a mask per node)."""
     eos = list(cluster.pipeline.target_info.eos_token_ids)
     jobs = []
     for i, (kind, text, grammar) in enumerate(formats()):
@@ -98,10 +100,26 @@ def test_constrained_greedy_equals_the_constrained_target(cluster, tiny_target_m
     def one(job):
         extra, ids, _ = job
         with Client(cluster.address) as c:
-            return c.generate(token_ids=ids, max_new_tokens=N, proposer=proposer, num_speculative_tokens=k, **extra)
+            return c.generate(token_ids=ids, max_new_tokens=N, proposer=proposer, num_speculative_tokens=k,
+                              num_speculative_nodes=nodes, **extra)
 
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(one, jobs))
+    trees = []  # (nodes, masks sent) of every tree the target verified
+    to_work = cluster.target_servicer.to_work
+
+    def recording(request):
+        if request.draft_parents:
+            trees.append((len(request.draft_tokens), len(request.token_masks)))
+        return to_work(request)
+
+    cluster.target_servicer.to_work = recording
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            outs = list(pool.map(one, jobs))
+    finally:
+        cluster.target_servicer.to_work = to_work
+    assert all(m in (0, n + 1) for n, m in trees), trees  # a constrained tree: a mask for the root and each node
+    if nodes and proposer != "prompt_lookup":  # (lookup finds few repeated n-grams in 40 tokens of these outputs)
+        assert any(m for _, m in trees), trees  # constrained trees were verified
     for (extra, ids, want), out in zip(jobs, outs):
         if want is None:
             continue
@@ -148,6 +166,16 @@ def _verify(cluster, requests):
     return asyncio.run(run())
 
 
+def _end(cluster, *session_ids: str) -> None:
+    """End the sessions a test's raw Verify calls opened on the target (the cluster is shared)."""
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.target_port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            for sid in session_ids:
+                await stub.EndSession(common_pb2.EndSessionRequest(session_id=sid))
+    asyncio.run(run())
+
+
 def _mask(allowed: list[int], vocab: int) -> bytes:
     bits = 0
     for t in allowed:
@@ -169,10 +197,49 @@ def test_the_target_applies_masks_and_refuses_bad_ones_alone(cluster):
         req("m-empty", [forced[0], bytes((vocab + 31) // 32 * 4), forced[2]]),
         req("m-wide", [forced[0] + b"\1\0\0\0", forced[1], forced[2]])])
     assert (good.num_accepted, good.next_token) == (2, 321)
+    _end(cluster, "m-good")
     for error, message in ((short, "token_masks has 2 masks but 3 positions"), (empty, "token_masks[1] allows no token"),
                            (wide, f"token_masks[0] allows token {vocab}, outside the vocabulary")):
         assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error.details().startswith(message), error.details()
+
+
+def test_the_target_applies_a_mask_per_tree_node(cluster):
+    """A tree's masks: the root's, then one per node (the grammar after the node's path). Greedy walks the
+    masked argmax: the root allows only node 0's token, node 0 only node 2's, node 2 only 321."""
+    vocab = cluster.pipeline.target_info.vocab_size
+    masks = [_mask([5], vocab), _mask([6], vocab), _mask([9], vocab), _mask([321], vocab)]
+
+    def req(sid, masks):
+        return target_pb2.VerifyRequest(context=common_pb2.SessionContext(session_id=sid, new_tokens=prompt(985, 8)),
+                                        draft_tokens=[5, 7, 6], draft_parents=[-1, -1, 0],
+                                        sampling=common_pb2.SamplingParams(), token_masks=masks)
+
+    good, short = _verify(cluster, [req("t-good", masks), req("t-short", masks[:3])])
+    assert (good.num_accepted, list(good.accepted_path), good.next_token) == (2, [0, 2], 321)
+    _end(cluster, "t-good")
+    assert isinstance(short, grpc.aio.AioRpcError) and short.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert short.details().startswith("token_masks has 3 masks but 4 positions"), short.details()
+
+
+def test_sampled_tree_verification_with_masks_keeps_the_constrained_law():
+    """Deterministic candidates (no q) at the root, two of three refused by the mask, V = 6: the first committed
+    token follows p restricted to the mask and renormalised."""
+    vocab = 6
+    p = torch.tensor([0.3, 0.25, 0.2, 0.1, 0.1, 0.05])
+    allowed = torch.tensor([True, True, False, True, False, True])
+    n, counts = 30_000, torch.zeros(vocab)
+    rows = p.log()[None].expand(4, -1).masked_fill(~allowed, float("-inf"))  # the root's row and each node's
+    works = [VerifyWork.create("s", 0, 0, [1], [2, 0, 4], None, SamplingParams(temperature=1.0), seed=trial,
+                               parents=[-1, -1, -1], scheme=CANDIDATES, allowed=allowed[None].expand(4, -1))
+             for trial in range(n)]
+    for w, (path, nxt) in zip(works, _verify_trees(works, [rows] * n, vocab)):
+        counts[w.drafts[path[0]] if path else nxt] += 1
+    want = torch.where(allowed, p, torch.zeros(())) / p[allowed].sum()
+    assert int(counts[~allowed].sum()) == 0
+    kept = allowed.nonzero()[:, 0]
+    expected = (want[kept] * n).double().numpy()
+    assert chisquare(counts[kept].double().numpy(), expected / expected.sum() * n).pvalue > 1e-3
 
 
 def test_sampled_verification_with_masks_keeps_the_constrained_law():

@@ -100,9 +100,9 @@ class RequestValidator:
             if k is not None and 0 < nodes < k:
                 raise invalid_argument(f"num_speculative_nodes ({nodes}) must be 0 or at least num_speculative_tokens ({k}): "
                                        "a tree of depth K holds at least K nodes", "num_speculative_nodes")
-            if nodes and (sampling.penalized or response_format is not None):
-                raise invalid_argument("num_speculative_nodes: token trees are not available with penalties or "
-                                       "response_format (their rounds verify chains); leave it unset or 0", "num_speculative_nodes")
+            if nodes and sampling.penalized:
+                raise invalid_argument("num_speculative_nodes: token trees take no presence, frequency or repetition "
+                                       "penalty (their rounds verify chains); leave it unset or 0", "num_speculative_nodes")
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
                                 cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
