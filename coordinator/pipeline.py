@@ -201,7 +201,8 @@ class Pipeline:
         if params.sampling.penalized or params.response_format or not (nodes or speculate):
             return None
         config = DraftTreeConfig(nodes, max(1, min(c.draft_tree_branching, nodes)), c.draft_tree_scheme, speculate)
-        return DraftTreePolicy(config, c.adaptive, greedy=params.sampling.temperature == 0)
+        return DraftTreePolicy(config, c.adaptive, greedy=params.sampling.temperature == 0,
+                               priors=None if params.reproducible else self.source_priors)  # no other session sways it
 
     def run_cleanup(self, coro) -> None:
         """Run a session clean-up in the background; close() waits for it."""

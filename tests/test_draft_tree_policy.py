@@ -9,7 +9,7 @@ tree of branching 1)."""
 
 from __future__ import annotations
 
-from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate
+from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate, SourcePriors
 from coordinator.proposers.names import DRAFT_MODEL
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.draft_tree import (DraftTreeConfig, DraftTreePolicy, SiblingAcceptance, TreeAsk, best_first,
@@ -153,3 +153,25 @@ def test_request_fields():
     r = draft_pb2.ProposeRequest(num_tokens=3)
     plain.request_fields(r, None, 3)
     assert r.tree_nodes == 0 and r.speculate == 0
+
+
+def test_sessions_teach_their_trees_to_the_next():
+    """A session's sibling vector, rho and kappa join the coordinator's priors at its end (once judged on
+    enough levels), and the next session of the same kind (greedy here) starts from them; sampled sessions
+    and a session with too few levels learn nothing from it."""
+    priors = SourcePriors(ADAPTIVE)
+    first = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE, greedy=True, priors=priors)
+    first.teach(0.3)
+    assert priors.trees(True) is None  # no level judged yet
+    for _ in range(10):
+        first.best(chain(0.3), line(50.0, 0.1), max_k=2, max_nodes=16)
+        first.observe([-1, -1, 0, 0, 1, 1], [1], round_ms=3 * first._asked[1])  # the second child holds; slow rounds
+    first.teach(0.3)
+    vector, rho, kappa = priors.trees(True)
+    assert vector == first.siblings.conditional(0.3) and vector[1] > vector[0] and kappa > 2.0
+    assert priors.trees(False) is None
+    second = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE, greedy=True, priors=priors)
+    assert second.siblings.conditional(0.3) == vector  # nothing of its own yet: exactly the prior
+    assert (second.ratio.value, second.cost_ratio.value) == (rho, kappa)
+    fresh = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE, greedy=False, priors=priors)
+    assert fresh.siblings.conditional(0.3) == [0.3, 0.15] and fresh.cost_ratio.value == 1.0

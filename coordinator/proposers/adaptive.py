@@ -214,21 +214,38 @@ class SourcePriors:
     sessions that measured it (MIN_ATTEMPTS drafts at least). Before any, AdaptiveConfig.prior_acceptance
     and a ratio of 1. Shared by all sessions, like TierLoad: a chat service's sessions stop opening with
     chains of prompt n-grams that its earlier sessions saw fail, and a template service's start trusting
-    the suffix tree at once; a session's own rounds outweigh the prior within a few rounds either way."""
+    the suffix tree at once; a session's own rounds outweigh the prior within a few rounds either way.
+    The draft model's token trees are learnt alike (per greedy or sampled): the acceptance vector of their
+    siblings, and the ratios of their accepted nodes and of their rounds' time to what was predicted
+    (coordinator/proposers/draft_tree.py), from sessions whose trees were judged on MIN_LEVELS levels."""
 
     MIN_ATTEMPTS = 4  # drafts a session must have judged for its estimates to count
+    MIN_LEVELS = 4  # tree levels a session must have judged for its tree estimates to count
 
     def __init__(self, config: "AdaptiveConfig", decay: float = 0.7) -> None:
         self.config = config
         self.decay = decay  # weight of the earlier sessions against the newest
         self._acceptance: dict[tuple[str, bool], float] = {}
         self._ratio: dict[tuple[str, bool], float] = {}
+        self._trees: dict[bool, tuple[list[float], float, float]] = {}  # greedy -> (c_r, rho, kappa)
 
     def acceptance(self, source: str, greedy: bool) -> float:
         return self._acceptance.get((source, greedy), self.config.prior_acceptance)
 
     def ratio(self, source: str, greedy: bool) -> float:
         return self._ratio.get((source, greedy), 1.0)
+
+    def trees(self, greedy: bool) -> tuple[list[float], float, float] | None:
+        """What earlier sessions' draft trees taught: (the sibling acceptance vector c_r, rho, kappa); None before any."""
+        return self._trees.get(greedy)
+
+    def learn_trees(self, greedy: bool, vector: list[float], rho: float, kappa: float) -> None:
+        """A finished session's tree estimates."""
+        old, d = self._trees.get(greedy), self.decay
+        if old is not None and len(old[0]) == len(vector):
+            vector = [d * a + (1 - d) * b for a, b in zip(old[0], vector)]
+            rho, kappa = d * old[1] + (1 - d) * rho, d * old[2] + (1 - d) * kappa
+        self._trees[greedy] = (list(vector), rho, kappa)
 
     def learn(self, source: str, greedy: bool, acceptance: float | None, ratio: float | None) -> None:
         """A finished session's estimates (None: it did not measure that one)."""

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from coordinator.proposers.adaptive import AcceptanceRatio, AdaptiveConfig, SourceEstimate
+from coordinator.proposers.adaptive import AcceptanceRatio, AdaptiveConfig, SourceEstimate, SourcePriors
 from specdec.proto import draft_pb2, target_pb2
 
 SCHEMES = {"without_replacement": target_pb2.TREE_SCHEME_WITHOUT_REPLACEMENT, "iid": target_pb2.TREE_SCHEME_IID,
@@ -71,12 +71,13 @@ class SiblingAcceptance:
     tried (the children before it had not held it). Until measured: c_0 = the chain's acceptance a (the
     first child is the chain's token) and c_r = a / 2^r, worth PRIOR_LEVELS levels; replayed on the default
     pair (bench/tree_replay.py) the draft's top 4 hold the target's token ~50% of the time against its top
-    1's ~30%, which this prior gives (0.47 at a = 0.3)."""
+    1's ~30%, which this prior gives (0.47 at a = 0.3). Or the vector earlier sessions learnt (`prior`)."""
 
     PRIOR_LEVELS = 2.0
 
-    def __init__(self, branching: int, decay: float) -> None:
+    def __init__(self, branching: int, decay: float, prior: list[float] | None = None) -> None:
         self.decay = decay
+        self.prior = prior if prior is not None and len(prior) == branching else None
         self.hits = [0.0] * branching
         self.tries = [0.0] * branching
         self.levels = 0  # levels observed
@@ -84,7 +85,8 @@ class SiblingAcceptance:
     def conditional(self, a: float) -> list[float]:
         """c_r given the chain's acceptance a (the prior's scale)."""
         w = self.PRIOR_LEVELS
-        return [(h + w * a / 2 ** r) / (t + w) for r, (h, t) in enumerate(zip(self.hits, self.tries))]
+        prior = self.prior or [a / 2 ** r for r in range(len(self.hits))]
+        return [(h + w * c) / (t + w) for c, h, t in zip(prior, self.hits, self.tries)]
 
     def path_probs(self, a: float) -> list[float]:
         """p_r = c_r (1 - c_0) ... (1 - c_{r-1}): the chance that the walk goes on through child r."""
@@ -153,13 +155,16 @@ def level_growth(p: Sequence[float], nodes: int, depth: int) -> list[float]:
 class DraftTreePolicy:
     """Per session: the tree shape of each draft-model round, and what tree rounds have taught."""
 
-    def __init__(self, config: DraftTreeConfig, adaptive: AdaptiveConfig, greedy: bool = True) -> None:
-        """greedy: the session's trees are dynamic (so are the candidates scheme's), their N chosen freely."""
-        self.config = config
+    def __init__(self, config: DraftTreeConfig, adaptive: AdaptiveConfig, greedy: bool = True,
+                 priors: SourcePriors | None = None) -> None:
+        """greedy: the session's trees are dynamic (so are the candidates scheme's), their N chosen freely.
+        priors: where the estimates start, what the coordinator's earlier sessions learnt (None: the defaults)."""
+        self.config, self.greedy, self.priors = config, greedy, priors
         self.dynamic = greedy or config.scheme == "candidates"
-        self.siblings = SiblingAcceptance(max(config.branching, 1), adaptive.decay)
-        self.ratio = AcceptanceRatio(adaptive.decay)  # rho: nodes accepted / the sum the vector predicted
-        self.cost_ratio = AcceptanceRatio(adaptive.decay)  # kappa: a tree round's time / the time predicted for it
+        vector, rho, kappa = (priors.trees(greedy) if priors else None) or (None, 1.0, 1.0)
+        self.siblings = SiblingAcceptance(max(config.branching, 1), adaptive.decay, vector)
+        self.ratio = AcceptanceRatio(adaptive.decay, prior=rho)  # rho: nodes accepted / the sum the vector predicted
+        self.cost_ratio = AcceptanceRatio(adaptive.decay, prior=kappa)  # kappa: a round's time / the time predicted
         self._asked = (0.0, 0.0)  # the sum the vector predicted for the tree last asked for, and its time (ms)
 
     def nodes(self, depth: int) -> int:
@@ -223,6 +228,12 @@ class DraftTreePolicy:
         if predicted_ms > 0 and round_ms > 0:
             self.cost_ratio.observe(round_ms, predicted_ms)
         self.siblings.observe(parents, path)
+
+    def teach(self, a: float) -> None:
+        """At the session's end: hand what its trees measured to the shared priors (a: the chain's acceptance,
+        the vector's prior scale), once they were judged on SourcePriors.MIN_LEVELS levels."""
+        if self.priors is not None and self.siblings.levels >= SourcePriors.MIN_LEVELS:
+            self.priors.learn_trees(self.greedy, self.siblings.conditional(a), self.ratio.value, self.cost_ratio.value)
 
     def request_fields(self, request: draft_pb2.ProposeRequest, tree: TreeAsk | None, k: int) -> None:
         """Fill a ProposeRequest's tree and speculation fields: the tree, or with the speculation cache on a

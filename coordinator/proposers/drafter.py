@@ -162,6 +162,8 @@ class Drafter:
         """End the draft's session (best effort); a finished generation's output joins the shared suffix tree,
         and what its rounds taught the policy joins the coordinator's priors."""
         self.policy.teach()
+        if self.draft is not None and self.draft.trees is not None:
+            self.draft.trees.teach(self.policy.estimates[DRAFT_MODEL].acceptance)
         if self.draft is not None:
             await self.draft.close()
         if self.suffix_cache is not None and self._output is not None:
