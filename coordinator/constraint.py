@@ -32,6 +32,7 @@ import llguidance
 import llguidance.hf
 
 from coordinator.proposers.base import Proposal
+from coordinator.proposers.token_tree import children, select
 from specdec.proto import generate_pb2
 
 MAX_GRAMMAR_CHARS = 100_000  # a response_format's schema / regex / grammar text
@@ -166,14 +167,12 @@ class Constraint:
         node goes with its subtree where that is exact (greedy, or deterministic candidates with no q: the
         target never takes a token its mask refuses); else it stays, its subtree's masks its parent's."""
         tokens, parents = proposal.tokens, proposal.parents
-        children: dict[int, list[int]] = {}
-        for i, parent in enumerate(parents):
-            children.setdefault(parent, []).append(i)
+        below = children(parents)
         masks: dict[int, bytes] = {-1: self.matcher.compute_bitmask()}
         refused: set[int] = set()
 
         def walk(node: int) -> None:  # the matcher has read node's path
-            for child in children.get(node, []):
+            for child in below.get(node, []):
                 if self.matcher.try_consume_tokens([tokens[child]]):
                     masks[child] = self.matcher.compute_bitmask()
                     walk(child)
@@ -189,9 +188,8 @@ class Constraint:
                 masks[i] = masks[parent]  # never read: the walk cannot reach a refused node's row
         if refused and (greedy or not proposal.q):
             keep = [i for i in range(len(tokens)) if i not in refused]
-            index = {old: new for new, old in enumerate(keep)}
             proposal = dataclasses.replace(
-                proposal, tokens=[tokens[i] for i in keep], parents=[index.get(parents[i], -1) for i in keep],
+                proposal, tokens=[tokens[i] for i in keep], parents=select(keep, parents),
                 q=[proposal.q[i] for i in keep] if proposal.q else proposal.q,
                 probs=[proposal.probs[i] for i in keep if i < len(proposal.probs)])
             return proposal, [masks[-1]] + [masks[i] for i in keep]

@@ -192,9 +192,9 @@ class Pipeline:
 
     def _draft_trees(self, params: GenerationParams) -> DraftTreePolicy | None:
         """The draft model's trees and speculation cache for a session (None: chains only; penalised
-        requests, whose counts would differ per branch, structured output, whose grammar the draft tier applies
-        to chains only, and a
-        session with neither on). The request's node budget, where it sets one, overrides the server's."""
+        requests, whose counts would differ per branch; structured output, whose grammar the draft tier applies
+        to chains only; a session with neither on). The request's node budget, where it set one, overrides
+        the server's."""
         c = self.config
         speculate = c.speculate_outcomes if c.overlap else 0
         nodes = min(c.draft_tree_nodes if params.tree_nodes is None else params.tree_nodes, self.max_k())

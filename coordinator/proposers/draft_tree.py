@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from coordinator.proposers.adaptive import AcceptanceRatio, AdaptiveConfig, SourceEstimate, SourcePriors
+from coordinator.proposers.token_tree import children
 from specdec.proto import draft_pb2, target_pb2
 
 SCHEMES = {"without_replacement": target_pb2.TREE_SCHEME_WITHOUT_REPLACEMENT, "iid": target_pb2.TREE_SCHEME_IID,
@@ -100,14 +101,12 @@ class SiblingAcceptance:
         """A verified tree (parents: -1 = the root) and its accepted path, root-down: at each level of the walk
         the children of the node reached before the one accepted were tried and missed, that one held; where
         the walk stopped every child was tried and missed."""
-        children: dict[int, list[int]] = {}
-        for node, parent in enumerate(parents):
-            children.setdefault(parent, []).append(node)
+        below = children(parents)
         self.hits = [h * self.decay for h in self.hits]
         self.tries = [t * self.decay for t in self.tries]
         node = -1
         for level in range(len(path) + 1):
-            kids = children.get(node, [])[: len(self.hits)]
+            kids = below.get(node, [])[: len(self.hits)]
             if not kids:
                 break
             held = kids.index(path[level]) if level < len(path) and path[level] in kids else len(kids)

@@ -51,21 +51,31 @@ def depths(parents: Sequence[int]) -> list[int]:
     return out
 
 
+def children(parents: Sequence[int]) -> dict[int, list[int]]:
+    """Each node's children in node order (key -1: the root's)."""
+    out: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        out.setdefault(p, []).append(i)
+    return out
+
+
+def select(keep: Sequence[int], parents: Sequence[int]) -> list[int]:
+    """The parents of the nodes `keep` (in node order, each node's parent kept too), renumbered among them."""
+    index = {old: new for new, old in enumerate(keep)}
+    return [index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
+
+
 def cut(tokens: Sequence[int], parents: Sequence[int], probs: Sequence[float], max_depth: int,
         max_nodes: int) -> tuple[list[int], list[int], list[float]]:
     """The tree's first max_nodes nodes (node order) of depth < max_depth, parents renumbered."""
-    keep: dict[int, int] = {}
-    out_t, out_p, out_q = [], [], []
-    for i, (t, p, d) in enumerate(zip(tokens, parents, depths(parents))):
-        if len(out_t) >= max_nodes:
+    kept: set[int] = set()
+    for i, (p, d) in enumerate(zip(parents, depths(parents))):
+        if len(kept) >= max_nodes:
             break
-        if d < max_depth and (p < 0 or p in keep):
-            keep[i] = len(out_t)
-            out_t.append(t)
-            out_p.append(-1 if p < 0 else keep[p])
-            if i < len(probs):
-                out_q.append(probs[i])
-    return out_t, out_p, out_q
+        if d < max_depth and (p < 0 or p in kept):
+            kept.add(i)
+    keep = sorted(kept)
+    return [tokens[i] for i in keep], select(keep, parents), [probs[i] for i in keep if i < len(probs)]
 
 
 def match(tokens: Sequence[int], parents: Sequence[int], sequence: Sequence[int]) -> list[int]:
