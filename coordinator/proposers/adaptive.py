@@ -239,12 +239,16 @@ class SourcePriors:
         """What earlier sessions' draft trees taught: (the sibling acceptance vector c_r, rho, kappa); None before any."""
         return self._trees.get(greedy)
 
+    def _blend(self, old: float, new: float) -> float:
+        """The earlier sessions' estimate moved towards the newest session's."""
+        return self.decay * old + (1 - self.decay) * new
+
     def learn_trees(self, greedy: bool, vector: list[float], rho: float, kappa: float) -> None:
         """A finished session's tree estimates."""
-        old, d = self._trees.get(greedy), self.decay
+        old = self._trees.get(greedy)
         if old is not None and len(old[0]) == len(vector):
-            vector = [d * a + (1 - d) * b for a, b in zip(old[0], vector)]
-            rho, kappa = d * old[1] + (1 - d) * rho, d * old[2] + (1 - d) * kappa
+            vector = [self._blend(a, b) for a, b in zip(old[0], vector)]
+            rho, kappa = self._blend(old[1], rho), self._blend(old[2], kappa)
         self._trees[greedy] = (list(vector), rho, kappa)
 
     def learn(self, source: str, greedy: bool, acceptance: float | None, ratio: float | None) -> None:
@@ -252,7 +256,7 @@ class SourcePriors:
         for table, value in ((self._acceptance, acceptance), (self._ratio, ratio)):
             if value is not None:
                 key = (source, greedy)
-                table[key] = value if key not in table else self.decay * table[key] + (1 - self.decay) * value
+                table[key] = value if key not in table else self._blend(table[key], value)
 
 
 class SourceEstimate:

@@ -10,8 +10,8 @@ What a shape commits is predicted from Sequoia's acceptance vector (Chen et al. 
 Robust, and Hardware-aware Speculative Decoding", section 3.1): c_r, the chance that a level's r-th child
 (the draft's order, its likeliest first) holds the target's token when the children before it did not,
 measured per session on its tree rounds (SiblingAcceptance) and handed on to later sessions with rho and
-kappa below (SourcePriors). Under it the walk goes through a node with
-the product of p_r = c_r (1 - c_1) ... (1 - c_{r-1}) along its path, and a round commits
+kappa below (SourcePriors). Under it the walk goes through a node with the product of
+p_r = c_r (1 - c_1) ... (1 - c_{r-1}) along its path, and a round commits
 E = 1 + rho x (the sum over the tree's nodes of that product): the bonus token, plus each node the walk
 reaches. For a dynamic tree those products are its best-first nodes, the N largest within depth D: the
 draft's own order keeps the likeliest paths, which the vector models as the lowest ranks. The vector
@@ -19,8 +19,9 @@ treats levels as independent, and they are not (a draft right once is likelier r
 dynamic tree follows the draft's confidence round by round), so rho, the session's measured ratio of
 the nodes its tree rounds accepted to the sum they predicted, scales it (on the default pair's replay the
 vector alone, its prior at a = 0.3, predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the
-trees commit 1.68 / 1.86 / 1.95). A round costs verify(N) + propose(D): the target's measured verify time against tokens scored (shared with the chains, from the
-target's load) and the draft's measured propose line against its steps (one per level, as a chain's K),
+trees commit 1.68 / 1.86 / 1.95). A round costs verify(N) + propose(D): the target's measured verify
+time against tokens scored (shared with the chains, from the target's load) and the draft's measured
+propose line against its steps (one per level, as a chain's K),
 times kappa, the session's measured ratio of its tree rounds' wall time to the time predicted for them
 (what a tree costs beyond its tokens: its mask, its layout, the draft's wider levels).
 The best shape competes in the proposer policy (coordinator/proposers/policy.py) with every source's
