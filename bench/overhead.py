@@ -11,6 +11,12 @@ overhead the < 1 ms goal is about; the tiers' part is shown beside it.
 
     python -m bench.overhead                      # K = 0 (one Verify per round) and K = 3 (Propose + Verify)
     python -m bench.overhead --profile DIR        # also sample every process with py-spy (folded stacks in DIR)
+    python -m bench.overhead --event-loop uvloop  # all three processes on uvloop
+
+Then the round trace (coordinator.trace; docs/performance.md), per round: client <-> coordinator (the client's
+wall time less the coordinator's), the coordinator's own time, and for each tier's rpcs the wire (both gRPC
+stacks and loopback), the servicer (decoding the request, encoding the response), the queue (the hop onto the
+engine thread and the wait for a step), the steps, and the wake (the hop back to the event loop).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-args", default="", help="extra flags for the target service, e.g. '--device cuda'")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service")
     p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator")
+    p.add_argument("--event-loop", default="", choices=["", "asyncio", "uvloop"],
+                   help="the event loop of all three processes ('' = their default)")
     return p.parse_args(argv)
 
 
@@ -80,8 +88,23 @@ def measure(address: str, k: int, n: int, generations: int) -> list[dict]:
                 "compute": (s.get("draft_ms", 0.0) + s.get("verify_ms", 0.0)) / rounds,
                 "round": s.get("elapsed_s", 0.0) * 1e3 / rounds,
                 "client_round": (time.perf_counter() - t0) * 1e3 / rounds,
+                **trace_row(s, rounds),
             })
     return rows
+
+
+TRACE_PARTS = ("wire", "servicer", "queue", "step", "wake")
+
+
+def trace_row(stats: dict, rounds: int) -> dict:
+    """The round trace's per-tier parts, per round (ms), from GenerationStats.trace."""
+    row = {}
+    for tier in ("draft", "target"):
+        t = stats.get("trace", {}).get(tier, {})
+        parts = {"wire": t.get("wire_ms", 0.0), "servicer": t.get("decode_ms", 0.0) + t.get("encode_ms", 0.0),
+                 "queue": t.get("queue_ms", 0.0), "step": t.get("step_ms", 0.0), "wake": t.get("wake_ms", 0.0)}
+        row.update({f"{tier}_{k}": v / rounds for k, v in parts.items()})
+    return row
 
 
 def main(argv=None) -> int:
@@ -92,8 +115,10 @@ def main(argv=None) -> int:
     model = random_model(work / "model", hidden, layers)
     spies: list[subprocess.Popen] = []
     results: dict[int, list[dict]] = {}
-    config = LocalPipelineConfig(target_model=model, draft_model=model, target_args=args.target_args.split(),
-                                 draft_args=args.draft_args.split(), coordinator_args=args.coordinator_args.split())
+    loop = ["--event-loop", args.event_loop] if args.event_loop else []
+    config = LocalPipelineConfig(target_model=model, draft_model=model, target_args=args.target_args.split() + loop,
+                                 draft_args=args.draft_args.split() + loop,
+                                 coordinator_args=args.coordinator_args.split() + loop)
     try:
         with BenchPipeline(config) as pipe:
             for k in ks:
@@ -135,6 +160,17 @@ def main(argv=None) -> int:
     lines += md_table(["K", "tokens/round", "compute (forwards)", "tiers outside the forwards",
                        "network (rpc minus the tiers' time)", "coordinator", "**network + coordinator**", "all three",
                        "round (coordinator's view)", "round (client's view)"], table)
+    lines += ["", "The round trace, per round (ms, median over generations): client <-> coordinator, the coordinator's "
+              "own time, then each tier's rpcs: wire (both gRPC stacks, loopback), servicer (decode + encode), queue "
+              "(the hop onto the engine thread, the wait for a step), step (forwards and their math), wake (the hop "
+              "back to the event loop):", ""]
+    trace = []
+    for k, rows in results.items():
+        med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        trace.append([k, f"{med['client_round'] - med['round']:.3f}", f"{med['coordinator']:.3f}",
+                      *(f"{med[f'{tier}_{part}']:.3f}" for tier in ("draft", "target") for part in TRACE_PARTS)])
+    lines += md_table(["K", "client <-> coordinator", "coordinator", *(f"{tier} {part}" for tier in ("draft", "target")
+                                                                       for part in TRACE_PARTS)], trace)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -6,7 +6,6 @@ import os
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
 
-import asyncio
 import logging
 import sys
 
@@ -24,7 +23,7 @@ from specdec.serving.flags import (EnvArgs, add_server_args, check_server_tls, c
 from specdec.models import default_target
 from specdec.serving.metrics import serve_metrics
 from specdec.serving.auth import check_token
-from specdec.serving.server import serve
+from specdec.serving.server import run_event_loop, serve
 
 log = logging.getLogger("coordinator")
 D = CoordinatorConfig
@@ -106,6 +105,8 @@ def main(argv=None) -> None:
           help="host:port of the OpenAI-compatible HTTP API ('' = none; port 0 = any free port); same token as gRPC")
     a.add("--served-model-name", default=None,
           help="model id of the OpenAI API and the metrics' model_name label (default: the target model's directory or .gguf name, or its hub id)")
+    a.add("--otlp-endpoint", default="",
+          help="OTLP/gRPC collector to export every round's trace to as OpenTelemetry spans, e.g. localhost:4317 ('' = none)")
     args = a.parse(argv)
     if args.adaptive_min_gain < 1.0:
         config_error("--adaptive-min-gain must be >= 1 (1 = draft wherever the prediction favours it)")
@@ -137,6 +138,7 @@ def main(argv=None) -> None:
         tier_client_key=args.tier_client_key or None, tier_server_name=args.tier_server_name or None,
         auth_token=auth_token, served_model_name=args.served_model_name or None,
         routing=RoutingConfig(min_resolution_interval_s=args.min_resolution_interval, prefix_tokens=args.prefix_route_tokens),
+        otlp_endpoint=args.otlp_endpoint or None,
     )
     check_server_tls(config.server)
     try:
@@ -177,7 +179,7 @@ def main(argv=None) -> None:
         await serve(c.server, c.health, [SERVICE_NAME], config.server,
                     on_started=started, on_stop=stop, on_draining=drain_http)
 
-    asyncio.run(run())
+    run_event_loop(run(), config.server.event_loop)
 
 
 def auth_token_from(args) -> str | None:

@@ -50,3 +50,6 @@ class CoordinatorConfig:
     served_model_name: str | None = None  # OpenAI model id and metrics label; None = specdec.models.served_model_name(target's model)
     reachability: ReachabilityConfig = ReachabilityConfig()  # how often and how patiently each tier is probed
     routing: RoutingConfig = RoutingConfig()  # how sessions reach the replicas of each tier (coordinator.tiers.routing)
+    # OTLP/gRPC collector (host:port or http(s)://host:port) the round trace goes to as OpenTelemetry spans
+    # (coordinator.trace); None = not exported (the trace's totals still reach GenerationStats).
+    otlp_endpoint: str | None = None

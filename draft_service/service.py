@@ -15,6 +15,7 @@ from specdec.engine.propose_tree import ProposeTreeWork, TreeProposeResult
 from specdec.proto import draft_pb2, draft_pb2_grpc
 from specdec.serving import draft_probs, draft_tree, sampling_params
 from specdec.serving.server import Service, ServerConfig, handle_errors
+from specdec.serving.tier_trace import traced
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
 from specdec.serving.tier_checks import check_context, check_num_tokens
 
@@ -44,7 +45,7 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
             yield response
 
     async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        return self.to_response(await self.engine.submit(self.to_work(request)))
+        return await traced(request, self.to_work, self.engine.submit, self.to_response)
 
     def to_work(self, request: draft_pb2.ProposeRequest) -> ProposeWork | ProposeTreeWork:
         """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""

@@ -166,10 +166,12 @@ class TierSession:
                 backoff = min(backoff * 2, self.policy.max_retry_s)
                 continue
             self._failures = 0
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            self.stats.trace.observe(self.tier, t0, wall_ms, getattr(response, "trace", None))
             self.cursor.update(ctx, extra(response), response.cached_len, committed_len=committed_len)
             # the tier's prefix cache (or the draft's kept tree entries: salvaged) supplied the rest
             fed = len(ctx.new_tokens) - getattr(response, "prefix_reused", 0) - getattr(response, "salvaged", 0)
-            return TierReply(response, (time.perf_counter() - t0) * 1e3, fed)
+            return TierReply(response, wall_ms, fed)
 
     async def _pause(self, seconds: float) -> None:
         """A retry's back-off, cut short when the tier's probe finds no replica left."""
