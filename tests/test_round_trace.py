@@ -1,6 +1,7 @@
 """The round trace: each tier's TierTrace in its responses, summed into GenerationStats.trace through real
 servers, and exported as OpenTelemetry spans to a real OTLP/gRPC collector when an endpoint is set."""
 
+import asyncio
 from concurrent import futures
 
 import grpc
@@ -10,8 +11,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from coordinator.trace import PARTS, OtlpRounds, RoundTrace
 from specdec.client import Client
+from specdec.core.prefix import PrefixHashes
+from specdec.engine.config import BatchConfig, TierConfig
+from specdec.engine.engine import Engine
+from specdec.engine.verify import VerifyWork
+from specdec.math.params import SamplingParams
+from specdec.models import ModelConfig, load_model, load_tokenizer
 from specdec.proto import common_pb2
-from tests.helpers import Cluster
+from tests.helpers import Cluster, device_model
 
 PROMPT = [1, 9038, 2115, 253, 1345]
 
@@ -53,6 +60,41 @@ def test_a_round_as_spans():
     assert step.end_time - step.start_time == pytest.approx(1_000_000, abs=2)  # 1 ms in ns
     # the target's 1.5 ms inside a 2 ms round trip: after half of the 0.5 ms of wire
     assert got["target.decode"].start_time - got["target.rpc"].start_time == pytest.approx(250_000, abs=2)
+
+
+class CountingLoop(asyncio.SelectorEventLoop):
+    """The standard event loop, counting the wake-ups other threads ask of it."""
+
+    wakeups = 0
+
+    def call_soon_threadsafe(self, *args, **kwargs):
+        self.wakeups += 1
+        return super().call_soon_threadsafe(*args, **kwargs)
+
+
+def test_one_step_wakes_the_event_loop_once(tiny_target):
+    engine = Engine(TierConfig(ModelConfig("tiny")), load_model(device_model(tiny_target)), load_tokenizer(tiny_target))
+    engine.start()
+    works = [VerifyWork.create(f"s{i}", 0, PrefixHashes([]).at(0), [1, 100 + i, 200 + i], [7], None, SamplingParams(), i)
+             for i in range(6)]
+
+    async def batch():
+        with engine.paused():  # every work queued before the step loop looks: one step plans them all
+            tasks = [asyncio.ensure_future(engine.submit(w)) for w in works]
+            await asyncio.sleep(0)
+        return await asyncio.gather(*tasks)
+
+    try:
+        with asyncio.Runner(loop_factory=CountingLoop) as runner:
+            results = runner.run(batch())
+            wakeups = runner.get_loop().wakeups
+    finally:
+        engine.close()
+    assert [r.batch_sessions for r in results] == [6] * 6, "the six sessions shared one step"
+    assert wakeups == 1, "the step's six answers were handed back together"
+    for w in works:  # the round trace's timestamps: submitted <= first step <= answered
+        assert 0 < w.submitted_at <= w.first_step_at <= w.settled_at
+    assert len({w.first_step_at for w in works}) == 1
 
 
 def test_generation_stats_carry_the_trace(self_draft_cluster):
