@@ -86,6 +86,9 @@ def main(argv=None) -> None:
           help="the draft tier pre-drafts the next round while the target verifies (its speculation cache)")
     a.add("--speculate-outcomes", type=int, default=D.speculate_outcomes,
           help="with --overlap: the likeliest outcomes of a round the draft pre-drafts the next round for")
+    a.add("--draft-push", type=bool, default=D.draft_push,
+          help="with --overlap: the draft pushes each pre-drafted next round unasked, so the round after a verdict it "
+               "foresaw needs no Propose round trip")
     a.add("--draft-tree-nodes", type=int, default=D.draft_tree_nodes,
           help="> 0: the draft model may propose token trees of up to this many nodes, shaped per round (0 = chains)")
     a.add("--draft-tree-branching", type=int, default=D.draft_tree_branching,
@@ -128,7 +131,7 @@ def main(argv=None) -> None:
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k, draft_max_sessions=args.draft_max_sessions,
                                 min_gain=args.adaptive_min_gain),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
-        tree_nodes=args.tree_nodes, speculate_outcomes=args.speculate_outcomes, draft_tree_nodes=args.draft_tree_nodes,
+        tree_nodes=args.tree_nodes, speculate_outcomes=args.speculate_outcomes, draft_push=args.draft_push, draft_tree_nodes=args.draft_tree_nodes,
         draft_tree_branching=args.draft_tree_branching, draft_tree_scheme=args.draft_tree_scheme,
         suffix=suffix,
         rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout, tier_retry_s=args.tier_retry_timeout,

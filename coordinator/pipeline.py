@@ -174,7 +174,8 @@ class Pipeline:
             draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                                    self.draft_reachability),
                                        sampling, derive_seed(params.seed, 0, DRAFT_STREAM), self._draft_trees(params),
-                                       grammar=grammar_text(params.response_format) if params.response_format else "")
+                                       grammar=grammar_text(params.response_format) if params.response_format else "",
+                                       push=c.overlap and c.draft_push)
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
         max_k = self.max_k()
         policy = ProposerPolicy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)),

@@ -42,6 +42,7 @@ class RoundStats:
     committed_before_truncation: int = 0
     overlapped_rounds: int = 0
     overlap_saved_ms: float = 0.0  # draft latency the speculation cache's hits saved (estimated)
+    pushed_rounds: int = 0  # draft-model rounds whose proposal the draft had pushed before the verdict
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     tier_ms: float = 0.0
@@ -134,4 +135,5 @@ class RoundStats:
             overlapped_rounds=self.overlapped_rounds,
             overlap_saved_ms=self.overlap_saved_ms,
             trace=self.trace.totals(),
+            pushed_rounds=self.pushed_rounds,
         )

@@ -63,6 +63,8 @@ class EngineStatus:
     prefix_cache_hits: int = 0  # of them, tokens taken from it instead of prefilled
 
 
+PUSH = object()  # in place of an error: a hand-back of unasked results (Engine.push), not an answer
+
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
 
 # Compiled steps: engines of one process that serve the same model share its weights, and so its
@@ -109,7 +111,7 @@ class Engine:
         self._inbox: list[Work] = []
         # Answers settled in this pass of the step loop, handed to the event loop together (_hand_back):
         # one wake-up per step and event loop, not one per session. Engine thread only.
-        self._answers: list[tuple[Work, object, Exception | None]] = []
+        self._answers: list[tuple[Work, object, object]] = []  # (work, result, error | PUSH)
         self._stopping = False
         self._paused = False
         # Step coalescing: the sessions whose work finished in the last step (and when), and how long
@@ -281,6 +283,11 @@ class Engine:
         self._settle(work, result=result)
         work.answered = True
 
+    def push(self, work: Work, results: list) -> None:
+        """Send a work's caller results it did not ask for (work.on_push), with the pass's answers. Engine thread."""
+        if work.on_push is not None and results:
+            self._answers.append((work, results, PUSH))
+
     def queued(self, session_id: str) -> Work | None:
         """The first request of this session that waits for a step, if any (lock held: engine thread only)."""
         return next((w for w in [*self.scheduler.waiting, *self._inbox] if w.session_id == session_id), None)
@@ -419,6 +426,9 @@ class Engine:
 def _deliver(answers: list[tuple[Work, object, Exception | None]]) -> None:
     """On the event loop: resolve the answered works' futures (a caller that went away is skipped)."""
     for work, result, error in answers:
+        if error is PUSH:
+            work.on_push(result)
+            continue
         if work.future.done():
             continue
         if error is not None:
