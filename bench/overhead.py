@@ -12,6 +12,7 @@ overhead the < 1 ms goal is about; the tiers' part is shown beside it.
     python -m bench.overhead                      # K = 0 (one Verify per round) and K = 2 (Propose + Verify)
     python -m bench.overhead --profile DIR        # also sample every process with py-spy (folded stacks in DIR)
     python -m bench.overhead --event-loop uvloop  # all three processes on uvloop
+    python -m bench.overhead --coordinator-args="--overlap --draft-push"   # the draft pushes its next proposals
 
 Then the round trace (coordinator.trace; docs/performance.md), per round: client <-> coordinator (the client's
 wall time less the coordinator's), the coordinator's own time, and for each tier's rpcs the wire (both gRPC
@@ -88,6 +89,7 @@ def measure(address: str, k: int, n: int, generations: int) -> list[dict]:
                 "compute": (s.get("draft_ms", 0.0) + s.get("verify_ms", 0.0)) / rounds,
                 "round": s.get("elapsed_s", 0.0) * 1e3 / rounds,
                 "client_round": (time.perf_counter() - t0) * 1e3 / rounds,
+                "ready": s.get("pushed_rounds", 0) / rounds,  # the next proposal held when the verdict came
                 **trace_row(s, rounds),
             })
     return rows
@@ -181,9 +183,10 @@ def main(argv=None) -> int:
     for k, rows in results.items():
         med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
         trace.append([k, f"{med['client_round'] - med['round']:.3f}", f"{med['coordinator']:.3f}",
-                      *(f"{med[f'{tier}_{part}']:.3f}" for tier in ("draft", "target") for part in TRACE_PARTS)])
+                      *(f"{med[f'{tier}_{part}']:.3f}" for tier in ("draft", "target") for part in TRACE_PARTS),
+                      f"{statistics.mean(r['ready'] for r in rows):.0%}" if k else "-"])
     lines += md_table(["K", "client <-> coordinator", "coordinator", *(f"{tier} {part}" for tier in ("draft", "target")
-                                                                       for part in TRACE_PARTS)], trace)
+                                                                       for part in TRACE_PARTS), "proposal held at the verdict (pushed)"], trace)
     lines += ["", goals(results)]
     text = "\n".join(lines) + "\n"
     print(text)
