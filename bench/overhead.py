@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: per-round overhead", "",
-             f"Command: `python -m bench.overhead{''.join(' ' + a for a in (argv if argv is not None else sys.argv[1:]))}`",
+             f"Command: `{shlex.join(['python', '-m', 'bench.overhead', *(argv if argv is not None else sys.argv[1:])])}`",
              "",
              f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2) as target and as its own "
              "draft (every draft accepted), three processes on "
