@@ -6,7 +6,6 @@ import os
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
 
-import asyncio
 import logging
 import sys
 
@@ -24,7 +23,7 @@ from specdec.serving.flags import (EnvArgs, add_server_args, check_server_tls, c
 from specdec.models import default_target
 from specdec.serving.metrics import serve_metrics
 from specdec.serving.auth import check_token
-from specdec.serving.server import serve
+from specdec.serving.server import run_event_loop, serve
 
 log = logging.getLogger("coordinator")
 D = CoordinatorConfig
@@ -87,6 +86,9 @@ def main(argv=None) -> None:
           help="the draft tier pre-drafts the next round while the target verifies (its speculation cache)")
     a.add("--speculate-outcomes", type=int, default=D.speculate_outcomes,
           help="with --overlap: the likeliest outcomes of a round the draft pre-drafts the next round for")
+    a.add("--draft-push", type=bool, default=D.draft_push,
+          help="with --overlap: the draft pushes each pre-drafted next round unasked, so the round after a verdict it "
+               "foresaw needs no Propose round trip")
     a.add("--draft-tree-nodes", type=int, default=D.draft_tree_nodes,
           help="> 0: the draft model may propose token trees of up to this many nodes, shaped per round (0 = chains)")
     a.add("--draft-tree-branching", type=int, default=D.draft_tree_branching,
@@ -106,6 +108,8 @@ def main(argv=None) -> None:
           help="host:port of the OpenAI-compatible HTTP API ('' = none; port 0 = any free port); same token as gRPC")
     a.add("--served-model-name", default=None,
           help="model id of the OpenAI API and the metrics' model_name label (default: the target model's directory or .gguf name, or its hub id)")
+    a.add("--otlp-endpoint", default="",
+          help="OTLP/gRPC collector to export every round's trace to as OpenTelemetry spans, e.g. localhost:4317 ('' = none)")
     args = a.parse(argv)
     if args.adaptive_min_gain < 1.0:
         config_error("--adaptive-min-gain must be >= 1 (1 = draft wherever the prediction favours it)")
@@ -127,7 +131,7 @@ def main(argv=None) -> None:
         adaptive=AdaptiveConfig(max_k=args.adaptive_max_k, draft_max_sessions=args.draft_max_sessions,
                                 min_gain=args.adaptive_min_gain),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
-        tree_nodes=args.tree_nodes, speculate_outcomes=args.speculate_outcomes, draft_tree_nodes=args.draft_tree_nodes,
+        tree_nodes=args.tree_nodes, speculate_outcomes=args.speculate_outcomes, draft_push=args.draft_push, draft_tree_nodes=args.draft_tree_nodes,
         draft_tree_branching=args.draft_tree_branching, draft_tree_scheme=args.draft_tree_scheme,
         suffix=suffix,
         rpc_timeout_s=args.rpc_timeout, connect_timeout_s=args.connect_timeout, tier_retry_s=args.tier_retry_timeout,
@@ -137,6 +141,7 @@ def main(argv=None) -> None:
         tier_client_key=args.tier_client_key or None, tier_server_name=args.tier_server_name or None,
         auth_token=auth_token, served_model_name=args.served_model_name or None,
         routing=RoutingConfig(min_resolution_interval_s=args.min_resolution_interval, prefix_tokens=args.prefix_route_tokens),
+        otlp_endpoint=args.otlp_endpoint or None,
     )
     check_server_tls(config.server)
     try:
@@ -177,7 +182,7 @@ def main(argv=None) -> None:
         await serve(c.server, c.health, [SERVICE_NAME], config.server,
                     on_started=started, on_stop=stop, on_draining=drain_http)
 
-    asyncio.run(run())
+    run_event_loop(run(), config.server.event_loop)
 
 
 def auth_token_from(args) -> str | None:

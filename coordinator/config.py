@@ -33,6 +33,9 @@ class CoordinatorConfig:
     suffix: SuffixConfig = SuffixConfig()  # suffix decoding: tree depth, proposal length, shared-tree bounds
     overlap: bool = False  # the draft tier pre-drafts round r+1 while the target verifies round r (its speculation cache)
     speculate_outcomes: int = 4  # with overlap: outcomes of a round the draft pre-drafts the next round for
+    # With overlap: the draft tier pushes each pre-drafted next round unasked as soon as it is ready, and a round
+    # whose outcome it pushed starts with no Propose round trip (DESIGN.md, The split's cost). Off by default.
+    draft_push: bool = False
     tree_nodes: int = 0  # > 0: prompt lookup and suffix decoding propose token trees of this many nodes (0 = chains)
     draft_tree_nodes: int = 0  # > 0: the draft model may propose token trees of up to this many nodes (0 = chains)
     draft_tree_branching: int = 4  # children per expanded node of the draft's trees, and nodes expanded per level
@@ -50,3 +53,6 @@ class CoordinatorConfig:
     served_model_name: str | None = None  # OpenAI model id and metrics label; None = specdec.models.served_model_name(target's model)
     reachability: ReachabilityConfig = ReachabilityConfig()  # how often and how patiently each tier is probed
     routing: RoutingConfig = RoutingConfig()  # how sessions reach the replicas of each tier (coordinator.tiers.routing)
+    # OTLP/gRPC collector (host:port or http(s)://host:port) the round trace goes to as OpenTelemetry spans
+    # (coordinator.trace); None = not exported (the trace's totals still reach GenerationStats).
+    otlp_endpoint: str | None = None

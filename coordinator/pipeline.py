@@ -25,6 +25,7 @@ from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFF
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.suffix import SuffixCache, SuffixProposer
 from coordinator.stats import RoundStats
+from coordinator.trace import OtlpRounds, RoundTrace
 from coordinator.tiers.client import TierClient
 from coordinator.tiers.reachability import TierReachability
 from coordinator.tiers.routing import probe_ring_hash
@@ -84,6 +85,8 @@ class Pipeline:
         self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
         self.source_priors = SourcePriors(config.adaptive)  # each proposer's acceptance, learnt from ended sessions
         self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
+        # The round trace's OpenTelemetry export (coordinator.trace); None when no endpoint is set.
+        self.round_spans = OtlpRounds(config.otlp_endpoint) if config.otlp_endpoint else None
         self.tokenizer = None
         self.grammar: GrammarCompiler | None = None  # structured output's compiler, once the tokenizer is known
         self.tokenizer_fingerprint = ""  # the coordinator's; every replica checks it on a session's first request
@@ -159,7 +162,7 @@ class Pipeline:
         c, fingerprint = self.config, self.tokenizer_fingerprint
         session_id = uuid.uuid4().hex
         key = c.routing.routing_key(session_id, params.prompt_ids, params.cache_key)  # the replicas holding its prefix
-        stats = RoundStats()
+        stats = RoundStats(trace=RoundTrace(self.round_spans, session_id))
         time_left = deadline_clock(deadline)
         sampling = sampling_params.encode(params.sampling, len(params.prompt_ids))  # the same message to both tiers
         target = TargetVerifier(
@@ -171,7 +174,8 @@ class Pipeline:
             draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                                    self.draft_reachability),
                                        sampling, derive_seed(params.seed, 0, DRAFT_STREAM), self._draft_trees(params),
-                                       grammar=grammar_text(params.response_format) if params.response_format else "")
+                                       grammar=grammar_text(params.response_format) if params.response_format else "",
+                                       push=c.overlap and c.draft_push)
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
         max_k = self.max_k()
         policy = ProposerPolicy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)),
@@ -223,3 +227,5 @@ class Pipeline:
         await self.settle(cleanup_timeout_s)
         for ch in self._channels:
             await ch.close()
+        if self.round_spans is not None:
+            self.round_spans.shutdown()  # flushes the spans not yet sent

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.proposers.base import Proposal
+from coordinator.trace import RoundTrace
 from specdec.proto import generate_pb2
 
 
@@ -41,6 +42,7 @@ class RoundStats:
     committed_before_truncation: int = 0
     overlapped_rounds: int = 0
     overlap_saved_ms: float = 0.0  # draft latency the speculation cache's hits saved (estimated)
+    pushed_rounds: int = 0  # draft-model rounds whose proposal the draft had pushed before the verdict
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     tier_ms: float = 0.0
@@ -51,6 +53,7 @@ class RoundStats:
     reprefills: Counter = field(default_factory=Counter)
     # Failed internal rpcs, by (tier, rpc, status name); the generation may have recovered from them.
     tier_errors: Counter = field(default_factory=Counter)
+    trace: RoundTrace = field(default_factory=RoundTrace)  # the round trace (coordinator.trace)
     clock: Callable[[], float] = time.perf_counter  # seconds; a fake in the round loop's unit tests
     # The round in progress: its start and what its rpcs cost so far.
     _round_t0: float = 0.0
@@ -95,12 +98,15 @@ class RoundStats:
         self.draft_tokens += drafts
         self.accepted_tokens += accepted
         self.committed_before_truncation += committed
-        wall_ms = (self.clock() - self._round_t0) * 1e3
+        now = self.clock()
+        wall_ms = (now - self._round_t0) * 1e3
         record = RoundRecord(
             index=len(self.records), proposer=proposal.source, k=proposal.k, drafts=drafts, accepted=accepted,
             draft_ms=r["draft"], verify_ms=r["verify"], tier_ms=r["tier"], network_ms=r["network"],
             coordinator_ms=max(0.0, wall_ms - r["rpc_wall"]), fallback=proposal.fallback, overlapped=proposal.overlapped)
         self.records.append(record)
+        self.trace.end_round(record.index, self._round_t0, now, **{"specdec.proposer": proposal.source,
+                             "specdec.drafts": drafts, "specdec.accepted": accepted})
         return record
 
     def summary(self, prompt_tokens: int, generated: int, elapsed_s: float, first_token_s: float | None, k: int | None,
@@ -128,4 +134,6 @@ class RoundStats:
             proposer=proposer,
             overlapped_rounds=self.overlapped_rounds,
             overlap_saved_ms=self.overlap_saved_ms,
+            trace=self.trace.totals(),
+            pushed_rounds=self.pushed_rounds,
         )

@@ -5,6 +5,7 @@ to_response() the conversion back (q through specdec.serving.draft_probs, the wi
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from specdec.core.errors import invalid_argument
@@ -12,9 +13,11 @@ from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeResult, ProposeWork
 from specdec.engine.propose_tree import ProposeTreeWork, TreeProposeResult
+from specdec.engine.pushed import PushedProposal
 from specdec.proto import draft_pb2, draft_pb2_grpc
 from specdec.serving import draft_probs, draft_tree, sampling_params
 from specdec.serving.server import Service, ServerConfig, handle_errors
+from specdec.serving.tier_trace import traced
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
 from specdec.serving.tier_checks import check_context, check_num_tokens
 
@@ -40,11 +43,47 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         return await self._propose(request)
 
     async def ProposeStream(self, request_iterator, context):
-        async for response in serve_session_stream(self, request_iterator, context, self._propose):
-            yield response
+        """Replies in request order, and between them the pushed proposals (ProposeRequest.push) as they come."""
+        writing = asyncio.Lock()  # one write at a time: the replies' and the pushes'
 
-    async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        return self.to_response(await self.engine.submit(self.to_work(request)))
+        async def write(message: draft_pb2.ProposeResponse) -> None:
+            async with writing:
+                await context.write(message)
+
+        pushes: set[asyncio.Task] = set()
+
+        def push(results: list[PushedProposal]) -> None:
+            for p in results:
+                task = asyncio.ensure_future(write(self.pushed_response(p)))
+                pushes.add(task)
+                task.add_done_callback(_written)
+
+        def _written(task: asyncio.Task) -> None:
+            pushes.discard(task)
+            if not task.cancelled():
+                task.exception()  # a push after the stream ended is lost with it; the caller drafts as usual
+
+        try:
+            async for response in serve_session_stream(self, request_iterator, context,
+                                                       lambda request: self._propose(request, push)):
+                await write(response)
+        finally:
+            for task in list(pushes):
+                task.cancel()
+
+    async def _propose(self, request: draft_pb2.ProposeRequest, push=None) -> draft_pb2.ProposeResponse:
+        def to_work(r: draft_pb2.ProposeRequest):
+            work = self.to_work(r)
+            work.on_push = push if r.push else None
+            return work
+
+        return await traced(request, to_work, self.engine.submit, self.to_response)
+
+    @classmethod
+    def pushed_response(cls, p: PushedProposal) -> draft_pb2.ProposeResponse:
+        response = cls.to_response(p.result)
+        response.pushed, response.pushed_prefix_len, response.pushed_prefix_hash = True, p.prefix_len, p.prefix_hash
+        return response
 
     def to_work(self, request: draft_pb2.ProposeRequest) -> ProposeWork | ProposeTreeWork:
         """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""
@@ -57,6 +96,8 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
                                                      ctx.prefix_len + len(ctx.new_tokens))
         draft_tree.shape_of(request, params, engine.config.max_draft_tokens)  # a chain: no tree fields
+        if request.push:
+            raise invalid_argument("push: only for token-tree requests with speculate > 0 (a chain is tree_branching 1)")
         if request.grammar and (error := engine.grammars.check(request.grammar)):
             raise invalid_argument(f"grammar: {error}")
         return ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
@@ -68,8 +109,10 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         params, _ = sampling_params.decode(request.sampling, engine.vocab_size, ctx.prefix_len + len(ctx.new_tokens))
         shape = draft_tree.shape_of(request, params, engine.config.max_draft_tokens)
         check_context(engine, ctx, extra_tokens=shape.nodes)
+        if request.push and not request.speculate:
+            raise invalid_argument("push: pushed proposals come from the speculation cache; set speculate > 0")
         return ProposeTreeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens), shape,
-                                      params, request.seed, self.draft_top_n, request.speculate)
+                                      params, request.seed, self.draft_top_n, request.speculate, push=request.push)
 
     @staticmethod
     def to_response(r: ProposeResult) -> draft_pb2.ProposeResponse:

@@ -15,6 +15,7 @@ from specdec.proto import target_pb2, target_pb2_grpc
 from specdec.serving import draft_probs, sampling_params, token_masks
 from specdec.serving.token_tree import tree_of
 from specdec.serving.server import Service, ServerConfig, handle_errors
+from specdec.serving.tier_trace import traced
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
 from specdec.serving.tier_checks import check_context, check_num_tokens
 
@@ -40,7 +41,7 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
             yield response
 
     async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        return self.to_response(await self.engine.submit(self.to_work(request)))
+        return await traced(request, self.to_work, self.engine.submit, self.to_response)
 
     def to_work(self, request: target_pb2.VerifyRequest) -> VerifyWork:
         """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""

@@ -108,6 +108,9 @@ class FakeDraft:
         self._expected = len(committed) + k + 1
         return Proposal(DRAFT_MODEL, self.guess[at:at + k], wall_ms=0.1 if hit else 1.0, k=k, overlapped=hit)
 
+    async def while_verifying(self, verifying):
+        return await verifying
+
     async def close(self) -> None:
         pass
 

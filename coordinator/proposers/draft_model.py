@@ -19,7 +19,7 @@ class DraftModelProposer:
     source = DRAFT_MODEL
 
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int,
-                 trees: DraftTreePolicy | None = None, grammar: str = "") -> None:
+                 trees: DraftTreePolicy | None = None, grammar: str = "", push: bool = False) -> None:
         """session: the draft's TierSession, over the session's ProposeStream. trees: how trees and the
         speculation cache are asked for (None: chains only). grammar: structured output's
         (coordinator.constraint.grammar_text), which the draft masks its q with."""
@@ -28,6 +28,8 @@ class DraftModelProposer:
         self.sampling = sampling
         self.seed = seed
         self.trees = trees
+        self.push = push  # ask for pushed proposals (with the speculation cache; DESIGN.md, The split's cost)
+        self._asked: tuple | None = None  # the shape of the last request (a push holds for that shape only)
 
     @property
     def available(self) -> bool:
@@ -40,8 +42,17 @@ class DraftModelProposer:
                                                grammar=self.grammar)
             if self.trees is not None:
                 self.trees.request_fields(message, tree, k)
+            message.push = self.push and message.speculate > 0
             return message
 
+        asked = (k, tree)
+        pushed = self.session.pushed(committed, hashes) if asked == self._asked and self.push else None
+        self._asked = asked
+        if pushed is not None:  # ready when the verdict came: no round trip; the request only moves the draft on
+            await self.session.send_only(committed, hashes, request)
+            self.session.stats.pushed_rounds += 1
+            return Proposal(DRAFT_MODEL, list(pushed.tokens), list(pushed.q), k=tree.depth if tree else k,
+                            parents=list(pushed.parents), tree_scheme=pushed.tree_scheme, overlapped=True)
         # A tree request's cached_len is the committed length: its nodes are not in the cursor's tail (the draft
         # moves the accepted path's entries into place when the next request's tokens show it).
         reply = await self.session.call(committed, hashes, request,
@@ -51,6 +62,10 @@ class DraftModelProposer:
                         compute_ms=response.compute_ms, queue_ms=response.queue_ms, k=tree.depth if tree else k,
                         catch_up=reply.fed, parents=list(response.parents), tree_scheme=response.tree_scheme,
                         overlapped=response.speculated)
+
+    async def while_verifying(self, verifying):
+        """The target's verdict, with the draft's pushes filed as they arrive meanwhile."""
+        return await self.session.pushes_until(verifying) if self.push else await verifying
 
     async def close(self) -> None:
         await self.session.close()

@@ -36,6 +36,8 @@ class DraftModel(Protocol):
 
     async def propose(self, committed: list[int], hashes: PrefixHashes, k: int, tree: TreeAsk | None = None) -> Proposal: ...
 
+    async def while_verifying(self, verifying: Awaitable[Verdict]) -> Verdict: ...  # the verdict (pushes filed meanwhile)
+
     async def close(self) -> None: ...
 
 
@@ -130,7 +132,10 @@ class Drafter:
     async def verify(self, verifying: Awaitable[Verdict], proposal: Proposal, committed: list[int],
                      hashes: PrefixHashes, limit: int) -> Verdict:
         """The target's verdict on the proposal. The draft tier pre-drafts the next round meanwhile on its own
-        (its speculation cache, asked for in the proposal's request), so nothing is sent here."""
+        (its speculation cache, asked for in the proposal's request), so nothing is sent here; with pushing on,
+        the proposals it pushes meanwhile are received (coordinator.tiers.pushes)."""
+        if self.draft is not None and proposal.source == DRAFT_MODEL:
+            return await self.draft.while_verifying(verifying)
         return await verifying
 
     def observe(self, proposal: Proposal, verdict: Verdict, accepted: Sequence[int]) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
+from coordinator.tiers.pushes import PushedProposals
 from coordinator.tiers.routing import RoutingConfig
 from specdec.core.errors import TIER_STATUS_METADATA
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -62,6 +63,8 @@ class SessionStream:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._expired: float | None = None  # the timeout that cancelled the stream, if one did
         self.pending = 0  # requests sent whose replies were not read yet
+        self.pushes = PushedProposals()  # the draft's unasked proposals (ProposeResponse.pushed), as they arrive
+        self._reading: asyncio.Task | None = None  # the read in flight, if one outlived its reader (pushes_until)
 
     async def _io(self, call: grpc.aio.StreamStreamCall, awaitable, limit_s: float | None):
         """One stream operation under the per-call timeout; any failure closes the stream."""
@@ -107,17 +110,62 @@ class SessionStream:
         await self._io(self._call, self._call.write(request), limit_s)
         self.pending += 1
 
-    async def recv(self, limit_s: float | None = None):
-        call = self._call
-        if call is None or self.pending == 0:
-            raise TierError(self.tier, grpc.StatusCode.INTERNAL, f"no request in flight on the {self.rpc} stream", self.rpc)
-        response = await self._io(call, call.read(), limit_s)
+    def _read(self, call: grpc.aio.StreamStreamCall) -> asyncio.Task:
+        """The stream's next message: the read in flight if there is one, else a new one."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(call.read())
+        return self._reading
+
+    async def _next(self, call: grpc.aio.StreamStreamCall, limit_s: float | None):
+        """The next message on the stream (EOF: the stream's end, raised as its status)."""
+        reading = self._read(call)
+        try:
+            response = await self._io(call, asyncio.shield(reading), limit_s)
+        finally:
+            if reading.done():
+                self._reading = None
         if response is grpc.aio.EOF:
             code, details = stream_status(await call.code(), await call.details(), await call.trailing_metadata())
             self.close()
             raise TierError(self.tier, code, details or "stream ended", self.rpc)
+        return response
+
+    async def recv(self, limit_s: float | None = None):
+        call = self._call
+        if call is None or self.pending == 0:
+            raise TierError(self.tier, grpc.StatusCode.INTERNAL, f"no request in flight on the {self.rpc} stream", self.rpc)
+        while (response := await self._next(call, limit_s)) is not None and getattr(response, "pushed", False):
+            self.pushes.add(response)  # filed for the round it holds for; the reply comes after it
         self.pending -= 1
         return response
+
+    async def pushes_until(self, awaitable):
+        """Await `awaitable` (the target's verdict), filing the pushes (and the replies nobody waits for) that
+        arrive on this stream meanwhile. A failing stream is closed and costs no more than its pushes."""
+        main = asyncio.ensure_future(awaitable)
+        try:
+            while self._call is not None and not main.done():
+                call = self._call
+                reading = self._read(call)
+                await asyncio.wait((main, reading), return_when=asyncio.FIRST_COMPLETED)
+                if not reading.done():
+                    break  # the verdict: the read stays in flight for the next recv
+                self._reading = None
+                try:
+                    response = reading.result()
+                except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                    self.close()
+                    break
+                if response is grpc.aio.EOF:
+                    self.close()
+                elif response.pushed:
+                    self.pushes.add(response)
+                elif self.pending:
+                    self.pending -= 1  # a reply to a request sent only to move the draft on (send_only)
+            return await main
+        finally:
+            if not main.done():
+                main.cancel()
 
     async def call(self, request, limit_s: float | None = None):
         """Drain replies nobody wants any more, then one request / reply."""
@@ -130,7 +178,11 @@ class SessionStream:
         if self._call is not None:
             call, self._call = self._call, None
             call.cancel()
+        if self._reading is not None:
+            reading, self._reading = self._reading, None
+            reading.cancel()
         self.pending = 0
+        self.pushes.clear()
 
 
 class TierClient:

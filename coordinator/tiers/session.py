@@ -166,10 +166,33 @@ class TierSession:
                 backoff = min(backoff * 2, self.policy.max_retry_s)
                 continue
             self._failures = 0
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            self.stats.trace.observe(self.tier, t0, wall_ms, getattr(response, "trace", None))
             self.cursor.update(ctx, extra(response), response.cached_len, committed_len=committed_len)
             # the tier's prefix cache (or the draft's kept tree entries: salvaged) supplied the rest
             fed = len(ctx.new_tokens) - getattr(response, "prefix_reused", 0) - getattr(response, "salvaged", 0)
-            return TierReply(response, (time.perf_counter() - t0) * 1e3, fed)
+            return TierReply(response, wall_ms, fed)
+
+    def pushed(self, sequence: list[int], hashes: PrefixHashes) -> Any | None:
+        """The tier's pushed proposal for exactly this committed sequence, if it came (every other is dropped)."""
+        return self.calls.pushes.take(len(sequence), hashes.at(len(sequence)))
+
+    async def send_only(self, sequence: list[int], hashes: PrefixHashes, request: Callable[[common_pb2.SessionContext], Any]) -> None:
+        """Send a request whose reply nobody waits for (the one that moves the draft on to a pushed proposal:
+        its reply repeats the push). The cursor records what a tree request's reply says: the committed
+        sequence, nothing past it. A failure closes the stream; the next call() recovers as for any failure."""
+        ctx = self.context(sequence, hashes)
+        try:
+            await self.calls.send(request(ctx), self.time_left())
+        except TierError as e:
+            self.stats.observe_tier_error(e)
+            self.cursor.reset()
+            return
+        self.cursor.update(ctx, [], len(sequence), committed_len=len(sequence))
+
+    async def pushes_until(self, awaitable):
+        """Await `awaitable`, filing the pushes that arrive on the session's stream meanwhile."""
+        return await self.calls.pushes_until(awaitable)
 
     async def _pause(self, seconds: float) -> None:
         """A retry's back-off, cut short when the tier's probe finds no replica left."""

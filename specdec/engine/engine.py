@@ -63,6 +63,8 @@ class EngineStatus:
     prefix_cache_hits: int = 0  # of them, tokens taken from it instead of prefilled
 
 
+PUSH = object()  # in place of an error: a hand-back of unasked results (Engine.push), not an answer
+
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
 
 # Compiled steps: engines of one process that serve the same model share its weights, and so its
@@ -107,6 +109,9 @@ class Engine:
         self._lock = threading.Lock()  # guards the session table and the scheduler's queues
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Work] = []
+        # Answers settled in this pass of the step loop, handed to the event loop together (_hand_back):
+        # one wake-up per step and event loop, not one per session. Engine thread only.
+        self._answers: list[tuple[Work, object, object]] = []  # (work, result, error | PUSH)
         self._stopping = False
         self._paused = False
         # Step coalescing: the sessions whose work finished in the last step (and when), and how long
@@ -225,6 +230,7 @@ class Engine:
                 self._inbox.clear()
                 self._drop_cancelled()
                 plan = self.scheduler.plan(self._start)
+            self._hand_back()  # works answered without a step (a speculation cache hit, a refused prefix)
             if plan:
                 self._step(plan)
             else:
@@ -232,6 +238,7 @@ class Engine:
         with self._lock:
             for work in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
                 self._fail(work, grpc.StatusCode.UNAVAILABLE, "the engine shut down")
+        self._hand_back()
 
     def _coalesce(self) -> None:
         """Hold the next step (lock held) while the last step's sessions are expected back soon."""
@@ -276,6 +283,11 @@ class Engine:
         self._settle(work, result=result)
         work.answered = True
 
+    def push(self, work: Work, results: list) -> None:
+        """Send a work's caller results it did not ask for (work.on_push), with the pass's answers. Engine thread."""
+        if work.on_push is not None and results:
+            self._answers.append((work, results, PUSH))
+
     def queued(self, session_id: str) -> Work | None:
         """The first request of this session that waits for a step, if any (lock held: engine thread only)."""
         return next((w for w in [*self.scheduler.waiting, *self._inbox] if w.session_id == session_id), None)
@@ -292,6 +304,7 @@ class Engine:
             with self._lock:
                 for p in plan:
                     self._fail(p.work, grpc.StatusCode.INTERNAL, f"forward failed: {type(e).__name__}: {e}", drop=True)
+            self._hand_back()
             return
         seconds = time.perf_counter() - t0
         with self._lock:
@@ -306,6 +319,7 @@ class Engine:
                 w.compute_s += seconds
                 w.last_step = (len(plan), tokens, seconds)
                 w.step_started = t0
+                w.first_step_at = w.first_step_at or t0
                 if w.cancelled:
                     self._finish(w)
                 elif p.num_logits and not ok:
@@ -328,6 +342,7 @@ class Engine:
                 if chained:
                     chains[kind] = chained
             self._last_step_end = time.perf_counter()
+        self._hand_back()
         for observe in self.observers:
             observe(len(plan), tokens, seconds)
         for kind, works in chains.items():
@@ -353,6 +368,7 @@ class Engine:
                 with self._lock:
                     for w in group:
                         self._fail(w, grpc.StatusCode.INTERNAL, f"{kind.kind} failed: {type(e).__name__}: {e}", drop=True)
+                self._hand_back()
                 continue
             seconds = time.perf_counter() - t0
             with self._lock:
@@ -365,6 +381,7 @@ class Engine:
                 for w in group:
                     self._done(w)
                 self._last_step_end = time.perf_counter()
+            self._hand_back()
             for observe in self.observers:  # one observation per forward, as for any step
                 for _ in range(steps):
                     observe(len(group), len(group), seconds / steps)
@@ -387,16 +404,34 @@ class Engine:
         self._finish(work)
         self._settle(work, error=RequestError(code, message))
 
-    @staticmethod
-    def _settle(work: Work, result=None, error: Exception | None = None) -> None:
+    def _settle(self, work: Work, result=None, error: Exception | None = None) -> None:
+        """Answer a work (engine thread): queued for the pass's _hand_back."""
         if work.answered:
             return
+        work.settled_at = time.perf_counter()
+        self._answers.append((work, result, error))
 
-        def settle() -> None:
-            if not work.future.done():
-                if error is not None:
-                    work.future.set_exception(error)
-                else:
-                    work.future.set_result(result)
+    def _hand_back(self) -> None:
+        """Hand this pass's answers to their event loops: one call_soon_threadsafe (one wake-up) per loop."""
+        if not self._answers:
+            return
+        answers, self._answers = self._answers, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for answer in answers:
+            by_loop.setdefault(answer[0].loop, []).append(answer)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
-        work.loop.call_soon_threadsafe(settle)
+
+def _deliver(answers: list[tuple[Work, object, Exception | None]]) -> None:
+    """On the event loop: resolve the answered works' futures (a caller that went away is skipped)."""
+    for work, result, error in answers:
+        if error is PUSH:
+            work.on_push(result)
+            continue
+        if work.future.done():
+            continue
+        if error is not None:
+            work.future.set_exception(error)
+        else:
+            work.future.set_result(result)

@@ -60,6 +60,7 @@ import torch
 
 from specdec.engine.draft_probs import DraftProbs
 from specdec.engine.propose import ProposeResult
+from specdec.engine.pushed import pushed_proposals
 from specdec.engine.verify import CANDIDATES, IID, WITHOUT_REPLACEMENT
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
@@ -224,6 +225,7 @@ class ProposeTreeWork(Work):
     seed: int = 0  # the session's base draft seed
     top_n: int = 64  # q truncation
     speculate: int = 0  # outcomes to pre-draft the next round for, once answered (0 = none)
+    push: bool = False  # send the pre-drafted rounds to the caller once done (specdec.engine.pushed)
     base: int = 0  # the committed length (set at start)
     main: Growth | None = None
     slot_tokens: list[int] = field(default_factory=list)  # the tree's fed nodes, in slot order
@@ -243,9 +245,9 @@ class ProposeTreeWork(Work):
 
     @classmethod
     def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], shape: TreeShape,
-               params: SamplingParams, seed: int, top_n: int, speculate: int = 0) -> "ProposeTreeWork":
+               params: SamplingParams, seed: int, top_n: int, speculate: int = 0, push: bool = False) -> "ProposeTreeWork":
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash, pending=list(new_tokens),
-                   num_logits=1, shape=shape, params=params, seed=seed, top_n=top_n, speculate=speculate)
+                   num_logits=1, shape=shape, params=params, seed=seed, top_n=top_n, speculate=speculate, push=push)
 
     @property
     def dynamic(self) -> bool:
@@ -382,17 +384,20 @@ class ProposeTreeWork(Work):
                 return False
         return node in self.spec
 
-    def _answer(self, engine) -> None:
-        """The proposal is complete: answer it; then pre-draft the next round, or finish."""
-        g = self.main
+    def _result(self, g: Growth, base: int, speculated: bool, salvaged: int = 0) -> TreeProposeResult:
+        """The answer holding proposal g (its N best nodes, for a dynamic tree) after `base` committed tokens."""
         g.keep_best()
         chain = g.shape.branching == 1
         q = DraftProbs.from_rows(g.rows) if g.shape.sends_q and not self.params.greedy else None
         sessions, _, seconds = self.last_step
-        self.answer = TreeProposeResult(
-            list(g.tokens), q, self.base, self.compute_s * 1e3, sessions, seconds * 1e3, self.queue_ms(), self.reused,
+        return TreeProposeResult(
+            list(g.tokens), q, base, self.compute_s * 1e3, sessions, seconds * 1e3, self.queue_ms(), self.reused,
             parents=[] if chain else list(g.parents), scheme=GREEDY if self.params.greedy else g.shape.scheme,
-            speculated=self.hit, salvaged=self.salvaged)
+            speculated=speculated, salvaged=salvaged)
+
+    def _answer(self, engine) -> None:
+        """The proposal is complete: answer it; then pre-draft the next round, or finish."""
+        self.answer = self._result(self.main, self.base, self.hit, self.salvaged)
         if self.speculate <= 0:
             self._finish(engine)
             return
@@ -475,6 +480,8 @@ class ProposeTreeWork(Work):
         engine.sessions.crop(session, self.base)
         session.draft_tree = TreeRecord(self.base, self.cache_key, list(self.slot_tokens), list(self.slot_parents),
                                         dict(self.dists), {s: g for s, g in self.spec.items() if g.done})
+        if self.push and self.spec:
+            engine.push(self, pushed_proposals(self, lambda g, base: self._result(g, base, speculated=True)))
         self.tree_feed = False
         self.result = self.answer
 

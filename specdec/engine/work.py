@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +37,9 @@ class Work:
     submitted_at: float = 0.0  # time.perf_counter() when the engine got it
     last_step: tuple[int, int, float] = (0, 0, 0.0)  # (sessions, tokens, seconds) of its last step
     step_started: float = 0.0  # time.perf_counter() when its last step's forward began
+    first_step_at: float = 0.0  # time.perf_counter() when its first step's forward began (0: none yet)
+    settled_at: float = 0.0  # time.perf_counter() when the engine thread answered it (the round trace)
+    on_push: Callable[[list], None] | None = None  # given unasked results (specdec.engine.pushed), on the event loop
     chain_steps: int = 0  # > 0: steps the engine runs as one chain after this step (run_chain)
 
     kind: ClassVar[str] = "work"

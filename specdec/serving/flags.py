@@ -52,6 +52,8 @@ def add_server_args(a: EnvArgs, default_port: int, max_connection_age_s: float =
           help="seconds before a client connection is closed (GOAWAY), so clients re-resolve DNS and find new replicas (0 = never)")
     a.add("--max-connection-age-grace", type=float, default=ServerConfig.max_connection_age_grace_s,
           help="seconds in-flight rpcs (e.g. a draft stream) may go on over an aged connection")
+    a.add("--event-loop", default=ServerConfig.event_loop, choices=["uvloop", "asyncio"],
+          help="the process's event loop: uvloop (libuv's, less time per rpc) or asyncio (the standard library's)")
     a.add("--port-file", default=None, help="write the bound port to this file once serving (for port 0)")
     a.add("--log-level", default="info", help="debug | info | warning | error")
     a.add("--log-format", default="text", choices=list(LOG_FORMATS),
@@ -77,7 +79,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         return ServerConfig(address=args.address, max_message_bytes=args.max_message_bytes, grace_s=args.grace,
                             tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
                             tls_client_ca=args.tls_client_ca or None, max_connection_age_s=args.max_connection_age,
-                            max_connection_age_grace_s=args.max_connection_age_grace)
+                            max_connection_age_grace_s=args.max_connection_age_grace, event_loop=args.event_loop)
     except ValueError as e:
         config_error(str(e), ("tls_cert", "tls_key", "tls_client_ca", "max_connection_age", "max_connection_age_grace"))
 

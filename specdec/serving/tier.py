@@ -9,7 +9,6 @@ eos_token_ids, tokenizer_fingerprint, device) and methods (end_session, status).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from specdec.models import served_model_name
 from specdec.proto import common_pb2
 from specdec.serving.flags import write_port_file
 from specdec.serving.metrics import TierMetrics, serve_metrics
-from specdec.serving.server import Service, ServerConfig, create_server, handle_errors, serve
+from specdec.serving.server import Service, ServerConfig, create_server, handle_errors, run_event_loop, serve
 
 def model_info(engine) -> common_pb2.ModelInfo:
     c = engine.config
@@ -148,4 +147,4 @@ def run_tier(label: str, service_name: str, build, config, port_file: str | None
                     on_started=lambda: write_port_file(port_file, tier.port), on_stop=stop,
                     on_draining=tier.servicer.drain)
 
-    asyncio.run(run())
+    run_event_loop(run(), config.server.event_loop)
