@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from specdec.engine.eagle3 import HeadCache, load_head, write_checkpoint
+from specdec.engine.eagle3 import HeadCache, greedy_chain, load_head, write_checkpoint
 from specdec.training import eagle3 as trainer
 from specdec.training.eagle3_data import answers, coverage, draft_vocabulary, examples
 from specdec.training.prompts import training_prompts
@@ -34,6 +34,20 @@ def test_training_time_test_is_the_drafting_computation(tiny_target_model):
                 torch.testing.assert_close(out[0], outs[j][0, i], rtol=0, atol=1e-10)
                 if j + 1 < steps:
                     out = head.step(ids[0, i + j + 2 : i + j + 3], out, torch.tensor([i + j + 1]), cache)
+
+
+def test_greedy_chain_drafts_what_training_scores(tiny_target_model):
+    """The head's greedy chain after a prefix: fed back as the true tokens, the training pass's argmax at the
+    prefix's last row, step j, is the chain's token j + 1."""
+    target = tiny_target_model
+    head = trainer.new_head(target, 300, LAYERS, torch.arange(0, 600, 2) - torch.arange(300), seed=4).double()
+    ids, features = torch.randint(0, 1000, (8,)), torch.randn(12, 3 * 64, dtype=torch.float64)
+    with torch.no_grad():
+        chain = greedy_chain(head, ids, features[:7], 4)
+        assert all(t % 2 == 0 for t in chain)  # target ids of the draft vocabulary
+        full = torch.cat([ids, torch.tensor(chain[:3])])[None]
+        outs = list(trainer.ttt_outputs(head, full, features[None, :11], 4))
+    assert [int(head.target_ids(head.logits(o[0, 6]).argmax())) for o in outs] == chain
 
 
 def test_tiny_run_lowers_the_loss_and_writes_a_loadable_head(tiny_target, tiny_target_model, tmp_path):

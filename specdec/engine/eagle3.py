@@ -28,7 +28,7 @@ Loading checks the checkpoint against the target (check_checkpoint) and refuses 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -108,7 +108,6 @@ class HeadCache:
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:

@@ -107,7 +107,8 @@ def ttt_loss(head: Eagle3Head, ids, features, hidden, best, mask, full_head: tor
 
 def train(head: Eagle3Head, data: list[Example], full_head: torch.Tensor, *, ttt_steps: int = 4, epochs: float = 1.0,
           batch_size: int = 8, lr: float = 1e-3, minutes: float | None = None, seed: int = 0, log_every: int = 10):
-    """AdamW with warm-up and cosine decay over the head's trainable weights; returns the per-step losses."""
+    """AdamW with warm-up and cosine decay (over the steps, or over `minutes` where that ends first) on the head's
+    trainable weights; returns the per-step losses."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     order = sorted(range(len(data)), key=lambda i: data[i].ids.shape[0])  # similar lengths batched together
@@ -119,8 +120,11 @@ def train(head: Eagle3Head, data: list[Example], full_head: torch.Tensor, *, ttt
     for step in range(total_steps):
         if step % len(batches) == 0:
             rng.shuffle(batches)
+        done = step / total_steps  # the schedule's progress: by steps, or by time under a time box
+        if minutes is not None:
+            done = max(done, (time.monotonic() - start) / (60 * minutes))
         for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+            group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
         loss, stats = ttt_loss(head, *batch([data[i] for i in batches[step % len(batches)]]), full_head, ttt_steps)
         opt.zero_grad()
         loss.backward()
