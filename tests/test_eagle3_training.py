@@ -57,6 +57,10 @@ def test_tiny_run_lowers_the_loss_and_writes_a_loadable_head(tiny_target, tiny_t
     data = examples(target, pairs, LAYERS)
     assert data[0].features.dtype == torch.bfloat16 and data[0].features.shape[-1] == 3 * 64
     assert torch.equal(data[0].ids, torch.tensor(pairs[0][0] + pairs[0][1]))
+    for one, batched in zip(examples(target, pairs[:3], LAYERS, batch_size=1), data):  # padding changes nothing
+        assert torch.equal(one.ids, batched.ids) and one.prompt_len == batched.prompt_len
+        torch.testing.assert_close(one.features.float(), batched.features.float(), rtol=2e-2, atol=2e-2)
+        assert (one.best == batched.best).float().mean() > 0.95
     d2t = draft_vocabulary(data, 128, target.config.vocab_size)
     assert 0 < coverage(data, d2t) < 1 == coverage(data, draft_vocabulary(data, 4096, target.config.vocab_size))
     head = trainer.new_head(target, 128, LAYERS, d2t)

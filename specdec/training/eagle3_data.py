@@ -1,6 +1,6 @@
 """Training data for an EAGLE-3 head, made by the target itself.
 
-The target answers each training prompt (chat-templated, greedy by default, as it will be served), then one
+The target answers each training prompt (chat-templated, greedy by default, as it will be served), then a
 forward over prompt + answer records, per position, what the head learns from:
 
     ids       [T]        the tokens (prompt, then the target's answer)
@@ -74,15 +74,19 @@ def answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_siz
 
 @torch.no_grad()
 def examples(model, pairs: list[tuple[list[int], list[int]]], layer_ids: list[int],
-             dtype: torch.dtype = torch.bfloat16) -> list[Example]:
-    """One forward per (prompt, answer) over the whole sequence, recording features and last hidden states."""
+             dtype: torch.dtype = torch.bfloat16, batch_size: int = 8) -> list[Example]:
+    """Forwards over whole sequences (prompt + answer), recording features, last hidden states and argmaxes.
+    Batched right-padded: under causal attention a sequence's positions never see the padding after them."""
     out = []
-    for prompt, answer in pairs:
-        ids = torch.tensor(prompt + answer)
-        features, base = target_features(model.base_model, ids[None], layer_ids, dtype=dtype)
-        hidden = base.last_hidden_state[0]
-        best = model.get_output_embeddings()(hidden).argmax(-1)
-        out.append(Example(ids, features[0], hidden.to(dtype), best, len(prompt)))
+    for b in range(0, len(pairs), batch_size):
+        seqs = [prompt + answer for prompt, answer in pairs[b : b + batch_size]]
+        width = max(len(x) for x in seqs)
+        ids = torch.tensor([x + [0] * (width - len(x)) for x in seqs])
+        features, base = target_features(model.base_model, ids, layer_ids, dtype=dtype)
+        for r, (x, (prompt, _)) in enumerate(zip(seqs, pairs[b : b + batch_size])):
+            n, hidden = len(x), base.last_hidden_state[r, : len(x)]
+            best = model.get_output_embeddings()(hidden).argmax(-1)  # [n], one row's logits at a time
+            out.append(Example(ids[r, :n].clone(), features[r, :n].clone(), hidden.to(dtype), best, len(prompt)))
     return out
 
 
