@@ -35,6 +35,18 @@ def test_q_over_the_full_vocabulary_exact():
     assert torch.equal(full_vocab_probs(q_draft[:, :2].repeat(1, 2), identity, 4), q_draft[:, :2].repeat(1, 2))
 
 
+def test_reduced_vocabulary_keeps_the_target_law():
+    """One speculative step with q from a reduced vocabulary (0 outside it), enumerated exactly: accepting d ~ q with
+    min(1, p / q), else drawing from norm(max(0, p - q)), emits each token with probability p, outside tokens too."""
+    p = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1], dtype=torch.float64)
+    q = full_vocab_probs(torch.tensor([0.5, 0.2, 0.3], dtype=torch.float64), d2t_from_target_ids(torch.tensor([1, 3, 4])), 6)
+    accepted = torch.minimum(p, q)  # q(x) min(1, p(x) / q(x))
+    residual = (p - q).clamp(min=0)
+    law = accepted + (1 - accepted.sum()) * residual / residual.sum()
+    torch.testing.assert_close(law, p, rtol=0, atol=1e-15)
+    assert q[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_bad_maps_are_named():
     assert mapping_error(torch.tensor([1, 2, 2]), 6) is None
     assert "outside [0, 4)" in mapping_error(torch.tensor([1, 2, 2]), 4)
