@@ -92,16 +92,16 @@ def ttt_loss(head: Eagle3Head, ids, features, hidden, best, mask, full_head: tor
         h = F.pad(hidden[:, shift:], (0, 0, 0, shift))  # the target's hidden at position i + j + 1
         valid = F.pad(mask[:, shift:], (0, shift)) & (torch.arange(t) < t - shift)
         target_best = F.pad(best[:, shift:], (0, shift))  # and its argmax there
-        with torch.no_grad():
-            p = torch.softmax(h @ rows.T, dim=-1)  # [B, T, Vd] the target's distribution on the draft vocabulary
-            inside = head.t2d[target_best]
-        logp = torch.log_softmax(head.logits(out).float(), dim=-1)
-        used = valid & inside
-        loss = -(p * logp).sum(-1)[used].sum() / used.sum().clamp(min=1)
+        with torch.no_grad():  # only the scored rows go through the LM heads (prompt and padding rows do not)
+            p = torch.softmax(h[valid] @ rows.T, dim=-1)  # [N, Vd] the target's distribution on the draft vocabulary
+            best_here = target_best[valid]  # [N]
+            inside = head.t2d[best_here]
+        logp = torch.log_softmax(head.logits(out[valid]).float(), dim=-1)  # [N, Vd]
+        loss = -(p * logp).sum(-1)[inside].sum() / inside.sum().clamp(min=1)
         total = total + STEP_DECAY**j * loss
         with torch.no_grad():
             guess = target_ids(head.d2t)[logp.argmax(-1)]
-            stats.append((int((guess == target_best)[valid].sum()), int(valid.sum())))
+            stats.append((int((guess == best_here).sum()), int(valid.sum())))
     return total, stats
 
 
