@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from specdec.engine.eagle3 import (ARCHITECTURE, CheckpointError, HeadCache, default_aux_layers, head_config, load_head,
                                    random_head, write_checkpoint)
 from specdec.engine.eagle3_checks import check_checkpoint
-from specdec.engine.eagle3_features import target_features, wire_bytes
+from specdec.engine.eagle3_features import from_bytes, target_features, to_bytes, wire_bytes
 from specdec.models import ModelConfig, load_model, make_tiny_model
 from specdec.math.draft_vocab import d2t_from_target_ids, full_vocab_probs, mapping_error, t2d_mask, target_ids
 
@@ -192,6 +192,21 @@ def test_features_are_the_layer_outputs_16_bit(deep_target):
     with pytest.raises(ValueError, match="16-bit"):
         target_features(target, ids, [0, 1, 1], dtype=torch.float32)
     assert wire_bytes(576) == 3456 and wire_bytes(4096, layers=1) == 8192
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_features_round_trip_through_bytes(dtype):
+    features = torch.randn(5, 192).to(dtype)
+    features[0, :3] = torch.tensor([float("inf"), -0.0, float("nan")])
+    data = to_bytes(features)
+    assert len(data) == 5 * wire_bytes(64)
+    back = from_bytes(data, 192, dtype)
+    assert torch.equal(back.view(torch.int16), features.view(torch.int16))  # bit for bit, NaN and -0 included
+    assert from_bytes(b"", 192).shape == (0, 192)
+    with pytest.raises(ValueError, match="whole rows"):
+        from_bytes(data[:-2], 192, dtype)
+    with pytest.raises(ValueError, match="16-bit"):
+        to_bytes(features.float())
 
 
 # --- Llama-3.1-8B's shapes ------------------------------------------------------------------------------

@@ -63,6 +63,22 @@ def target_features(model, input_ids: torch.Tensor, layer_ids: Sequence[int], ro
     return features.to(dtype), output
 
 
+def to_bytes(features: torch.Tensor) -> bytes:
+    """[N, W] 16-bit features -> N x W x 2 bytes, row-major, little-endian: what a proto bytes field would carry."""
+    if features.dtype not in FEATURE_DTYPES or features.dim() != 2:
+        raise ValueError(f"features must be [N, W] and 16-bit, got {tuple(features.shape)} {features.dtype}")
+    return features.detach().cpu().contiguous().view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+
+
+def from_bytes(data: bytes, width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """to_bytes' inverse: [N, width] in dtype; a length that is not whole rows is refused."""
+    if dtype not in FEATURE_DTYPES or width < 1 or len(data) % (2 * width):
+        raise ValueError(f"{len(data)} bytes are not whole rows of {width} 16-bit numbers ({dtype})")
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(data, dtype="<i2").astype(np.int16)).view(dtype).view(-1, width)
+
+
 def wire_bytes(hidden_size: int, layers: int = 3, bytes_per_number: int = 2) -> int:
     """Bytes of one position's features on the wire: raw (layers x hidden) or fused through fc (layers = 1)."""
     return layers * hidden_size * bytes_per_number
