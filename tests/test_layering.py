@@ -5,7 +5,8 @@ The layers, bottom to top (a module imports only lower layers and its own room):
   0 specdec.math (imports nothing of ours), specdec.proto (generated)
   1 specdec.core (errors, prefix fingerprints), specdec.models (where models come from)
   2 specdec.engine
-  3 specdec.serving (server skeleton, auth, flags, metrics, logs, the tiers' shared server parts)
+  3 specdec.serving (server skeleton, auth, flags, metrics, logs, the tiers' shared server parts),
+    specdec.training (trainers of draft heads: above the engine, beside serving)
   4 draft_service, target_service (the tiers)
   5 coordinator, specdec.client
   6 bench
@@ -25,7 +26,7 @@ ROOMS = {
     "specdec.math": 0, "specdec.proto": 0, "specdec": 0,
     "specdec.core": 1, "specdec.models": 1,
     "specdec.engine": 2,
-    "specdec.serving": 3,
+    "specdec.serving": 3, "specdec.training": 3,
     "draft_service": 4, "target_service": 4,
     "coordinator": 5, "specdec.client": 5,
     "bench": 6,

@@ -1,0 +1,1 @@
+"""Training for draft heads: specdec.training.eagle3 trains an EAGLE-3 head for a target (`make eagle-head`)."""
