@@ -52,7 +52,9 @@ RENDERS = {
     "cpu+tls+hostpath": ("overlays/cpu", ["components/tls", "components/models-hostpath"]),
     "cpu+pvc": ("overlays/cpu", ["components/models-pvc"]),
     "gpu-hetero+tls": ("overlays/gpu-hetero", ["components/tls"]),
+    "gpu-hetero+hub+gateway": ("overlays/gpu-hetero", ["components/models-hub", "components/gateway"]),
 }
+GATEWAY_KINDS = {"HTTPRoute", "GRPCRoute"}  # Gateway API CRDs: checked by test_routes_reach_the_coordinator
 
 
 def kubectl() -> str:
@@ -77,9 +79,12 @@ def renders(tmp_path_factory) -> dict[str, list[dict]]:
             continue
         scratch = tmp_path_factory.mktemp(name.replace("+", "-"))
         rel = lambda p: os.path.relpath(DEPLOY / p, scratch)  # kustomize refuses absolute paths
-        (scratch / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [rel(overlay)], "components": [rel(c) for c in components]}))
+        kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                         "resources": [rel(overlay)], "components": [rel(c) for c in components]}
+        if "components/models-hub" in components:  # its init containers run the specdec image: listed in an
+            # overlay, the overlay's `images:` names it; here, on top of one, the same entries do
+            kustomization["images"] = yaml.safe_load((DEPLOY / overlay / "kustomization.yaml").read_text())["images"]
+        (scratch / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
         out[name] = kustomize(scratch)
     out["models"] = kustomize(DEPLOY / "models")
     return out
@@ -156,7 +161,7 @@ def test_schema_valid(renders, name):
     objs = renders[name]
     assert objs
     for obj in objs:
-        for version in SCHEMA_VERSIONS:
+        for version in SCHEMA_VERSIONS if obj["kind"] not in GATEWAY_KINDS else ():
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as e:
@@ -230,8 +235,8 @@ def test_peer_addresses_resolve(renders, name):
         assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
         assert selects(svc["spec"]["selector"], deps[tier]["spec"]["template"]["metadata"]["labels"])
         assert int(port) == TIERS[tier][1]
-    # the coordinator's tokenizer is the target's model
-    assert env_value(coord, "SPECDEC_COORDINATOR_TOKENIZER") == env_value(container(deps["target"]), "SPECDEC_TARGET_MODEL")
+    # the coordinator's tokenizer: its own copy of the tokenizer's files (checked against the tiers' at start)
+    assert env_value(coord, "SPECDEC_COORDINATOR_TOKENIZER") in ("/models/tokenizer", "/models/model")
 
 
 @pytest.mark.parametrize("name", RENDERS)
@@ -295,7 +300,7 @@ def test_pod_hardening_volumes_and_resources(renders, name):
             claim = models["persistentVolumeClaim"]
             assert claim["claimName"] in of_kind(renders["models"], "PersistentVolumeClaim") and claim["readOnly"] is True
         else:
-            assert set(models) == {"name", "emptyDir"}, "the default convention: each pod's own copy"
+            assert set(models) == {"name", "emptyDir"}, "the default convention: each pod's own copy (or download)"
         for init in spec.get("initContainers", []):  # hardened like the service's container
             assert init["securityContext"]["readOnlyRootFilesystem"] is True
             assert init["securityContext"]["allowPrivilegeEscalation"] is False
@@ -331,7 +336,7 @@ def overlay_images(overlay: str) -> dict[str, str]:
     return {e["name"]: f"{e.get('newName', e['name'])}:{e['newTag']}" for e in entries}
 
 
-@pytest.mark.parametrize("name", [n for n in RENDERS if "hostpath" not in n and "pvc" not in n])
+@pytest.mark.parametrize("name", [n for n in RENDERS if "hostpath" not in n and "pvc" not in n and "hub" not in n])
 def test_models_are_copied_into_each_pod(renders, name):
     """The models convention: an init container copies the pod's model from the models image into the pod's
     own emptyDir, which the service mounts read-only at /models; no pod mounts a shared claim, so every
@@ -344,8 +349,15 @@ def test_models_are_copied_into_each_pod(renders, name):
         volumes = {v["name"]: v for v in spec["volumes"]}
         (mount,) = init["volumeMounts"]
         assert "emptyDir" in volumes[mount["name"]] and not mount.get("readOnly")
-        cp, flag, source, dest = init["command"]
-        assert (cp, flag, dest) == ("cp", "-R", mount["mountPath"] + "/") and source.startswith("/models/")
+        if comp == "coordinator":  # the tokenizer's files only, never the target's weights
+            shell, flag, script = init["command"]
+            assert (shell, flag) == ("sh", "-c") and "tokenizer.json" in script and "config.json" in script
+            assert f"{mount['mountPath']}/tokenizer/" in script and "cp -R" not in script
+            assert not re.search(r"\.(safetensors|gguf|bin)\b", script)
+            source = "/models/tokenizer"
+        else:
+            cp, flag, source, dest = init["command"]
+            assert (cp, flag, dest) == ("cp", "-R", mount["mountPath"] + "/") and source.startswith("/models/")
         c = container(dep)
         served = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
         assert served[mount["name"]] == "/models"
@@ -444,15 +456,13 @@ def test_pdb_hpa_and_network_policy_per_tier(renders, name):
         assert len(mine) == 1, comp
         hpa = mine[0]["spec"]
         assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"] and hpa["metrics"]
+        assert "replicas" not in dep["spec"], f"the HPA owns the {comp}'s replica count"
         if comp == "coordinator":
-            assert "replicas" not in dep["spec"], "the HPA owns the coordinator's replica count"
             (metric,) = hpa["metrics"]
             assert metric["type"] == "Resource" and metric["resource"]["name"] == "cpu"
         else:
             # Many replicas per tier (sessions routed by the ring hash), autoscaled on the tier's own load.
-            assert dep["spec"]["replicas"] >= 2 and hpa["minReplicas"] >= 2, comp
-            assert hpa["minReplicas"] < hpa["maxReplicas"], comp
-            assert dep["spec"]["replicas"] <= hpa["maxReplicas"], comp
+            assert hpa["minReplicas"] >= 2 and hpa["minReplicas"] < hpa["maxReplicas"], comp
             (metric,) = hpa["metrics"]
             assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == TIER_LOAD_METRIC, comp
             assert metric["pods"]["target"]["type"] == "AverageValue" and quantity(metric["pods"]["target"]["averageValue"]) > 0
@@ -686,3 +696,100 @@ def test_prometheus_adapter_serves_the_tier_load_metric():
     scrape = yaml.safe_load((OBSERVABILITY / "prometheus-scrape.yaml").read_text())
     targets = {r.get("target_label") for r in scrape["scrape_configs"][0]["relabel_configs"]}
     assert {"pod", "namespace"} <= targets
+
+
+# ---- runs as shipped: scaling, routes, GPU images, models per tier ----
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_no_replicas_under_an_hpa(renders, name):
+    """An HPA owns its Deployment's count: a `replicas` in the manifest would scale the tier back on every
+    apply and drop the sessions of the replicas it removes."""
+    deps = of_kind(renders[name], "Deployment")
+    hpas = of_kind(renders[name], "HorizontalPodAutoscaler")
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas.values()} == set(deps)
+    for dep_name, dep in deps.items():
+        assert "replicas" not in dep["spec"], f"{name}: {dep_name} sets replicas under its HPA"
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_triton_cache_on_a_writable_volume(renders, name):
+    """The tiers compile Triton's kernels at start under a read-only root filesystem, as a non-root user:
+    TRITON_CACHE_DIR must lie on a writable emptyDir mount (and the image sets the same path)."""
+    image_env = re.search(r"TRITON_CACHE_DIR=(\S+)", (DEPLOY / "Dockerfile").read_text()).group(1)
+    for comp, dep in deployments(renders[name]).items():
+        if comp == "coordinator":
+            continue
+        spec, c = dep["spec"]["template"]["spec"], container(dep)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True and spec["securityContext"]["runAsNonRoot"] is True
+        path = env_value(c, "TRITON_CACHE_DIR")
+        assert path == image_env
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert not mount.get("readOnly") and "emptyDir" in volumes[mount["name"]], (name, comp, mount)
+
+
+def test_cuda_image_has_a_compiler_and_the_cpu_image_none():
+    text = (DEPLOY / "Dockerfile").read_text()
+    runtime = text.split("\nFROM ${PYTHON_IMAGE}\n")[-1]  # the runtime stage
+    assert re.search(r'^ARG RUNTIME_PACKAGES=""$', runtime, re.M), "the CPU image stays without a compiler"
+    assert "apt-get install -y --no-install-recommends ${RUNTIME_PACKAGES}" in runtime
+    overlay = (DEPLOY / "overlays/gpu-hetero/kustomization.yaml").read_text()
+    assert '--build-arg RUNTIME_PACKAGES="gcc libc6-dev"' in overlay and '--build-arg RUNTIME_PACKAGES="gcc libc6-dev"' in text
+    assert re.search(r"^    TRITON_CACHE_DIR=/var/cache/specdec/", runtime, re.M)  # under the cache volume's mount
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_coordinator_sets_a_maximum_connection_age(renders, name):
+    c = container(deployments(renders[name])["coordinator"])
+    assert 0 < float(env_value(c, "SPECDEC_COORDINATOR_MAX_CONNECTION_AGE")) <= 3600
+
+
+def test_gpu_volumes_fit_an_8b_target_in_bfloat16(renders):
+    """An 8B target in bfloat16 is 16 GB of weights: its pod's models volume and disk must hold it."""
+    for name in ("gpu-hetero", "gpu-hetero+hub+gateway"):
+        dep = deployments(renders[name])["target"]
+        volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+        models = quantity(volumes["models"]["emptyDir"]["sizeLimit"])
+        assert models >= 1.2 * 8e9 * 2, f"{name}: models volume {models / 2**30:.1f} GiB"
+        total = sum(quantity(v["emptyDir"]["sizeLimit"]) for v in volumes.values() if "emptyDir" in v)
+        assert quantity(container(dep)["resources"]["limits"]["ephemeral-storage"]) >= total
+
+
+def test_each_tier_fetches_its_own_model_from_the_hub(renders):
+    """components/models-hub: one init container per pod downloads that tier's model (the coordinator: the
+    tokenizer's files only), with an optional token from a Secret; the service serves what it fetched."""
+    for comp, dep in deployments(renders["gpu-hetero+hub+gateway"]).items():
+        spec = dep["spec"]["template"]["spec"]
+        (init,) = spec["initContainers"]
+        env = env_of(init)
+        assert init["image"].split(":")[0].endswith("specdec") and "snapshot_download" in init["command"][-1]
+        assert "/" in env["MODEL_ID"]["value"]
+        token = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert token["name"] == "specdec-hub-token" and token["optional"] is True
+        files = env["MODEL_FILES"]["value"].split()
+        if comp == "coordinator":
+            assert "tokenizer.json" in files and not any(f.endswith((".safetensors", ".gguf", ".bin")) for f in files)
+        else:
+            assert files == []  # the whole repository
+        model_var = "SPECDEC_COORDINATOR_TOKENIZER" if comp == "coordinator" else ENV_PREFIX[comp] + "MODEL"
+        assert env_value(container(dep), model_var) == "/models/model"
+        assert init["securityContext"]["readOnlyRootFilesystem"] is True and env["HF_HOME"]["value"].startswith("/mnt/models/")
+    deps = deployments(renders["gpu-hetero+hub+gateway"])
+    ids = {comp: env_of(d["spec"]["template"]["spec"]["initContainers"][0])["MODEL_ID"]["value"] for comp, d in deps.items()}
+    assert ids["coordinator"] == ids["target"] != ids["draft"]
+
+
+def test_routes_reach_the_coordinator(renders):
+    objs = renders["gpu-hetero+hub+gateway"]
+    service = of_kind(objs, "Service")["specdec-coordinator"]
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    (http,) = of_kind(objs, "HTTPRoute").values()
+    (grpc_route,) = of_kind(objs, "GRPCRoute").values()
+    for route in (http, grpc_route):
+        assert route["apiVersion"] == "gateway.networking.k8s.io/v1" and route["spec"]["parentRefs"]
+    (rule,) = http["spec"]["rules"]
+    assert rule["matches"][0]["path"]["value"] == "/v1"
+    assert rule["backendRefs"] == [{"name": "specdec-coordinator", "port": ports["http"]}]
+    (rule,) = grpc_route["spec"]["rules"]
+    assert rule["matches"][0]["method"]["service"] == TIERS["coordinator"][2]
+    assert rule["backendRefs"] == [{"name": "specdec-coordinator", "port": ports["grpc"]}]

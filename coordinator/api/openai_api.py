@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.api.frontend import Frontend
-from coordinator.api.http_guard import BearerGuard
+from coordinator.api.http_guard import BearerGuard, BodyLimit
 from coordinator.api.openai_reply import Choice, Indexed, Reply
 from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
 from specdec.proto import generate_pb2
@@ -137,10 +137,15 @@ def create_app(frontend: Frontend, auth_token: str | None = None, max_body_bytes
                metrics_public: bool = False) -> FastAPI:
     """auth_token: set = every path but /health (and /metrics where metrics_public) needs it, checked before
     the body is read. max_body_bytes: larger bodies get 413 (by Content-Length before they are read)."""
-    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None, max_body_size=max_body_bytes)
-    if auth_token:  # inside HttpMetrics (added last: outermost), which counts the refusals too
-        app.add_middleware(BearerGuard, token=auth_token.encode(), metrics_public=metrics_public,
-                           refuse=lambda status, message, code: ApiError(status, message, code=code).response())
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def refuse(status: int, message: str, code: str):
+        return ApiError(status, message, code=code).response()
+
+    # The last added is the outermost: HttpMetrics (counting refusals too), the token, then the body's size.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refuse=refuse)
+    if auth_token:
+        app.add_middleware(BearerGuard, token=auth_token.encode(), metrics_public=metrics_public, refuse=refuse)
     app.add_middleware(HttpMetrics, rpc=frontend.metrics.rpc)
     created = int(time.time())
 
@@ -160,9 +165,8 @@ def create_app(frontend: Frontend, auth_token: str | None = None, max_body_bytes
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        if e.status_code == 413:  # Starlette's body limit
-            return ApiError(413, f"the request body is larger than max_body_bytes={max_body_bytes}",
-                            code="request_too_large").response()
+        if e.status_code == 413:  # BodyLimit, cutting a chunked body
+            return ApiError(413, str(e.detail), code="request_too_large").response()
         return ApiError(e.status_code, str(e.detail)).response()
 
     @app.get("/health")
