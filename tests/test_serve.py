@@ -243,10 +243,10 @@ def test_serve_restarts_a_child_that_hangs(serve_factory, tiny_target):
     os.kill(target, signal.SIGSTOP)
     oai = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     deadline = time.monotonic() + 120
-    while "the target has failed its health checks" not in s.output():
+    while "the target was killed by SIGKILL; restarting it" not in s.output():  # serve's next look after the kill
         assert time.monotonic() < deadline, s.output()[-3000:]
         time.sleep(0.1)
-    assert "was killed by SIGKILL; restarting it" in s.output()
+    assert "the target has failed its health checks for" in s.output()
     while True:  # the restarted target loads, the coordinator finds it
         try:
             r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
