@@ -1,5 +1,6 @@
 """The one code path of a generation, shared by the public APIs (the gRPC servicer and the OpenAI-compatible
-HTTP routes): admit, validate (tokenise, compile the grammar: off the event loop), run the round loop, observe metrics, log, and free the tiers' sessions.
+HTTP routes): admit, validate (tokenise, compile the grammar: off the event loop), run the round loop,
+observe metrics, log, and free the tiers' sessions.
 
 Every failure comes out as a RequestError (a gRPC status and a message), which each API maps to its own
 protocol: admission refusal (RESOURCE_EXHAUSTED) and bad input (INVALID_ARGUMENT) before the first event,
@@ -13,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from prometheus_client import CollectorRegistry
