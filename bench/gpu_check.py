@@ -54,9 +54,9 @@ def plan(device: str, dtype: str, out: str, smoke: bool = False) -> list[Part]:
         return [
             Part("cuda-tests", "pytest", ("-q", "-x", "tests/test_triton_fallback.py"), 120, {"SPECDEC_TEST_DEVICE": device}),
             Part("exactness", "bench.exactness", ("--device", device, "--dtypes", dtype, "--tokens", "8", "--prompts", "1",
-                                                  "--ks", "1", "--modes", "eager", *out_args), 120),
+                                                  "--ks", "1", "--modes", "eager", *out_args), 300),
             Part("step-cost", "bench.step_cost", ("--device", device, "--dtype", dtype, "--modes", "eager", "--repeats", "1",
-                                                  "--decode-tokens", "0", "--draft", "", *out_args), 120),
+                                                  "--decode-tokens", "0", "--draft", "", *out_args), 300),
             Part("workloads", "bench.run", ("--device", device, "--dtype", dtype, "--smoke", "--workloads", "open",
                                             "--no-sampled", "--no-peer", "--no-target-compiled", "--proposers", "",
                                             "--wait-idle", "0", *out_args), 300),
