@@ -255,6 +255,7 @@ def test_serve_restarts_a_child_that_hangs(serve_factory, tiny_target):
         except openai.APIError:
             assert time.monotonic() < deadline, s.output()[-3000:]
             time.sleep(0.5)
+    s.children.update(children(s.proc.pid))  # the restarted target too, for close()
     assert r.usage.completion_tokens == 3 and not alive(target) and s.proc.poll() is None
 
 
