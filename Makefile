@@ -8,7 +8,7 @@ GEN    := specdec/proto/.generated-stamp
 # Torch first, pinned: this machine's local CPU wheel. A looser pin pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup proto kernels run test bench clean prometheus eagle-head
+.PHONY: setup proto kernels run test bench gpu-check clean prometheus eagle-head
 
 setup: $(STAMP) $(GEN) kernels
 
@@ -65,6 +65,13 @@ prometheus:
 #                     target's greedy outputs: tokens per forward, exact and timing-free (~3 min; REPLAY_ARGS=--help)
 #  bench.tree_replay  the draft model's token trees (chains, dynamic trees, the exhaustive best-first bound)
 #                     replayed on the target's greedy answers: tokens per round (~5 min; TREE_REPLAY_ARGS=--help)
+# The GPU path checked and measured in under 8 minutes on a GPU machine with the repository, the model pair and
+# an environment with a CUDA torch (no network): the CUDA tests, greedy identity and argmax flips, the step
+# cost, the workloads against the target alone, 1 and 32 clients (bench/gpu_check.py; GPU_CHECK_ARGS=--help,
+# --cpu-smoke to try the plan on a CPU). Uses $(PY) as it is: no setup step, which would need the network.
+gpu-check:
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
 bench: setup
 	$(PY) -m bench.step_cost $(STEP_COST_ARGS)
 	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)

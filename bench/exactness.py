@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.exactness", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtypes", default="float32,bfloat16")
@@ -49,7 +49,11 @@ def main(argv=None) -> int:
                    help="step modes (default: eager,packed,compile on a CPU; eager,cuda-graphs on CUDA)")
     p.add_argument("--target", default=None, help="model (default: specdec.models.default_target())")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     import torch
 

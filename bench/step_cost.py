@@ -292,7 +292,7 @@ def propose_cost(path: str, device: str, dtype: str, mode: str, ks: tuple[int, .
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -308,7 +308,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads (the tiers' default here)")
     p.add_argument("--quick", action="store_true", help="batches up to 16, 5 repeats")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     import torch
 
     from specdec.models import default_draft, default_target

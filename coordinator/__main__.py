@@ -21,7 +21,6 @@ from coordinator.service import build
 from coordinator.proposers.suffix import SuffixConfig
 from specdec.serving.flags import (EnvArgs, add_server_args, check_server_tls, config_error, server_config, write_port_file)
 from specdec.models import default_target
-from specdec.serving.metrics import serve_metrics
 from specdec.serving.auth import check_token
 from specdec.serving.server import run_event_loop, serve
 
@@ -104,6 +103,10 @@ def main(argv=None) -> None:
     a.add("--auth-token", default=None, secret=True,
           help="require 'authorization: Bearer <token>' on the public API (health and reflection stay open)")
     a.add("--auth-token-file", default=None, help="read the bearer token from this file (alternative to --auth-token)")
+    a.add("--metrics-public", type=bool, default=D.metrics_public,
+          help="with a token set, serve /metrics (the metrics port's and the HTTP API's) without it (docs/security.md)")
+    a.add("--max-body-bytes", type=int, default=D.max_body_bytes,
+          help="HTTP API: a larger request body gets 413 (by its Content-Length, before it is read)")
     a.add("--http-address", default="",
           help="host:port of the OpenAI-compatible HTTP API ('' = none; port 0 = any free port); same token as gRPC")
     a.add("--served-model-name", default=None,
@@ -139,7 +142,8 @@ def main(argv=None) -> None:
                                   max_queue_wait_s=args.admission_wait),
         tier_ca=args.tier_ca or None, tier_client_cert=args.tier_client_cert or None,
         tier_client_key=args.tier_client_key or None, tier_server_name=args.tier_server_name or None,
-        auth_token=auth_token, served_model_name=args.served_model_name or None,
+        auth_token=auth_token, metrics_public=args.metrics_public, max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name or None,
         routing=RoutingConfig(min_resolution_interval_s=args.min_resolution_interval, prefix_tokens=args.prefix_route_tokens),
         otlp_endpoint=args.otlp_endpoint or None,
     )
@@ -158,7 +162,7 @@ def main(argv=None) -> None:
             log.error("refusing to start: %s", e)
             sys.exit(2)
         try:
-            metrics = serve_metrics(c.registry, args.metrics_address)
+            metrics = c.serve_metrics(args.metrics_address)
             http = await c.start_http(args.http_address) if args.http_address else None
         except (OSError, ValueError) as e:
             log.error("refusing to start: %s", e)

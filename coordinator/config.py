@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.api.admission import AdmissionConfig
+from coordinator.constraint import GrammarLimits
 from coordinator.proposers.adaptive import AdaptiveConfig
 from coordinator.proposers.lookup import LookupConfig
 from coordinator.proposers.names import HYBRID, Proposer
@@ -42,6 +43,7 @@ class CoordinatorConfig:
     draft_tree_scheme: str = "without_replacement"  # sampled draft trees' siblings: without_replacement | iid | candidates
     tier_retry_s: float = 30.0  # retry an unreachable target this long when the client set no deadline
     admission: AdmissionConfig = AdmissionConfig()  # concurrency and request-rate limits
+    grammar: GrammarLimits = GrammarLimits()  # what compiling and following a request's response_format may cost
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc
     connect_timeout_s: float = 300.0  # how long to wait at start-up for the tiers to answer
     # --- security (docs/security.md) ---
@@ -50,6 +52,10 @@ class CoordinatorConfig:
     tier_client_key: str | None = None  # PEM private key of tier_client_cert
     tier_server_name: str | None = None  # name to verify in the tiers' certs instead of the address's host
     auth_token: str | None = field(default=None, repr=False)  # set = public API needs 'authorization: Bearer <it>'
+    # With auth_token set, /metrics (the metrics port's and the HTTP API's) needs it too, unless this is True:
+    # for a Prometheus that cannot send a token; what the metrics tell is in docs/security.md.
+    metrics_public: bool = False
+    max_body_bytes: int = 4 * 2**20  # HTTP API: a larger request body gets 413, by Content-Length before it is read
     served_model_name: str | None = None  # OpenAI model id and metrics label; None = specdec.models.served_model_name(target's model)
     reachability: ReachabilityConfig = ReachabilityConfig()  # how often and how patiently each tier is probed
     routing: RoutingConfig = RoutingConfig()  # how sessions reach the replicas of each tier (coordinator.tiers.routing)

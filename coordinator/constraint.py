@@ -19,7 +19,9 @@ One llguidance matcher per session follows the committed tokens. Each round it
 - commits what the round committed.
 
 The grammar engine is llguidance (chosen over xgrammar by measured mask cost and because it needs no torch:
-docs/DESIGN.md, "Structured output"); its compiled tokenizer is built once per coordinator.
+docs/DESIGN.md, "Structured output"); its compiled tokenizer is built once per coordinator, and a request's
+grammar is compiled once (after admission, off the event loop, within GrammarLimits), each session stepping
+a copy of it.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.token_tree import children, select
+from specdec.core.errors import invalid_argument
 from specdec.proto import generate_pb2
 
 MAX_GRAMMAR_CHARS = 100_000  # a response_format's schema / regex / grammar text
@@ -42,13 +48,51 @@ class ConstraintError(ValueError):
     """A response format the engine cannot use; the message starts with the field."""
 
 
-class GrammarCompiler:
-    """The tokenizer as llguidance sees it (built on first use, ~0.5 s) and the grammar of a request."""
+@dataclass(frozen=True)
+class GrammarLimits:
+    """How much a request's grammar may cost: llguidance's own limits (its fuel counts work, so they bound
+    time on any machine) and a wall-clock bound on compiling, after which the request gets INVALID_ARGUMENT."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    compile_timeout_s: float = 1.0  # compiling (and the first mask) longer than this: refused, naming the field
+    initial_lexer_fuel: int = 1_000_000  # building the lexer's regexes (~50k/ms: about 20 ms); llguidance's default
+    step_lexer_fuel: int = 200_000  # one mask's lexer work (~14k/ms: about 15 ms); llguidance's default
+    step_max_items: int = 50_000  # Earley items per mask (~20k/ms); llguidance's default
+    max_lexer_states: int = 20_000  # lexer states (1-2 kB each: at most ~40 MB a grammar); llguidance's is 250k
+    max_grammar_size: int = 200_000  # symbols in the grammar's productions; llguidance's is 500k
+    cache_entries: int = 64  # compiled grammars kept (n choices and repeated schemas compile once)
+
+    def parser_limits(self) -> llguidance.LLParserLimits:
+        return llguidance.LLParserLimits(
+            initial_lexer_fuel=self.initial_lexer_fuel, step_lexer_fuel=self.step_lexer_fuel,
+            step_max_items=self.step_max_items, max_lexer_states=self.max_lexer_states,
+            max_grammar_size=self.max_grammar_size, verbose_errors=False)
+
+
+class Grammar:
+    """A compiled response format: a matcher at the start of the output, copied for each session."""
+
+    def __init__(self, field: str, text: str, matcher: llguidance.LLMatcher, eos: set[int]) -> None:
+        self.field, self.text, self._matcher, self._eos = field, text, matcher, eos  # text: llguidance's grammar
+
+    def session(self, jump_forward: bool = True) -> "Constraint":
+        """A session's constraint. jump_forward=False: forced tokens go through the target too (a request
+        for logprobs gets the target's own for them)."""
+        return Constraint(self._matcher.deep_copy(), jump_forward, self._eos, self.field)
+
+
+class GrammarCompiler:
+    """The tokenizer as llguidance sees it (built on first use, ~0.5 s) and the grammars of requests: each
+    compiled once on a thread of its own (llguidance drops the GIL), within GrammarLimits, and kept."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], limits: GrammarLimits = GrammarLimits()) -> None:
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
+        self.limits = limits
+        self._parser_limits = limits.parser_limits()
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # (field, grammar) -> Future[Grammar]
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self.compiles = 0  # grammars compiled (not taken from the cache) so far
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -57,20 +101,39 @@ class GrammarCompiler:
                 self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size, eos_token=eos)
             return self._ll
 
-    def constraint(self, fmt: generate_pb2.ResponseFormat, jump_forward: bool = True) -> "Constraint":
-        """The session's constraint, or ConstraintError naming the field. jump_forward=False: forced tokens
-        go through the target too (a request for logprobs gets the target's own for them)."""
+    def compile(self, fmt: generate_pb2.ResponseFormat) -> Grammar:
+        """The request's grammar, or ConstraintError naming the field (also when compiling takes longer
+        than limits.compile_timeout_s: the compile goes on within llguidance's limits, and is kept)."""
         field = f"response_format.{fmt.WhichOneof('format')}"
-        grammar = grammar_text(fmt)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
+        key = (field, grammar_text(fmt))
+        self.tokenizer()  # built once, outside the time a request's grammar is given
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is None:
+                future = self._compiled[key] = self._pool.submit(self._compile, *key)
+                while len(self._compiled) > self.limits.cache_entries:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(key)
+        try:
+            return future.result(timeout=self.limits.compile_timeout_s)
+        except TimeoutError:
+            raise ConstraintError(f"{field}: the grammar takes longer than {self.limits.compile_timeout_s:g}s to compile; "
+                                  "simplify it") from None
+
+    def _compile(self, field: str, grammar: str) -> Grammar:
+        self.compiles += 1
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer(), limits=self._parser_limits)
         if error:
             raise ConstraintError(f"{field}: {error}")
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=self._parser_limits)
         if matcher.is_error():
             raise ConstraintError(f"{field}: {matcher.get_error()}")
-        if _allowed(matcher.compute_bitmask()) == 0:
-            raise ConstraintError(f"{field}: the grammar allows no token")
-        return Constraint(matcher, jump_forward, set(self._eos))
+        if _allowed(matcher.compute_bitmask()) == 0:  # also the first step within the limits
+            raise ConstraintError(f"{field}: {matcher.get_error() or 'the grammar allows no token'}")
+        return Grammar(field, grammar, matcher, set(self._eos))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 # JSON as json.dumps writes it: no free whitespace between tokens, ", " and ": " as separators. The keys a
@@ -122,10 +185,12 @@ class NoConstraint:
 
 
 class Constraint:
-    def __init__(self, matcher: llguidance.LLMatcher, jump_forward: bool = True, eos: set[int] = frozenset()) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, jump_forward: bool = True, eos: set[int] = frozenset(),
+                 field: str = "response_format") -> None:
         self.matcher = matcher
         self.jump_forward = jump_forward
         self.eos = eos  # a forced EOS ends the output: nothing is forced after it
+        self.field = field  # the request's field, named when the engine's limits stop the grammar mid-output
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces one after another (each the only one allowed); consumed.
@@ -202,5 +267,5 @@ class Constraint:
         for t in tokens:
             if self.matcher.is_stopped():  # the grammar is complete: what follows is the EOS it allowed
                 return
-            if not self.matcher.consume_token(t):  # the engine's own limits (a grammar too complex to follow)
-                raise RuntimeError(f"structured output: the grammar engine stopped: {self.matcher.get_error()}")
+            if not self.matcher.consume_token(t):  # the engine's limits (a grammar too costly to follow)
+                raise invalid_argument(f"{self.field}: the grammar engine stopped: {self.matcher.get_error()}", self.field)

@@ -4,6 +4,7 @@ its collaborators are built from."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.proposers.names import HYBRID, Proposer
 from specdec.math.params import SamplingParams
@@ -27,6 +28,7 @@ class GenerationParams:
     cache_key: str = ""  # routes the session to the replicas that served the same key (prompt_cache_key)
     logprobs: int = -1  # -1: no logprobs; n >= 0: each token's logprob and the top n alternatives
     response_format: generate_pb2.ResponseFormat | None = None  # structured output (coordinator.constraint); None: free
+    grammar: Any = None  # response_format compiled (a coordinator.constraint.Grammar); set with it
     tree_nodes: int | None = None  # N, each round's token-tree node budget (0: chains); None = the server's defaults
 
     @property

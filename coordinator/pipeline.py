@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import grpc
 
-from coordinator.constraint import GrammarCompiler, NoConstraint, grammar_text
+from coordinator.constraint import GrammarCompiler, NoConstraint
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.output import Output
@@ -123,7 +123,8 @@ class Pipeline:
         self.tokenizer_fingerprint = fingerprint
         if self.target_info.tokenizer_fingerprint != fingerprint:
             raise PipelineMismatch(f"the target's tokenizer ({self.target_info.model}) differs from the coordinator's ({self.config.tokenizer})")
-        self.grammar = GrammarCompiler(self.tokenizer, self.target_info.vocab_size, list(self.target_info.eos_token_ids))
+        self.grammar = GrammarCompiler(self.tokenizer, self.target_info.vocab_size, list(self.target_info.eos_token_ids),
+                                       self.config.grammar)
         if self.draft_info is not None and self.draft_info.tokenizer_fingerprint != self.target_info.tokenizer_fingerprint:
             raise PipelineMismatch(f"draft tokenizer ({self.draft_info.model}) differs from target tokenizer ({self.target_info.model}); refusing to start")
         log.info("pipeline: target %s at %s, draft %s", self.target_info.model, self.config.target_address,
@@ -174,7 +175,7 @@ class Pipeline:
             draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                                    self.draft_reachability),
                                        sampling, derive_seed(params.seed, 0, DRAFT_STREAM), self._draft_trees(params),
-                                       grammar=grammar_text(params.response_format) if params.response_format else "",
+                                       grammar=params.grammar.text if params.grammar is not None else "",
                                        push=c.overlap and c.draft_push)
         suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
         max_k = self.max_k()
@@ -189,8 +190,8 @@ class Pipeline:
                           else c.tree_nodes if params.tree_nodes is None else params.tree_nodes)
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
-        constraint = (self.grammar.constraint(params.response_format, jump_forward=params.logprobs < 0)
-                      if params.response_format else NoConstraint())
+        constraint = (params.grammar.session(jump_forward=params.logprobs < 0)
+                      if params.grammar is not None else NoConstraint())
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
                           max_context=self.target_info.max_context, session_id=session_id, constraint=constraint)
 
@@ -225,6 +226,8 @@ class Pipeline:
             if probe is not None:
                 await probe.close()
         await self.settle(cleanup_timeout_s)
+        if self.grammar is not None:
+            self.grammar.close()
         for ch in self._channels:
             await ch.close()
         if self.round_spans is not None:

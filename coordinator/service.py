@@ -20,7 +20,7 @@ from coordinator.pipeline import Pipeline
 from specdec.models import served_model_name
 from specdec.proto import generate_pb2_grpc
 from specdec.serving.auth import BearerTokenInterceptor
-from specdec.serving.metrics import RpcMetricsInterceptor
+from specdec.serving.metrics import MetricsServer, RpcMetricsInterceptor, serve_metrics
 from specdec.serving.server import Service, create_server
 
 
@@ -39,10 +39,16 @@ class Coordinator:
     async def start_http(self, address: str) -> HttpServer:
         """Serve the OpenAI-compatible API on address (port 0 = any free port); stop it with .stop()."""
         config = self.pipeline.config
-        http = HttpServer(create_app(self.frontend, config.auth_token), address, grace_s=config.server.grace_s,
-                          tls=config.server)
+        app = create_app(self.frontend, config.auth_token, max_body_bytes=config.max_body_bytes,
+                         metrics_public=config.metrics_public)
+        http = HttpServer(app, address, grace_s=config.server.grace_s, tls=config.server)
         await http.start()
         return http
+
+    def serve_metrics(self, address: str | None) -> MetricsServer | None:
+        """The metrics port (None or '' = none), behind the API's token unless metrics_public."""
+        config = self.pipeline.config
+        return serve_metrics(self.registry, address, token=None if config.metrics_public else config.auth_token)
 
 
 async def build(config: CoordinatorConfig) -> Coordinator:

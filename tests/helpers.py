@@ -25,7 +25,6 @@ from draft_service.service import DraftConfig
 from draft_service.service import build as build_draft
 from specdec.models import ModelConfig, default_draft
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from specdec.serving.metrics import serve_metrics
 from specdec.serving.server import ServerConfig, set_serving
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.config import BatchConfig, StepConfig, TierConfig
@@ -145,7 +144,7 @@ class Cluster:
         self._servers.insert(0, c.server)
         self.coordinator, self.pipeline = c, c.pipeline
         self.http = await c.start_http("127.0.0.1:0")
-        self.metrics_server = serve_metrics(c.registry, "127.0.0.1:0")
+        self.metrics_server = c.serve_metrics("127.0.0.1:0")
         return c.port
 
     @property

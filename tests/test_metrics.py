@@ -26,9 +26,9 @@ from specdec.serving.server import Service, ServerConfig, create_server
 from tests.helpers import Cluster
 
 
-def scrape(url: str) -> list:
-    """Every sample of a real scrape: (name, labels, value)."""
-    response = httpx.get(url, timeout=10)
+def scrape(url: str, token: str | None = None) -> list:
+    """Every sample of a real scrape: (name, labels, value). token: the coordinator's bearer token, if set."""
+    response = httpx.get(url, timeout=10, headers={"authorization": f"Bearer {token}"} if token else None)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(response.text) for s in family.samples]

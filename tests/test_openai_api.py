@@ -206,14 +206,14 @@ def test_auth_admission_and_unavailable_tier(guarded):
                 oai.chat.completions.create(model=model, messages=msg, max_tokens=2)
             assert "max_concurrency" in e.value.body["message"]
         c.wait_no_sessions()
-        before = scrape(c.metrics_url)
+        before = scrape(c.metrics_url, token="s3cret-token")  # with a token set, /metrics asks for it
         c.stop_target()
         t0 = time.monotonic()
         with pytest.raises(openai.InternalServerError) as e:
             oai.chat.completions.create(model=model, messages=msg, max_tokens=2)
         assert e.value.status_code == 503 and "target" in e.value.body["message"]
         assert time.monotonic() - t0 < 30
-    after = scrape(c.metrics_url)
+    after = scrape(c.metrics_url, token="s3cret-token")
     assert value(after, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="503") - \
         value(before, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="503") == 1
     assert value(after, "specdec_rpc_errors_total", rpc="POST /v1/chat/completions", code="401") == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -231,3 +232,41 @@ def test_supervisor_restarts_with_back_off_and_gives_up_on_a_crash_loop(capsys):
     assert "giving up" in capsys.readouterr().err
     now[0] += RESTART_WINDOW_S  # later exits, one at a time, are restarted again
     assert sup.tick() and pipeline.respawned[-1] == "target"
+
+
+def test_serve_restarts_a_child_that_hangs(serve_factory, tiny_target):
+    """A child that stops answering (SIGSTOP: alive, its port open, nothing served) is killed after
+    --health-timeout and started again; the pipeline answers again by itself."""
+    s = serve_factory("--target-model", tiny_target, "--draft-model", tiny_target, "--served-model-name", "smollm2",
+                      "--health-timeout", "3")
+    target = s.child("target_service")
+    os.kill(target, signal.SIGSTOP)
+    oai = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    deadline = time.monotonic() + 120
+    while "the target was killed by SIGKILL; restarting it" not in s.output():  # serve's next look after the kill
+        assert time.monotonic() < deadline, s.output()[-3000:]
+        time.sleep(0.1)
+    assert "the target has failed its health checks for" in s.output()
+    while True:  # the restarted target loads, the coordinator finds it
+        try:
+            r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                            extra_body={"ignore_eos": True})
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, s.output()[-3000:]
+            time.sleep(0.5)
+    s.children.update(children(s.proc.pid))  # the restarted target too, for close()
+    assert r.usage.completion_tokens == 3 and not alive(target) and s.proc.poll() is None
+
+
+def test_serve_finds_a_port_clash_before_loading_any_model(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "specdec.client.cli", "serve", "--http-port", str(port),
+                              "--port", str(free_port()), "--target-model", str(tmp_path / "no-such-model")],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert f"cannot start: port {port} on 127.0.0.1 is not free" in out.stderr  # not a word about the model
+    assert "starting target" not in out.stderr

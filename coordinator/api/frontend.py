@@ -1,8 +1,9 @@
 """The one code path of a generation, shared by the public APIs (the gRPC servicer and the OpenAI-compatible
-HTTP routes): validate, admit, run the round loop, observe metrics, log, and free the tiers' sessions.
+HTTP routes): admit, validate (tokenise, compile the grammar: off the event loop), run the round loop,
+observe metrics, log, and free the tiers' sessions.
 
 Every failure comes out as a RequestError (a gRPC status and a message), which each API maps to its own
-protocol: bad input (INVALID_ARGUMENT) and admission refusal (RESOURCE_EXHAUSTED) before the first event,
+protocol: admission refusal (RESOURCE_EXHAUSTED) and bad input (INVALID_ARGUMENT) before the first event,
 tier failures (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) whenever they happen, anything else as
 INTERNAL. The caller must run the stream to its end or aclose() it (a cancelled task does both): then the
 sessions on both tiers are ended.
@@ -10,10 +11,12 @@ sessions on both tiers are ended.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -34,6 +37,9 @@ PASS_THROUGH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
                 grpc.StatusCode.FAILED_PRECONDITION}
 
 
+PREPARE_THREADS = 4  # requests tokenised / their grammars compiled at once (the rest wait their turn, admitted)
+
+
 def finish_reason_name(value: int) -> str:
     return generate_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
@@ -47,6 +53,7 @@ class Frontend:
         self.model_name = model_name
         self.admission = Admission(self.config.admission)
         self.validate = RequestValidator(pipeline)
+        self._prepare = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="prepare")
         self.metrics = CoordinatorMetrics(registry, model_name, self.validate.max_k(), self.admission,
                                           max_model_len=pipeline.target_info.max_context)
         for probe in (pipeline.target_reachability, pipeline.draft_reachability):
@@ -64,10 +71,12 @@ class Frontend:
         """One TokenChunk event per round, then the GenerationResult. deadline: time.monotonic() by which
         the client needs its answer (None: none). api and request_id only label the logs."""
         tracker = self.metrics.request()
-        params = self.validate(request)
         if not self.pipeline.target_reachability.reachable:  # fail fast: nothing can be generated without it
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{self.pipeline.target_reachability.why()}; retry later")
         async with self.admission.admit():
+            # Tokenising and compiling the grammar: after admission (what is refused costs nothing), on a
+            # thread (the tokenizer and llguidance drop the GIL), so no stream on this loop waits for them.
+            params = await asyncio.get_running_loop().run_in_executor(self._prepare, self.validate, request)
             tracker.admitted(len(params.prompt_ids), params.max_new_tokens)
             pl = self.pipeline
             generation = pl.generation(params, deadline)

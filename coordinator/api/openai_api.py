@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP API on the coordinator (FastAPI): POST /v1/chat/completions, POST
 /v1/completions, GET /v1/models, GET /health, and GET /metrics (the coordinator's Prometheus metrics, as
-vLLM serves them on its API port; no token, like /health).
+vLLM serves them on its API port; behind the token like the routes, unless metrics_public).
 
-Thin handlers: check the bearer token (the gRPC API's check), parse the body (openai_schema), convert it to
+In front of the routes (coordinator.api.http_guard): the bearer token (the gRPC API's check) before the
+body is read, and the body's size limit (413). Thin handlers: parse the body (openai_schema), convert it to
 a GenerateRequest and hand it to the Frontend, the generation path the gRPC API uses too (same
 validation, admission control, metrics, logs and session clean-up). Responses and errors follow OpenAI's
 shapes: errors are {"error": {"message", "type", "param", "code"}} with 400 (bad input), 401 (missing or
-wrong token), 404 (unknown model or path), 429 (admission refusal), 503 (a tier unavailable), 504 (a
+wrong token), 404 (unknown model or path), 413 (a body over max_body_bytes), 429 (admission refusal), 503 (a tier unavailable), 504 (a
 tier's deadline), 500. Streams are server-sent events ending with `data: [DONE]`; an error after the
 stream started arrives as one `data: {"error": ...}` event before it. A client that disconnects (mid-stream,
 or while waiting for a whole answer) cancels the generation, which ends its sessions on both tiers.
@@ -21,18 +22,18 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.api.frontend import Frontend
+from coordinator.api.http_guard import BearerGuard, BodyLimit
 from coordinator.api.openai_reply import Choice, Indexed, Reply
 from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
 from specdec.proto import generate_pb2
 from specdec.serving.metrics import METRICS_CONTENT_TYPE, RpcMetrics, exposition
 from specdec.core.errors import RequestError
-from specdec.serving.auth import bearer_failure
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -41,7 +42,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-              405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+              405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # gRPC field names the OpenAI API spells otherwise, also in error messages.
 RENAMED_IN_MESSAGES = ("max_new_tokens", "chat.messages")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -132,10 +133,20 @@ def api_words(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> di
     return {"max_new_tokens": max_param, "chat.messages": "messages", "prompt": "messages" if chat else "prompt"}
 
 
-def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
+def create_app(frontend: Frontend, auth_token: str | None = None, max_body_bytes: int = 4 * 2**20,
+               metrics_public: bool = False) -> FastAPI:
+    """auth_token: set = every path but /health (and /metrics where metrics_public) needs it, checked before
+    the body is read. max_body_bytes: larger bodies get 413 (by Content-Length before they are read)."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def refuse(status: int, message: str, code: str):
+        return ApiError(status, message, code=code).response()
+
+    # The last added is the outermost: HttpMetrics (counting refusals too), the token, then the body's size.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refuse=refuse)
+    if auth_token:
+        app.add_middleware(BearerGuard, token=auth_token.encode(), metrics_public=metrics_public, refuse=refuse)
     app.add_middleware(HttpMetrics, rpc=frontend.metrics.rpc)
-    token = auth_token.encode() if auth_token else None
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -154,13 +165,9 @@ def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 413:  # BodyLimit, cutting a chunked body
+            return ApiError(413, str(e.detail), code="request_too_large").response()
         return ApiError(e.status_code, str(e.detail)).response()
-
-    def authorize(request: Request) -> None:
-        if token is not None:
-            failure = bearer_failure(request.headers.get("authorization"), token, "header")
-            if failure is not None:
-                raise ApiError(401, failure, code="invalid_api_key")
 
     @app.get("/health")
     async def health():
@@ -179,17 +186,17 @@ def create_app(frontend: Frontend, auth_token: str | None = None) -> FastAPI:
     async def metrics():
         return Response(exposition(frontend.metrics.registry), media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
             "id": frontend.model_name, "object": "model", "created": created, "owned_by": "specdec",
             "root": frontend.model_name, "max_model_len": frontend.pipeline.target_info.max_context}]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _generate(frontend, body, request, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await _generate(frontend, body, request, chat=False)
 

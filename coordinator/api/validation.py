@@ -1,6 +1,7 @@
 """Request validation, shared by every public API: a GenerateRequest (the gRPC message; the HTTP API
 converts its JSON into one) becomes GenerationParams or a RequestError(INVALID_ARGUMENT) naming the field,
-before any token is generated."""
+before any token is generated. It tokenises the prompt and compiles the grammar: the Frontend runs it after
+admission, on a thread (both release the GIL), so the event loop and the streams on it never wait for it."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class RequestValidator:
         seed = r.seed if r.HasField("seed") else secrets.randbits(63)
         if len(r.prompt_cache_key) > MAX_CACHE_KEY_LEN:
             raise invalid_argument(f"prompt_cache_key: at most {MAX_CACHE_KEY_LEN} characters, got {len(r.prompt_cache_key)}")
-        response_format = None
+        response_format, grammar = None, None
         if r.HasField("response_format"):
             if r.response_format.WhichOneof("format") is None:
                 raise invalid_argument("response_format: set one of json_object, json_schema, regex, lark", "response_format")
@@ -88,7 +89,7 @@ class RequestValidator:
                 raise invalid_argument("response_format: cannot be combined with ignore_eos (the grammar ends the output)",
                                        "response_format")
             try:
-                self.pipeline.grammar.constraint(r.response_format)  # compiles: refused before any token
+                grammar = self.pipeline.grammar.compile(r.response_format)  # refused before any token
             except ConstraintError as e:
                 raise invalid_argument(str(e), str(e).split(":")[0]) from None
             response_format = r.response_format
@@ -106,7 +107,7 @@ class RequestValidator:
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
                                 cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
-                                response_format=response_format, tree_nodes=nodes)
+                                response_format=response_format, grammar=grammar, tree_nodes=nodes)
 
     def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
         tok = self.pipeline.tokenizer

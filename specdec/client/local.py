@@ -16,6 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from specdec.serving.ports import free_port
 
 
@@ -120,6 +123,27 @@ class LocalPipeline:
             address = f"{address.rpartition(':')[0]}:{self.ports[name]}"
         (self.dir / f"{name}.port").unlink(missing_ok=True)
         self._spawn(name, module, args, address)
+
+    def running(self) -> list[str]:
+        """The children that are up (they wrote their port file: listening) and have not exited."""
+        return [name for name, proc in self.procs.items() if proc.poll() is None and (self.dir / f"{name}.port").exists()]
+
+    def healthy(self, name: str, timeout_s: float) -> bool:
+        """Whether a running child answers gRPC's health check (its liveness, service "") within timeout_s.
+        Only no answer in time, or an answer other than SERVING, is unhealthy: a refused or unreadable
+        connection (say, a child serving TLS) is left to the child's exit."""
+        port = int((self.dir / f"{name}.port").read_text())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            except grpc.RpcError as e:
+                return e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a child (also one that is stopped or hung); exited() then reports it."""
+        if self.procs[name].poll() is None:
+            self.procs[name].kill()
 
     def exited(self) -> dict[str, int]:
         """The children that have exited so far, with their exit codes (negative: killed by that signal)."""

@@ -11,13 +11,16 @@ and the other tier; the processes are the services of the three-process and Kube
 same flags, so what runs on a laptop is what runs in a cluster. The tiers listen on free loopback ports;
 only the coordinator's gRPC and HTTP ports are exposed (on --host).
 
-Supervision: if one of the three exits, serve says which and how, and starts it again on the same port
+Supervision: if one of the three exits, or stops answering its gRPC health check for --health-timeout seconds
+(hung: deadlocked, stopped, swapping; serve then kills it with SIGKILL), serve says which and how, and starts it
+again on the same port
 (the others keep talking to it: the coordinator re-prefills the sessions a restarted tier lost, and
 reports 503 on /health while no target is up). A child that has to be restarted more than
 MAX_RESTARTS times within RESTART_WINDOW_S is crash-looping: serve says so, stops the others and exits 1,
 for whatever runs serve (systemd, a container's restart policy) to see. SIGTERM or SIGINT stops the
 coordinator first (it drains its streams for its --grace), then the tiers, and serve exits 0 once all
-three have exited. The children also get SIGTERM if serve itself is killed (Linux).
+three have exited. The children also get SIGTERM if serve itself is killed (Linux). Before starting any
+child, serve checks that the coordinator's ports are free on --host, and says which is not.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import signal
+import socket
 import sys
 import time
 
@@ -35,6 +39,8 @@ POLL_S = 0.2  # how often serve looks at its children
 MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before serve gives up (exit 1)
 RESTART_WINDOW_S = 300.0
 RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # wait before the 1st, 2nd, ... restart within the window
+HEALTH_INTERVAL_S = 2.0  # how often serve health-checks each running child
+HEALTH_PROBE_TIMEOUT_S = 2.0  # a health check unanswered this long fails
 STOP_TIMEOUT_S = 30.0  # after SIGTERM, how long each child may take to exit before SIGKILL (> the coordinator's grace)
 
 
@@ -60,6 +66,9 @@ def add_serve_parser(sub) -> None:
     for tier in ("target", "draft", "coordinator"):
         s.add_argument(f"--{tier}-args", default="", help=f"more flags for python -m {tier}{'_service' if tier != 'coordinator' else ''}, "
                        "one string (e.g. \"--max-batch-sessions 8\")")
+    # (config: Supervisor.health_timeout_s)
+    s.add_argument("--health-timeout", type=float, default=30.0,
+                   help="restart a child whose gRPC health check has failed for this long, seconds (0 = only restart exits)")
     s.add_argument("--start-timeout", type=float, default=LocalPipelineConfig.start_timeout_s,
                    help="seconds for all three to be up (a first GGUF conversion takes a while)")
     s.set_defaults(func=cmd_serve)
@@ -88,6 +97,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def stop_signal(signum, frame):
         raise _Stop(signal.Signals(signum).name)
 
+    clash = port_clash(args.host, [args.port, args.http_port] + ([args.metrics_port] if args.metrics_port is not None else []))
+    if clash:
+        say(f"cannot start: {clash}")
+        return 1
     previous = {s: signal.signal(s, stop_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     pipeline = LocalPipeline(config)
     try:
@@ -96,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pipeline.start()
         say(f"ready: OpenAI API at http://{args.host}:{args.http_port}/v1 (model {name!r}), "
             f"gRPC at {args.host}:{args.port}; SIGTERM or Ctrl-C stops")
-        supervisor = Supervisor(pipeline)
+        supervisor = Supervisor(pipeline, health_timeout_s=args.health_timeout)
         while supervisor.tick():
             time.sleep(POLL_S)
         quiet_stop(pipeline)
@@ -118,14 +131,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
-class Supervisor:
-    """Restarts the children that exit, with a growing delay, until one crash-loops."""
+def port_clash(host: str, ports: list[int]) -> str | None:
+    """Why the coordinator could not listen on these ports of host (taken, or one given twice), or None."""
+    if len(set(ports)) < len(ports):
+        return f"a port is given twice: {ports}"
+    for port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                return f"port {port} on {host} is not free ({e.strerror or e}); choose another with --port / --http-port / --metrics-port"
+    return None
 
-    def __init__(self, pipeline: LocalPipeline, clock=time.monotonic) -> None:
+
+class Supervisor:
+    """Restarts the children that exit, with a growing delay, until one crash-loops; kills (to restart) the
+    ones whose health check fails for health_timeout_s."""
+
+    def __init__(self, pipeline: LocalPipeline, clock=time.monotonic, health_timeout_s: float = 0.0) -> None:
         self.pipeline = pipeline
         self.clock = clock
+        self.health_timeout_s = health_timeout_s  # a running child unhealthy this long is killed; 0 = never checked
         self.restarts: dict[str, list[float]] = {}  # child -> its restart times within the window
         self.due: dict[str, float] = {}  # child -> when to restart it (it has exited)
+        self.unhealthy_since: dict[str, float] = {}  # child -> when its health checks began to fail
+        self._next_probe = 0.0
 
     def tick(self) -> bool:
         """Look at the children once; False when one crash-loops (serve gives up)."""
@@ -147,8 +178,25 @@ class Supervisor:
             if now >= when:
                 del self.due[child]
                 self.restarts[child].append(now)
+                self.unhealthy_since.pop(child, None)
                 self.pipeline.respawn(child)
+        if self.health_timeout_s > 0 and now >= self._next_probe:
+            self._next_probe = now + HEALTH_INTERVAL_S
+            self._check_health(now)
         return True
+
+    def _check_health(self, now: float) -> None:
+        """Kill the running children whose health checks have failed for health_timeout_s (the next tick
+        sees them exit and restarts them)."""
+        for child in self.pipeline.running():
+            if self.pipeline.healthy(child, HEALTH_PROBE_TIMEOUT_S):
+                self.unhealthy_since.pop(child, None)
+                continue
+            since = self.unhealthy_since.setdefault(child, now)
+            if now - since >= self.health_timeout_s:
+                say(f"the {child} has failed its health checks for {now - since:.0f}s (hung); killing it to restart it")
+                del self.unhealthy_since[child]
+                self.pipeline.kill(child)
 
 
 def quiet_stop(pipeline: LocalPipeline) -> dict[str, int]:

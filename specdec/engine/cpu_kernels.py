@@ -53,11 +53,11 @@ def _build(name: str):
         return module, None
     from torch.utils.cpp_extension import load as compile_and_load
 
-    where.mkdir(parents=True, exist_ok=True)
-    try:
+    try:  # the directory too: a read-only or missing cache path (a container's root filesystem) is a reason, not a crash
+        where.mkdir(parents=True, exist_ok=True)
         return compile_and_load(module_name, [str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                 build_directory=str(where), verbose=False), None
-    except Exception as e:  # no compiler, no ninja, a failed build: say why, and run without it
+    except Exception as e:  # no writable directory, no compiler, no ninja, a failed build: say why, and run without it
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
         return None, f"building {source.name} failed: {lines[-1] if lines else type(e).__name__}"
 

@@ -155,7 +155,7 @@ class CudaGraphStep:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._static_step(layout)  # warm-up: lazy initialisation stays out of the graph
+                layout = self._warm_up(layout, bucket)  # lazy initialisation stays out of the graph
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: another engine thread of this process (a draft beside its target) may launch
@@ -168,6 +168,23 @@ class CudaGraphStep:
             entry = (graph, out, layout)
         self.graphs[bucket] = entry
         return entry
+
+    def _warm_up(self, layout: StaticLayout, bucket: Bucket) -> StaticLayout:
+        """A bucket's first step, outside the graph; the Triton attention kernel compiles here, at its first
+        launch. Where that fails (specdec.engine.triton_env: a read-only cache, no compiler, a driver that
+        refuses it), every bucket attends through PyTorch from now on: logged, never a crash."""
+        try:
+            self._static_step(layout)
+            return layout
+        except Exception as e:
+            if not self.kernel:
+                raise
+            log.warning("the Triton attention kernel failed its first compile (%s: %s): attending through PyTorch",
+                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        self.kernel = False
+        layout = StaticLayout(self.cache, self.buffers, bucket.sessions, bucket.tokens, bucket.kv_len, False)
+        self._static_step(layout)
+        return layout
 
     def _buffer_list(self) -> list[torch.Tensor]:
         return self.buffers.all()

@@ -12,7 +12,11 @@ so the work is what the bucket holds, and the launch's arguments (pointers, L) a
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from specdec.engine import triton_env
 
 try:
     import triton
@@ -69,7 +73,14 @@ def available(device: torch.device, head_dim: int) -> str | None:
         return f"the kernel runs on CUDA devices, not {device.type}"
     if head_dim & (head_dim - 1) or head_dim < 16:
         return f"head dim {head_dim} is not a power of two >= 16"
-    return None
+    return _toolchain()
+
+
+@functools.cache
+def _toolchain() -> str | None:
+    """Whether Triton can compile here at all (specdec.engine.triton_env), checked once; the kernel's
+    own first compile comes in the CUDA graphs' warm-up, which falls back to PyTorch's attention."""
+    return triton_env.compile_first("the Triton attention kernel", lambda: None)
 
 
 def static_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, session_slots: torch.Tensor,

@@ -19,7 +19,11 @@ decoder runs PyTorch's operators.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from specdec.engine import triton_env
 
 try:
     import triton
@@ -29,12 +33,27 @@ except ImportError:  # no Triton (CPU-only installs): the decoder uses TorchRowO
 
 
 def available(device: torch.device) -> str | None:
-    """Why the Triton row ops cannot run on `device`, or None if they can."""
+    """Why the Triton row ops cannot run on `device`, or None if they can (their first compile, tried
+    once per device: specdec.engine.triton_env)."""
     if triton is None:
         return "Triton is not installed"
     if device.type != "cuda":
         return f"the kernels run on CUDA devices, not {device.type}"
-    return None
+    return _compiled(device)
+
+
+@functools.cache
+def _compiled(device: torch.device) -> str | None:
+    return triton_env.compile_first("the Triton row ops", lambda: _first_launch(device))
+
+
+def _first_launch(device: torch.device) -> None:
+    """Each kernel once on two rows (compiling it), then a sync: a failure raises here, not in a step."""
+    x, w = torch.ones(2, 64, device=device), torch.ones(64, device=device)
+    TritonRowOps.add_rms_norm(x, x.clone(), w, 1e-6)
+    TritonRowOps.rotary_(x, torch.ones(2, 16, device=device), torch.zeros(2, 16, device=device), 16)
+    TritonRowOps.silu_mul(x, x)
+    torch.cuda.synchronize(device)
 
 
 if triton is not None:

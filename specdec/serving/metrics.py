@@ -37,6 +37,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer, generate_latest, make_wsgi_app
 from prometheus_client.registry import Collector
 
+from specdec.serving.auth import bearer_failure
+
 log = logging.getLogger(__name__)
 
 # vLLM's label for the served model; used on every series (vllm: and specdec_) for one dashboard variable.
@@ -321,11 +323,18 @@ class MetricsServer:
     """A registry served at http://address/metrics from a daemon thread (independent of the event loop,
     so a scrape is answered even while the service is busy), in the text format (see METRICS_CONTENT_TYPE)."""
 
-    def __init__(self, registry: CollectorRegistry, address: str) -> None:
+    def __init__(self, registry: CollectorRegistry, address: str, token: str | None = None) -> None:
+        """token: set = a scrape needs 'authorization: Bearer <token>' (the public API's token), else 401."""
         host, port = split_address(address)
         app = make_wsgi_app(registry)
+        secret = token.encode() if token else None
 
         def text_format(environ, start_response):  # no OpenMetrics: the encoder falls back to text 0.0.4
+            failure = bearer_failure(environ.get("HTTP_AUTHORIZATION"), secret, "header") if secret else None
+            if failure is not None:
+                start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                                    ("WWW-Authenticate", "Bearer")])
+                return [failure.encode()]
             return app({**environ, "HTTP_ACCEPT": ""}, start_response)
 
         class Server(ThreadingWSGIServer):
@@ -348,11 +357,12 @@ class MetricsServer:
         self._thread.join(5)
 
 
-def serve_metrics(registry: CollectorRegistry, address: str | None) -> MetricsServer | None:
-    """Serve `registry` on address ("host:port"; port 0 = any free port); None or "" = no endpoint."""
+def serve_metrics(registry: CollectorRegistry, address: str | None, token: str | None = None) -> MetricsServer | None:
+    """Serve `registry` on address ("host:port"; port 0 = any free port); None or "" = no endpoint. token:
+    set = scrapes need it as a bearer token."""
     if not address:
         return None
-    server = MetricsServer(registry, address)
+    server = MetricsServer(registry, address, token)
     log.info("metrics on %s", server.url)
     return server
 

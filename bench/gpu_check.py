@@ -1,0 +1,127 @@
+"""`make gpu-check`: on a bare GPU machine with the repository and the model pair (no network), one command
+that checks and measures the GPU path in under 8 minutes, each part within its own time budget:
+
+    cuda-tests    the CUDA test files with SPECDEC_TEST_DEVICE=cuda (docs/testing.md), the Triton fallback too
+    exactness     the real pair's greedy identity and argmax-flip counts on the GPU (bench.exactness)
+    step-cost     a step's cost by mode and batch (bench.step_cost)
+    workloads     the open / grounded / template workloads, K = 0 and the target alone at its best
+                  (static cache + torch.compile `generate`) in the same run (bench.run)
+    concurrency   1 and 32 clients (bench.concurrency)
+
+The parts run one after another as the benches' own commands (python -m bench.X) with short settings; each
+bench appends its section to --out as it always does, and this appends a dated summary (each part's
+status and time) after them. A part over its budget is stopped and reported, and the next one runs.
+--cpu-smoke runs the same plan on the CPU with tiny settings, to check the plan itself anywhere;
+--dry-run prints the plan. Run it wherever a GPU is available, first: nothing here has measured it yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import BENCHMARKS_MD, append_section, md_table
+
+REPO = Path(__file__).resolve().parent.parent
+# The test files that run on a CUDA device (docs/testing.md lists the H100 run of 2026-11-25).
+CUDA_TESTS = ("tests/test_triton_attention.py", "tests/test_triton_row_ops.py", "tests/test_runner.py",
+              "tests/test_draft_chain.py", "tests/test_step_program.py", "tests/test_batched_verify.py",
+              "tests/test_tree_engine.py", "tests/test_triton_fallback.py")
+TOTAL_BUDGET_S = 480  # the whole check: under 8 minutes
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    module: str  # python -m <module>
+    args: tuple[str, ...]
+    budget_s: float  # stopped after this long
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", self.module, *self.args]
+
+
+def plan(device: str, dtype: str, out: str, smoke: bool = False) -> list[Part]:
+    """The parts, with short settings (smoke: tiny ones, for a CPU)."""
+    out_args = ("--out", out)
+    if smoke:
+        return [
+            Part("cuda-tests", "pytest", ("-q", "-x", "tests/test_triton_fallback.py"), 120, {"SPECDEC_TEST_DEVICE": device}),
+            Part("exactness", "bench.exactness", ("--device", device, "--dtypes", dtype, "--tokens", "8", "--prompts", "1",
+                                                  "--ks", "1", "--modes", "eager", *out_args), 300),
+            Part("step-cost", "bench.step_cost", ("--device", device, "--dtype", dtype, "--modes", "eager", "--repeats", "1",
+                                                  "--decode-tokens", "0", "--draft", "", *out_args), 300),
+            Part("workloads", "bench.run", ("--device", device, "--dtype", dtype, "--smoke", "--workloads", "open",
+                                            "--no-sampled", "--no-peer", "--no-target-compiled", "--proposers", "",
+                                            "--wait-idle", "0", *out_args), 300),
+            Part("concurrency", "bench.concurrency", ("--device", device, "--levels", "1", "--repeats", "1",
+                                                      "--max-new-tokens", "8", "--rows", "k0",
+                                                      "--plot", str(Path(out).parent / "bench_concurrency_smoke.png"), *out_args), 300),
+        ]
+    return [
+        Part("cuda-tests", "pytest", ("-q", *CUDA_TESTS), 150, {"SPECDEC_TEST_DEVICE": device}),
+        Part("exactness", "bench.exactness", ("--device", device, "--dtypes", f"float32,{dtype}", "--tokens", "64",
+                                              "--prompts", "6", "--ks", "1,3", *out_args), 50),
+        Part("step-cost", "bench.step_cost", ("--device", device, "--dtype", dtype, "--quick", "--decode-tokens", "32",
+                                              *out_args), 50),
+        Part("workloads", "bench.run", ("--device", device, "--dtype", dtype, "--workloads", "open,grounded,template",
+                                        "--prompts", "2", "--template-prompts", "2", "--repeats", "1",
+                                        "--max-new-tokens", "64", "--ks", "2,4", "--no-sampled", "--wait-idle", "0",
+                                        *out_args), 160),
+        Part("concurrency", "bench.concurrency", ("--device", device, "--dtype", dtype, "--levels", "1,32", "--repeats", "1",
+                                                  "--max-new-tokens", "64", "--rows", "specdec,k0", *out_args), 60),
+    ]
+
+
+def run_part(part: Part) -> tuple[str, float]:
+    """(status, seconds): ok, failed (exit code), or stopped at its budget."""
+    t0 = time.monotonic()
+    print(f"gpu-check: {part.name}: {' '.join(part.command()[1:])} (budget {part.budget_s:.0f}s)", file=sys.stderr, flush=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), **part.env}
+    try:
+        rc = subprocess.run(part.command(), cwd=REPO, env=env, timeout=part.budget_s).returncode
+    except subprocess.TimeoutExpired:
+        return f"stopped at its {part.budget_s:.0f}s budget", time.monotonic() - t0
+    return ("ok" if rc == 0 else f"failed (exit {rc})"), time.monotonic() - t0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="the GPU to check (cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="bfloat16", help="the target's dtype besides float32")
+    p.add_argument("--out", default=str(BENCHMARKS_MD), help="markdown file every part appends to")
+    p.add_argument("--cpu-smoke", action="store_true", help="the same plan on the CPU with tiny settings (checks the plan)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    p.add_argument("--only", default="", help="comma list of parts to run (default: all)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, dtype = ("cpu", "float32") if args.cpu_smoke else (args.device, args.dtype)
+    parts = [p for p in plan(device, dtype, args.out, smoke=args.cpu_smoke) if not args.only or p.name in args.only.split(",")]
+    if args.dry_run:
+        for part in parts:
+            print(f"{part.name} ({part.budget_s:.0f}s): {' '.join(part.command()[1:])}")
+        return 0
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = []
+    for part in parts:
+        status, seconds = run_part(part)
+        rows.append((part.name, status, f"{seconds:.0f}", f"{part.budget_s:.0f}"))
+    what = "CPU smoke run of the plan (not a GPU measurement)" if args.cpu_smoke else f"{device}, target in float32 and {dtype}"
+    section = [f"## GPU check, {started}", "", f"`python -m bench.gpu_check` ({what}); each part's own section is above.",
+               "", *md_table(["part", "status", "s", "budget s"], rows)]
+    append_section("\n".join(section), args.out)
+    print("\n".join(section))
+    return 0 if all(r[1] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

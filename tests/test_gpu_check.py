@@ -1,0 +1,36 @@
+"""`make gpu-check`'s plan, checked without running its heavy parts: every part is a real command of a bench
+of this repository whose own argument parser accepts the arguments the plan gives it, the CUDA test files
+exist, and the GPU plan fits the 8 minutes it promises. (The GPU run itself needs a GPU; see docs/testing.md.)"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from bench import gpu_check
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_every_part_is_a_valid_bench_command(tmp_path, smoke):
+    out = str(tmp_path / "BENCHMARKS.md")
+    parts = gpu_check.plan("cpu" if smoke else "cuda", "float32" if smoke else "bfloat16", out, smoke=smoke)
+    assert [p.name for p in parts] == ["cuda-tests", "exactness", "step-cost", "workloads", "concurrency"]
+    for part in parts:
+        if part.module == "pytest":
+            files = [a for a in part.args if a.startswith("tests/")]
+            assert files and all((gpu_check.REPO / f).is_file() for f in files)
+            assert part.env["SPECDEC_TEST_DEVICE"] == ("cpu" if smoke else "cuda")
+            continue
+        args = importlib.import_module(part.module).parse_args(list(part.args))  # SystemExit on a bad argument
+        assert args.out == out and args.device == ("cpu" if smoke else "cuda")
+    if not smoke:
+        assert sum(p.budget_s for p in parts) <= gpu_check.TOTAL_BUDGET_S
+        assert set(gpu_check.CUDA_TESTS) >= {"tests/test_triton_row_ops.py", "tests/test_triton_fallback.py"}
+
+
+def test_dry_run_prints_the_plan(capsys, tmp_path):
+    assert gpu_check.main(["--cpu-smoke", "--dry-run", "--out", str(tmp_path / "b.md")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and lines[1].startswith("exactness (300s): -m bench.exactness --device cpu")
+    assert not (tmp_path / "b.md").exists()  # a dry run writes nothing
