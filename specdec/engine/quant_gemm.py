@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.engine import skinny_gemm
+from specdec.engine import cpu_kernels
 
 PANEL, BLOCK = 16, 32  # output columns per packed panel; weights per GGUF block (along in_features)
 
@@ -58,13 +58,16 @@ def pack(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != nb * fmt.block_bytes:
         raise ValueError(f"{fmt.name}: expected uint8 rows of whole blocks, got {raw.dtype} {tuple(raw.shape)}")
     count = -(-n // PANEL)
-    padded = torch.zeros(count * PANEL, nb, fmt.block_bytes, dtype=torch.uint8)
-    padded[:n] = raw.view(n, nb, fmt.block_bytes)
-    blocks = padded.view(count, PANEL, nb, fmt.block_bytes)
+    blocks = raw.view(n, nb, fmt.block_bytes)
+    if n % PANEL:  # pad to whole panels with zero rows (zero scales: columns past N compute zeros, never stored)
+        blocks = torch.cat([blocks, blocks.new_zeros(count * PANEL - n, nb, fmt.block_bytes)])
+    blocks = blocks.view(count, PANEL, nb, fmt.block_bytes)
     s = 2 * fmt.scales
-    scales = blocks[..., :s].reshape(count, PANEL, nb, fmt.scales, 2).permute(0, 2, 3, 1, 4)  # [P, nb, S, 16, 2]
-    quants = blocks[..., s:].permute(0, 2, 3, 1)  # [P, nb, bytes, 16]
-    return torch.cat([scales.reshape(count, nb, -1), quants.reshape(count, nb, -1)], dim=-1).contiguous()
+    out = torch.empty(count, nb, fmt.tile_bytes, dtype=torch.uint8)
+    out[..., :s * PANEL].view(count, nb, fmt.scales, PANEL, 2).copy_(
+        blocks[..., :s].view(count, PANEL, nb, fmt.scales, 2).permute(0, 2, 3, 1, 4))  # [P, nb, S, 16, 2]
+    out[..., s * PANEL:].view(count, nb, -1, PANEL).copy_(blocks[..., s:].permute(0, 2, 3, 1))  # [P, nb, bytes, 16]
+    return out
 
 
 def dequantize_rows(packed: torch.Tensor, fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
@@ -89,9 +92,9 @@ class QuantLinear(torch.nn.Module):
 
     def __init__(self, packed: torch.Tensor, fmt: BlockFormat, out_features: int, in_features: int) -> None:
         super().__init__()
-        ops = skinny_gemm.kernel()
+        ops, why = cpu_kernels.load("skinny_gemm")  # the skinny GEMM's module (specdec.engine.skinny_gemm)
         if ops is None:
-            raise RuntimeError(f"skinny GEMM kernel unavailable: {skinny_gemm.unavailable()}")
+            raise RuntimeError(f"skinny GEMM kernel unavailable: {why}")
         if packed.shape != (-(-out_features // PANEL), in_features // BLOCK, fmt.tile_bytes) or in_features % BLOCK:
             raise ValueError(f"QuantLinear: packed {tuple(packed.shape)} is not {fmt.name} [{out_features}, {in_features}]")
         self.packed, self.fmt = packed, fmt

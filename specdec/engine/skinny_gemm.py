@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.engine import cpu_kernels
+from specdec.engine import cpu_kernels, quant_gemm
 
 
 def kernel():
@@ -77,8 +77,6 @@ class SkinnyLinear(torch.nn.Module):
 def fused_product(linears: Sequence[torch.nn.Module]):
     """A decoder's product over several linears as one skinny GEMM: x -> each linear's output. Linears kept
     in a GGUF's blocks (specdec.engine.quant_gemm.QuantLinear) fuse as blocks."""
-    from specdec.engine import quant_gemm
-
     if all(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):
         return quant_gemm.fused_product(linears)
     if any(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):  # some in blocks, some not: each its own
