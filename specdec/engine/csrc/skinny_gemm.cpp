@@ -99,27 +99,61 @@ inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict 
   }
 }
 
-// The float kernel's sums, term for term, over tiles dequantised into L1 as the k loop reaches them: each
-// tile is dequantised once and used by all MB rows.
-template <int MB, int NV>
-inline void qkernel(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w, int64_t nb, int64_t fmt,
+// One weight vector (16 columns at k) of a tile, dequantised in registers: gguf-py's operations, each rounded
+// once (the empty asm keeps Q4_1's product and sum from being contracted into one multiply-add). s: the
+// tile's scales as float32, d then m.
+template <int64_t FMT, bool HIGH>
+inline __m512 weight(const uint8_t* __restrict t, const float* __restrict s, int k) {
+  if constexpr (FMT == Q8_0) {  // q * d
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * k)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_load_ps(s));
+  } else {
+    const uint8_t* qs = t + (FMT == Q4_1 ? 64 : 32);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * k)));
+    b = HIGH ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15));
+    if constexpr (FMT == Q4_0) b = _mm512_sub_epi32(b, _mm512_set1_epi32(8));  // d * (q - 8)
+    __m512 p = _mm512_mul_ps(_mm512_load_ps(s), _mm512_cvtepi32_ps(b));
+    if constexpr (FMT == Q4_1) {  // (d * q) + m
+      asm("" : "+v"(p));
+      p = _mm512_add_ps(p, _mm512_load_ps(s + PANEL));
+    }
+    return p;
+  }
+}
+
+// The float kernel's sums, term for term, over the tiles' weights dequantised in registers as the k loop
+// reaches them: each weight vector is dequantised once and used by all MB rows.
+template <int MB, int NV, int64_t FMT, bool HIGH>
+inline void qsteps(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
+                   const float (&scale)[NV][2 * PANEL], int k0) {
+  for (int k = 0; k < QK / 2; ++k) {
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = weight<FMT, HIGH>(t[v], scale[v], FMT == Q8_0 ? k0 + k : k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * ldx + k0 + k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+    }
+  }
+}
+
+template <int MB, int NV, int64_t FMT>
+inline void qkernel(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w, int64_t nb,
                     const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols) {
-  alignas(64) float tile[NV][QK * PANEL];
-  const int64_t tb = tile_bytes(fmt);
+  const int64_t tb = tile_bytes(FMT);
+  alignas(64) float scale[NV][2 * PANEL];
   __m512 acc[MB][NV];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
-    for (int v = 0; v < NV; ++v) dequant(fmt, w + (v * nb + blk) * tb, tile[v]);
-    const float* xb0 = x + blk * QK;
-    for (int k = 0; k < QK; ++k) {
-      __m512 wv[NV];
-      for (int v = 0; v < NV; ++v) wv[v] = _mm512_load_ps(tile[v] + k * PANEL);
-      for (int i = 0; i < MB; ++i) {
-        const __m512 xb = _mm512_set1_ps(xb0[i * ldx + k]);
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
-      }
+    const uint8_t* t[NV];
+    for (int v = 0; v < NV; ++v) {
+      t[v] = w + (v * nb + blk) * tb;
+      _mm512_store_ps(scale[v], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v]))));
+      if (FMT == Q4_1)
+        _mm512_store_ps(scale[v] + PANEL, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + 32))));
     }
+    qsteps<MB, NV, FMT, false>(acc, x + blk * QK, ldx, t, scale, 0);   // k = 0 .. 15 (Q4: the low nibbles)
+    qsteps<MB, NV, FMT, true>(acc, x + blk * QK, ldx, t, scale, 16);   // k = 16 .. 31 (Q4: the high nibbles)
   }
   store<MB, NV>(acc, bias, y, ldy, cols);
 }
@@ -138,7 +172,12 @@ struct Blocks {  // packed quantised tiles [count, nb, tile]
   int64_t nb, fmt;
   template <int MB, int NV>
   void run(const float* x, int64_t ldx, int64_t p, const float* bias, float* y, int64_t ldy, int64_t cols) const {
-    qkernel<MB, NV>(x, ldx, w + p * nb * tile_bytes(fmt), nb, fmt, bias, y, ldy, cols);
+    const uint8_t* panel = w + p * nb * tile_bytes(fmt);
+    switch (fmt) {
+      case Q4_0: qkernel<MB, NV, Q4_0>(x, ldx, panel, nb, bias, y, ldy, cols); break;
+      case Q4_1: qkernel<MB, NV, Q4_1>(x, ldx, panel, nb, bias, y, ldy, cols); break;
+      default: qkernel<MB, NV, Q8_0>(x, ldx, panel, nb, bias, y, ldy, cols); break;
+    }
   }
 };
 
