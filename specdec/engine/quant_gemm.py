@@ -4,17 +4,20 @@ A GGUF stores each weight row in blocks of 32 values: Q4_0 a float16 scale d and
 Q4_1 d and a float16 minimum m (value (d q) + m), Q8_0 d and 8-bit q (value q d). The reference model
 (transformers' float32 load of the file) holds exactly those values computed in float32 by gguf-py's numpy:
 float16 -> float32 is exact, the integers are exact, each product and sum rounded once. The kernel computes
-the same values, the same way (never fused into one multiply-add), so a dequantised weight is bitwise the
+the same values, the same way (each product and sum rounded on its own: rounding-mode intrinsics, or an
+empty asm between them, so that the compiler cannot contract them into one multiply-add), so a dequantised weight is bitwise the
 reference's, and the product then runs the float32 skinny GEMM's sums term for term: quant_linear gives
 bitwise what skinny_linear gives over the dequantised weights. The batch invariance and the contract against
 transformers' forward are the skinny GEMM's (specdec.engine.skinny_gemm).
 
 The blocks are repacked once at load into the skinny GEMM's panels of 16 output columns (same bytes, same
 values; `pack`): per panel and block one tile of the 16 columns' scales then their quants. A step reads
-each tile once, dequantises it into L1 and multiplies it into every row of the step (a verify of K + 1
-rows dequantises once); a product of more than 9 rows dequantises each group of panels once into a buffer
-that all its row blocks read. A step streams the quantised bytes (the default target: 98 MB for 513 MiB
-of float32).
+each tile once and dequantises each weight vector in registers as the k loop reaches it, multiplying it
+into every row of the step (a verify of K + 1 rows dequantises once); a product of more than 9 rows
+dequantises each group of panels once into a buffer that all its row blocks read. A step streams the
+quantised bytes (the default target: 92 MiB for 513 MiB of float32). On a CPU with two AVX-512 ports the
+kernel is bound by those ports, not by memory: ~5 vector instructions dequantise 16 weights against one
+multiply-add per row (docs/performance.md has the figures).
 
 Formats whose values cannot be computed like this (the K-quants' nested scales are products of two rounded
 float32 factors in gguf-py; not measured worth it yet) are refused at load: FORMATS lists what is served.

@@ -18,7 +18,8 @@ cannot depend on its shape through the products. Against transformers' own float
 library's products, another summation order) the logits differ in the last bits, as any two BLAS do;
 greedy output differs only at an exact near-tie (bench/exactness.py counts them).
 
-The kernel is built once with the host's C++ compiler and then imported with none (specdec.engine.cpu_kernels,
+The same kernel runs a GGUF's quantised matrices in their blocks (specdec.engine.quant_gemm), bitwise what
+it gives over their dequantised float32 weights. The kernel is built once with the host's C++ compiler and then imported with none (specdec.engine.cpu_kernels,
 which `make setup` runs). Without AVX-512 or a compiler, kernel() is None, unavailable() says why, and
 the packed step mode keeps oneDNN's products.
 """

@@ -15,6 +15,9 @@
 // k it loads NV weight vectors and broadcasts MB values, then does MB x NV multiply-adds. The row blocks
 // take each group of NV panels in turn (from L2 after the first: W streams from memory once per product);
 // the groups are split among torch's OpenMP threads.
+//
+// Quantised weights (quant_linear): a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, packed into the same panels, are
+// dequantised inside the micro-kernel to bitwise gguf-py's float32 values, and summed exactly as above.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
