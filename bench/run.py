@@ -98,6 +98,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def llama_cpp_row(plan: dict, models: dict, prompts: dict, rows: list[dict], aggs: dict) -> list[str]:
+    """bench.llama_cpp_peer's lines: its tok/s on every prompt of the run, beside specdec's K = 0 (shared placement)."""
+    from bench import llama_cpp_peer, report
+    from specdec.models import load_tokenizer
+
+    tok = load_tokenizer(models["target"])
+    ids = {p.id: list(tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+           for wl in plan["workloads"] for p in prompts[wl]}
+    log("llama.cpp peer on the target GGUF")
+    result = llama_cpp_peer.measure(models["target"], ids, plan["max_new_tokens"], threads=len(os.sched_getaffinity(0)))
+    k0 = report.find_row(rows, aggs, placement=plan["placements"][0], method="specdec", k=0)
+    return llama_cpp_peer.section_lines(result, aggs[k0[0]["key"]]["tps"] if k0 else None)
+
+
 # --- the plan -------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -163,6 +177,8 @@ def main(argv=None) -> int:
                             elapsed=elapsed, waited=waited, other=other, all_rows=all_rows, aggs=aggs, bounds=bounds,
                             summary=summary, per_placement=per_placement, baseline_meta=baseline_meta, out_path=out_path,
                             plot_dir=Path(args.plot_dir) if args.plot_dir else out_path.parent)
+    if plan["device"] == "cpu":  # the llama.cpp peer on the same GGUF and prompts (where it is installed)
+        section = section.rstrip("\n") + "\n\n" + "\n".join(llama_cpp_row(plan, models, prompts, all_rows, aggs))
     append_section(section, out_path, header=report.HEADER)
     if args.json:
         Path(args.json).write_text(json.dumps({"plan": plan, "machine": info, "rows": all_rows, "aggregates": aggs,

@@ -15,12 +15,16 @@ bench times, in one process and interleaved (so a noisy machine shifts every mod
    without the network) against transformers' `generate` eager, and with a static cache and
    torch.compile'd forward (its best settings on this device).
 
-Modes: eager, packed (float32 on an AVX-512 CPU: every linear on specdec's skinny GEMM kernel), packed-onednn
+Modes: eager, packed (float32 on an AVX-512 CPU: every linear on specdec's skinny GEMM kernel, a GGUF's
+matrices in their blocks), packed-float32 (the same over the GGUF dequantised once to float32:
+--no-gguf-blocks), packed-onednn
 (the packed mode without that kernel: the LM head on oneDNN-packed weights, the layers on the library's
 products, as on a CPU without AVX-512), compile (torch.compile, frozen weights) on a CPU; eager and
 cuda-graphs (and cuda-graphs-plain, its graphs without fused ops) on CUDA. Writes a section to docs/BENCHMARKS.md and docs/bench_step_cost[_gpu_<dtype>].png.
 
-    python -m bench.step_cost [--device cpu] [--dtype float32] [--modes eager,packed,packed-onednn,compile] [--quick]
+Each mode's row names its weights' format, and its floor is that format's bytes over the bandwidth.
+
+    python -m bench.step_cost [--device cpu] [--dtype float32] [--modes eager,packed,packed-float32,packed-onednn,compile] [--quick]
 """
 
 from __future__ import annotations
@@ -82,13 +86,25 @@ def free(device) -> None:
 
 
 def weight_bytes(model) -> int:
-    """Bytes a forward must stream: every parameter once (a tied embedding / head counts once)."""
+    """Bytes a forward must stream: every parameter once (a tied embedding / head counts once), and every
+    matrix kept in a GGUF's blocks at its quantised bytes (specdec.engine.quant_gemm)."""
+    from specdec.engine.quant_gemm import QuantLinear
+
     seen, total = set(), 0
-    for p in model.parameters():
+    tensors = [*model.parameters(), *(m.packed for m in model.modules() if isinstance(m, QuantLinear))]
+    for p in tensors:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def weight_format(model) -> str:
+    """The weights' format: "float32", or the GGUF block formats its matrices stay in ("Q4_1+Q8_0 blocks")."""
+    from specdec.engine.quant_gemm import QuantLinear
+
+    blocks = sorted({m.fmt.name for m in model.modules() if isinstance(m, QuantLinear)})
+    return "+".join(blocks) + " blocks" if blocks else str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def step_config(mode: str, **kw):
@@ -98,20 +114,24 @@ def step_config(mode: str, **kw):
 
     if mode == "packed-onednn":
         return StepConfig(mode="packed", skinny_gemm=False, **kw)
+    if mode == "packed-float32":
+        return StepConfig(mode="packed", gguf_blocks=False, **kw)
     if mode == "cuda-graphs-plain":
         return StepConfig(mode="cuda-graphs", fused_ops=False, **kw)
     return StepConfig(mode=mode, **kw)
 
 
-def load(path: str, device: str, dtype: str, random_weights: bool = False):
-    """The model at `path`, or with --random-weights one of its shape (config.json alone) with random weights
-    made on the device: a step's time depends on shapes, not values (bench/shapes/ holds the default target's
-    and an 8B Llama's)."""
-    from specdec.models import ModelConfig, load_model
+def load(path: str, device: str, dtype: str, random_weights: bool = False, blocks: bool = False):
+    """The model at `path` (a GGUF's matrices in their blocks with `blocks`, as the packed mode serves them:
+    specdec.engine.gguf_weights), or with --random-weights one of its shape (config.json alone) with random
+    weights made on the device: a step's time depends on shapes, not values (bench/shapes/ holds the default
+    target's and an 8B Llama's)."""
+    from specdec.engine.gguf_weights import load_model
+    from specdec.models import ModelConfig
 
     cfg = ModelConfig(path, device=device, dtype=dtype)
     if not random_weights:
-        return load_model(cfg)
+        return load_model(cfg, blocks=blocks)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -125,11 +145,12 @@ def make_runner(path: str, device: str, dtype: str, mode: str, slots: int, rando
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner
 
-    model = load(path, device, dtype, random_weights)
-    weights = weight_bytes(model)  # before a mode packs them (packed weights are no parameters)
+    step = step_config(mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32))
+    model = load(path, device, dtype, random_weights, blocks=step.mode == "packed" and step.skinny_gemm and step.gguf_blocks)
+    weights = (weight_bytes(model), weight_format(model))  # before a mode packs them (packed weights are no parameters)
     cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode.startswith("cuda-graphs"))
     t0 = time.perf_counter()
-    runner = ModelRunner(model, cache, step_config(mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32)))
+    runner = ModelRunner(model, cache, step)
     for s in range(slots):  # every session holds the same 100-token prefix (prefill chunks run eager-sized)
         runner.forward([Feed(s, 0, list(range(1000, 1000 + PREFIX)), 1)])
     for n in (1, 5):  # compile both graphs (or capture) before timing
@@ -143,10 +164,10 @@ def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats:
 
     dev = torch.device(device)
     batches = BATCHES[:3] if quick else BATCHES
-    runners, setup_s = {}, {}
+    runners, setup_s, weights = {}, {}, {}
     for mode in modes:
-        runners[mode], Feed, setup_s[mode], weights = make_runner(path, device, dtype, mode, max(batches),
-                                                                                random_weights)
+        runners[mode], Feed, setup_s[mode], weights[mode] = make_runner(path, device, dtype, mode, max(batches),
+                                                                        random_weights)
     tokens = {m: {t: [] for t in TOKENS} for m in modes}
     batch = {m: {(b, n): [] for b in batches for n in (1, 4)} for m in modes}
     for _ in range(repeats):  # interleaved: each round times every mode at every shape once
@@ -234,7 +255,8 @@ def plot(results: dict, path: Path, title: str) -> bool:
     for ax, (name, r) in zip(axes[0], results.items()):
         for mode, curve in r["tokens"].items():
             ax.plot(list(curve), [curve[t] for t in curve], marker="o", label=mode)
-        ax.axhline(r["floor_ms"], color="grey", linestyle="--", label="weights / bandwidth")
+        for floor in sorted(set(r["floor_ms"].values())):
+            ax.axhline(floor, color="grey", linestyle="--", label=f"weights / bandwidth ({floor:.1f} ms)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens scored in one forward")
         ax.set_ylabel("ms per forward")
@@ -296,7 +318,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--modes", default=None, help="comma list (default: eager,packed,packed-onednn,compile on CPU; "
+    p.add_argument("--modes", default=None, help="comma list (default: eager,packed,packed-float32,packed-onednn,compile on CPU; "
                                                  "eager,cuda-graphs-plain,cuda-graphs on CUDA)")
     p.add_argument("--target", default=None, help="target model (default: the shared pair's)")
     p.add_argument("--draft", default=None, help="draft model (default: the shared pair's; '' to skip)")
@@ -320,7 +342,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     modes = args.modes.split(",") if args.modes else (["eager", "cuda-graphs-plain", "cuda-graphs"] if device.type == "cuda"
-                                                       else ["eager", "packed", "packed-onednn", "compile"])
+                                                       else ["eager", "packed", "packed-float32", "packed-onednn", "compile"])
     repeats = 5 if args.quick else args.repeats
     bw = bandwidth_gbs(device)
     models = {"target": args.target or default_target()}
@@ -330,7 +352,7 @@ def main(argv=None) -> int:
     for name, path in models.items():
         print(f"measuring {name} ({path}) in {modes}", flush=True)
         r = measure_model(path, args.device, args.dtype, modes, repeats, args.quick, args.random_weights)
-        r["floor_ms"] = r["weight_bytes"] / (bw * 1e9) * 1e3
+        r["floor_ms"] = {m: nbytes / (bw * 1e9) * 1e3 for m, (nbytes, _) in r["weight_bytes"].items()}
         results[name] = r
     decode = (decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens, args.random_weights)
               if args.decode_tokens else {})
@@ -359,18 +381,18 @@ def main(argv=None) -> int:
              (" Random weights of the models' shapes (`--random-weights`: times depend on shapes only)."
               if args.random_weights else ""), ""]
     for name, r in results.items():
-        floor = r["floor_ms"]
-        lines += [f"**{name}**: weights {r['weight_bytes'] / 2**20:.0f} MiB, floor {floor:.2f} ms per forward "
-                  "(weights / bandwidth). Start-up (load prefix, compile or capture): " +
-                  ", ".join(f"{m} {s:.1f} s" for m, s in r["setup_s"].items()) + ".", "",
-                  "| mode | " + " | ".join(f"T={t}" for t in TOKENS) + " | one token / floor | one token / eager's |",
-                  "|---|" + "---|" * (len(TOKENS) + 2)]
+        formats = {f"{fmt}, {nbytes / 2**20:.0f} MiB, floor {r['floor_ms'][m]:.2f} ms" for m, (nbytes, fmt) in r["weight_bytes"].items()}
+        lines += [f"**{name}**: weights {'; '.join(sorted(formats))} per forward (weights / bandwidth). Start-up "
+                  "(load prefix, compile or capture): " + ", ".join(f"{m} {s:.1f} s" for m, s in r["setup_s"].items()) + ".", "",
+                  "| mode | weights | " + " | ".join(f"T={t}" for t in TOKENS) + " | one token / its floor | one token / eager's |",
+                  "|---|---|" + "---|" * (len(TOKENS) + 2)]
         eager_one = r["tokens"].get("eager", {}).get(1)
         for mode, curve in r["tokens"].items():
             one = curve[1]
             cells = [f"{curve[1]:.1f} ms"] + [f"{curve[t] / one:.2f}x" for t in TOKENS[1:]]
             rel = f"{one / eager_one:.2f}x" if eager_one else "–"
-            lines.append(f"| {mode} | " + " | ".join(cells) + f" | {one / floor:.1f}x | {rel} |")
+            lines.append(f"| {mode} | {r['weight_bytes'][mode][1]} | " + " | ".join(cells) +
+                         f" | {one / r['floor_ms'][mode]:.1f}x | {rel} |")
         lines += ["", f"{name}, batched (ms per forward; B sessions x n tokens each):", "",
                   "| mode | " + " | ".join(f"B={b}, n={n}" for (b, n) in next(iter(r["batch"].values()))) + " |",
                   "|---|" + "---|" * len(next(iter(r["batch"].values())))]

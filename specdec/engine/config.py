@@ -40,6 +40,8 @@ class StepConfig:
     draft_chain: bool = True  # the draft's K - 1 steps after d_1 as one chain on the device (specdec.engine.draft_chain)
     skinny_gemm: bool = True  # packed mode, float32: linears on specdec's batch-invariant CPU kernel (specdec.engine.skinny_gemm)
     row_attention: bool = True  # packed / compile mode, float32 CPU: few-token feeds' attention on specdec's row kernel
+    gguf_blocks: bool = True  # packed mode on the skinny GEMM: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices stay in their
+    #                           blocks, dequantised inside the kernel (specdec.engine.gguf_weights); False: float32 copy
 
 
 @dataclass(frozen=True)

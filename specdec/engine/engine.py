@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
@@ -74,8 +75,10 @@ _compiled_models: dict = {}
 
 
 def _load_model(config: TierConfig):
-    if resolve_mode(config.step.mode, torch.device(config.model.device)) != "compile":
-        return load_model(config.model)
+    mode = resolve_mode(config.step.mode, torch.device(config.model.device))
+    if mode != "compile":  # packed float32 steps on the skinny GEMM serve a GGUF from its blocks
+        blocks = mode == "packed" and config.step.skinny_gemm and config.step.gguf_blocks
+        return gguf_weights.load_model(config.model, blocks=blocks)
     if config.model not in _compiled_models:
         _compiled_models[config.model] = load_model(config.model)
     return _compiled_models[config.model]

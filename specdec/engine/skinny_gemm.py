@@ -18,7 +18,8 @@ cannot depend on its shape through the products. Against transformers' own float
 library's products, another summation order) the logits differ in the last bits, as any two BLAS do;
 greedy output differs only at an exact near-tie (bench/exactness.py counts them).
 
-The kernel is built once with the host's C++ compiler and then imported with none (specdec.engine.cpu_kernels,
+The same kernel runs a GGUF's quantised matrices in their blocks (specdec.engine.quant_gemm), bitwise what
+it gives over their dequantised float32 weights. The kernel is built once with the host's C++ compiler and then imported with none (specdec.engine.cpu_kernels,
 which `make setup` runs). Without AVX-512 or a compiler, kernel() is None, unavailable() says why, and
 the packed step mode keeps oneDNN's products.
 """
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.engine import cpu_kernels
+from specdec.engine import cpu_kernels, quant_gemm
 
 
 def kernel():
@@ -75,6 +76,12 @@ class SkinnyLinear(torch.nn.Module):
 
 
 def fused_product(linears: Sequence[torch.nn.Module]):
-    """A decoder's product over several linears as one skinny GEMM: x -> each linear's output."""
+    """A decoder's product over several linears as one skinny GEMM: x -> each linear's output. Linears kept
+    in a GGUF's blocks (specdec.engine.quant_gemm.QuantLinear) fuse as blocks."""
+    if all(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):
+        return quant_gemm.fused_product(linears)
+    if any(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):  # some in blocks, some not: each its own
+        singles = [fused_product([lin]) for lin in linears]
+        return lambda x: [y for single in singles for y in single(x)]
     fused = SkinnyLinear(linears)
     return lambda x: fused.split(fused(x))

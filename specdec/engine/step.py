@@ -45,6 +45,7 @@ import torch._inductor.config
 from specdec.engine import cpu_kernels, skinny_gemm, triton_row_ops
 from specdec.engine.llama import LlamaDecoder, concatenated_product
 from specdec.engine.packed import can_pack, pack_head, pack_layers, replace_linears
+from specdec.engine.quant_gemm import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def skinny_applies(model, enabled: bool = True) -> str | None:
         return "turned off (--no-skinny-gemm)"
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return f"{weight.dtype} on {weight.device.type} (the kernel is float32 on a CPU)"
-    if type(model.get_output_embeddings()) is not torch.nn.Linear:
+    if type(model.get_output_embeddings()) not in (torch.nn.Linear, QuantLinear):
         return "the LM head is not a plain linear"
     return skinny_gemm.unavailable()
 
@@ -138,7 +139,8 @@ def packed_decoder(model, skinny: bool):
     """The packed mode's decoder and head, in place. skinny: every float32 linear on specdec's skinny GEMM
     kernel (q, k, v fused into one product and gate, up into another, where the plain Llama decoder
     runs the model, with its small operators on the row ops kernel; the originals' weights are dropped,
-    and engines sharing the model share the decoder); else the LM head packed for oneDNN, and the layers too in bfloat16 / float16
+    and engines sharing the model share the decoder; a GGUF's quantised linears, specdec.engine.gguf_weights,
+    stay in their blocks on the same kernel); else the LM head packed for oneDNN, and the layers too in bfloat16 / float16
     (specdec.engine.packed)."""
     if not skinny:
         pack_head(model)
@@ -147,7 +149,8 @@ def packed_decoder(model, skinny: bool):
     decoder = getattr(model, SKINNY_DECODER, None)
     if decoder is not None:
         return decoder
-    model.set_output_embeddings(skinny_gemm.SkinnyLinear([model.get_output_embeddings()]))
+    if type(model.get_output_embeddings()) is torch.nn.Linear:  # a QuantLinear head is on the kernel already
+        model.set_output_embeddings(skinny_gemm.SkinnyLinear([model.get_output_embeddings()]))
     if LlamaDecoder.unsupported(model) is None:
         decoder = LlamaDecoder(model, product=skinny_gemm.fused_product, ops=cpu_kernels.load("row_ops")[0])
         replace_linears(model, MovedLinear)

@@ -120,6 +120,9 @@ def add_tier_args(a: EnvArgs, default_model: str, default_port: int) -> None:
     a.add("--skinny-gemm", default=StepConfig.skinny_gemm, action=argparse.BooleanOptionalAction,
           help="packed steps in float32 on an AVX-512 CPU: run every linear on specdec's batch-invariant kernel "
                "(built once with the host's C++ compiler; --no-skinny-gemm: oneDNN's and the library's products)")
+    a.add("--gguf-blocks", default=StepConfig.gguf_blocks, action=argparse.BooleanOptionalAction,
+          help="packed steps on the skinny GEMM: serve a GGUF's Q4_0 / Q4_1 / Q8_0 matrices in their blocks, "
+               "dequantised exactly inside the kernel (--no-gguf-blocks: a float32 copy, the reference's values)")
     a.add("--row-attention", default=StepConfig.row_attention, action=argparse.BooleanOptionalAction,
           help="packed and compile steps in float32 on an AVX-512 CPU: each decode or verify token attends to its own "
                "session's cache on specdec's batch-invariant kernel, with no padding (--no-row-attention: PyTorch's "
@@ -156,7 +159,7 @@ def tier_config(args: argparse.Namespace):
         step=StepConfig(mode=args.step_mode, capture_sessions=_sizes(args.capture_sessions, "capture_sessions"),
                         capture_tokens=_sizes(args.capture_tokens, "capture_tokens"),
                         max_capture_tokens=args.max_batch_tokens, draft_chain=args.draft_chain,
-                        skinny_gemm=args.skinny_gemm, row_attention=args.row_attention,
+                        skinny_gemm=args.skinny_gemm, row_attention=args.row_attention, gguf_blocks=args.gguf_blocks,
                         fused_ops=args.fused_ops),
     )
 

@@ -15,16 +15,35 @@
 // k it loads NV weight vectors and broadcasts MB values, then does MB x NV multiply-adds. The row blocks
 // take each group of NV panels in turn (from L2 after the first: W streams from memory once per product);
 // the groups are split among torch's OpenMP threads.
+//
+// Quantised weights (quant_linear): a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, packed into the same panels, are
+// dequantised inside the micro-kernel to bitwise gguf-py's float32 values, and summed exactly as above.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <cstdlib>
+#include <type_traits>
 
 namespace {
 
 constexpr int64_t PANEL = 16;   // columns per packed panel (one vector)
 constexpr int64_t MAX_MB = 9;   // rows per block
 constexpr int NV_FOR[MAX_MB + 1] = {0, 8, 8, 6, 6, 5, 4, 3, 3, 3};  // panels per step: MB x NV + NV + 1 <= 32
+
+template <int MB, int NV>
+inline void store(const __m512 (&acc)[MB][NV], const float* __restrict bias, float* __restrict y, int64_t ldy,
+                  int64_t cols) {
+  for (int v = 0; v < NV; ++v) {
+    const int64_t left = cols - PANEL * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= PANEL ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + PANEL * v) : _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i)
+      _mm512_mask_storeu_ps(y + i * ldy + PANEL * v, mask, bias ? _mm512_add_ps(acc[i][v], b) : acc[i][v]);
+  }
+}
 
 template <int MB, int NV>
 inline void kernel(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
@@ -40,41 +59,201 @@ inline void kernel(const float* __restrict x, int64_t ldx, const float* __restri
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t left = cols - PANEL * v;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= PANEL ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + PANEL * v) : _mm512_setzero_ps();
-    for (int i = 0; i < MB; ++i)
-      _mm512_mask_storeu_ps(y + i * ldy + PANEL * v, mask, bias ? _mm512_add_ps(acc[i][v], b) : acc[i][v]);
+  store<MB, NV>(acc, bias, y, ldy, cols);
+}
+
+// Quantised weights: GGUF's blocks of 32 along k, kept as loaded and dequantised inside the product.
+// Packed (specdec.engine.quant_gemm.pack) in the same panels of 16 columns: panel p, block b is one tile,
+// the 16 columns' float16 scales (d; then m for Q4_1), then their quants: Q4 16 bytes per k = j, j + 16
+// (byte c: column c's two nibbles, low for k = j, high for k = j + 16, as GGUF stores them in a block),
+// Q8 16 bytes per k. A tile dequantises to float32 [32][16] exactly as gguf-py's numpy does (what the
+// reference model holds): float16 -> float32 is exact, the integers are exact, and each product and sum
+// is rounded once (_round_ intrinsics: never contracted into a fused multiply-add).
+constexpr int64_t QK = 32;  // k per block
+constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+enum Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+
+inline int64_t tile_bytes(int64_t fmt) { return fmt == Q4_1 ? 64 + 256 : fmt == Q4_0 ? 32 + 256 : 32 + 512; }
+
+inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict out) {  // tile -> [32][16]
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+  if (fmt == Q8_0) {  // d * q, q int8
+    for (int k = 0; k < QK; ++k) {
+      const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * k)));
+      _mm512_store_ps(out + PANEL * k, _mm512_mul_round_ps(_mm512_cvtepi32_ps(q), d, ROUND));
+    }
+    return;
+  }
+  const uint8_t* qs = t + (fmt == Q4_1 ? 64 : 32);
+  const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(fmt == Q4_0 ? 8 : 0);
+  const __m512 m = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)))
+                               : _mm512_setzero_ps();
+  for (int j = 0; j < QK / 2; ++j) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j)));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, low), eight));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
+    if (fmt == Q4_1) {  // (d * q) + m
+      _mm512_store_ps(out + PANEL * j, _mm512_add_round_ps(_mm512_mul_round_ps(d, lo, ROUND), m, ROUND));
+      _mm512_store_ps(out + PANEL * (j + 16), _mm512_add_round_ps(_mm512_mul_round_ps(d, hi, ROUND), m, ROUND));
+    } else {  // d * (q - 8)
+      _mm512_store_ps(out + PANEL * j, _mm512_mul_round_ps(d, lo, ROUND));
+      _mm512_store_ps(out + PANEL * (j + 16), _mm512_mul_round_ps(d, hi, ROUND));
+    }
   }
 }
 
+// One weight vector (16 columns at k) of a tile, dequantised in registers: gguf-py's operations, each rounded
+// once (the empty asm keeps Q4_1's product and sum from being contracted into one multiply-add). s: the
+// tile's scales as float32, d then m.
+template <int64_t FMT, bool HIGH>
+inline __m512 weight(const uint8_t* __restrict t, const float* __restrict s, int k) {
+  if constexpr (FMT == Q8_0) {  // q * d
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * k)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_load_ps(s));
+  } else {
+    const uint8_t* qs = t + (FMT == Q4_1 ? 64 : 32);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * k)));
+    b = HIGH ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15));
+    if constexpr (FMT == Q4_0) b = _mm512_sub_epi32(b, _mm512_set1_epi32(8));  // d * (q - 8)
+    __m512 p = _mm512_mul_ps(_mm512_load_ps(s), _mm512_cvtepi32_ps(b));
+    if constexpr (FMT == Q4_1) {  // (d * q) + m
+      asm("" : "+v"(p));
+      p = _mm512_add_ps(p, _mm512_load_ps(s + PANEL));
+    }
+    return p;
+  }
+}
+
+// The float kernel's sums, term for term, over the tiles' weights dequantised in registers as the k loop
+// reaches them: each weight vector is dequantised once and used by all MB rows.
+template <int MB, int NV, int64_t FMT, bool HIGH>
+inline void qsteps(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
+                   const float (&scale)[NV][2 * PANEL], int k0) {
+  for (int k = 0; k < QK / 2; ++k) {
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = weight<FMT, HIGH>(t[v], scale[v], FMT == Q8_0 ? k0 + k : k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * ldx + k0 + k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+    }
+  }
+}
+
+template <int MB, int NV, int64_t FMT>
+inline void qkernel(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w, int64_t nb,
+                    const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols) {
+  const int64_t tb = tile_bytes(FMT);
+  alignas(64) float scale[NV][2 * PANEL];
+  __m512 acc[MB][NV];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* t[NV];
+    for (int v = 0; v < NV; ++v) {
+      t[v] = w + (v * nb + blk) * tb;
+      _mm512_store_ps(scale[v], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v]))));
+      if (FMT == Q4_1)
+        _mm512_store_ps(scale[v] + PANEL, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + 32))));
+    }
+    qsteps<MB, NV, FMT, false>(acc, x + blk * QK, ldx, t, scale, 0);   // k = 0 .. 15 (Q4: the low nibbles)
+    qsteps<MB, NV, FMT, true>(acc, x + blk * QK, ldx, t, scale, 16);   // k = 16 .. 31 (Q4: the high nibbles)
+  }
+  store<MB, NV>(acc, bias, y, ldy, cols);
+}
+
+struct Floats {  // packed float32 panels [count, K, 16]
+  const float* w;
+  int64_t K;
+  template <int MB, int NV>
+  void run(const float* x, int64_t ldx, int64_t p, const float* bias, float* y, int64_t ldy, int64_t cols) const {
+    kernel<MB, NV>(x, ldx, w + p * K * PANEL, K, bias, y, ldy, cols);
+  }
+};
+
+struct Blocks {  // packed quantised tiles [count, nb, tile]
+  const uint8_t* w;
+  int64_t nb, fmt;
+  template <int MB, int NV>
+  void run(const float* x, int64_t ldx, int64_t p, const float* bias, float* y, int64_t ldy, int64_t cols) const {
+    const uint8_t* panel = w + p * nb * tile_bytes(fmt);
+    switch (fmt) {
+      case Q4_0: qkernel<MB, NV, Q4_0>(x, ldx, panel, nb, bias, y, ldy, cols); break;
+      case Q4_1: qkernel<MB, NV, Q4_1>(x, ldx, panel, nb, bias, y, ldy, cols); break;
+      default: qkernel<MB, NV, Q8_0>(x, ldx, panel, nb, bias, y, ldy, cols); break;
+    }
+  }
+};
+
 // Rows [0, MB) of x against panels [p0, p1): NV at a time, then one at a time.
-template <int MB>
-inline void panels(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y, int64_t ldy,
-                   int64_t N, int64_t p0, int64_t p1) {
+template <int MB, class W>
+inline void panels(const W& w, const float* x, int64_t ldx, const float* bias, float* y, int64_t ldy, int64_t N,
+                   int64_t p0, int64_t p1) {
   constexpr int NV = NV_FOR[MB];
   int64_t p = p0;
   for (; p + NV <= p1; p += NV)
-    kernel<MB, NV>(x, ldx, w + p * K * PANEL, K, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
+    w.template run<MB, NV>(x, ldx, p, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
   for (; p < p1; ++p)
-    kernel<MB, 1>(x, ldx, w + p * K * PANEL, K, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
+    w.template run<MB, 1>(x, ldx, p, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
 }
 
-inline void block(int64_t mb, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
-                  int64_t ldy, int64_t N, int64_t p0, int64_t p1) {
+template <class W>
+inline void block(int64_t mb, const W& w, const float* x, int64_t ldx, const float* bias, float* y, int64_t ldy,
+                  int64_t N, int64_t p0, int64_t p1) {
   switch (mb) {
-    case 1: panels<1>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
-    case 2: panels<2>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
-    case 3: panels<3>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
-    case 4: panels<4>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
-    case 5: panels<5>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
-    case 6: panels<6>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
-    case 7: panels<7>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
-    case 8: panels<8>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
-    default: panels<9>(x, ldx, w, K, bias, y, ldy, N, p0, p1); break;
+    case 1: panels<1>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
+    case 2: panels<2>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
+    case 3: panels<3>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
+    case 4: panels<4>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
+    case 5: panels<5>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
+    case 6: panels<6>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
+    case 7: panels<7>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
+    case 8: panels<8>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
+    default: panels<9>(w, x, ldx, bias, y, ldy, N, p0, p1); break;
   }
+}
+
+// y [M, N] = x [M, K] W^T + bias over `count` panels: the row blocks take each group of panels in turn,
+// the groups split among the threads. Quantised weights with more than one row block: each group's panels
+// are dequantised once into a float buffer (L2) that all the row blocks then read.
+template <class W>
+void product(const W& w, const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, int64_t count,
+             const float* bias, float* y) {
+  const int64_t blocks = (M + MAX_MB - 1) / MAX_MB;
+  const int64_t group = NV_FOR[(M + blocks - 1) / blocks];  // panels per group: the first (largest) block's NV
+  const int64_t groups = (count + group - 1) / group;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    float* buffer = nullptr;
+    if constexpr (std::is_same_v<W, Blocks>)
+      if (blocks > 1) buffer = static_cast<float*>(std::aligned_alloc(64, group * K * PANEL * sizeof(float)));
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * group, p1 = std::min(count, p0 + group);
+      int64_t m = 0;
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t mb = (M - m + (blocks - i) - 1) / (blocks - i);  // the remaining rows, shared out evenly
+        if constexpr (std::is_same_v<W, Blocks>) {
+          if (buffer != nullptr) {
+            if (i == 0)
+              for (int64_t p = p0; p < p1; ++p)
+                for (int64_t blk = 0; blk < w.nb; ++blk)
+                  dequant(w.fmt, w.w + (p * w.nb + blk) * tile_bytes(w.fmt), buffer + ((p - p0) * K + blk * QK) * PANEL);
+            block(mb, Floats{buffer, K}, x + m * ldx, ldx, bias ? bias + p0 * PANEL : nullptr, y + m * N + p0 * PANEL,
+                  N, N - p0 * PANEL, 0, p1 - p0);
+            m += mb;
+            continue;
+          }
+        }
+        block(mb, w, x + m * ldx, ldx, bias, y + m * N, N, N, p0, p1);
+        m += mb;
+      }
+    }
+    std::free(buffer);
+  });
+}
+
+const float* checked_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "skinny_linear: bias [N]");
+  return bias->data_ptr<float>();
 }
 
 }  // namespace
@@ -96,35 +275,53 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous() &&
               packed.size(0) * PANEL >= N && (packed.size(0) - 1) * PANEL < N, "skinny_linear: packed W does not fit x / N");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 64 == 0, "skinny_linear: packed W not 64-byte aligned");
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), count = packed.size(0);
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "skinny_linear: bias [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = checked_bias(bias, N);
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (M + MAX_MB - 1) / MAX_MB;
-  const int64_t group = NV_FOR[(M + blocks - 1) / blocks];  // panels per group: the first (largest) block's NV
-  const int64_t groups = (count + group - 1) / group;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * group, p1 = std::min(count, p0 + group);
-      int64_t m = 0;
-      for (int64_t i = 0; i < blocks; ++i) {
-        const int64_t mb = (M - m + (blocks - i) - 1) / (blocks - i);  // the remaining rows, shared out evenly
-        block(mb, xp + m * ldx, ldx, wp, K, b, yp + m * N, N, N, p0, p1);
-        m += mb;
-      }
-    }
-  });
+  product(Floats{packed.data_ptr<float>(), K}, x.data_ptr<float>(), x.stride(0), M, K, N, packed.size(0), b,
+          y.data_ptr<float>());
   return y;
+}
+
+// y [M, N] = x [M, K] W^T + bias [N], W given as packed quantised tiles [ceil(N / 16), K / 32, tile] of ggml
+// type `fmt` (Q4_0, Q4_1, Q8_0), with its N: bitwise skinny_linear over W dequantised.
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t fmt, int64_t N,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0, "quant_linear: format must be Q4_0, Q4_1 or Q8_0 (ggml type 2, 3, 8)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
+              "quant_linear: x [M, K] float32 with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(2) == tile_bytes(fmt) && packed.size(1) * QK == x.size(1) &&
+              packed.size(0) * PANEL >= N && (packed.size(0) - 1) * PANEL < N,
+              "quant_linear: packed W does not fit x / N / the format");
+  const float* b = checked_bias(bias, N);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0 || N == 0) return y;
+  product(Blocks{packed.data_ptr<uint8_t>(), packed.size(1), fmt}, x.data_ptr<float>(), x.stride(0), M, K, N,
+          packed.size(0), b, y.data_ptr<float>());
+  return y;
+}
+
+// The packed tiles of quant_linear dequantised: [ceil(N / 16), K, 16] float32, skinny_linear's layout.
+torch::Tensor quant_dequant(const torch::Tensor& packed, int64_t fmt) {
+  TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0, "quant_dequant: format must be Q4_0, Q4_1 or Q8_0");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(2) == tile_bytes(fmt), "quant_dequant: packed tiles of this format");
+  const int64_t count = packed.size(0), nb = packed.size(1);
+  auto out = torch::empty({count, nb * QK, PANEL}, packed.options().dtype(at::kFloat));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, count * nb, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) dequant(fmt, w + t * tile_bytes(fmt), o + t * QK * PANEL);
+  });
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_pack", &skinny_pack, "pack W [N, K] float32 for skinny_linear");
   m.def("skinny_linear", &skinny_linear, "y = x W^T + b in float32, batch-invariant (AVX-512)");
+  m.def("quant_linear", &quant_linear, "y = x W^T + b, W in GGUF blocks dequantised in the product (AVX-512)");
+  m.def("quant_dequant", &quant_dequant, "packed GGUF tiles -> float32 panels");
 }

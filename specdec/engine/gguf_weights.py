@@ -1,0 +1,198 @@
+"""A GGUF served as it ships: its quantised matrices kept in their blocks (specdec.engine.quant_gemm), no float32 copy.
+
+specdec.models loads a GGUF the reference way: transformers dequantises every tensor to float32 (gguf-py's
+numpy), once, into a cached copy. For the packed step on an AVX-512 CPU in float32 this module builds the
+same model without that copy: transformers' own config and tensor-name map for the file, its own tensor
+processor for the row order (llama.cpp permutes q and k; transformers undoes it, here applied to the block
+rows, which are whole rows), the norms and any float tensors exactly as transformers loads them, and every
+Q4_0 / Q4_1 / Q8_0 matrix as a QuantLinear over its blocks (a tied embedding and LM head share one). The
+values each block dequantises to are the reference's, bitwise. Matrices in block formats the kernel does not
+compute (the K-quants, ...) are dequantised once by gguf-py, the reference's values, and run on the float32
+skinny GEMM: served exactly, at float32's bytes (a warning names them).
+
+The default target (SmolLM2-135M-Instruct Q4_1: 210 Q4_1 matrices, a Q8_0 tied embedding) then holds 98 MB
+of weights instead of 513 MiB, loads without the conversion, and each step streams the quantised bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.engine import skinny_gemm
+from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, pack
+from specdec.models import ModelConfig, cache_dir, load_model as load_reference
+
+log = logging.getLogger(__name__)
+
+
+def gguf_file(path: str) -> Path | None:
+    """The .gguf file a model path names (a file, or a directory holding exactly one and no config.json)."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").exists():
+        found = sorted(p.glob("*.gguf"))
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def unavailable(cfg: ModelConfig) -> str | None:
+    """Why `cfg` cannot be served from its blocks, or None if it can."""
+    if gguf_file(cfg.path) is None:
+        return "not a GGUF file"
+    if torch.device(cfg.device).type != "cpu" or cfg.dtype != "float32":
+        return f"{cfg.dtype} on {cfg.device} (the block kernel is float32 on a CPU)"
+    return skinny_gemm.unavailable()
+
+
+def load_model(cfg: ModelConfig, blocks: bool = True):
+    """The causal LM for cfg: from its GGUF blocks where `blocks` and they can be served (unavailable()),
+    else specdec.models' float32 load (the same values, dequantised once)."""
+    reason = unavailable(cfg) if blocks else "turned off (--no-gguf-blocks)"
+    if reason is None:
+        return load_blocks(gguf_file(cfg.path))
+    if gguf_file(cfg.path) is not None:
+        log.info("GGUF %s dequantised to %s once: %s", cfg.path, cfg.dtype, reason)
+    return load_reference(cfg)
+
+
+def _set_module(model, dotted: str, module: torch.nn.Module) -> None:
+    parent, _, name = dotted.rpartition(".")
+    setattr(model.get_submodule(parent), name, module)
+
+
+def _row_order(processor, name: str, rows: int, names: dict, parsed: dict) -> np.ndarray | None:
+    """The row permutation transformers' tensor processor applies to tensor `name` (run on the row
+    indices), or None if it changes more than the order of whole rows (then the blocks cannot follow)."""
+    index = np.arange(rows, dtype=np.int64)[:, None]
+    out = processor.process(weights=index, name=name, tensor_key_mapping=names, parsed_parameters=parsed)
+    order = np.asarray(out.weights).reshape(-1)
+    if out.name != name or order.shape != (rows,) or not np.array_equal(np.sort(order), np.arange(rows)):
+        return None
+    return order
+
+
+def _index(path: Path):
+    """(transformers' config, its parsed GGUF config dict, [(name, type, shape, offset, bytes)] of the tensors,
+    {GGUF tensor name: model parameter name}) of GGUF `path`. Reading a GGUF's metadata with gguf-py takes ~5 s
+    per pass for the default target (its tokenizer arrays) and transformers' name map ~5 s more, so the first
+    load keeps them in the cache directory (a few kB) and later loads read that."""
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    where = cache_dir() / f"gguf-blocks-{path.stem}-{key}"
+    if not (where / "index.json").exists():
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        tensors = [(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), int(t.n_bytes))
+                   for t in GGUFReader(str(path)).tensors]
+        parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+        config = CONFIG_MAPPING[parsed["model_type"]].from_dict(dict(parsed))  # as AutoConfig reads a GGUF
+        with torch.device("meta"):
+            names = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(config),
+                                            TENSOR_PROCESSORS.get(parsed.get("model_type"), TensorProcessor)(config=parsed))
+        tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+        config.save_pretrained(tmp)
+        (tmp / "index.json").write_text(json.dumps({"config": parsed, "tensors": tensors, "names": names}, default=str))
+        if where.exists():  # another process indexed it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.rename(where)
+    index = json.loads((where / "index.json").read_text())
+    return AutoConfig.from_pretrained(str(where)), index["config"], index["tensors"], index["names"]
+
+
+def load_blocks(path: Path):
+    """The model of GGUF `path` with its quantised matrices in their blocks, eval mode, on the CPU."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    config, parsed_config, tensors, names = _index(path)
+    parsed = {"config": parsed_config}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    processor = TENSOR_PROCESSORS.get(parsed_config.get("model_type"), TensorProcessor)(config=parsed_config)
+    modules = {module: name for name, module in model.named_modules()}
+    embed_name = modules[model.get_input_embeddings()] + ".weight"
+    head_name = modules[model.get_output_embeddings()] + ".weight"
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    loaded, floats = set(), []
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, type_name, shape, offset, nbytes in tensors:
+        hf_name = names.get(name)
+        if hf_name is None:
+            continue
+        fmt = FORMATS.get(type_name)
+        rows = shape[-1] if len(shape) == 2 else 0
+        order = _row_order(processor, name, rows, names, parsed) if fmt is not None and rows else None
+        block = data[offset:offset + nbytes]
+        if fmt is None or order is None:  # a float tensor, or blocks the kernel does not compute: the reference's values
+            if type_name not in ("F32", "F16", "BF16"):
+                floats.append(f"{name} ({type_name})")
+            values = _dequantize(block, type_name, shape)
+            out = processor.process(weights=values, name=name,
+                                    tensor_key_mapping=names, parsed_parameters=parsed)
+            _set_parameter(model, hf_name, torch.from_numpy(np.array(out.weights, dtype=np.float32)))
+            loaded.add(hf_name)
+            continue
+        raw = torch.from_numpy(np.array(block).reshape(rows, -1))[torch.from_numpy(order)]  # [rows, blocks' bytes]
+        linear = QuantLinear(pack(raw, fmt), fmt, rows, shape[0])
+        module = hf_name.rpartition(".")[0]
+        if hf_name == embed_name:
+            _set_module(model, module, QuantEmbedding(linear, model.get_input_embeddings().padding_idx))
+            if tied:
+                _set_module(model, head_name.rpartition(".")[0], linear)
+                loaded.add(head_name)
+        else:
+            _set_module(model, module, linear)
+        loaded.add(hf_name)
+    del data
+    if tied and head_name not in loaded and embed_name in loaded:  # a float embedding tied to the head
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        loaded.add(head_name)
+    _materialise_buffers(model, config)
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{path.name}: no tensor for {missing[:5]} (transformers' map of this architecture)")
+    if floats:
+        log.warning("%s: %d matrices in block formats the kernel does not compute are held in float32 "
+                    "(exact, at float32's bytes): %s", path.name, len(floats), ", ".join(floats[:4]))
+    return model.eval()
+
+
+def _dequantize(block: np.ndarray, type_name: str, shape: list[int]) -> np.ndarray:
+    """A tensor's bytes -> float32 [*reversed(shape)], read and dequantised as transformers does (gguf-py)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    dims = list(reversed(shape))
+    if type_name in ("F32", "F16"):
+        return dequantize(block.view(np.float32 if type_name == "F32" else np.float16).reshape(dims), qtype)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return dequantize(block.reshape(*dims[:-1], dims[-1] // block_size * type_size), qtype)
+
+
+def _set_parameter(model, hf_name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = hf_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, torch.nn.Parameter(value.reshape(getattr(module, attr).shape), requires_grad=False))
+
+
+def _materialise_buffers(model, config) -> None:
+    """Buffers computed at init (the rotary frequencies) were made on the meta device: make them again."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            with torch.device("cpu"):
+                fresh = type(module)(config=config)
+            _set_module(model, name, fresh)
