@@ -91,7 +91,8 @@ class TierCost:
     def __init__(self, decay: float = 0.98, prior_intercept: float = 50.0, prior_slope: float = 3.0) -> None:
         self.decay = decay
         self.step_cost = StepCurve(prior_intercept=prior_intercept, prior_slope=prior_slope)
-        self.prior = LinearCost(decay, prior_intercept, prior_slope)  # the round's price where no timing may count
+        # The round's price where no timing may count: the curve's prior at B = 1, a step of k + 1 tokens.
+        self.prior = LinearCost(decay, prior_intercept + prior_slope, prior_slope)
         self.sessions = 1.0  # sessions per step, exponentially weighted over the replies
         # A call's wall time beyond the tier's work for it (network, serialisation), a line in the drafts it
         # carries; fitted without a prior (a negligible one).
