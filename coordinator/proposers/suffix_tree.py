@@ -1,13 +1,9 @@
-"""Suffix decoding's data structure (SuffixDecoding, arXiv 2411.04975): a suffix tree of earlier tokens, and
-the best chain it continues a context with (the strategy: coordinator/proposers/suffix.py).
+"""Suffix decoding's data structure (SuffixDecoding, arXiv 2411.04975), used by coordinator/proposers/suffix.py.
 
-Two trees serve a session: its own (prompt + output so far) and one shared by every session of the
-coordinator holding recent finished outputs (agents and templated tasks repeat themselves). Each round
-the sequence's last tokens are matched in both; from each match length m the proposal follows the
-most frequent continuation, a token at a time, while the estimated probability of the whole chain
-stays >= min_token_prob and for at most m * max_spec_factor + max_spec_offset tokens; the
-candidate with the largest score (sum of the chain's probabilities = expected accepted tokens under
-the tree's counts) wins. Proposals are deterministic, so their q is one-hot and needs no transfer.
+A session's own tree (prompt + output) and the coordinator's shared one (recent finished outputs) match
+the sequence's last tokens; from each match length m the chain follows the most frequent continuation
+while its estimated probability stays >= min_token_prob, for at most m * max_spec_factor +
+max_spec_offset tokens; the chain with the largest score (its probabilities' sum) wins.
 
 The tree is a depth-bounded, path-compressed suffix tree over several sequences: every suffix of
 every sequence is indexed up to max_depth tokens. A node's `count` is the number of suffixes that
