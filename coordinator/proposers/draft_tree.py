@@ -1,42 +1,25 @@
-"""The draft model's token trees as the coordinator asks for them: which tree shape (node budget N, depth D)
-a round asks for, from measured acceptance and measured costs, and the speculation cache's request fields.
+"""The draft model's token trees: which shape (node budget N, depth D) a round asks for, and what it predicts.
 
 The draft grows a tree by expanding the b likeliest nodes of each level with b children each
 (specdec.engine.propose_tree). A greedy tree (or the candidates scheme's) is dynamic: it grows past the
-budget and keeps the N nodes of highest path probability, so N and D are chosen freely. A sampled tree
-keeps every node it draws: the shape N(D) = min(budget, b + b^2 (D - 1)).
-
-What a shape commits is predicted from Sequoia's acceptance vector (Chen et al. 2024, "Sequoia: Scalable,
-Robust, and Hardware-aware Speculative Decoding", section 3.1): c_r, the chance that a level's r-th child
-(the draft's order, its likeliest first) holds the target's token when the children before it did not,
-measured per session on its tree rounds (SiblingAcceptance) and handed on to later sessions with rho and
-kappa below (estimates.SharedPriors). Under it the walk goes through a node with the product of
-p_r = c_r (1 - c_1) ... (1 - c_{r-1}) along its path, and a round commits
-E = 1 + rho x (the sum over the tree's nodes of that product): the bonus token, plus each node the walk
-reaches. For a dynamic tree those products are its best-first nodes, the N largest within depth D: the
-draft's own order keeps the likeliest paths, which the vector models as the lowest ranks. The vector
-treats levels as independent, and they are not (a draft right once is likelier right again, and a
-dynamic tree follows the draft's confidence round by round), so rho, the session's measured ratio of
-the nodes its tree rounds accepted to the sum they predicted, scales it (on the default pair's replay the
-vector alone, its prior at a = 0.3, predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the
-trees commit 1.68 / 1.86 / 1.95). A round costs verify(N) + propose(D): the target's measured verify
-time against tokens scored (shared with the chains, from the target's load) and the draft's measured
-propose line against its steps (one per level, as a chain's K),
-times kappa, the session's measured ratio of its tree rounds' wall time to the time predicted for them
-(what a tree costs beyond its tokens: its mask, its layout, the draft's wider levels).
-The best shape is one of the draft-model strategy's predictions (coordinator/proposers/draft_model.py),
-beside its chains; the policy weighs it against every strategy's and K = 0 by tokens per unit of time. A request with a fixed K
-asks for the tree of depth K with N(K) nodes, so that its proposals depend on no timing.
+budget and keeps the N nodes of highest path probability, so N and D are chosen freely; a sampled tree
+keeps every node it draws: N(D) = min(budget, b + b^2 (D - 1)). A shape commits E = 1 + rho x (the sum
+over its nodes of p_r = c_r (1 - c_1) ... (1 - c_{r-1}) along each node's path), from Sequoia's acceptance
+vector c_r (Chen et al. 2024, section 3.1: the chance that a level's r-th child holds the target's token
+when the children before it did not), measured per session (SiblingAcceptance); rho, the measured ratio
+of accepted nodes to that sum, corrects the vector's independence of levels (replayed on the default
+pair the vector alone predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the trees commit
+1.68 / 1.86 / 1.95). A round costs (verify(N) + propose(D)) x kappa, the measured ratio of tree rounds'
+wall time to their prediction. A request with a fixed K asks for depth K and N(K) nodes, whatever the
+timings. docs/DESIGN.md, "Token trees", has the whole story.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-
-from collections.abc import Callable
 
 from coordinator.proposers.estimates import Ratio, SharedPriors
 from coordinator.proposers.names import DRAFT_MODEL

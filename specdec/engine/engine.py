@@ -125,9 +125,10 @@ class Engine:
         t0 = time.perf_counter()
         engine = cls(config, _load_model(config), load_tokenizer(config.model.path))
         engine.warm_up()
-        b = config.batch
+        b, t1 = config.batch, time.perf_counter()
         engine.cost_curve = measure_cost_curve(engine.runner, engine.cache, b.max_batch_sessions, b.max_batch_tokens,
                                                config.cost_curve_s)
+        log.info("step cost measured at %d batch sizes in %.1fs", len(engine.cost_curve), time.perf_counter() - t1)
         release_thread_pool()  # this thread is done computing: the engine thread's team is the only one
         engine.start()
         m, cache = config.model, engine.cache
