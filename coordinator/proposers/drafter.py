@@ -54,7 +54,8 @@ class Drafter:
                   self.target.verify_ms(max(k, self.max_k), measured), self.target.batch, len(committed))
         draft_down = any(s.source == DRAFT_MODEL and not s.available for s in self.strategies)
         local = [s for s in self.strategies if s.source != DRAFT_MODEL]
-        strategies = self.strategies if local or not draft_down else [self.fallback]  # draft mode, draft down: lookup
+        # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
+        strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         choice = self.policy.choose(strategies, ask)
         try:
             proposal = await choice.by.propose(choice, committed, hashes) if choice is not None else None
