@@ -32,7 +32,7 @@ def test_points_span_the_grid_within_the_limits_and_give_the_slots_back(engine):
 
 def test_a_spent_budget_still_measures_the_minimum_and_zero_measures_nothing(engine):
     points = cost_curve.measure(engine.runner, engine.cache, 64, 512, budget_s=1e-9)
-    assert [(b, n) for b, n, _ in points] == [(1, 1), (16, 16), (4, 4), (32, 32)][: cost_curve.MIN_POINTS]
+    assert [(b, n) for b, n, _ in points] == [(1, 1), (16, 16), (1, 4), (16, 64)][: cost_curve.MIN_POINTS]
     assert cost_curve.measure(engine.runner, engine.cache, 64, 512, budget_s=0.0) == []
 
 

@@ -17,8 +17,8 @@ import time
 from specdec.engine.runner import Feed
 
 # (sessions, new tokens per session), in the order measured: the coarse grid first, then the points between.
-GRID = [(b, t) for t in (1, 4) for b in (1, 16, 4, 32)] + [(b, t) for t in (2, 8) for b in (1, 16, 4, 32)] + [
-    (b, t) for t in (1, 4, 2, 8) for b in (2, 8)]
+GRID = [(1, 1), (16, 1), (1, 4), (16, 4)] + [(b, t) for t in (1, 4) for b in (4, 32)] + [
+    (b, t) for t in (2, 8) for b in (1, 16, 4, 32)] + [(b, t) for t in (1, 4, 2, 8) for b in (2, 8)]
 MIN_POINTS = 4  # measured whatever the budget: a decode step and a verify of K = 3, alone and in a batch of 16
 CONTEXT = 4  # tokens each scratch session holds before the timed forwards
 REPEATS = 2  # each point is the fastest of this many forwards
