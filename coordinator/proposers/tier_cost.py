@@ -1,17 +1,13 @@
 """What a tier's step costs at its current load: the prices the policy and the strategies quote.
 
-A tier batches many sessions into one step, whose time grows with the tokens in it, T_step(n), and not
-along one line: flat while streaming the weights bounds it (a few tokens on a CPU, dozens on a GPU), then
-steep once arithmetic does. StepCurve fits it locally at each size, from the points the tier measured at
-start (StatusResponse.cost_curve: specdec/engine/cost_curve.py) and the steps its replies then report,
-newest weighted most. With B sessions per step, all choosing K, a session's round takes its call's
-overhead plus the whole step: overhead + T_step(B (K + 1)). That is the tier's throughput when every
-session does the same: each draft token costs B tokens' worth of the step's slope (it delays every session
-of the step), so K falls as the batch grows and stops where a draft no longer pays for the step time it
-adds (vLLM switches speculation off above a fixed batch size; this measures where). B is the current load:
-the sessions the tier's replies say it batches, and no fewer than the sessions this coordinator has open
-on it (capped at the tier's batch limit), so that a burst of new sessions is priced at its batch from its
-first round, before any step of it has been reported. Queueing behind other sessions is not charged.
+A step's time grows with its tokens, T_step(n), flat while streaming the weights bounds it and steep once
+arithmetic does: StepCurve fits it locally at each size, from the points the tier measured at start
+(StatusResponse.cost_curve, specdec/engine/cost_curve.py) and the steps its replies report since. With B
+sessions per step all sending K, a round takes the call's overhead plus the whole step, overhead +
+T_step(B (K + 1)): each draft token costs B tokens' worth of the step's slope, so K falls as B grows, to
+K = 0 where a draft no longer pays. B is the current load: the sessions the replies say a step holds, and
+no fewer than the sessions this coordinator has open on the tier (up to its batch limit), so a burst of new
+sessions is priced at its batch from its first round. Queueing behind other sessions is not charged.
 """
 
 from __future__ import annotations
