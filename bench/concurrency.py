@@ -20,6 +20,11 @@ users sees them), and the throughput is the tokens streamed in the window [``--s
 SECONDS] over its length. Sessions then start and end at different times, as on a server; a burst's
 makespan instead waits for its slowest session, which a policy that maximises throughput may slow.
 
+With ``--cold`` every burst gets a **fresh cluster** (three service processes started for it, no warm-up
+request): no session has finished when the clients start, so nothing the coordinator learns from finished
+sessions helps; what prices the first rounds is what each tier measured at start (its cost curve). The
+cluster's start-up is not timed. Users meet this burst first (docs/performance.md, "cold burst").
+
 Each specdec row runs ``--repeats`` bursts per level (default 3), alternating with the other row, and
 reports the median: on a 2-core machine two bursts of the same row differ by up to ~10%, more than the
 differences the rows are compared on.
@@ -56,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "per level and row (0 = bursts only)")
     p.add_argument("--steady-warmup", type=float, default=10.0, metavar="SECONDS",
                    help="the steady load's first seconds, not counted (the clients' first requests start together)")
+    p.add_argument("--cold", action="store_true",
+                   help="a fresh cluster for every burst (no warm-up request, no finished session before it)")
     p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
     p.add_argument("--plot", default=None, help="PNG to draw (default docs/bench_concurrency.png; "
                    "docs/bench_concurrency_gpu.png with a GPU --device)")
@@ -189,12 +196,10 @@ def summarise(results: list[dict]) -> dict:
     }
 
 
-def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) -> dict:
-    from specdec.client import Client
-    from specdec.client.local import LocalPipeline, LocalPipelineConfig
+def pipeline_config(args, models: dict):
+    from specdec.client.local import LocalPipelineConfig
 
-    out: dict = {}
-    config = LocalPipelineConfig(
+    return LocalPipelineConfig(
         target_model=models["target"], draft_model=models["draft"],
         # No prefix cache in the tiers: the rows and levels reuse prompts, so a later row would find the
         # prompts' KV cached by an earlier one and skip their prefill (the peer has no such cache).
@@ -202,7 +207,30 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
         draft_args=["--device", args.device, "--dtype", args.draft_dtype or args.dtype, "--no-prefix-cache",
                     *shlex.split(args.draft_args)],
         coordinator_args=["--log-level", "warning", *shlex.split(args.coordinator_args)], shared_cores=args.device == "cpu")
-    with LocalPipeline(config) as pipeline:
+
+
+def cold_bursts(args, levels: list[int], rows: list[str], models: dict) -> dict:
+    """Each burst on a fresh cluster (rows alternating at each level), as run_pipeline_rows reports them."""
+    from specdec.client.local import LocalPipeline
+
+    runs: dict = {row: {c: [] for c in levels} for row in rows}
+    for c in levels:
+        for _ in range(max(args.repeats, 1)):
+            for row in rows:
+                with LocalPipeline(pipeline_config(args, models)) as pipeline:
+                    res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, {"specdec": None, "k0": 0}[row])
+                runs[row][c].append(res)
+                log(f"{row} C={c} cold: {res['aggregate_tok_s']:.1f} tok/s aggregate, mean K {res['mean_k']:.2f}")
+    return runs
+
+
+def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) -> dict:
+    from specdec.client import Client
+    from specdec.client.local import LocalPipeline
+
+    if args.cold:
+        return medians(cold_bursts(args, levels, rows, models), {row: {} for row in rows}, levels, rows)
+    with LocalPipeline(pipeline_config(args, models)) as pipeline:
         log(f"services up at {pipeline.address}")
         with Client(pipeline.address, timeout_s=600) as client:  # warm-up: both tiers, both paths
             client.generate(messages=chat_prompts(1)[0], max_new_tokens=16, ignore_eos=True)
@@ -231,18 +259,24 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
                     rates = [w["steady_tok_s"] for w in windows[row]]
                     loads[row][c] = {"steady_tok_s": statistics.mean(rates), "range": (min(rates), max(rates)),
                                      "window_s": windows[row][0]["window_s"], "windows": len(rates)}
-        for row in rows:
-            out[row] = {}
-            for c in levels:
-                ordered = sorted(runs[row][c], key=lambda r: r["aggregate_tok_s"])
-                median = dict(ordered[len(ordered) // 2])
-                median["range_tok_s"] = (ordered[0]["aggregate_tok_s"], ordered[-1]["aggregate_tok_s"])
-                median["repeats"] = len(ordered)
-                # each request's own speed (tokens over its latency), pooled over every burst of the row
-                median["mean_client_tok_s"] = statistics.mean(x for r in ordered for x in r["client_rates"])
-                if c in loads[row]:
-                    median["steady"] = loads[row][c]
-                out[row][c] = median
+    return medians(runs, loads, levels, rows)
+
+
+def medians(runs: dict, loads: dict, levels: list[int], rows: list[str]) -> dict:
+    """Per row and level, the burst of median aggregate tok/s, with the range and the steady load's figures."""
+    out: dict = {}
+    for row in rows:
+        out[row] = {}
+        for c in levels:
+            ordered = sorted(runs[row][c], key=lambda r: r["aggregate_tok_s"])
+            median = dict(ordered[len(ordered) // 2])
+            median["range_tok_s"] = (ordered[0]["aggregate_tok_s"], ordered[-1]["aggregate_tok_s"])
+            median["repeats"] = len(ordered)
+            # each request's own speed (tokens over its latency), pooled over every burst of the row
+            median["mean_client_tok_s"] = statistics.mean(x for r in ordered for x in r["client_rates"])
+            if c in loads[row]:
+                median["steady"] = loads[row][c]
+            out[row][c] = median
     return out
 
 

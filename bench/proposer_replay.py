@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from bench.prompts import prompts_for
-from coordinator.proposers.lookup import LookupConfig, PromptLookupProposer
-from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer
+from coordinator.proposers.lookup import LookupConfig, LookupStrategy
+from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixStrategy
 from coordinator.proposers.token_tree import match
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,12 +119,12 @@ class SuffixReplay:
         self.config, self.cache, self.tree_nodes = config, cache, tree_nodes
 
     def start(self, prompt):
-        s = SuffixProposer(self.config, self.cache)
-        asyncio.run(s.index_prompt(prompt))
+        s = SuffixStrategy(self.config, self.cache, prompt)
+        asyncio.run(s.start())
         return s
 
-    def offer(self, s: SuffixProposer, k: int):
-        p = s.propose(k, True, self.tree_nodes)
+    def offer(self, s: SuffixStrategy, k: int):
+        p = s.offer(k, self.tree_nodes)
         return p.tokens, p.parents
 
     @staticmethod
@@ -134,11 +134,11 @@ class SuffixReplay:
 
 class LookupReplay:
     def start(self, prompt):
-        return PromptLookupProposer(LookupConfig(), prompt)
+        return LookupStrategy(LookupConfig(), prompt)
 
     @staticmethod
-    def offer(s: PromptLookupProposer, k: int):
-        p = s.propose(k)
+    def offer(s: LookupStrategy, k: int):
+        p = s.offer(k)
         return p.tokens, p.parents
 
     @staticmethod

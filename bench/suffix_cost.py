@@ -6,7 +6,7 @@
 Replays real token streams (the bench prompts, tokenized with the target's tokenizer) as if they
 were generated, a few tokens per round, and times what the coordinator does each round: commit the
 round's tokens to the session's tree, propose from the session's tree and the shared tree, and the
-hybrid policy's choice. Two scenarios:
+policy's choice among the strategies (their predictions included). Two scenarios:
 
 * grounded: the output copies its prompt (long matches in the session's own tree);
 * template: the shared tree holds `--entries` earlier answers to the same JSON template and the
@@ -22,12 +22,11 @@ import statistics
 import time
 
 from bench.prompts import PROMPTS
-from coordinator.proposers.adaptive import AdaptiveConfig
-from coordinator.proposers.policy import ProposerPolicy
-from coordinator.proposers.lookup import PromptLookupProposer
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
-from coordinator.proposers.lookup import LookupConfig
-from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer
+from coordinator.proposers.lookup import LookupConfig, LookupStrategy
+from coordinator.proposers.policy import Policy, PolicyConfig
+from coordinator.proposers.strategy import Ask
+from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixStrategy
+from coordinator.proposers.tier_cost import TierCost
 
 NAMES = ["Maria Lopez", "Tom Becker", "Priya Nair", "Kenji Watanabe", "Claire Dubois", "Samuel Okafor"]
 CITIES = ["Valencia", "Hamburg", "Toronto", "Osaka", "Lyon", "Lagos"]
@@ -49,13 +48,15 @@ def replay(label: str, tok, prompt: str, output: str, cache: SuffixCache, cfg: S
     prompt_ids = tok(prompt)["input_ids"]
     out_ids = tok(output)["input_ids"]
     commit, own, both, choose, index = [], [], [], [], []
-    policy = ProposerPolicy(AdaptiveConfig(), (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL))
+    policy, target = Policy(PolicyConfig()), TierCost()
     while len(commit) < rounds:
         t0 = time.perf_counter()
-        sp = SuffixProposer(cfg, cache)
+        sp = SuffixStrategy(cfg, cache)
         sp.tree.extend(sp.SEQ, prompt_ids)
         index.append((time.perf_counter() - t0) * 1e6 / len(prompt_ids))
-        lookup = PromptLookupProposer(LookupConfig(), prompt_ids)
+        own_only = SuffixStrategy(cfg, cache, shared=False)
+        own_only.tree = sp.tree
+        lookup = LookupStrategy(LookupConfig(), prompt_ids)
         i = 0
         while i < len(out_ids) and len(commit) < rounds:
             n = rng.randint(1, 4)  # tokens committed by the round
@@ -64,12 +65,12 @@ def replay(label: str, tok, prompt: str, output: str, cache: SuffixCache, cfg: S
             t0 = time.perf_counter()
             sp.commit(chunk)
             t1 = time.perf_counter()
-            sp.propose(8, shared=False)
+            own_only.offer(8)
             t2 = time.perf_counter()
-            offer = sp.propose(8)
+            sp.offer(8)
             t3 = time.perf_counter()
             lookup.commit(chunk)
-            policy.choose([offer, lookup.propose(8)], max_k=8, draft=True, fixed=False)
+            policy.choose([sp, lookup], Ask(8, 0, False, True, target.verify_ms(8), target.batch))
             t4 = time.perf_counter()
             commit.append((t1 - t0) * 1e6)
             own.append((t2 - t1) * 1e6)

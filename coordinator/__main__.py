@@ -9,10 +9,11 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/s
 import logging
 import sys
 
-from coordinator.proposers.adaptive import AdaptiveConfig
+from coordinator.proposers.draft_model import DraftModelConfig
 from coordinator.api.admission import AdmissionConfig
 from coordinator.proposers.lookup import LookupConfig
 from coordinator.proposers.names import NAMES, Proposer
+from coordinator.proposers.policy import PolicyConfig
 from coordinator.tiers.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported
 from coordinator.api.grpc_api import SERVICE_NAME
 from coordinator.config import CoordinatorConfig
@@ -50,10 +51,10 @@ def main(argv=None) -> None:
     a.add("--max-prompt-tokens", type=int, default=D.max_prompt_tokens, help="longest prompt accepted")
     a.add("--default-k", default="auto", help="K when a request leaves it unset: a number, or 'auto' for adaptive K")
     a.add("--max-k", type=int, default=D.max_num_speculative_tokens, help="largest K accepted")
-    a.add("--adaptive-max-k", type=int, default=AdaptiveConfig.max_k, help="largest K adaptive K tries")
-    a.add("--adaptive-min-gain", type=float, default=AdaptiveConfig.min_gain,
+    a.add("--adaptive-max-k", type=int, default=PolicyConfig.max_k, help="largest K adaptive K tries")
+    a.add("--adaptive-min-gain", type=float, default=PolicyConfig.min_gain,
           help="adaptive K drafts only where its predicted tokens per unit of time beat K = 0's by this factor (>= 1)")
-    a.add("--draft-max-sessions", type=int, default=AdaptiveConfig.draft_max_sessions,
+    a.add("--draft-max-sessions", type=int, default=DraftModelConfig.max_sessions,
           help="adaptive K asks the draft model only while at most this many generations run (0 = any): for tiers "
                "sharing one machine's cores, where a draft beside a busy target slows both (specdec serve / run-local set 1)")
     a.add("--default-proposer", default=D.default_proposer, choices=list(NAMES),
@@ -131,8 +132,8 @@ def main(argv=None) -> None:
         max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
         default_num_speculative_tokens=None if args.default_k == "auto" else int(args.default_k),
         max_num_speculative_tokens=args.max_k, default_proposer=Proposer.parse(args.default_proposer),
-        adaptive=AdaptiveConfig(max_k=args.adaptive_max_k, draft_max_sessions=args.draft_max_sessions,
-                                min_gain=args.adaptive_min_gain),
+        adaptive=PolicyConfig(max_k=args.adaptive_max_k, min_gain=args.adaptive_min_gain),
+        draft_model=DraftModelConfig(max_sessions=args.draft_max_sessions),
         lookup=LookupConfig(min_ngram=args.lookup_min_ngram, max_ngram=args.lookup_max_ngram), overlap=args.overlap,
         tree_nodes=args.tree_nodes, speculate_outcomes=args.speculate_outcomes, draft_push=args.draft_push, draft_tree_nodes=args.draft_tree_nodes,
         draft_tree_branching=args.draft_tree_branching, draft_tree_scheme=args.draft_tree_scheme,

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 from coordinator.api.admission import AdmissionConfig
 from coordinator.constraint import GrammarLimits
-from coordinator.proposers.adaptive import AdaptiveConfig
+from coordinator.proposers.draft_model import DraftModelConfig
 from coordinator.proposers.lookup import LookupConfig
 from coordinator.proposers.names import HYBRID, Proposer
+from coordinator.proposers.policy import PolicyConfig
 from coordinator.proposers.suffix import SuffixConfig
 from coordinator.tiers.reachability import ReachabilityConfig
 from coordinator.tiers.routing import RoutingConfig
@@ -29,7 +30,8 @@ class CoordinatorConfig:
     default_num_speculative_tokens: int | None = None  # K when a request leaves it unset; None = adaptive
     max_num_speculative_tokens: int = 16  # larger K is rejected
     default_proposer: Proposer = HYBRID  # when a request leaves it unset
-    adaptive: AdaptiveConfig = AdaptiveConfig()  # adaptive-K controller settings
+    adaptive: PolicyConfig = PolicyConfig()  # the per-round choice of strategy and shape (adaptive K)
+    draft_model: DraftModelConfig = DraftModelConfig()  # the draft-model strategy's estimates and session limit
     lookup: LookupConfig = LookupConfig()  # prompt-lookup n-gram sizes
     suffix: SuffixConfig = SuffixConfig()  # suffix decoding: tree depth, proposal length, shared-tree bounds
     overlap: bool = False  # the draft tier pre-drafts round r+1 while the target verifies round r (its speculation cache)

@@ -7,7 +7,7 @@ accepted path's tokens + next_token), cut at EOS, a stop string
 or the token budget, and streams them. The committed sequence lives here only; each tier is told, per
 request, which prefix of it it already caches. Everything else lives in the collaborators, passed in (the
 unit tests pass fakes): the target (coordinator.tiers.target: routing, retries, re-prefills), the drafter
-(coordinator.proposers.drafter: the proposers, the policy, the draft model's prefetch), the output
+(coordinator.proposers.drafter: the proposal strategies and the policy that picks among them), the output
 (coordinator.output: stop, EOS, detokenizing, streaming) and the stats (coordinator.stats).
 """
 
@@ -76,10 +76,8 @@ class Generation:
                 continue
             proposal = await self.drafter.propose(committed, hashes, limit)  # propose
             proposal, masks = self.constraint.check(proposal, p.sampling.greedy)  # (the grammar's masks)
-            verdict = await self.drafter.verify(  # verify (the draft tier may pre-draft the next round meanwhile)
-                self.target.verify(committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks,
-                                   proposal.tree_scheme),
-                proposal, committed, hashes, limit)
+            verdict = await self.drafter.verify(self.target.verify(  # verify (the draft tier may push meanwhile)
+                committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks, proposal.tree_scheme), proposal)
             n = verdict.num_accepted  # accept
             path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
             accepted = [proposal.tokens[i] for i in path] + [verdict.next_token]

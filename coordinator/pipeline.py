@@ -16,14 +16,15 @@ from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.output import Output
 from coordinator.params import GenerationParams
-from coordinator.proposers.adaptive import SourcePriors, TierLoad
-from coordinator.proposers.draft_model import DraftModelProposer
-from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTreePolicy
+from coordinator.proposers.draft_model import DraftModelStrategy
+from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTrees
 from coordinator.proposers.drafter import Drafter
-from coordinator.proposers.lookup import PromptLookupProposer
+from coordinator.proposers.estimates import SharedPriors
+from coordinator.proposers.lookup import LookupStrategy
 from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
-from coordinator.proposers.policy import ProposerPolicy
-from coordinator.proposers.suffix import SuffixCache, SuffixProposer
+from coordinator.proposers.policy import Policy
+from coordinator.proposers.suffix import SuffixCache, SuffixStrategy
+from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
 from coordinator.trace import OtlpRounds, RoundTrace
 from coordinator.tiers.client import TierClient
@@ -82,8 +83,11 @@ class Pipeline:
             self.draft_reachability = TierReachability("draft", self._channels[1], DRAFT_SERVICE, config.reachability,
                                                        on_change=lambda reachable: self.announce_reachability())
         self._cleanup: set[asyncio.Task] = set()  # in-flight session clean-ups
-        self.target_load = TierLoad()  # the target's batching, learnt from every Verify response
-        self.source_priors = SourcePriors(config.adaptive)  # each proposer's acceptance, learnt from ended sessions
+        # What each tier's steps cost at its load: the curve it measured at start (connect()), refined by the
+        # steps its replies report (the target's Verify, the draft's Propose).
+        self.target_load = TierCost()
+        self.draft_load = TierCost(prior_intercept=config.draft_model.prior_step_ms, prior_slope=0.0)
+        self.source_priors = SharedPriors()  # what ended sessions' strategies learnt, where new ones start
         self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
         # The round trace's OpenTelemetry export (coordinator.trace); None when no endpoint is set.
         self.round_spans = OtlpRounds(config.otlp_endpoint) if config.otlp_endpoint else None
@@ -118,6 +122,10 @@ class Pipeline:
         self.target_info = await self._wait_info(self.target, "target")
         if self.draft is not None:
             self.draft_info = await self._wait_info(self.draft, "draft")
+        for client, info, load in ((self.target, self.target_info, self.target_load),
+                                   (self.draft, self.draft_info, self.draft_load)):
+            if client is not None:
+                load.seed(await client.status(), info.max_batch_sessions)
         self.tokenizer = await tokenizer_task
         fingerprint = await loop.run_in_executor(None, tokenizer_fingerprint, self.tokenizer)
         self.tokenizer_fingerprint = fingerprint
@@ -170,24 +178,28 @@ class Pipeline:
             TierSession(self.target.session(session_id, key), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
                         fingerprint, time_left, self.target_reachability),
             sampling, params.seed, stats, self.target_load, logprobs=params.logprobs)
-        draft = None
+        max_k, greedy = self.max_k(), params.sampling.temperature == 0
+        priors = None if params.reproducible else self.source_priors  # no other session sways a reproducible one
+        tree_nodes = min(max_k, 0 if params.sampling.penalized  # chains only
+                         else c.tree_nodes if params.tree_nodes is None else params.tree_nodes)
+        lookup = LookupStrategy(c.lookup, params.prompt_ids, greedy=greedy, tree_nodes=tree_nodes, priors=priors)
+        strategies = []  # the session's: model-free ones first
+        if params.proposer in (SUFFIX, HYBRID):
+            strategies.append(SuffixStrategy(c.suffix, self.suffix_cache, params.prompt_ids, shared=not params.reproducible,
+                                             greedy=greedy, tree_nodes=tree_nodes, priors=priors))
+        if params.proposer in (PROMPT_LOOKUP, HYBRID):
+            strategies.append(lookup)
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
-            draft = DraftModelProposer(TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
-                                                   self.draft_reachability),
-                                       sampling, derive_seed(params.seed, 0, DRAFT_STREAM), self._draft_trees(params),
-                                       grammar=params.grammar.text if params.grammar is not None else "",
-                                       push=c.overlap and c.draft_push)
-        suffix = SuffixProposer(c.suffix, self.suffix_cache) if params.proposer in (SUFFIX, HYBRID) else None
-        max_k = self.max_k()
-        policy = ProposerPolicy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)),
-                                (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=self.target_load,
-                                priors=None if params.reproducible else self.source_priors,  # no other session sways it
-                                greedy=params.sampling.temperature == 0)
-        drafter = Drafter(params, policy, PromptLookupProposer(c.lookup, params.prompt_ids), stats, max_k=max_k,
-                          suffix=suffix, draft=draft, draft_max_context=self.draft_info.max_context if self.draft_info else 0,
-                          suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
-                          tree_nodes=0 if params.sampling.penalized  # chains only
-                          else c.tree_nodes if params.tree_nodes is None else params.tree_nodes)
+            strategies.append(DraftModelStrategy(
+                c.draft_model, TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
+                                           self.draft_reachability),
+                sampling, derive_seed(params.seed, 0, DRAFT_STREAM), stats, cost=self.draft_load,
+                max_context=self.draft_info.max_context, trees=self._draft_trees(params),
+                grammar=params.grammar.text if params.grammar is not None else "", greedy=greedy, priors=priors,
+                push=c.overlap and c.draft_push))
+        policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
+        drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
+                          suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context)
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
         constraint = (params.grammar.session(jump_forward=params.logprobs < 0)
@@ -195,7 +207,7 @@ class Pipeline:
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
                           max_context=self.target_info.max_context, session_id=session_id, constraint=constraint)
 
-    def _draft_trees(self, params: GenerationParams) -> DraftTreePolicy | None:
+    def _draft_trees(self, params: GenerationParams) -> DraftTrees | None:
         """The draft model's trees and speculation cache for a session (None: chains only; penalised
         requests, whose counts would differ per branch; structured output, whose grammar the draft tier applies
         to chains only; a session with neither on). The request's node budget, where it set one, overrides
@@ -206,8 +218,8 @@ class Pipeline:
         if params.sampling.penalized or params.response_format or not (nodes or speculate):
             return None
         config = DraftTreeConfig(nodes, max(1, min(c.draft_tree_branching, nodes)), c.draft_tree_scheme, speculate)
-        return DraftTreePolicy(config, c.adaptive, greedy=params.sampling.temperature == 0,
-                               priors=None if params.reproducible else self.source_priors)  # no other session sways it
+        return DraftTrees(config, c.draft_model.decay, greedy=params.sampling.temperature == 0,
+                          priors=None if params.reproducible else self.source_priors)  # no other session sways it
 
     def run_cleanup(self, coro) -> None:
         """Run a session clean-up in the background; close() waits for it."""

@@ -1,21 +1,24 @@
-"""Adaptive K that knows the load: exact cases of TierLoad and of the K it leads the policy to."""
+"""Adaptive K that knows the load: exact cases of TierCost (coordinator.proposers.tier_cost) and of the K it
+leads the policy to."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, StepCurve, TierLoad, expected_tokens
-from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP
+from coordinator.proposers.estimates import LinearCost, SharedPriors, expected_tokens
+from coordinator.proposers.names import PROMPT_LOOKUP
+from coordinator.proposers.policy import Policy, PolicyConfig
+from coordinator.proposers.tier_cost import StepCurve, TierCost
+from tests.proposer_fakes import Offer, ask, draft
 
 
 def loaded(sessions: int, alpha: float = 40.0, beta: float = 3.0, overhead: float = 2.0, rounds: int = 60,
-           step=None, max_k: int = 4) -> TierLoad:
-    """A TierLoad fed steps of a tier whose step time is alpha + beta * tokens (or step(tokens)), the
+           step=None, max_k: int = 4) -> TierCost:
+    """A TierCost fed steps of a tier whose step time is alpha + beta * tokens (or step(tokens)), the
     sessions' K varied 0..max_k."""
     step = step or (lambda n: alpha + beta * n)
-    load = TierLoad()
+    load = TierCost()
     for i in range(rounds):
         tokens = sessions * (1 + i % (max_k + 1))
         load.observe(sessions, tokens, step(tokens), step(tokens) + overhead)
@@ -25,7 +28,7 @@ def loaded(sessions: int, alpha: float = 40.0, beta: float = 3.0, overhead: floa
 def test_tier_load_learns_the_step_cost_line_and_the_batch():
     load = loaded(8)
     assert load.sessions == pytest.approx(8.0)
-    assert load.overhead_ms == pytest.approx(2.0)
+    assert load.overhead.predict(0) == pytest.approx(2.0)
     assert load.step_cost.predict(1) == pytest.approx(43.0, rel=0.02)
     assert load.step_cost.predict(100) == pytest.approx(340.0, rel=0.02)
     # A round with K drafts when all 8 sessions send K: the call's overhead and a step of 8 * (K + 1) tokens.
@@ -62,10 +65,9 @@ def test_the_step_curve_reads_the_prior_slope_from_one_size_and_never_slopes_dow
     for _ in range(20):
         curve.observe(24, 50.0)  # bigger steps that happened to be faster (noise): no line downhill from them
     assert all(50.0 <= curve.predict(n) <= 60.0 for n in (8, 16, 20, 24, 40, 100))
-    pol = ProposerPolicy(AdaptiveConfig(max_k=8), (PROMPT_LOOKUP,), load=TierLoad())
-    pol.load.step_cost = curve
-    pol.load.observations, pol.load.sessions = 1, 8.0
-    costs = pol.verify_costs(8)
+    load = TierCost()
+    load.step_cost, load.sessions = curve, 8.0
+    costs = load.verify_ms(8)
     assert costs == sorted(costs)  # the policy's verify times never fall with K
 
 
@@ -100,44 +102,49 @@ def test_the_step_curve_forgets_old_steps():
 
 
 def test_queueing_is_not_charged_the_calls_own_overhead_is():
-    load = TierLoad()
+    load = TierCost()
     for queued in [0.0, 150.0, 1.0, 400.0, 0.5, 90.0] * 10:  # calls that queued behind others now and then
         load.observe(8, 16, 50.0, 50.0 + queued + 2.0, compute_ms=50.0, queue_ms=queued)
-    assert load.overhead_ms == pytest.approx(2.0)
+    assert load.overhead.predict(0) == pytest.approx(2.0)
 
 
 def test_a_calls_overhead_grows_with_the_drafts_it_carries():
     """Each draft adds its token and q row to the request and its verdict to the reply: the overhead is a
     line in K, and a round with K drafts is charged the overhead of K."""
-    load = TierLoad()
+    load = TierCost()
     for i in range(60):
         k = i % 5
         load.observe(4, 4 * (k + 1), 30.0, 30.0 + 2.0 + 0.5 * k + 7.0, compute_ms=30.0, queue_ms=7.0, drafts=k)
-    assert load.overhead_ms == pytest.approx(2.0, rel=1e-3)
-    assert load.overhead.line()[1] == pytest.approx(0.5, rel=1e-3)
+    assert load.overhead.predict(0) == pytest.approx(2.0, rel=1e-3)
+    assert load.overhead.predict(1) - load.overhead.predict(0) == pytest.approx(0.5, rel=1e-3)
     assert load.round_ms(3) - load.round_ms(0) == pytest.approx(1.5 + load.step_cost.predict(16, 4) - load.step_cost.predict(4, 4),
                                                                 rel=1e-3)
 
 
-def test_tier_load_ignores_replies_without_batch_data():
-    load = TierLoad()
-    load.observe(0, 0, 0.0, 5.0)
-    assert load.observations == 0
+def test_a_reply_without_batch_data_is_a_step_of_its_own():
+    """A tier that reports no batching (a fake, an older replica): its call is taken as a step of its drafts + 1
+    tokens for one session, so the session's own rounds price the verify."""
+    load = TierCost()
+    assert load.verify_ms(3) == pytest.approx([53.0, 56.0, 59.0, 62.0])  # nothing measured: the prior curve
+    for i in range(40):
+        load.observe(0, 0, 0.0, 20.0 + 2.0 * (i % 4), drafts=i % 4)
+    assert load.observations == 40 and load.sessions == 1.0
+    assert load.verify_ms(3) == pytest.approx([20.0, 22.0, 24.0, 26.0], rel=0.02)
+    assert load.verify_ms(3, measured=False) == pytest.approx([53.0, 56.0, 59.0, 62.0])  # no timing counts
 
 
-def policy(load: TierLoad | None, rounds: int = 40, accepted: int = 3) -> ProposerPolicy:
-    """A lookup-only session policy that has seen `rounds` rounds of 4 drafts with `accepted` accepted."""
-    pol = ProposerPolicy(AdaptiveConfig(max_k=8), (PROMPT_LOOKUP,), load=load)
+def lookup(load: TierCost | None, rounds: int = 40, accepted: int = 3) -> tuple[Offer, TierCost]:
+    """A lookup strategy that has seen `rounds` rounds of 4 drafts with `accepted` accepted, offering an 8-token chain."""
+    s = Offer(PROMPT_LOOKUP)
+    s.next = Proposal(PROMPT_LOOKUP, list(range(100, 108)))
     for _ in range(rounds):
-        pol.observe(Proposal(PROMPT_LOOKUP, [7] * 4), 4, accepted, verify_ms=50.0)
-    return pol
+        s.acceptance.judge(4, accepted)
+    return s, load or TierCost()
 
 
-OFFER = [Proposal(PROMPT_LOOKUP, list(range(100, 108)))]  # lookup offers an 8-token chain
-
-
-def chosen_k(pol: ProposerPolicy) -> int:
-    return pol.choose(OFFER, max_k=8, draft=False, fixed=False).k
+def chosen_k(strategy: tuple[Offer, TierCost]) -> int:
+    choice = Policy(PolicyConfig(max_k=8)).choose([strategy[0]], ask(strategy[1]))
+    return 0 if choice is None else choice.k
 
 
 def best_k(a: float, sessions: int, alpha: float, beta: float, step=None) -> int:
@@ -149,18 +156,17 @@ def best_k(a: float, sessions: int, alpha: float, beta: float, step=None) -> int
 
 @pytest.mark.parametrize("sessions", [1, 4, 16])
 def test_k_follows_the_aggregate_optimum_at_each_batch_size(sessions):
-    pol = policy(loaded(sessions))  # acceptance 0.75
-    a = pol.estimates[PROMPT_LOOKUP].acceptance
-    want = best_k(a, sessions, 40.0, 3.0)
+    s = lookup(loaded(sessions))  # acceptance 0.75
+    want = best_k(s[0].acceptance.value, sessions, 40.0, 3.0)
     assert want > 0
-    assert chosen_k(pol) == want
+    assert chosen_k(s) == want
 
 
 def test_k_falls_as_the_batch_grows_and_speculation_stops_when_it_no_longer_pays():
-    ks = [chosen_k(policy(loaded(b, alpha=80.0, beta=6.0), accepted=1)) for b in (1, 4, 16, 64)]
+    ks = [chosen_k(lookup(loaded(b, alpha=80.0, beta=6.0), accepted=1)) for b in (1, 4, 16, 64)]
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
-    # acceptance ~0.25 with 64 sessions a step: no K beats target-only (probing aside)
-    assert best_k(policy(None, accepted=1).estimates[PROMPT_LOOKUP].acceptance, 64, 80.0, 6.0) == 0
+    # acceptance ~0.25 with 64 sessions a step: no K beats target-only
+    assert best_k(lookup(None, accepted=1)[0].acceptance.value, 64, 80.0, 6.0) == 0
     assert ks[-1] == 0
 
 
@@ -169,11 +175,11 @@ def test_on_a_flat_then_steep_step_k_is_the_aggregate_optimum(sessions):
     """One session: a verify of up to 5 tokens costs one step, so it drafts deep; sixteen sessions on the
     steep part of the curve: a draft token accepted half the time does not pay for the 2.4 ms it
     adds to a step every session waits for (a linear fit over the same steps drafted there)."""
-    pol = policy(loaded(sessions, step=hinge, rounds=100, max_k=8), accepted=1)  # acceptance ~0.5
-    a = pol.estimates[PROMPT_LOOKUP].acceptance
+    s = lookup(loaded(sessions, step=hinge, rounds=100, max_k=8), accepted=1)  # acceptance ~0.5
+    a = s[0].acceptance.value
     want = best_k(a, sessions, 0.0, 0.0, step=hinge)
     assert (want > 0) == (sessions == 1)
-    k = chosen_k(pol)
+    k = chosen_k(s)
     assert (k > 0) == (want > 0)
 
     def rate(k: int) -> float:  # the tier's tokens per ms when every session sends k
@@ -183,24 +189,20 @@ def test_on_a_flat_then_steep_step_k_is_the_aggregate_optimum(sessions):
 
 
 def test_a_greedy_session_never_probes_a_local_chain_it_judges_for_free():
-    """K = 0 wins: a greedy session's local chains are judged against the committed tokens every round
-    (observe_unchosen), so no round spends a verify row probing them; a sampled session's are not, so it
-    probes one K = 1 every probe_every rounds, and a greedy session still probes the draft model."""
-    def ks(greedy: bool, draft: bool) -> list[int]:
-        pol = ProposerPolicy(AdaptiveConfig(max_k=8, probe_every=4), (PROMPT_LOOKUP, DRAFT_MODEL), load=loaded(16, step=hinge),
-                             greedy=greedy)
-        for est in pol.estimates.values():
-            for _ in range(20):
-                est.observe_acceptance(4, 0)  # nothing accepted lately
-        return [pol.choose([] if draft else OFFER, max_k=8, draft=draft, fixed=False).k for _ in range(16)]
+    """K = 0 wins: a greedy session's local chains are judged against the committed tokens every round, so no
+    round spends a verify row probing them; a sampled session's are not, so it probes one K = 1 every
+    probe_every rounds, and a greedy session still probes the draft model."""
+    def ks(greedy: bool, with_draft: bool) -> list[int]:
+        policy, load = Policy(PolicyConfig(max_k=8, probe_every=4)), loaded(16, step=hinge)
+        strategy = draft(greedy=greedy) if with_draft else lookup(None, rounds=20, accepted=0)[0]
+        strategy.greedy = greedy
+        for _ in range(20):
+            strategy.acceptance.judge(4, 0)  # nothing accepted lately
+        return [(c.k if (c := policy.choose([strategy], ask(load))) else 0) for _ in range(16)]
 
-    assert ks(greedy=True, draft=False) == [0] * 16
-    assert ks(greedy=False, draft=False) == [0, 0, 0, 1] * 4
-    assert ks(greedy=True, draft=True) == [0, 0, 0, 1] * 4
-
-
-def test_without_load_data_the_sessions_own_fit_decides():
-    assert chosen_k(policy(TierLoad())) == chosen_k(policy(None))
+    assert ks(greedy=True, with_draft=False) == [0] * 16
+    assert ks(greedy=False, with_draft=False) == [0, 0, 0, 1] * 4
+    assert ks(greedy=True, with_draft=True) == [0, 0, 0, 1] * 4
 
 
 def test_a_margin_below_one_is_refused_at_start(capsys):
@@ -221,14 +223,13 @@ def test_a_negative_draft_session_limit_is_refused_at_start(capsys):
 
 @pytest.mark.parametrize("acceptance, drafts", [(0.09, False), (0.2, True)])
 def test_drafting_must_beat_target_only_by_the_margin(acceptance, drafts):
-    """verify(K) = 50 + 3K ms (the prior line), a free local chain: K = 1 is predicted at (1 + a) / 53 tokens
-    a ms against K = 0's 1 / 50, 1.03x for a = 0.09 (not enough: AdaptiveConfig.min_gain is 1.05) and
-    1.13x for a = 0.2. A greedy session judges its local chains for free, so K = 0 rounds probe nothing."""
-    from coordinator.proposers.adaptive import SourcePriors
-
-    config = AdaptiveConfig(max_k=1)
-    priors = SourcePriors(config)
-    priors.learn(PROMPT_LOOKUP, True, acceptance, None)
-    pol = ProposerPolicy(config, (PROMPT_LOOKUP,), priors=priors, greedy=True)
-    ks = [pol.choose([Proposal(PROMPT_LOOKUP, [100])], max_k=1, draft=False, fixed=False).k for _ in range(12)]
+    """verify(K) = 53 + 3K ms (the prior curve), a free local chain: K = 1 is predicted at (1 + a) / 56 tokens
+    a ms against K = 0's 1 / 53, 1.03x for a = 0.09 (not enough: PolicyConfig.min_gain is 1.05) and
+    1.14x for a = 0.2. A greedy session judges its local chains for free, so K = 0 rounds probe nothing."""
+    priors = SharedPriors()
+    priors.learn(PROMPT_LOOKUP, True, acceptance=acceptance)
+    s = Offer(PROMPT_LOOKUP, priors=priors)
+    s.next = Proposal(PROMPT_LOOKUP, [100])
+    policy = Policy(PolicyConfig(max_k=1))
+    ks = [(c.k if (c := policy.choose([s], ask(k=1))) else 0) for _ in range(12)]
     assert ks == [1 if drafts else 0] * 12

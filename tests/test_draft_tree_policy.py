@@ -1,4 +1,4 @@
-"""The coordinator's draft-tree policy (coordinator.proposers.draft_tree): Sequoia's acceptance vector counted
+"""The draft model's trees (coordinator.proposers.draft_tree, priced by the draft-model strategy): Sequoia's acceptance vector counted
 exactly from verified trees, the expected tokens of dynamic (best-first) and sampled (level-grown) shapes
 computed by hand, N and D chosen freely for dynamic trees and N(D) for sampled ones, a fixed K asked as the
 tree of depth K, trees only where their expected tokens per unit of time beat the chosen chain's (flat
@@ -9,14 +9,21 @@ tree of branching 1)."""
 
 from __future__ import annotations
 
-from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate, SourcePriors
+from coordinator.proposers.draft_model import DraftModelStrategy
+from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTrees, SiblingAcceptance, TreeAsk, best_first, level_growth
+from coordinator.proposers.estimates import SharedPriors
 from coordinator.proposers.names import DRAFT_MODEL
-from coordinator.proposers.policy import ProposerPolicy
-from coordinator.proposers.draft_tree import (DraftTreeConfig, DraftTreePolicy, SiblingAcceptance, TreeAsk, best_first,
-                                              level_growth)
+from coordinator.proposers.policy import Policy, PolicyConfig
+from coordinator.proposers.tier_cost import TierCost
 from specdec.proto import draft_pb2, target_pb2
+from tests.proposer_fakes import ask, draft
 
-ADAPTIVE = AdaptiveConfig()
+DECAY = 0.9
+
+
+def PROPOSE(depth: int) -> float:
+    """The draft's prior price of `depth` steps (ms)."""
+    return 1.0 + 5.0 * depth
 
 
 def line(intercept: float, slope: float, n: int = 16) -> list[float]:
@@ -24,22 +31,40 @@ def line(intercept: float, slope: float, n: int = 16) -> list[float]:
     return [intercept + slope * k for k in range(n + 1)]
 
 
-def chain(acceptance: float) -> SourceEstimate:
-    est = SourceEstimate(ADAPTIVE, local_proposer=False)
+def chain(acceptance: float, trees: DraftTrees | None = None) -> DraftModelStrategy:
+    """A draft-model strategy whose chains have this acceptance."""
+    d = draft(trees=trees)
     for _ in range(40):
-        est.observe_acceptance(10, 0)  # forget the prior
+        d.acceptance.judge(10, 0)  # forget the prior
     for i in range(200):  # successes spread evenly (the estimate is exponentially weighted)
-        est.observe_acceptance(1, 1 if (i % 10) < 10 * acceptance else 0)
-    return est
+        d.acceptance.judge(1, 1 if (i % 10) < 10 * acceptance else 0)
+    return d
+
+
+def a(acceptance: float) -> float:
+    return chain(acceptance).acceptance.value
+
+
+def session(acceptance: float, intercept: float, slope: float, trees: DraftTrees | None = None):
+    """A draft-model strategy with this acceptance, and a target whose verify of n drafts measured intercept + slope n."""
+    cost = TierCost()
+    for _ in range(60):
+        for n in (0, 2, 8, 16):
+            cost.observe(0, 0, 0.0, intercept + slope * n, drafts=n)
+    return chain(acceptance, trees), cost
+
+
+def choose(strategy: DraftModelStrategy, cost: TierCost, k: int = 8, fixed: bool = False):
+    return Policy(PolicyConfig()).choose([strategy], ask(cost, k, nodes=16, fixed=fixed))
 
 
 def test_shape_and_fixed_k():
-    trees = DraftTreePolicy(DraftTreeConfig(max_nodes=12, branching=2), ADAPTIVE)
+    trees = DraftTrees(DraftTreeConfig(max_nodes=12, branching=2), DECAY)
     assert [trees.nodes(d) for d in (1, 2, 3, 4)] == [2, 6, 10, 12]
     assert trees.fixed(3, 0.3, max_nodes=16) == TreeAsk(10, 3, 2)
     assert trees.fixed(3, 0.3, max_nodes=8) is None  # over the tier's cap
-    assert DraftTreePolicy(DraftTreeConfig(max_nodes=0), ADAPTIVE).fixed(3, 0.3, 16) is None
-    assert DraftTreePolicy(DraftTreeConfig(max_nodes=0, speculate=4), ADAPTIVE).best(chain(0.3), line(50.0, 0.0), 8, 16) is None
+    assert DraftTrees(DraftTreeConfig(max_nodes=0), DECAY).fixed(3, 0.3, 16) is None
+    assert DraftTrees(DraftTreeConfig(max_nodes=0, speculate=4), DECAY).best(0.3, PROPOSE, line(50.0, 0.0), 8, 16) is None
 
 
 def test_sibling_acceptance_counts_each_level_of_the_walk():
@@ -70,86 +95,82 @@ def test_shapes_expected_reach_by_hand():
 
 
 def test_dynamic_trees_choose_nodes_and_depth_sampled_ones_their_grown_shape():
-    low = chain(0.3)
-    assert 0.15 < low.acceptance < 0.45
-    greedy = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE)
-    _, flat = greedy.best(low, line(100.0, 0.0), max_k=8, max_nodes=16)
+    low = a(0.3)
+    assert 0.15 < low < 0.45
+    greedy = DraftTrees(DraftTreeConfig(max_nodes=16, branching=4), DECAY)
+    _, _, flat = greedy.best(low, PROPOSE, line(100.0, 0.0), max_k=8, max_nodes=16)
     assert flat.nodes == 16 and flat.depth >= 2  # nodes cost nothing: the whole budget
     steep_after_8 = [100.0 if n <= 8 else 100.0 + 20.0 * (n - 8) for n in range(17)]
-    _, mid = greedy.best(low, steep_after_8, max_k=8, max_nodes=16)
+    _, _, mid = greedy.best(low, PROPOSE, steep_after_8, max_k=8, max_nodes=16)
     assert mid.nodes == 8  # not a node past the flat part, and not N(D) = 4 or 16
     steep_after_2 = [100.0 if n <= 2 else 100.0 + 50.0 * (n - 2) for n in range(17)]
-    assert greedy.best(low, steep_after_2, max_k=8, max_nodes=16)[1] in (TreeAsk(2, 1, 2), TreeAsk(2, 2, 2))  # b <= N
-    sampled = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE, greedy=False)
-    assert sampled.best(low, steep_after_8, max_k=8, max_nodes=16)[1] == TreeAsk(4, 1, 4)  # N(D) only
-    assert sampled.best(low, line(100.0, 0.0), max_k=8, max_nodes=16)[1].nodes == 16
-
-
-def policy(acceptance: float, intercept: float, slope: float) -> ProposerPolicy:
-    """A session's proposer policy whose draft chains have this acceptance and whose verify line is measured."""
-    pol = ProposerPolicy(ADAPTIVE, (DRAFT_MODEL,))
-    pol.estimates[DRAFT_MODEL] = chain(acceptance)
-    for _ in range(60):
-        for n in (0, 2, 8, 16):
-            pol.verify_cost.observe(n, intercept + slope * n)
-    return pol
+    assert greedy.best(low, PROPOSE, steep_after_2, 8, 16)[2] in (TreeAsk(2, 1, 2), TreeAsk(2, 2, 2))  # b <= N
+    sampled = DraftTrees(DraftTreeConfig(max_nodes=16, branching=4), DECAY, greedy=False)
+    assert sampled.best(low, PROPOSE, steep_after_8, max_k=8, max_nodes=16)[2] == TreeAsk(4, 1, 4)  # N(D) only
+    assert sampled.best(low, PROPOSE, line(100.0, 0.0), max_k=8, max_nodes=16)[2].nodes == 16
 
 
 def test_trees_compete_with_chains_and_with_the_target_alone():
-    trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE)
-    weak = policy(0.3, 30.0, 0.0)
-    assert weak.estimates[DRAFT_MODEL].acceptance < 0.25
-    assert weak.choose([], 8, draft=True, fixed=False).k == 0  # no chain pays: the target alone
-    choice = weak.choose([], 8, draft=True, fixed=False, trees=trees, max_nodes=16)
-    assert choice.source == DRAFT_MODEL and choice.tree is not None and choice.k == choice.tree.depth  # a tree does
-    steep = policy(0.3, 10.0, 30.0)  # each node scored costs three steps' worth
-    assert steep.choose([], 8, draft=True, fixed=False, trees=trees, max_nodes=16).tree is None
-    assert weak.choose([], 8, draft=False, fixed=False, trees=trees, max_nodes=16).k == 0  # no draft: no tree
-    assert weak.choose([], 3, draft=True, fixed=True, trees=trees, max_nodes=16).tree is None  # a fixed K: the drafter's
+    trees = DraftTrees(DraftTreeConfig(max_nodes=16, branching=4), DECAY)
+    weak, cost = session(0.3, 30.0, 0.0)
+    assert weak.acceptance.value < 0.25
+    assert choose(weak, cost) is None  # no chain pays: the target alone
+    weak.trees = trees
+    choice = choose(weak, cost)
+    assert choice is not None and choice.nodes > choice.k  # a tree does
+    steep, steep_cost = session(0.3, 10.0, 30.0, trees)  # each node scored costs three steps' worth
+    assert not getattr(choose(steep, steep_cost), "nodes", 0)
+    weak.session.available = False
+    assert choose(weak, cost) is None  # no draft: no tree
+    weak.session.available = True
+    fixed = choose(weak, cost, k=3, fixed=True)  # a request's K: the tree of depth K with N(K) nodes, whatever the timings
+    assert (fixed.k, fixed.nodes) == (3, trees.nodes(3)) and fixed.by is weak
 
 
 def test_failing_levels_turn_trees_off_and_good_ones_raise_the_estimate():
-    trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE)
-    pol = policy(0.3, 50.0, 0.1)
-    low = pol.estimates[DRAFT_MODEL]
+    trees = DraftTrees(DraftTreeConfig(max_nodes=16, branching=2), DECAY)
+    d, cost = session(0.3, 50.0, 0.1, trees)
+    low = d.acceptance.value
     tree = [-1, -1, 0, 0, 1, 1]  # depth 2, two children per node
-    assert pol.choose([], 8, True, False, trees=trees, max_nodes=16).tree is not None  # flat verify: a tree pays
+    assert choose(d, cost).nodes  # flat verify: a tree pays
     for _ in range(30):
-        trees.best(low, line(50.0, 0.1), max_k=2, max_nodes=16)
+        trees.asked(TreeAsk(6, 2, 2), low, 0.0)
         trees.observe(tree, [])  # measured: no child of the root ever holds
-    assert trees.siblings.conditional(low.acceptance)[0] < 0.1 and trees.ratio.value < 0.2
-    assert pol.choose([], 8, True, False, trees=trees, max_nodes=16).tree is None
-    lucky = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE)
+    assert trees.siblings.conditional(low)[0] < 0.1 and trees.ratio.value < 0.2
+    assert not getattr(choose(d, cost), "nodes", 0)
+    lucky = DraftTrees(DraftTreeConfig(max_nodes=16, branching=2), DECAY)
     before = lucky.expected(0.3, 6, 2)
     for _ in range(30):
-        lucky.best(low, line(50.0, 0.1), max_k=2, max_nodes=16)
+        lucky.asked(TreeAsk(6, 2, 2), low, 0.0)
         lucky.observe(tree, [0, 2])  # the first child, then its first child: both levels held every time
     assert lucky.ratio.value > 1.0 and lucky.expected(0.3, 6, 2) > before
 
 
 def test_trees_slower_than_predicted_are_charged_their_measured_time():
-    trees = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=4), ADAPTIVE)
-    pol = policy(0.3, 30.0, 0.0)
-    choice = pol.choose([], 8, True, False, trees=trees, max_nodes=16)
-    assert choice.tree is not None
+    trees = DraftTrees(DraftTreeConfig(max_nodes=16, branching=4), DECAY)
+    d, cost = session(0.3, 30.0, 0.0, trees)
+    choice = choose(d, cost)
+    assert choice.nodes
+    trees.asked(TreeAsk(choice.nodes, choice.k, choice.branching), d.acceptance.value, choice.cost_ms)
     predicted = trees._asked[1]
     assert predicted > 30.0
     for _ in range(20):  # each tree round takes twice its predicted time (its nodes accepted as predicted)
-        trees.best(pol.estimates[DRAFT_MODEL], pol.verify_costs(16), 8, 16)
+        _, time_ms, tree = trees.best(d.acceptance.value, d.propose_ms, cost.verify_ms(16), 8, 16)
+        trees.asked(tree, d.acceptance.value, time_ms)
         trees.observe([-1, -1, -1, -1], [0], round_ms=2 * trees._asked[1])
     assert 1.8 < trees.cost_ratio.value <= 2.0
-    assert pol.choose([], 8, True, False, trees=trees, max_nodes=16).tree is None
+    assert not getattr(choose(d, cost), "nodes", 0)
 
 
 def test_request_fields():
-    with_cache = DraftTreePolicy(DraftTreeConfig(max_nodes=8, branching=3, scheme="iid", speculate=4), ADAPTIVE)
+    with_cache = DraftTrees(DraftTreeConfig(max_nodes=8, branching=3, scheme="iid", speculate=4), DECAY)
     r = draft_pb2.ProposeRequest(num_tokens=3)
     with_cache.request_fields(r, None, 3)  # a chain, with the speculation cache: a tree of branching 1
     assert (r.tree_nodes, r.tree_depth, r.tree_branching, r.speculate) == (3, 3, 1, 4)
     r = draft_pb2.ProposeRequest(num_tokens=2)
     with_cache.request_fields(r, TreeAsk(8, 2, 3), 2)
     assert (r.tree_nodes, r.tree_depth, r.tree_branching, r.tree_scheme) == (8, 2, 3, target_pb2.TREE_SCHEME_IID)
-    plain = DraftTreePolicy(DraftTreeConfig(max_nodes=8), ADAPTIVE)
+    plain = DraftTrees(DraftTreeConfig(max_nodes=8), DECAY)
     r = draft_pb2.ProposeRequest(num_tokens=3)
     plain.request_fields(r, None, 3)
     assert r.tree_nodes == 0 and r.speculate == 0
@@ -159,19 +180,20 @@ def test_sessions_teach_their_trees_to_the_next():
     """A session's sibling vector, rho and kappa join the coordinator's priors at its end (once judged on
     enough levels), and the next session of the same kind (greedy here) starts from them; sampled sessions
     and a session with too few levels learn nothing from it."""
-    priors = SourcePriors(ADAPTIVE)
-    first = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE, greedy=True, priors=priors)
+    priors = SharedPriors()
+    first = DraftTrees(DraftTreeConfig(max_nodes=16, branching=2), DECAY, greedy=True, priors=priors)
     first.teach(0.3)
-    assert priors.trees(True) is None  # no level judged yet
+    assert priors.get(DRAFT_MODEL, True, "siblings") is None  # no level judged yet
     for _ in range(10):
-        first.best(chain(0.3), line(50.0, 0.1), max_k=2, max_nodes=16)
+        _, cost, tree = first.best(a(0.3), PROPOSE, line(50.0, 0.1), max_k=2, max_nodes=16)
+        first.asked(tree, a(0.3), cost)
         first.observe([-1, -1, 0, 0, 1, 1], [1], round_ms=3 * first._asked[1])  # the second child holds; slow rounds
     first.teach(0.3)
-    vector, rho, kappa = priors.trees(True)
+    vector, rho, kappa = (priors.get(DRAFT_MODEL, True, name) for name in ("siblings", "rho", "kappa"))
     assert vector == first.siblings.conditional(0.3) and vector[1] > vector[0] and kappa > 2.0
-    assert priors.trees(False) is None
-    second = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE, greedy=True, priors=priors)
+    assert priors.get(DRAFT_MODEL, False, "siblings") is None
+    second = DraftTrees(DraftTreeConfig(max_nodes=16, branching=2), DECAY, greedy=True, priors=priors)
     assert second.siblings.conditional(0.3) == vector  # nothing of its own yet: exactly the prior
     assert (second.ratio.value, second.cost_ratio.value) == (rho, kappa)
-    fresh = DraftTreePolicy(DraftTreeConfig(max_nodes=16, branching=2), ADAPTIVE, greedy=False, priors=priors)
+    fresh = DraftTrees(DraftTreeConfig(max_nodes=16, branching=2), DECAY, greedy=False, priors=priors)
     assert fresh.siblings.conditional(0.3) == [0.3, 0.15] and fresh.cost_ratio.value == 1.0

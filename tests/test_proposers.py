@@ -1,12 +1,17 @@
-"""Exact cases for prompt lookup, the adaptive-K estimates and the policy that picks the proposer and K."""
+"""Exact cases for prompt lookup, the estimates, and the strategies' predictions as the policy weighs them."""
+
+import asyncio
 
 import pytest
 
-from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourcePriors, expected_tokens
-from coordinator.proposers.lookup import LookupConfig, NgramIndex
-from coordinator.proposers.policy import Choice, ProposerPolicy
 from coordinator.proposers.base import Proposal
+from coordinator.proposers.estimates import LinearCost, SharedPriors, expected_tokens
+from coordinator.proposers.lookup import LookupConfig, NgramIndex
 from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
+from coordinator.proposers.policy import Policy, PolicyConfig
+from coordinator.proposers.strategy import Outcome
+from coordinator.proposers.tier_cost import TierCost
+from tests.proposer_fakes import Offer, ask, draft, outcome
 
 SOURCES = (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL)
 
@@ -64,30 +69,55 @@ def test_linear_cost_recovers_a_line():
     assert cost.predict(8) == pytest.approx(80.0, rel=0.1)
 
 
-def _observe(policy: ProposerPolicy, choice: Choice, n_accepted: int, propose_ms: float, verify_ms: float) -> None:
-    policy.observe(Proposal(choice.source, [0] * choice.k, wall_ms=propose_ms), choice.k, n_accepted, verify_ms)
+# --- the strategies' predictions, as the policy weighs them ---------------------------------------------
+# With nothing measured: acceptance 0.5 for every strategy, verify(K) = 53 + 3K ms (a step of K + 1 tokens
+# on the target's prior curve), propose(K) = 0 for the model-free strategies and 1 + 5K ms for the draft, the
+# suffix tree's estimate taken at face value.
 
 
-def _drive(policy: ProposerPolicy, acceptance: float, draft_ms_per_token: float, verify_ms: float, rounds: int = 60) -> list[int]:
+def chosen(choice) -> tuple[str, int] | None:
+    return None if choice is None else (choice.by.source, choice.k)
+
+
+def offering(source: str, tokens, probs=(), **kw) -> Offer:
+    s = Offer(source, **kw)
+    s.next = Proposal(source, list(tokens), probs=list(probs))
+    return s
+
+
+def play(strategies, cost: TierCost, choice, n: int, *, propose_ms: float = 0.0, verify_ms: float = 50.0,
+         catch_up: int = 1, accepted=None) -> None:
+    """A verified round of `choice` (None: K = 0) with n drafts accepted, as the tiers would report it."""
+    k = choice.k if choice is not None else 0
+    source = choice.by.source if choice is not None else PROMPT_LOOKUP
+    proposal = Proposal(source, [0] * k, wall_ms=propose_ms, k=k, catch_up=catch_up)
+    if choice is not None and choice.by.source != DRAFT_MODEL:
+        proposal = choice.by._offer
+        proposal = Proposal(source, proposal.tokens[:k], probs=proposal.probs[:k])
+    for s in strategies:
+        s.observe(outcome(proposal, n, accepted, verify_ms))
+    cost.observe(0, 0, 0.0, verify_ms, drafts=k)  # a tier without batch data: a step of its own
+
+
+def _drive(acceptance: float, draft_ms_per_token: float, verify_ms: float, rounds: int = 60, probe_every: int = 8) -> list[int]:
     """The draft model alone: K per round."""
+    policy, cost, d = Policy(PolicyConfig(max_k=8, probe_every=probe_every)), TierCost(), draft()
     ks = []
     for _ in range(rounds):
-        choice = policy.choose([], max_k=8, draft=True, fixed=False)
-        ks.append(choice.k)
-        n = round(choice.k * acceptance)  # deterministic stand-in for a round with this acceptance
-        _observe(policy, choice, n, 1.0 + draft_ms_per_token * choice.k if choice.k else 0.0, verify_ms * (1 + 0.05 * choice.k))
+        choice = policy.choose([d], ask(cost))
+        k = choice.k if choice else 0
+        ks.append(k)
+        play([d], cost, choice, round(k * acceptance), propose_ms=1.0 + draft_ms_per_token * k,
+             verify_ms=verify_ms * (1 + 0.05 * k))
     return ks
 
 
 def test_adaptive_k_grows_when_drafts_are_accepted_and_cheap():
-    ks = _drive(ProposerPolicy(AdaptiveConfig(max_k=8), SOURCES), acceptance=1.0, draft_ms_per_token=0.0, verify_ms=50)
-    assert ks[-10:] == [8] * 10
+    assert _drive(acceptance=1.0, draft_ms_per_token=0.0, verify_ms=50)[-10:] == [8] * 10
 
 
 def test_adaptive_k_turns_speculation_off_when_it_cannot_pay_and_keeps_probing():
-    ks = _drive(ProposerPolicy(AdaptiveConfig(max_k=8, probe_every=8), SOURCES), acceptance=0.0,
-                draft_ms_per_token=8.0, verify_ms=50)
-    tail = ks[-32:]
+    tail = _drive(acceptance=0.0, draft_ms_per_token=8.0, verify_ms=50)[-32:]
     assert tail.count(0) >= 24  # mostly target-only
     assert 1 in tail  # but still probing
 
@@ -96,148 +126,141 @@ def _costly_draft(count_catch_up: bool) -> list[int]:
     """K per round for the target's own low-precision copy as the draft: always right, a draft token
     costs ~0.6 of a target step, and each call first catches up on the tokens the draft missed (a
     multi-token forward, ~6 ms per token: the prompt at first, then the rounds it sat out).
-    count_catch_up: report those calls as steady ones (what the policy did before)."""
-    policy = ProposerPolicy(AdaptiveConfig(max_k=8, probe_every=8), SOURCES)
+    count_catch_up: report those calls as steady ones (what the policy once did)."""
+    policy, cost, d = Policy(PolicyConfig(max_k=8, probe_every=8)), TierCost(), draft()
     step, token = 42.0, 25.0  # target step, draft token (ms)
     ks, lag = [], 400
     for _ in range(80):
-        choice = policy.choose([], max_k=8, draft=True, fixed=False)
-        ks.append(choice.k)
-        if choice.k:
-            propose_ms = 1.0 + token * choice.k + 6.0 * lag
-            policy.observe(Proposal(DRAFT_MODEL, [0] * choice.k, wall_ms=propose_ms, catch_up=0 if count_catch_up else lag),
-                           choice.k, choice.k, step * (1 + 0.1 * choice.k))
-            lag = 2  # the last draft and the bonus
-        else:
-            policy.observe(Proposal(DRAFT_MODEL, []), 0, 0, step)
-            lag += 1
+        choice = policy.choose([d], ask(cost))
+        k = choice.k if choice else 0
+        ks.append(k)
+        play([d], cost, choice, k, propose_ms=1.0 + token * k + 6.0 * lag, verify_ms=step * (1 + 0.1 * k),
+             catch_up=0 if count_catch_up else lag)
+        lag = 2 if k else lag + 1  # the last draft and the bonus
     return ks
 
 
 def test_a_costly_draft_that_pays_when_drafting_every_round_keeps_being_asked():
-    """Catch-up calls are one-off costs and stay out of the fit; counted, they make the draft look dearer
-    the less it is asked, until it is never asked (the adaptive self-draft ran at 0.75x the target alone
-    that way; now 1.12x, docs/performance.md)."""
+    """Catch-up calls are one-off costs and stay out of its time ratio; counted, they make the draft look
+    dearer the less it is asked, until it is never asked (the adaptive self-draft ran at 0.75x the target
+    alone that way; 1.12x without, docs/performance.md)."""
     ks = _costly_draft(count_catch_up=False)
     assert min(ks[-20:]) >= 4, ks  # long blocks, every round
     old = _costly_draft(count_catch_up=True)
     assert old[-20:].count(0) >= 15, old  # the trap: mostly target-only
 
 
-# --- the hybrid policy ----------------------------------------------------------------------------
-# With no rounds observed: acceptance 0.5 for every source, verify(K) = 50 + 3K ms, propose(K) = 0 for
-# local sources and 1 + 5K ms for the draft, the suffix tree's estimate taken at face value.
+def test_a_free_local_chain_beats_the_draft_round_trip():
+    # lookup: E(K) / verify(K) = 1.5/56, 1.75/59, 1.875/62, 1.9375/65: K = 3 is best and beats the
+    # draft's best (1.75 / 70 at K = 2) and K = 0 (1 / 53)
+    lookup = offering(PROMPT_LOOKUP, [5, 6, 7, 8])
+    assert chosen(Policy(PolicyConfig()).choose([lookup, draft()], ask())) == (PROMPT_LOOKUP, 3)
 
 
-def test_policy_prefers_a_free_local_chain_to_the_draft_round_trip():
-    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
-    lookup = Proposal(PROMPT_LOOKUP, [5, 6, 7, 8])
-    # lookup: E(K) / verify(K) = 1.5/53, 1.75/56, 1.875/59, 1.9375/62: K = 3 is best and beats the
-    # draft's best (1.75 / 67 at K = 2) and target-only (1 / 50)
-    assert policy.choose([lookup], max_k=8, draft=True, fixed=False) == Choice(PROMPT_LOOKUP, 3)
+def test_the_draft_is_asked_only_when_its_rate_wins():
+    policy, cost, d = Policy(PolicyConfig()), TierCost(), draft()
+    nothing = [offering(SUFFIX, []), offering(PROMPT_LOOKUP, [])]
+    assert chosen(policy.choose(nothing + [d], ask(cost))) == (DRAFT_MODEL, 2)  # 1.75/70 > 1.05/53
+    assert policy.choose(nothing, ask(cost)) is None
+    for _ in range(20):  # a draft that is measured to be rarely right is not asked
+        play([d], cost, policy.choose([d], ask(cost)), 0, propose_ms=11.0, verify_ms=56.0)
+    assert Policy(PolicyConfig()).choose(nothing + [d], ask(cost)) is None
 
 
-def test_policy_asks_the_draft_only_when_its_rate_wins():
-    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
-    nothing = [Proposal(SUFFIX, []), Proposal(PROMPT_LOOKUP, [])]
-    assert policy.choose(nothing, max_k=8, draft=True, fixed=False) == Choice(DRAFT_MODEL, 2)  # 1.75/67 > 1/50
-    assert policy.choose(nothing, max_k=8, draft=False, fixed=False).k == 0
-    # a draft that is measured to be rarely right is not asked
-    for _ in range(20):
-        _observe(policy, Choice(DRAFT_MODEL, 2), 0, 11.0, 56.0)
-    assert policy.choose(nothing, max_k=8, draft=True, fixed=False).k == 0
+def test_the_suffix_trees_probabilities_set_k():
+    # E(K) = 1 + sum(probs[:K]): 2/56, 3/59, 4/62, 4.1/65, ...: K = 3
+    suffix = offering(SUFFIX, [1, 2, 3, 4, 5, 6], [1.0, 1.0, 1.0, 0.1, 0.02, 0.004])
+    assert chosen(Policy(PolicyConfig()).choose([suffix, draft()], ask())) == (SUFFIX, 3)
+    lookup = offering(PROMPT_LOOKUP, [1, 2, 3, 4, 5, 6])  # the same chain at the prior acceptance: worth less
+    assert chosen(Policy(PolicyConfig()).choose([suffix, lookup], ask())) == (SUFFIX, 3)
 
 
-def test_policy_uses_the_suffix_trees_probabilities_for_k():
-    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
-    chain = Proposal(SUFFIX, [1, 2, 3, 4, 5, 6], probs=[1.0, 1.0, 1.0, 0.2, 0.04, 0.008])
-    # E(K) = 1 + sum(probs[:K]): 2/53, 3/56, 4/59, 4.2/62, 4.24/65, ...: K = 3
-    assert policy.choose([chain], max_k=8, draft=True, fixed=False) == Choice(SUFFIX, 3)
-    # the same chain beats a lookup chain of the same length at the prior acceptance
-    lookup = Proposal(PROMPT_LOOKUP, [1, 2, 3, 4, 5, 6])
-    assert policy.choose([chain, lookup], max_k=8, draft=True, fixed=False) == Choice(SUFFIX, 3)
+def test_a_suffix_tree_that_is_too_confident_is_discounted():
+    policy, cost = Policy(PolicyConfig()), TierCost()
+    suffix, lookup = offering(SUFFIX, [9, 9, 9, 9], [1.0] * 4), offering(PROMPT_LOOKUP, [1, 2, 3, 4])
+    assert policy.choose([suffix, lookup], ask(cost)).by is suffix
+    for _ in range(10):  # the tree promised 4 accepted tokens a round, the target took none (its token: 1)
+        play([suffix, lookup], cost, policy.choose([suffix, lookup], ask(cost)), 0, accepted=[1])
+    assert suffix.ratio.value < 0.1
+    assert chosen(policy.choose([suffix, lookup], ask(cost)))[0] == PROMPT_LOOKUP  # judged right every round
 
 
-def test_policy_discounts_a_suffix_tree_that_is_too_confident():
-    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
-    chain = Proposal(SUFFIX, [1, 2, 3, 4], probs=[1.0, 1.0, 1.0, 1.0])
-    lookup = Proposal(PROMPT_LOOKUP, [1, 2, 3, 4])
-    assert policy.choose([chain, lookup], max_k=8, draft=False, fixed=False).source == SUFFIX
-    for _ in range(10):  # the tree promised 4 accepted tokens a round, the target took none
-        policy.observe(chain, 4, 0, 50.0)
-    assert policy.ratios[SUFFIX].value < 0.1
-    # lookup instead; its whole chain, since those rounds also taught the verify fit that K = 4 costs
-    # no more than K = 1 (50 ms)
-    assert policy.choose([chain, lookup], max_k=8, draft=False, fixed=False) == Choice(PROMPT_LOOKUP, 4)
+def test_greedy_rounds_judge_the_offers_not_chosen():
+    lookup, suffix = offering(PROMPT_LOOKUP, [5, 6, 7]), offering(SUFFIX, [9, 9], [1.0, 1.0])
+    Policy(PolicyConfig()).choose([lookup, suffix], ask())  # the round's offers
+    chosen_one = Proposal(PROMPT_LOOKUP, [5, 6, 7])
+    for s in (lookup, suffix):
+        s.observe(Outcome(chosen_one, [5, 6, 7, 8], range(3), 50.0))
+    assert lookup.acceptance.value == pytest.approx((0.45 + 3) / (0.9 + 3))  # its own round: 3 of 3
+    assert suffix.acceptance.value == pytest.approx(0.45 / 1.9)  # 0 of 2: one failed attempt
+    assert suffix.ratio.value == pytest.approx(0.9 / 2.9)  # accepted 0 of an expected 2
+    Policy(PolicyConfig()).choose([lookup, suffix], ask())
+    lookup.observe(Outcome(Proposal(PROMPT_LOOKUP, []), [5], (), 50.0))  # a target-only round: judged on its token
+    assert lookup.acceptance.value == pytest.approx((3.45 * 0.9 + 1) / (3.9 * 0.9 + 1))
+    sampled = offering(PROMPT_LOOKUP, [5, 6, 7], greedy=False)
+    Policy(PolicyConfig()).choose([sampled], ask())
+    sampled.observe(Outcome(Proposal(SUFFIX, [1]), [5, 6], range(1), 50.0))
+    assert sampled.acceptance.attempts == 0  # a sampled round's tokens are no verdict on other offers
 
 
-def test_policy_scores_chains_it_did_not_choose_in_greedy_rounds():
-    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
-    lookup = Proposal(PROMPT_LOOKUP, [5, 6, 7])
-    suffix = Proposal(SUFFIX, [9, 9], probs=[1.0, 1.0])
-    policy.observe_unchosen([lookup, suffix], PROMPT_LOOKUP, [5, 6, 7, 8])
-    assert policy.estimates[PROMPT_LOOKUP].acceptance == pytest.approx(0.5)  # chosen: not scored here
-    # suffix: 0 of 2 right -> one failed attempt: (0.5 * 0.9 + 0) / (1 * 0.9 + 1)
-    assert policy.estimates[SUFFIX].acceptance == pytest.approx(0.45 / 1.9)
-    assert policy.ratios[SUFFIX].value == pytest.approx(0.9 / 2.9)  # accepted 0 of an expected 2
-    # a target-only round (chosen None) scores every chain against its one token
-    policy.observe_unchosen([lookup, suffix], None, [5])
-    assert policy.estimates[PROMPT_LOOKUP].acceptance == pytest.approx((0.45 + 1) / (0.9 + 1))
+def test_a_fixed_k():
+    policy, cost = Policy(PolicyConfig()), TierCost()
+    for _ in range(20):  # target-only the better rate: it must not be chosen with a fixed K
+        cost.observe(0, 0, 0.0, 60.0 + 20.0 * (_ % 4), drafts=_ % 4)
+    lookup = offering(PROMPT_LOOKUP, [5, 6])
+    assert chosen(policy.choose([lookup], ask(cost, 5, fixed=True))) == (PROMPT_LOOKUP, 2)  # all it has
+    assert chosen(policy.choose([offering(PROMPT_LOOKUP, []), draft()], ask(cost, 5, fixed=True))) == (DRAFT_MODEL, 5)
+    assert policy.choose([offering(PROMPT_LOOKUP, [])], ask(cost, 5, fixed=True)) is None
+    assert policy.choose([lookup, draft()], ask(cost, 0, fixed=True)) is None
 
 
-def test_policy_with_a_fixed_k():
-    policy = ProposerPolicy(AdaptiveConfig(), SOURCES)
-    for _ in range(20):  # make target-only the better rate: it must not be chosen with a fixed K
-        _observe(policy, Choice(PROMPT_LOOKUP, 3), 0, 0.0, 60.0)
-    lookup = Proposal(PROMPT_LOOKUP, [5, 6])
-    assert policy.choose([lookup], max_k=5, draft=False, fixed=True) == Choice(PROMPT_LOOKUP, 2)  # all it has
-    assert policy.choose([Proposal(PROMPT_LOOKUP, [])], max_k=5, draft=True, fixed=True) == Choice(DRAFT_MODEL, 5)
-    assert policy.choose([Proposal(PROMPT_LOOKUP, [])], max_k=5, draft=False, fixed=True).k == 0
-    assert policy.choose([lookup], max_k=0, draft=True, fixed=True).k == 0
-
-
-
-def test_policy_without_measured_costs_ignores_timings():
+def test_without_measured_costs_timings_are_ignored():
     """Reproducible sampling (fixed K): the choice must not depend on how long rounds took."""
-    fast, slow = ProposerPolicy(AdaptiveConfig(), SOURCES), ProposerPolicy(AdaptiveConfig(), SOURCES)
-    for policy, draft_ms in ((fast, 0.0), (slow, 500.0)):
+    picks = {}
+    for draft_ms in (0.0, 500.0):
+        cost, d = TierCost(), draft()
         for _ in range(20):
-            _observe(policy, Choice(DRAFT_MODEL, 4), 4, draft_ms, 50.0)
-    lookup = [Proposal(PROMPT_LOOKUP, [5, 6, 7, 8])]
-    assert fast.choose(lookup, max_k=4, draft=True, fixed=True) == Choice(DRAFT_MODEL, 4)  # a free, perfect draft
-    assert slow.choose(lookup, max_k=4, draft=True, fixed=True) == Choice(PROMPT_LOOKUP, 4)
-    assert (fast.choose(lookup, max_k=4, draft=True, fixed=True, measured_costs=False)
-            == slow.choose(lookup, max_k=4, draft=True, fixed=True, measured_costs=False))
+            play([d], cost, Policy(PolicyConfig()).choose([d], ask(cost, 4, fixed=True)), 4, propose_ms=draft_ms)
+        lookup = offering(PROMPT_LOOKUP, [5, 6, 7, 8])
+        picks[draft_ms] = [chosen(Policy(PolicyConfig()).choose([lookup, d], ask(cost, 4, fixed=True, measured=m)))
+                           for m in (True, False)]
+    assert picks[0.0][0] == (DRAFT_MODEL, 4) and picks[500.0][0] == (PROMPT_LOOKUP, 4)  # a free, perfect draft
+    assert picks[0.0][1] == picks[500.0][1]
 
 
 def test_sessions_start_from_what_earlier_sessions_learnt():
-    """SourcePriors: a session's acceptance and ratio start where the coordinator's earlier sessions left
+    """SharedPriors: a session's acceptance and ratio start where the coordinator's earlier sessions left
     them, kept apart for greedy and sampled sessions; a session that judged too few drafts teaches nothing."""
-    priors = SourcePriors(AdaptiveConfig())
-    chain = Proposal(SUFFIX, [1, 2, 3, 4], probs=[1.0, 1.0, 1.0, 1.0])
-    lookup = Proposal(PROMPT_LOOKUP, [1, 2, 3, 4])
-    fresh = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors)
-    assert fresh.estimates[SUFFIX].acceptance == 0.5 and fresh.ratios[SUFFIX].value == 1.0  # nothing learnt yet
-    assert fresh.choose([chain, lookup], max_k=8, draft=False, fixed=False) == Choice(SUFFIX, 4)
+    priors, cost = SharedPriors(), TierCost()
 
-    brief = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors)
-    brief.observe(chain, 1, 0, 50.0)  # one judged draft: below SourcePriors.MIN_ATTEMPTS
-    brief.teach()
-    assert priors.ratio(SUFFIX, True) == 1.0
+    def session(greedy: bool = True):
+        return [offering(SUFFIX, [1, 2, 3, 4], [1.0] * 4, greedy=greedy, priors=priors),
+                offering(PROMPT_LOOKUP, [1, 2, 3, 4], greedy=greedy, priors=priors)]
 
+    fresh = session()
+    assert fresh[0].acceptance.value == 0.5 and fresh[0].ratio.value == 1.0  # nothing learnt yet
+    assert chosen(Policy(PolicyConfig()).choose(fresh, ask(cost))) == (SUFFIX, 4)
+    brief = session()
+    play(brief, cost, Policy(PolicyConfig(max_k=1)).choose(brief, ask(cost, 1)), 0, accepted=[9])
+    asyncio.run(close(brief))  # one judged draft each: below MIN_ATTEMPTS
+    assert priors.get(SUFFIX, True, "ratio") is None
     for _ in range(3):  # sessions of open chat: the chains fail
-        session = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors)
+        chat = session()
         for _ in range(6):
-            session.observe(chain, 4, 0, 50.0)
-            session.observe_unchosen([lookup], SUFFIX, [9])
-        session.teach()
-    assert priors.ratio(SUFFIX, True) < 0.15 and priors.acceptance(PROMPT_LOOKUP, True) < 0.15
-    assert priors.ratio(SUFFIX, False) == 1.0 and priors.acceptance(PROMPT_LOOKUP, False) == 0.5  # sampled: apart
-
-    wary = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors)
-    assert wary.choose([chain, lookup], max_k=8, draft=False, fixed=False) == Choice(SUFFIX, 0)  # target only
+            play(chat, cost, Policy(PolicyConfig()).choose(chat, ask(cost)), 0, accepted=[9])
+        asyncio.run(close(chat))
+    assert priors.get(SUFFIX, True, "ratio") < 0.15 and priors.get(PROMPT_LOOKUP, True, "acceptance") < 0.15
+    assert priors.get(SUFFIX, False, "ratio") is None  # sampled sessions: apart
+    wary = session()  # (priced with nothing measured: verify(K) = 53 + 3K)
+    assert Policy(PolicyConfig()).choose(wary, ask()) is None  # target only
     for _ in range(3):  # its own rounds outweigh the prior: the chains are right this time
-        wary.observe_unchosen([chain, lookup], None, [1])
-    assert wary.choose([chain, lookup], max_k=8, draft=False, fixed=False).k > 0
-    sampled = ProposerPolicy(AdaptiveConfig(), SOURCES, priors=priors, greedy=False)
-    assert sampled.choose([chain, lookup], max_k=8, draft=False, fixed=False) == Choice(SUFFIX, 4)
+        Policy(PolicyConfig()).choose(wary, ask())
+        for s in wary:
+            s.observe(outcome(Proposal(SUFFIX, []), 0, [1]))
+    assert Policy(PolicyConfig()).choose(wary, ask()) is not None
+    assert chosen(Policy(PolicyConfig()).choose(session(greedy=False), ask())) == (SUFFIX, 4)
+
+
+async def close(strategies) -> None:
+    for s in strategies:
+        await s.close()

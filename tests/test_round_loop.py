@@ -1,7 +1,8 @@
 """The round loop (coordinator.generation.Generation) driven with fakes: a target that accepts drafts while
 they match its own continuation and returns its next token, a draft model whose guesses are chosen, a
-tokenizer with one character per token and a clock that ticks by hand. The real Drafter, ProposerPolicy,
-prompt lookup, Output and RoundStats run as they do in the coordinator; no server, no model.
+tokenizer with one character per token and a clock that ticks by hand. The real Drafter, Policy, strategies
+(the draft model's over a fake draft tier), Output and RoundStats run as they do in the coordinator; no
+server, no model.
 
 What the loop must do (DESIGN.md, "One round"): commit d_1..d_n + the target's token each round, so the
 output is the target's own continuation whatever the drafts; cut at EOS inside an accepted block, at a stop
@@ -19,17 +20,19 @@ import pytest
 from coordinator.generation import Generation
 from coordinator.output import Output
 from coordinator.params import GenerationParams
-from coordinator.proposers.adaptive import AdaptiveConfig, TierLoad
 from coordinator.proposers.base import Proposal
+from coordinator.proposers.draft_model import DraftModelConfig, DraftModelStrategy
 from coordinator.proposers.drafter import Drafter
-from coordinator.proposers.lookup import LookupConfig, PromptLookupProposer
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, Proposer
-from coordinator.proposers.policy import ProposerPolicy
+from coordinator.proposers.lookup import LookupConfig, LookupStrategy
+from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, Proposer
+from coordinator.proposers.policy import Policy, PolicyConfig
+from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
 from coordinator.tiers.client import TierError
+from coordinator.tiers.session import TierReply
 from coordinator.tiers.target import TargetVerifier, Verdict
 from specdec.math.params import SamplingParams
-from specdec.proto import common_pb2, generate_pb2
+from specdec.proto import common_pb2, draft_pb2, generate_pb2
 
 PROMPT = [1, 2, 3, 4]
 EOS = 0
@@ -84,11 +87,9 @@ class FakeTarget:
 
 
 class FakeDraft:
-    """The draft model: proposes its own guesses of the continuation (`guess`); with a speculation cache,
-    reports a proposal as pre-drafted (overlapped) when the last round's outcome was its own guess (the
-    cache of the real draft tier holds at least that outcome)."""
-
-    trees = None  # no draft trees
+    """The draft tier, as the draft-model strategy's TierSession: proposes its own guesses of the continuation
+    (`guess`); with a speculation cache, reports a proposal as pre-drafted (speculated) when the last round's
+    outcome was its own guess (the cache of the real draft tier holds at least that outcome)."""
 
     def __init__(self, guess: list[int], fail: bool = False, cache: bool = False) -> None:
         self.guess = guess
@@ -98,18 +99,16 @@ class FakeDraft:
         self.proposed = 0  # propose calls
         self._expected: int | None = None  # committed length if the last proposal was wholly right
 
-    async def propose(self, committed, hashes, k, tree=None) -> Proposal:
+    async def call(self, committed, hashes, request, extra=None) -> TierReply:
         self.proposed += 1
         if self.fail:
             self.available = False
             raise TierError("draft", grpc.StatusCode.UNAVAILABLE, "connection refused")
+        k = request(common_pb2.SessionContext()).num_tokens
         at = len(committed) - len(PROMPT)
         hit = self.cache and self._expected == len(committed) and committed[len(PROMPT):] == self.guess[:at]
         self._expected = len(committed) + k + 1
-        return Proposal(DRAFT_MODEL, self.guess[at:at + k], wall_ms=0.1 if hit else 1.0, k=k, overlapped=hit)
-
-    async def while_verifying(self, verifying):
-        return await verifying
+        return TierReply(draft_pb2.ProposeResponse(tokens=self.guess[at:at + k], speculated=hit), 0.1 if hit else 1.0, 1)
 
     async def close(self) -> None:
         pass
@@ -117,14 +116,18 @@ class FakeDraft:
 
 def generation(target, draft=None, *, k: int | None = 3, max_new: int = 20, proposer: Proposer = DRAFT_MODEL,
                stop=(), eos=frozenset(), max_context: int = 1000, prompt=PROMPT,
-               constraint=None, adaptive: AdaptiveConfig = AdaptiveConfig(max_k=8), load: TierLoad | None = None) -> Generation:
+               constraint=None, draft_config: DraftModelConfig = DraftModelConfig(),
+               load: TierCost | None = None) -> Generation:
     params = GenerationParams(prompt_ids=list(prompt), max_new_tokens=max_new, sampling=SamplingParams(), seed=1,
                               num_speculative_tokens=k, proposer=proposer, stop=tuple(stop))
     clock = Clock()
     stats = RoundStats(clock=clock)
-    policy = ProposerPolicy(adaptive, (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL), load=load)
-    drafter = Drafter(params, policy, PromptLookupProposer(LookupConfig(), params.prompt_ids), stats, max_k=16,
-                      draft=draft, draft_max_context=max_context)
+    lookup = LookupStrategy(LookupConfig(), params.prompt_ids)
+    strategies = [lookup] if proposer == PROMPT_LOOKUP else []
+    if draft is not None:
+        strategies.append(DraftModelStrategy(draft_config, draft, common_pb2.SamplingParams(), 1, stats,
+                                             max_context=max_context))
+    drafter = Drafter(params, Policy(PolicyConfig(max_k=8)), strategies, lookup, load or TierCost(), max_k=16)
     output = Output(Tokenizer(), params.prompt_ids, max_new, set(eos), stop)
     extra = {"constraint": constraint} if constraint is not None else {}
     return Generation(params, target=target, drafter=drafter, output=output, stats=stats, max_context=max_context,
@@ -233,14 +236,14 @@ def test_a_failed_draft_tier_falls_back_to_prompt_lookup():
 
 @pytest.mark.parametrize("open_sessions, k, asked", [(1, None, True), (2, None, False), (2, 3, True)])
 def test_the_draft_model_is_asked_only_while_few_sessions_share_the_target(open_sessions, k, asked):
-    """AdaptiveConfig.draft_max_sessions = 1 (tiers on shared cores): with another generation open on the
+    """DraftModelConfig.max_sessions = 1 (tiers on shared cores): with another generation open on the
     target, adaptive K leaves the draft model alone; a request's own K still gets its drafts. The output
     is the target's either way."""
     cont = truth()
-    load = TierLoad()
+    load = TierCost()
     load.live = open_sessions
     target, draft = FakeTarget(cont), FakeDraft(cont)
-    gen = generation(target, draft, k=k, max_new=12, adaptive=AdaptiveConfig(max_k=8, draft_max_sessions=1), load=load)
+    gen = generation(target, draft, k=k, max_new=12, draft_config=DraftModelConfig(max_sessions=1), load=load)
     chunks, _ = run(gen)
     assert tokens(chunks) == cont[:12]
     assert (draft.proposed > 0) == asked
@@ -253,7 +256,7 @@ def test_the_target_verifier_counts_the_sessions_open_on_the_target():
         async def close(self) -> None:
             pass
 
-    load = TierLoad()
+    load = TierCost()
     a = TargetVerifier(Session(), common_pb2.SamplingParams(), 1, RoundStats(), load)
     b = TargetVerifier(Session(), common_pb2.SamplingParams(), 2, RoundStats(), load)
     assert load.live == 2

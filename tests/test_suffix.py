@@ -10,7 +10,8 @@ from array import array
 
 import pytest
 
-from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer, SuffixTree, speculate
+from coordinator.proposers.suffix import SuffixStrategy
+from coordinator.proposers.suffix_tree import SuffixCache, SuffixConfig, SuffixTree, speculate
 
 
 def tree_counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
@@ -353,24 +354,24 @@ def test_memory_estimate_covers_measured_memory():
         assert measured <= cache.estimated_bytes <= 1.6 * measured, (measured, cache.estimated_bytes)
 
 
-# --- the session's proposer --------------------------------------------------------------------------
+# --- the session's strategy --------------------------------------------------------------------------
 
 
 def _proposer(cache, prompt):
     # ArcticInference's limit (a match of m tokens proposes at most m), which the cases below count with
-    p = SuffixProposer(SuffixConfig(max_depth=16, min_token_prob=0.0, max_spec_factor=1.0, max_spec_offset=0.0), cache)
-    asyncio.run(p.index_prompt(prompt))
+    p = SuffixStrategy(SuffixConfig(max_depth=16, min_token_prob=0.0, max_spec_factor=1.0, max_spec_offset=0.0), cache, prompt)
+    asyncio.run(p.start())
     return p
 
 
 def test_session_proposes_from_its_own_prompt_and_output():
     p = _proposer(None, [1, 2, 3, 4, 5, 6, 9, 1, 2, 3])
-    prop = p.propose(3)
+    prop = p.offer(3)
     assert prop.source == "suffix" and prop.tokens == [4, 5, 6] and prop.probs == [1.0, 1.0, 1.0] and prop.q == []
     p.commit([4, 5, 7])
-    assert p.propose(4).tokens == []  # (.., 5, 7) never seen
+    assert p.offer(4).tokens == []  # (.., 5, 7) never seen
     p.commit([1, 2])
-    assert p.propose(4).tokens == [3, 4]  # (1, 2): 3 twice; then (1, 2, 3) -> 4 (a 2-token match proposes 2)
+    assert p.offer(4).tokens == [3, 4]  # (1, 2): 3 twice; then (1, 2, 3) -> 4 (a 2-token match proposes 2)
 
 
 def test_shared_cache_serves_other_sessions():
@@ -379,13 +380,13 @@ def test_shared_cache_serves_other_sessions():
     template = [50, 51, 52]  # e.g. the chat template's assistant header, the cached context
     cache.add(template + [60, 61, 62, 63, 64, 65])
     other = _proposer(cache, [7, 8, 9] + template)
-    assert other.propose(3).tokens == [60, 61, 62]
+    assert other.offer(3).tokens == [60, 61, 62]
     other.commit([60, 61])
-    assert other.propose(8).tokens == [62, 63, 64, 65]
+    assert other.offer(8).tokens == [62, 63, 64, 65]
     # a session of another coordinator (another cache) does not see it
-    assert _proposer(SuffixCache(cfg), [7, 8, 9] + template).propose(3).tokens == []
+    assert _proposer(SuffixCache(cfg), [7, 8, 9] + template).offer(3).tokens == []
     # nor does a session when the shared tree is off
-    assert _proposer(SuffixCache(SuffixConfig(cache_entries=0)), [7, 8, 9] + template).propose(3).tokens == []
+    assert _proposer(SuffixCache(SuffixConfig(cache_entries=0)), [7, 8, 9] + template).offer(3).tokens == []
 
 
 def test_the_better_of_own_and_shared_tree_wins():
@@ -393,7 +394,7 @@ def test_the_better_of_own_and_shared_tree_wins():
     for _ in range(3):
         cache.add([1, 2, 3, 40, 41])  # shared: (1, 2, 3) -> 40, 41 for sure
     p = _proposer(cache, [1, 2, 3, 30, 1, 2, 3, 31, 9, 1, 2, 3])  # own: (1, 2, 3) -> 30 or 31
-    prop = p.propose(2)
+    prop = p.offer(2)
     assert prop.tokens == [40, 41] and prop.probs == [1.0, 1.0]
 
 

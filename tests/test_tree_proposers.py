@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from array import array
 
-from coordinator.proposers.lookup import LookupConfig, NgramIndex, PromptLookupProposer
-from coordinator.proposers.suffix import SuffixConfig, SuffixProposer, SuffixTree, speculate
+from coordinator.proposers.lookup import LookupConfig, LookupStrategy, NgramIndex
+from coordinator.proposers.suffix import SuffixStrategy
+from coordinator.proposers.suffix_tree import SuffixConfig, SuffixTree, speculate
 from coordinator.proposers.token_tree import TreeBuilder, cut, depths, match
 
 
@@ -37,9 +38,9 @@ def test_lookup_offers_every_recent_match_as_a_branch():
     tokens, parents = index.propose_tree(2, 16)
     assert (tokens, parents) == ([3, 7, 5, 6, 4], [-1, 0, -1, 2, 0])
     assert index.propose_tree(2, 3) == ([3, 7, 5], [-1, 0, -1])
-    p = PromptLookupProposer(LookupConfig(2, 3), seq).propose(2, tree_nodes=4)
+    p = LookupStrategy(LookupConfig(2, 3), seq).offer(2, tree_nodes=4)
     assert (p.tokens, p.parents) == ([3, 7, 5, 6], [-1, 0, -1, 2])
-    assert PromptLookupProposer(LookupConfig(2, 3), seq).propose(2).parents == []
+    assert LookupStrategy(LookupConfig(2, 3), seq).offer(2).parents == []
 
 
 def test_suffix_tree_expands_best_first_with_the_chain_first():
@@ -55,7 +56,7 @@ def test_suffix_tree_expands_best_first_with_the_chain_first():
     three = tokens.index(3)
     assert {tokens[i] for i, p in enumerate(parents) if p == three} == {5, 6}
     assert abs(probs[tokens.index(4)] - 0.25) < 1e-9 and abs(probs[three] - 0.75) < 1e-9
-    proposer = SuffixProposer(SuffixConfig(max_depth=8, max_spec_factor=2.0, cache_entries=0), None)
+    proposer = SuffixStrategy(SuffixConfig(max_depth=8, max_spec_factor=2.0, cache_entries=0), None)
     proposer.commit(list(tree.seqs[0]))
-    p = proposer.propose(4, tree_nodes=6)
+    p = proposer.offer(4, tree_nodes=6)
     assert (p.tokens, p.parents) == (tokens, parents) and p.probs == probs

@@ -1,10 +1,11 @@
-"""The coordinator's proposers wing: where draft tokens come from.
+"""The coordinator's proposers wing: where draft tokens come from, as strategies behind one interface.
 
-names.py     the one table of proposer names (API, OpenAI schema, CLI, Python client)
-base.py      Proposal: what every proposer returns
-lookup.py    prompt lookup (n-gram) over the session's own tokens
-suffix.py    suffix decoding over the session's tokens and recent outputs
-draft_model.py  the draft tier's model, with its prefetch (the overlap)
-adaptive.py, policy.py  the estimates and the per-round choice of proposer and K
-drafter.py   one session's proposers and policy: the round loop's `propose`
+strategy.py     the interface (predict, propose, observe) and what passes through it
+policy.py       the per-round pick: the most predicted tokens per predicted second, K = 0 included
+tier_cost.py    what a tier's step costs at its current load (its measured curve, refined by its replies)
+estimates.py    the small online estimates strategies are made of, and the priors sessions hand on
+local.py        what the model-free strategies share; lookup.py (prompt lookup), suffix.py (suffix decoding)
+draft_model.py  the draft tier's model; draft_tree.py its token trees' shapes and estimates
+drafter.py      one session's strategies and policy: the round loop's propose / observe / commit
+names.py (the proposer names), base.py (Proposal), token_tree.py, suffix_tree.py: data and data structures
 """

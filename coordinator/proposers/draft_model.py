@@ -1,42 +1,122 @@
-"""The draft model as a proposer: the remote draft tier over one bidirectional stream per session. It proposes
-a chain of K tokens or a token tree (coordinator.proposers.draft_tree), and with the speculation cache on the
-draft tier pre-drafts the next round while the target verifies this one (ProposeResponse.speculated: the
-round's drafts were ready when asked)."""
+"""The draft model as a strategy: the remote draft tier, over the session's stream to it (its TierSession).
+
+It proposes a chain of K tokens or a token tree (coordinator/proposers/draft_tree.py), unseen until asked.
+It predicts, for each K, E(K) = (1 - a^(K+1)) / (1 - a) tokens (a: its measured per-token acceptance) at
+C(K) = verify(K) + propose(K), and its best tree's E and C beside them. propose(K) is priced from the draft
+tier's own cost curve at the current load (a call's overhead plus K steps of the batch: tier_cost.TierCost,
+measured by the tier at start), times the session's measured ratio of its proposals' wall time to that
+price, learnt on its steady rounds only (fed 1-2 committed tokens first): a call that first catches up on
+the prompt or on rounds the draft sat out is a one-off cost, and counting it would make a costly draft look
+dearer the less it is asked, until it is never asked. With the speculation cache on, the draft tier
+pre-drafts the next round while the target verifies this one (ProposeResponse.speculated: ready when asked).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.draft_tree import DraftTreePolicy, TreeAsk
+from coordinator.proposers.draft_tree import DraftTrees, TreeAsk
+from coordinator.proposers.estimates import Acceptance, LinearCost, Ratio, SharedPriors, expected_tokens
+from coordinator.proposers.local import MIN_ATTEMPTS
 from coordinator.proposers.names import DRAFT_MODEL
+from coordinator.proposers.strategy import Ask, Outcome, Prediction
+from coordinator.proposers.tier_cost import TierCost
+from coordinator.stats import RoundStats
 from coordinator.tiers.session import TierSession
+from coordinator.tiers.target import Verdict
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
 
+# A draft that drafts every round is fed 1-2 committed tokens before its K steps (the correction, or the
+# last draft and the bonus); a larger catch-up (the prompt, or the rounds it sat out) is a one-off cost.
+STEADY_CATCH_UP = 2
 
-class DraftModelProposer:
-    """The draft tier, through the session's TierSession (its cursor, routing and back-off)."""
 
+@dataclass(frozen=True)
+class DraftModelConfig:
+    prior_acceptance: float = 0.5  # per-token acceptance before any round (and before any session taught one)
+    decay: float = 0.9  # weight of the past per round in its estimates (~10-round memory)
+    # Offer nothing while the target batches more than this many sessions (0 = any number): where the tiers
+    # share a machine's cores, a draft step under load runs beside the busy target's and both slow down more
+    # than any price shows. vLLM's speculative_disable_by_batch_size.
+    max_sessions: int = 0
+    prior_overhead_ms: float = 1.0  # a call's cost beside its steps, where no timing may count (or no curve)
+    prior_step_ms: float = 5.0  # a draft step's cost, likewise
+
+
+class DraftModelStrategy:
     source = DRAFT_MODEL
+    judged_unchosen = False  # it learns only from the rounds it proposes
 
-    def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int,
-                 trees: DraftTreePolicy | None = None, grammar: str = "", push: bool = False) -> None:
-        """session: the draft's TierSession, over the session's ProposeStream. trees: how trees and the
-        speculation cache are asked for (None: chains only). grammar: structured output's
-        (coordinator.constraint.grammar_text), which the draft masks its q with."""
-        self.grammar = grammar
-        self.session = session
-        self.sampling = sampling
-        self.seed = seed
-        self.trees = trees
-        self.push = push  # ask for pushed proposals (with the speculation cache; DESIGN.md, The split's cost)
+    def __init__(self, config: DraftModelConfig, session: TierSession, sampling: common_pb2.SamplingParams, seed: int,
+                 stats: RoundStats, *, cost: TierCost | None = None, max_context: int = 0, trees: DraftTrees | None = None,
+                 grammar: str = "", greedy: bool = True, priors: SharedPriors | None = None,
+                 push: bool = False) -> None:
+        """session: the draft's TierSession (its cursor, routing and back-off). cost: the draft tier's prices
+        (None: the config's prior line). max_context: the draft's (beyond it, nothing is offered). trees: how trees
+        and the speculation cache are asked for (None: chains only). grammar: structured output's, which the
+        draft masks its q with. push: ask for pushed proposals (with the speculation cache; DESIGN.md,
+        The split's cost)."""
+        self.config, self.session, self.sampling, self.seed, self.stats = config, session, sampling, seed, stats
+        self.cost = cost or TierCost(prior_intercept=config.prior_step_ms, prior_slope=0.0)
+        self.prior = LinearCost(config.decay, config.prior_overhead_ms, config.prior_step_ms)
+        self.max_context, self.trees, self.grammar = max_context, trees, grammar
+        self.greedy, self.priors = greedy, priors
+        start = priors.get(DRAFT_MODEL, greedy, "acceptance", config.prior_acceptance) if priors else config.prior_acceptance
+        self.acceptance = Acceptance(config.decay, start)
+        self.time_ratio = Ratio(config.decay)  # its proposals' wall time / their price, on steady rounds
+        self.cost.live += 1  # until close()
+        self._open = True
+        self._fixed = False  # this round's ask is the request's own K
+        self._draft_ms = 0.0  # a proposal's wall time when not pre-drafted (weighted), for the overlap's savings
+        self.push = push
         self._asked: tuple | None = None  # the shape of the last request (a push holds for that shape only)
 
     @property
     def available(self) -> bool:
+        """False while the draft tier is left alone after a failure (its TierSession's back-off)."""
         return self.session.available
 
-    async def propose(self, committed: list[int], hashes: PrefixHashes, k: int, tree: TreeAsk | None = None) -> Proposal:
-        """k drafts, or the tree `tree`. Raises TierError if the draft is unreachable (the caller falls back)."""
+    async def start(self) -> None:
+        pass
+
+    def price(self, k: int) -> float:
+        """k draft steps at the draft tier's current load, and the call's overhead."""
+        overhead = self.cost.overhead.predict(0) if self.cost.observations else self.config.prior_overhead_ms
+        return overhead + k * self.cost.step_ms(1)
+
+    def propose_ms(self, k: int, measured: bool = True) -> float:
+        """Its predicted time for k draft steps: the price, times what its proposals measured against it."""
+        return self.time_ratio.value * self.price(k) if measured else self.prior.predict(k, False)
+
+    def predict(self, ask: Ask) -> list[Prediction]:
+        c = self.config
+        self._fixed = ask.fixed
+        if (not self.session.available or ask.context + ask.k > self.max_context
+                or (c.max_sessions and not ask.fixed and ask.batch > c.max_sessions)):
+            return []
+        a, out = self.acceptance.value, []
+        if ask.fixed and self.trees is not None and (tree := self.trees.fixed(ask.k, a, ask.nodes)) is not None:
+            e = self.trees.expected(a, tree.nodes, tree.depth)  # the request's K: the tree of that depth, whatever the timings
+            return [Prediction(self, ask.k, e, ask.verify_ms[tree.nodes] + self.propose_ms(ask.k, ask.measured), tree.nodes,
+                               tree.branching)]
+        for k in range(ask.k if ask.fixed else 1, ask.k + 1):
+            out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + self.propose_ms(k, ask.measured)))
+        if self.trees is not None and not ask.fixed and ask.measured:
+            found = self.trees.best(a, lambda d: self.propose_ms(d), ask.verify_ms, ask.k, ask.nodes)
+            if found is not None:
+                e, cost, tree = found
+                out.append(Prediction(self, tree.depth, e, cost, tree.nodes, tree.branching))
+        return out
+
+    async def propose(self, choice: Prediction, committed: list[int], hashes: PrefixHashes) -> Proposal:
+        """Raises TierError if the draft is unreachable (the drafter falls back)."""
+        k, tree = choice.k, TreeAsk(choice.nodes, choice.k, choice.branching) if choice.nodes else None
+        if tree is not None and self.trees is not None:
+            self.trees.asked(tree, self.acceptance.value, 0.0 if self._fixed else choice.cost_ms)  # a fixed K: no time
+
         def request(ctx: common_pb2.SessionContext) -> draft_pb2.ProposeRequest:
             message = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed,
                                                grammar=self.grammar)
@@ -50,22 +130,50 @@ class DraftModelProposer:
         self._asked = asked
         if pushed is not None:  # ready when the verdict came: no round trip; the request only moves the draft on
             await self.session.send_only(committed, hashes, request)
-            self.session.stats.pushed_rounds += 1
-            return Proposal(DRAFT_MODEL, list(pushed.tokens), list(pushed.q), k=tree.depth if tree else k,
+            self.stats.pushed_rounds += 1
+            return Proposal(DRAFT_MODEL, list(pushed.tokens), list(pushed.q), k=k,
                             parents=list(pushed.parents), tree_scheme=pushed.tree_scheme, overlapped=True)
         # A tree request's cached_len is the committed length: its nodes are not in the cursor's tail (the draft
         # moves the accepted path's entries into place when the next request's tokens show it).
         reply = await self.session.call(committed, hashes, request,
                                         extra=lambda response: [] if response.parents else list(response.tokens))
-        response = reply.message
-        return Proposal(DRAFT_MODEL, list(response.tokens), list(response.q), wall_ms=reply.wall_ms,
-                        compute_ms=response.compute_ms, queue_ms=response.queue_ms, k=tree.depth if tree else k,
-                        catch_up=reply.fed, parents=list(response.parents), tree_scheme=response.tree_scheme,
-                        overlapped=response.speculated)
+        r = reply.message
+        proposal = Proposal(DRAFT_MODEL, list(r.tokens), list(r.q), wall_ms=reply.wall_ms, compute_ms=r.compute_ms,
+                            queue_ms=r.queue_ms, k=k, catch_up=reply.fed, parents=list(r.parents),
+                            tree_scheme=r.tree_scheme, overlapped=r.speculated)
+        self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, proposal.queue_ms, is_draft=True)
+        if not proposal.overlapped:  # a draft step holds about one token per session
+            self.cost.observe(r.batch_sessions, r.batch_sessions, r.step_ms, reply.wall_ms, r.compute_ms, r.queue_ms)
+        if proposal.overlapped:  # the speculation cache had it ready: a draft call's time saved
+            self.stats.observe_overlapped(0.0, saved_ms=max(0.0, self._draft_ms - proposal.wall_ms))
+        elif proposal.tokens:
+            self._draft_ms = 0.8 * self._draft_ms + 0.2 * proposal.wall_ms if self._draft_ms else proposal.wall_ms
+        return proposal
 
-    async def while_verifying(self, verifying):
+    def observe(self, outcome: Outcome) -> None:
+        p = outcome.proposal
+        if p.source != DRAFT_MODEL or not p.tokens:
+            return
+        if p.catch_up <= STEADY_CATCH_UP:  # one draft step per level, as a chain's K
+            self.time_ratio.observe(p.wall_ms, self.price(p.k))
+        if p.parents and self.trees is not None:  # which sibling held at each level; the round's time
+            self.trees.observe(p.parents, outcome.path, 0.0 if p.overlapped else p.wall_ms + outcome.verify_ms)
+        else:
+            self.acceptance.judge(len(p.tokens), len(outcome.path))
+
+    def commit(self, tokens) -> None:
+        pass
+
+    async def while_verifying(self, verifying: Awaitable[Verdict]) -> Verdict:
         """The target's verdict, with the draft's pushes filed as they arrive meanwhile."""
         return await self.session.pushes_until(verifying) if self.push else await verifying
 
     async def close(self) -> None:
+        if self.priors is not None and self.acceptance.attempts >= MIN_ATTEMPTS:
+            self.priors.learn(DRAFT_MODEL, self.greedy, acceptance=self.acceptance.value)
+        if self.trees is not None:
+            self.trees.teach(self.acceptance.value)
+        if self._open:
+            self._open = False
+            self.cost.live -= 1
         await self.session.close()

@@ -1,42 +1,28 @@
-"""The draft model's token trees as the coordinator asks for them: which tree shape (node budget N, depth D)
-a round asks for, from measured acceptance and measured costs, and the speculation cache's request fields.
+"""The draft model's token trees: which shape (node budget N, depth D) a round asks for, and what it predicts.
 
 The draft grows a tree by expanding the b likeliest nodes of each level with b children each
 (specdec.engine.propose_tree). A greedy tree (or the candidates scheme's) is dynamic: it grows past the
-budget and keeps the N nodes of highest path probability, so N and D are chosen freely. A sampled tree
-keeps every node it draws: the shape N(D) = min(budget, b + b^2 (D - 1)).
-
-What a shape commits is predicted from Sequoia's acceptance vector (Chen et al. 2024, "Sequoia: Scalable,
-Robust, and Hardware-aware Speculative Decoding", section 3.1): c_r, the chance that a level's r-th child
-(the draft's order, its likeliest first) holds the target's token when the children before it did not,
-measured per session on its tree rounds (SiblingAcceptance) and handed on to later sessions with rho and
-kappa below (SourcePriors). Under it the walk goes through a node with the product of
-p_r = c_r (1 - c_1) ... (1 - c_{r-1}) along its path, and a round commits
-E = 1 + rho x (the sum over the tree's nodes of that product): the bonus token, plus each node the walk
-reaches. For a dynamic tree those products are its best-first nodes, the N largest within depth D: the
-draft's own order keeps the likeliest paths, which the vector models as the lowest ranks. The vector
-treats levels as independent, and they are not (a draft right once is likelier right again, and a
-dynamic tree follows the draft's confidence round by round), so rho, the session's measured ratio of
-the nodes its tree rounds accepted to the sum they predicted, scales it (on the default pair's replay the
-vector alone, its prior at a = 0.3, predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the
-trees commit 1.68 / 1.86 / 1.95). A round costs verify(N) + propose(D): the target's measured verify
-time against tokens scored (shared with the chains, from the target's load) and the draft's measured
-propose line against its steps (one per level, as a chain's K),
-times kappa, the session's measured ratio of its tree rounds' wall time to the time predicted for them
-(what a tree costs beyond its tokens: its mask, its layout, the draft's wider levels).
-The best shape competes in the proposer policy (coordinator/proposers/policy.py) with every source's
-chains and with K = 0 (the target alone), by expected tokens per unit of time. A request with a fixed K
-asks for the tree of depth K with N(K) nodes, so that its proposals depend on no timing.
+budget and keeps the N nodes of highest path probability, so N and D are chosen freely; a sampled tree
+keeps every node it draws: N(D) = min(budget, b + b^2 (D - 1)). A shape commits E = 1 + rho x (the sum
+over its nodes of p_r = c_r (1 - c_1) ... (1 - c_{r-1}) along each node's path), from Sequoia's acceptance
+vector c_r (Chen et al. 2024, section 3.1: the chance that a level's r-th child holds the target's token
+when the children before it did not), measured per session (SiblingAcceptance); rho, the measured ratio
+of accepted nodes to that sum, corrects the vector's independence of levels (replayed on the default
+pair the vector alone predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the trees commit
+1.68 / 1.86 / 1.95). A round costs (verify(N) + propose(D)) x kappa, the measured ratio of tree rounds'
+wall time to their prediction. A request with a fixed K asks for depth K and N(K) nodes, whatever the
+timings. docs/DESIGN.md, "Token trees", has the whole story.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from coordinator.proposers.adaptive import AcceptanceRatio, AdaptiveConfig, SourceEstimate, SourcePriors
+from coordinator.proposers.estimates import Ratio, SharedPriors
+from coordinator.proposers.names import DRAFT_MODEL
 from coordinator.proposers.token_tree import children
 from specdec.proto import draft_pb2, target_pb2
 
@@ -152,19 +138,22 @@ def level_growth(p: Sequence[float], nodes: int, depth: int) -> list[float]:
     return out
 
 
-class DraftTreePolicy:
+MIN_LEVELS = 4  # tree levels a session must have judged for its tree estimates to teach the shared priors
+
+
+class DraftTrees:
     """Per session: the tree shape of each draft-model round, and what tree rounds have taught."""
 
-    def __init__(self, config: DraftTreeConfig, adaptive: AdaptiveConfig, greedy: bool = True,
-                 priors: SourcePriors | None = None) -> None:
+    def __init__(self, config: DraftTreeConfig, decay: float, greedy: bool = True,
+                 priors: SharedPriors | None = None) -> None:
         """greedy: the session's trees are dynamic (so are the candidates scheme's), their N chosen freely.
         priors: where the estimates start, what the coordinator's earlier sessions learnt (None: the defaults)."""
         self.config, self.greedy, self.priors = config, greedy, priors
         self.dynamic = greedy or config.scheme == "candidates"
-        vector, rho, kappa = (priors.trees(greedy) if priors else None) or (None, 1.0, 1.0)
-        self.siblings = SiblingAcceptance(max(config.branching, 1), adaptive.decay, vector)
-        self.ratio = AcceptanceRatio(adaptive.decay, prior=rho)  # rho: nodes accepted / the sum the vector predicted
-        self.cost_ratio = AcceptanceRatio(adaptive.decay, prior=kappa)  # kappa: a round's time / the time predicted
+        learnt = (lambda name, default: priors.get(DRAFT_MODEL, greedy, name, default)) if priors else (lambda n, d: d)
+        self.siblings = SiblingAcceptance(max(config.branching, 1), decay, learnt("siblings", None))
+        self.ratio = Ratio(decay, prior=learnt("rho", 1.0))  # rho: nodes accepted / the sum the vector predicted
+        self.cost_ratio = Ratio(decay, prior=learnt("kappa", 1.0))  # kappa: a round's time / the time predicted
         self._asked = (0.0, 0.0)  # the sum the vector predicted for the tree last asked for, and its time (ms)
 
     def nodes(self, depth: int) -> int:
@@ -187,23 +176,20 @@ class DraftTreePolicy:
         n = self.nodes(k)
         if self.config.branching <= 1 or not k < n <= max_nodes:
             return None
-        self._asked = (self.reach(a, n, k), 0.0)  # no time predicted: a fixed K's tree asks none
         return TreeAsk(n, k, self.config.branching)
 
-    def best(self, chain: SourceEstimate, verify: Sequence[float], max_k: int, max_nodes: int,
-             measured: bool = True) -> tuple[float, TreeAsk] | None:
-        """The tree of most expected tokens per ms, at most max_k deep and max_nodes large, and that rate (None:
-        no tree, e.g. a budget under 2). chain: the draft model's estimates (its acceptance a, its propose
-        line); verify[n]: the predicted verify time of a round scoring n drafts (n = 0..max_nodes)."""
+    def best(self, a: float, propose: Callable[[int], float], verify: Sequence[float], max_k: int,
+             max_nodes: int) -> tuple[float, float, TreeAsk] | None:
+        """The tree of most expected tokens per ms, at most max_k deep and max_nodes large: (E, its round's time
+        in ms, the tree), or None (no tree, e.g. a budget under 2). a: the chain's acceptance; propose(D): the
+        draft's time for D levels; verify[n]: the target's for a round scoring n drafts (n = 0..max_nodes)."""
         c = self.config
         limit = min(c.max_nodes, max_nodes, len(verify) - 1)
         if limit <= 1 or c.branching <= 1:
             return None
-        p0, p1 = chain.propose_cost.line(measured)
-        p, rho, kappa = self.siblings.path_probs(chain.acceptance), self.ratio.value, self.cost_ratio.value
+        p, rho, kappa = self.siblings.path_probs(a), self.ratio.value, self.cost_ratio.value
         best = None
         for depth in range(1, max_k + 1):
-            propose = max(p0 + p1 * depth, 1e-6)
             if self.dynamic:  # every N from depth + 1 (a chain's N is its depth) to the budget
                 reach = list(accumulate(best_first(p, limit, depth)))
                 shapes = [(n, reach[n - 1]) for n in range(depth + 1, len(reach) + 1)]
@@ -211,13 +197,17 @@ class DraftTreePolicy:
                 n = self.nodes(depth)
                 shapes = [(n, sum(level_growth(p, n, depth)))] if depth < n <= limit else []
             for n, r in shapes:
-                rate = (1.0 + rho * r) / ((verify[n] + propose) * kappa)
-                if best is None or rate > best[0]:  # b <= N: the N best nodes use no child past the N-th
-                    best = (rate, TreeAsk(n, depth, min(c.branching, n)), r, verify[n] + propose)
+                cost = (verify[n] + propose(depth)) * kappa
+                if best is None or (1.0 + rho * r) / cost > best[0]:  # b <= N: the N best nodes use no child past N
+                    best = ((1.0 + rho * r) / cost, r, cost, TreeAsk(n, depth, min(c.branching, n)))
         if best is None:
             return None
-        self._asked = (best[2], best[3])  # if it is asked for: what its round is judged against
-        return best[0], best[1]
+        return 1.0 + rho * best[1], best[2], best[3]
+
+    def asked(self, tree: TreeAsk, a: float, cost_ms: float) -> None:
+        """The tree a round asks for, with chain acceptance a and its predicted time (0: none, a fixed K's):
+        what its outcome is judged against."""
+        self._asked = (self.reach(a, tree.nodes, tree.depth), cost_ms / max(self.cost_ratio.value, 1e-9))
 
     def observe(self, parents: Sequence[int], path: Sequence[int], round_ms: float = 0.0) -> None:
         """A tree round: its nodes' parents, the accepted path (node indices, root-down) and the round's time
@@ -231,9 +221,10 @@ class DraftTreePolicy:
 
     def teach(self, a: float) -> None:
         """At the session's end: hand what its trees measured to the shared priors (a: the chain's acceptance,
-        the vector's prior scale), once they were judged on SourcePriors.MIN_LEVELS levels."""
-        if self.priors is not None and self.siblings.levels >= SourcePriors.MIN_LEVELS:
-            self.priors.learn_trees(self.greedy, self.siblings.conditional(a), self.ratio.value, self.cost_ratio.value)
+        the vector's prior scale), once they were judged on MIN_LEVELS levels."""
+        if self.priors is not None and self.siblings.levels >= MIN_LEVELS:
+            self.priors.learn(DRAFT_MODEL, self.greedy, siblings=self.siblings.conditional(a), rho=self.ratio.value,
+                              kappa=self.cost_ratio.value)
 
     def request_fields(self, request: draft_pb2.ProposeRequest, tree: TreeAsk | None, k: int) -> None:
         """Fill a ProposeRequest's tree and speculation fields: the tree, or with the speculation cache on a

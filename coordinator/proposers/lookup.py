@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 
 from coordinator.proposers.base import Proposal
+from coordinator.proposers.estimates import SharedPriors
+from coordinator.proposers.local import LocalStrategy
 from coordinator.proposers.names import PROMPT_LOOKUP
 from coordinator.proposers.token_tree import TreeBuilder
 
@@ -27,6 +29,8 @@ MATCHES = 4  # occurrences kept per n-gram (the branches a tree may offer from o
 class LookupConfig:
     min_ngram: int = 2  # shortest suffix worth matching (1-grams match too often to be accepted)
     max_ngram: int = 4  # longest suffix tried first
+    prior_acceptance: float = 0.5  # per-token acceptance assumed before any round (and before any session taught one)
+    decay: float = 0.9  # weight of the past per round in its estimates (~10-round memory)
 
 
 class NgramIndex:
@@ -82,21 +86,23 @@ class NgramIndex:
         return tree.tokens, tree.parents
 
 
-class PromptLookupProposer:
+class LookupStrategy(LocalStrategy):
+    """Prompt lookup as a strategy (coordinator.proposers.local): the session's n-gram index."""
+
     source = PROMPT_LOOKUP
 
-    def __init__(self, config: LookupConfig, prompt_ids: list[int]) -> None:
+    def __init__(self, config: LookupConfig, prompt_ids: list[int], *, greedy: bool = True, tree_nodes: int = 0,
+                 priors: SharedPriors | None = None) -> None:
+        super().__init__(config.prior_acceptance, config.decay, greedy=greedy, tree_nodes=tree_nodes, priors=priors)
         self.index = NgramIndex(config, prompt_ids)
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens) -> None:
         self.index.extend(tokens)
 
-    def propose(self, k: int, shared: bool = True, tree_nodes: int = 0) -> Proposal:
-        """Up to k tokens, or with tree_nodes > 0 a tree of at most that many nodes and depth k; `shared` is
-        for the suffix proposer's interface (lookup has no shared state)."""
+    def offer(self, k: int, tree_nodes: int = 0) -> Proposal:
         t0 = time.perf_counter()
         if tree_nodes > 0:
             tokens, parents = self.index.propose_tree(k, tree_nodes)
-            return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k, parents=parents)
-        tokens = self.index.propose(k)
-        return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k)
+        else:
+            tokens, parents = self.index.propose(k), []
+        return Proposal(PROMPT_LOOKUP, tokens, wall_ms=(time.perf_counter() - t0) * 1e3, k=k, parents=parents)

@@ -221,6 +221,10 @@ class TierClient:
         """From any one replica (no routing key: the balancer picks one)."""
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=self.timeout_s)
 
+    async def status(self) -> common_pb2.StatusResponse:
+        """From any one replica: its load, and the cost curve it measured at start."""
+        return await self.stub.GetStatus(common_pb2.StatusRequest(), timeout=self.timeout_s)
+
 
 class TierSessionCalls(SessionStream):
     """A session's stream on a tier, and the tier's EndSession for it."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.proposers.adaptive import TierLoad
+from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
 from coordinator.tiers.session import TierSession
 from specdec.core.prefix import PrefixHashes
@@ -25,7 +25,7 @@ class Verdict:
 
 class TargetVerifier:
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int, stats: RoundStats,
-                 load: TierLoad | None = None, logprobs: int = -1) -> None:
+                 load: TierCost | None = None, logprobs: int = -1) -> None:
         """seed: the request's (each round's draws are keyed by it and the committed length); load: the target's
         batching, shared by the coordinator's sessions, learnt from every response (None: not learnt);
         logprobs: -1 none, n >= 0 the committed tokens' logprobs with the top n alternatives."""

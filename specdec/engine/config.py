@@ -52,3 +52,6 @@ class TierConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     torch_threads: int = 0  # intra-op threads for this process; 0 leaves torch's default
     step: StepConfig = field(default_factory=StepConfig)
+    # At start, time forwards at the batch sizes it will see for at most this long (specdec.engine.cost_curve),
+    # reported in its status for the coordinator's policy; 0 = skip (the coordinator then learns from steps).
+    cost_curve_s: float = 3.0

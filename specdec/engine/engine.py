@@ -29,6 +29,7 @@ import torch
 
 from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
+from specdec.engine.cost_curve import measure as measure_cost_curve
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed, ModelRunner
@@ -109,6 +110,7 @@ class Engine:
         self.observers: list[StepObserver] = []
         self.steps = 0
         self.step_tokens = 0
+        self.cost_curve: list[tuple[int, int, float]] = []  # (sessions, tokens, ms) timed at start (load())
         self._lock = threading.Lock()  # guards the session table and the scheduler's queues
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Work] = []
@@ -131,6 +133,10 @@ class Engine:
         t0 = time.perf_counter()
         engine = cls(config, _load_model(config), load_tokenizer(config.model.path))
         engine.warm_up()
+        b, t1 = config.batch, time.perf_counter()
+        engine.cost_curve = measure_cost_curve(engine.runner, engine.cache, b.max_batch_sessions, b.max_batch_tokens,
+                                               config.cost_curve_s)
+        log.info("step cost measured at %d batch sizes in %.1fs", len(engine.cost_curve), time.perf_counter() - t1)
         release_thread_pool()  # this thread is done computing: the engine thread's team is the only one
         engine.start()
         m, cache = config.model, engine.cache

@@ -1,0 +1,104 @@
+"""What the model-free strategies (prompt lookup, suffix decoding) share: an offer made here in microseconds,
+priced for every prefix of it, and judged every greedy round whether chosen or not.
+
+Each round the strategy makes its offer (a chain, or a token tree with tree_nodes > 0) and predicts, for
+its first k tokens (k = 1..its length), E(k) = 1 + expected accepted drafts: (1 - a^(k+1)) / (1 - a) - 1
+for its measured per-token acceptance a, or, where the offer carries its own estimate (the suffix tree's
+probs[i] = P(first i+1 drafts right)), the sum of probs[:k] times the measured ratio of accepted to
+estimated drafts (so a tree that is too confident is discounted); and C(k) = verify(k) + its own time (a
+line in k, ~0). In a greedy round the committed tokens are the target's own continuation, so an offer not
+chosen is judged by its common prefix with them: free measurements that keep its estimates current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Sequence
+from itertools import accumulate
+
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.estimates import Acceptance, LinearCost, Ratio, SharedPriors
+from coordinator.proposers.strategy import Ask, Outcome, Prediction
+from coordinator.proposers.token_tree import cut, match
+from coordinator.tiers.target import Verdict
+from specdec.core.prefix import PrefixHashes
+
+MIN_ATTEMPTS = 4  # drafts a session must have judged for its estimates to teach the shared priors
+
+
+class LocalStrategy:
+    """A model-free strategy; subclasses set `source` and make offers (offer())."""
+
+    def __init__(self, prior_acceptance: float, decay: float, *, greedy: bool = True, tree_nodes: int = 0,
+                 priors: SharedPriors | None = None) -> None:
+        """tree_nodes > 0: offer token trees of at most that many nodes. priors: where the estimates start, and
+        what they teach at the session's end (None: the config's prior, nothing taught)."""
+        self.greedy, self.tree_nodes, self.priors = greedy, tree_nodes, priors
+        start = priors.get(self.source, greedy, "acceptance", prior_acceptance) if priors else prior_acceptance
+        self.acceptance = Acceptance(decay, start)
+        self.ratio = Ratio(decay, priors.get(self.source, greedy, "ratio", 1.0) if priors else 1.0)
+        self.propose_cost = LinearCost(decay, 0.0, 0.0)  # microseconds here: ~0
+        self._offer: Proposal | None = None  # this round's offer
+        self._depth = 0  # this round's depth budget
+
+    @property
+    def judged_unchosen(self) -> bool:
+        return self.greedy
+
+    def offer(self, k: int, tree_nodes: int) -> Proposal:
+        """Up to k tokens (a chain), or with tree_nodes > 0 a tree of at most that many nodes and depth k."""
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        pass
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def predict(self, ask: Ask) -> list[Prediction]:
+        self._offer, self._depth = self.offer(ask.k, min(self.tree_nodes, len(ask.verify_ms) - 1)), ask.k
+        offer = self._offer
+        n_max = min(len(offer.tokens), len(ask.verify_ms) - 1)
+        a, ratio = self.acceptance.value, self.ratio.value
+        out = []
+        for k, cumulative in enumerate(accumulate(offer.probs[:n_max] or [a ** (i + 1) for i in range(n_max)]), 1):
+            if ask.fixed and k < n_max:
+                continue
+            expected = 1.0 + (min(float(k), ratio * cumulative) if offer.probs else cumulative)
+            cost = ask.verify_ms[k] + self.propose_cost.predict(k, ask.measured)
+            out.append(Prediction(self, k, expected, cost))
+        return out
+
+    async def propose(self, choice: Prediction, committed: list[int], hashes: PrefixHashes) -> Proposal:
+        o, k = self._offer, choice.k
+        if o.parents:  # a tree: its first k nodes, no deeper than the round's budget
+            tokens, parents, probs = cut(o.tokens[:k], o.parents[:k], o.probs[:k], self._depth, k)
+            return dataclasses.replace(o, tokens=tokens, parents=parents, probs=probs, k=k)
+        return dataclasses.replace(o, tokens=o.tokens[:k], probs=o.probs[:k], k=k)
+
+    def observe(self, outcome: Outcome) -> None:
+        proposal = outcome.proposal
+        if proposal.source == self.source and proposal.tokens:  # its own round
+            self._judge(proposal, len(proposal.tokens), len(outcome.path))
+        elif self.greedy and self._offer is not None and self._offer.tokens:  # judged against the target's own
+            offer, accepted = self._offer, outcome.accepted
+            if offer.parents:  # a tree: the path the greedy walk would have taken
+                n = len(match(offer.tokens, offer.parents, accepted))
+            else:
+                n = next((i for i, (d, t) in enumerate(zip(offer.tokens, accepted)) if d != t), min(len(offer.tokens), len(accepted)))
+            self._judge(offer, min(len(offer.tokens), len(accepted)), n)
+        self._offer = None
+
+    async def while_verifying(self, verifying: Awaitable[Verdict]) -> Verdict:
+        return await verifying  # nothing to do meanwhile
+
+    def _judge(self, proposal: Proposal, k: int, n: int) -> None:
+        self.acceptance.judge(k, n)
+        self.propose_cost.observe(len(proposal.tokens), proposal.wall_ms)
+        if proposal.probs:
+            self.ratio.observe(n, sum(proposal.probs[:k]))
+
+    async def close(self) -> None:
+        if self.priors is not None and self.acceptance.attempts >= MIN_ATTEMPTS:
+            self.priors.learn(self.source, self.greedy, acceptance=self.acceptance.value,
+                              ratio=self.ratio.value if self.ratio.observations else None)

@@ -1,0 +1,86 @@
+"""The one interface every proposer implements, and what passes through it.
+
+A strategy proposes (a chain, or a token tree where it can), observes what each round accepted, and
+predicts, for each shape it could propose this round, the tokens the round would commit and its time. The
+policy (coordinator/proposers/policy.py) asks every strategy of the session for its predictions, adds K = 0
+(the target alone) and picks the largest tokens per second; it knows nothing else about any of them. A
+strategy holds its own estimates and its own settings (a config dataclass of its own), and starts its
+estimates from what earlier sessions taught (estimates.SharedPriors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.names import Proposer
+from coordinator.tiers.target import Verdict
+from specdec.core.prefix import PrefixHashes
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a round may propose, and at what price the target verifies it."""
+
+    k: int  # the deepest proposal: drafts per path (the request's K, or the policy's max_k, within the budget)
+    nodes: int  # the largest token tree (nodes); <= k: chains only
+    fixed: bool  # exactly k: the request's own K (no K = 0, no shorter chain)
+    measured: bool  # timings may sway the choice (False: a reproducible request, priced from priors alone)
+    verify_ms: Sequence[float]  # the predicted verify time of a round scoring n drafts, n = 0..max(k, nodes)
+    batch: float = 1.0  # sessions per target step now (the load)
+    context: int = 0  # the committed length
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One shape a strategy could propose this round, and what it would yield."""
+
+    by: "Strategy"  # who would propose it
+    k: int  # drafts per path (a chain's length, a tree's depth); for a local tree its first k nodes
+    tokens: float  # E: tokens the round would commit, the bonus included
+    cost_ms: float  # C: the round's time, proposing and verifying
+    nodes: int = 0  # a draft-model tree's node budget (0: a chain)
+    branching: int = 1  # a draft-model tree's children per expanded node
+
+    @property
+    def rate(self) -> float:
+        """Tokens per millisecond."""
+        return self.tokens / max(self.cost_ms, 1e-6)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A verified round, as every strategy of the session observes it."""
+
+    proposal: Proposal  # what was proposed (its source: the strategy; no tokens: a target-only round)
+    accepted: Sequence[int]  # the accepted drafts and the target's token: in a greedy round, its own continuation
+    path: Sequence[int]  # the accepted drafts' node indices (a chain: 0..n-1)
+    verify_ms: float  # the target's round trip
+
+
+class Strategy(Protocol):
+    source: Proposer  # its name (API, stats, metrics)
+    judged_unchosen: bool  # it learns from rounds it did not propose (so the policy never probes it)
+
+    async def start(self) -> None:
+        """Before the first round (e.g. index the prompt)."""
+
+    def predict(self, ask: Ask) -> list[Prediction]:
+        """The shapes it could propose this round within `ask`, each priced (none: it has nothing to offer)."""
+
+    async def propose(self, choice: Prediction, committed: list[int], hashes: PrefixHashes) -> Proposal:
+        """The proposal `choice` predicted (raises TierError if a remote strategy is unreachable)."""
+
+    def observe(self, outcome: Outcome) -> None:
+        """A verified round, its own or another strategy's."""
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Tokens just committed."""
+
+    async def while_verifying(self, verifying: Awaitable[Verdict]) -> Verdict:
+        """The verdict on its proposal, awaited (the draft model files its tier's pushes meanwhile)."""
+
+    async def close(self) -> None:
+        """The session ended: teach the shared priors, end any remote session (best effort)."""

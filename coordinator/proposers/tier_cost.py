@@ -1,0 +1,136 @@
+"""What a tier's step costs at its current load: the prices the policy and the strategies quote.
+
+A step's time grows with its tokens, T_step(n), flat while streaming the weights bounds it and steep once
+arithmetic does: StepCurve fits it locally at each size, from the points the tier measured at start
+(StatusResponse.cost_curve, specdec/engine/cost_curve.py) and the steps its replies report since. With B
+sessions per step all sending K, a round takes the call's overhead plus the whole step, overhead +
+T_step(B (K + 1)): each draft token costs B tokens' worth of the step's slope, so K falls as B grows, to
+K = 0 where a draft no longer pays. B is the current load: the sessions the replies say a step holds, and
+no fewer than the sessions this coordinator has open on the tier (up to its batch limit), so a burst of new
+sessions is priced at its batch from its first round. Queueing behind other sessions is not charged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from itertools import accumulate
+
+from coordinator.proposers.estimates import LinearCost
+
+
+class StepCurve:
+    """Step time (ms) against the tokens in the step, n, for steps of about B sessions: at each (n, B) a
+    weighted least-squares line in n through the measured points and the last `window` steps (locally
+    weighted regression), each weighted by how near its tokens and sessions are to n and B (Gaussians in log n
+    and log B, `width` wide: twice or half counts 0.38, four times 0.02), steps also by their age (decay per
+    newer step), measured points by `measured_weight`. The line's value at n is the prediction; where the
+    nearby points all had one size, the prior slope stands in, and with no points at all, the prior line.
+    Sessions matter beside tokens (each brings its own attention and bookkeeping: 16 tokens cost more as 4
+    sessions x 4 than as one verify of 16). Fits are cached per size and redone after `refresh` new steps."""
+
+    def __init__(self, window: int = 128, width: float = 0.5, decay: float = 0.99, refresh: int = 16,
+                 prior_intercept: float = 50.0, prior_slope: float = 3.0, measured_weight: float = 0.3) -> None:
+        self.width, self.decay, self.refresh, self.measured_weight = width, decay, refresh, measured_weight
+        self.prior = (prior_intercept, prior_slope)
+        self._measured: list[tuple[float, float, float]] = []  # (log n, log B, ms) timed by the tier at start
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # reported steps, oldest first
+        self._cache: dict[tuple[int, int], float] = {}
+        self._since = 0  # steps since the cache was cleared
+
+    @staticmethod
+    def _point(n: float, ms: float, sessions: float) -> tuple[float, float, float]:
+        return math.log(max(n, 1)), math.log(max(sessions, 1)), ms
+
+    def seed(self, points) -> None:
+        """The tier's measured (sessions, tokens, ms) points."""
+        self._measured = [self._point(n, ms, b) for b, n, ms in points]
+        self._cache.clear()
+
+    def observe(self, n: int, ms: float, sessions: int = 1) -> None:
+        self._steps.append(self._point(n, ms, sessions))
+        self._since += 1
+        if self._since >= min(self.refresh, len(self._steps)):
+            self._cache.clear()
+            self._since = 0
+
+    def predict(self, n: float, sessions: float = 1.0) -> float:
+        key = (max(int(round(n)), 1), max(int(round(sessions)), 1))
+        if key not in self._cache:
+            self._cache[key] = self._fit(*key)
+        return self._cache[key]
+
+    def _fit(self, n: int, sessions: int) -> float:
+        at, at_b, last = math.log(n), math.log(sessions), len(self._steps) - 1
+        weighted = [(self.measured_weight, p) for p in self._measured]
+        weighted += [(self.decay ** (last - i), p) for i, p in enumerate(self._steps)]
+        sw = swx = swy = swxx = swxy = 0.0
+        for age, (log_m, log_b, ms) in weighted:
+            d, e = (log_m - at) / self.width, (log_b - at_b) / self.width
+            w, x = age * math.exp(-0.5 * (d * d + e * e)), math.exp(log_m)
+            sw, swx, swy, swxx, swxy = sw + w, swx + w * x, swy + w * ms, swxx + w * x * x, swxy + w * x * ms
+        if sw < 1e-300:  # no points, or all thousands of times larger or smaller
+            return max(self.prior[0] + self.prior[1] * n, 1e-6)
+        mean_x, mean_y = swx / sw, swy / sw
+        var = swxx / sw - mean_x * mean_x
+        if var <= (0.05 * mean_x) ** 2:  # the nearby points had one size: no slope to read from them
+            slope = self.prior[1]
+        else:
+            slope = max((swxy / sw - mean_x * mean_y) / var, 0.0)
+        return max(mean_y + slope * (n - mean_x), 1e-6)
+
+
+class TierCost:
+    """A tier as the coordinator prices it: its step curve, sessions per step, a call's overhead, and the
+    sessions open on it now. Shared by all of a coordinator's sessions."""
+
+    def __init__(self, decay: float = 0.98, prior_intercept: float = 50.0, prior_slope: float = 3.0) -> None:
+        self.decay = decay
+        self.step_cost = StepCurve(prior_intercept=prior_intercept, prior_slope=prior_slope)
+        # The round's price where no timing may count: the curve's prior at B = 1, a step of k + 1 tokens.
+        self.prior = LinearCost(decay, prior_intercept + prior_slope, prior_slope)
+        self.sessions = 1.0  # sessions per step, exponentially weighted over the replies
+        # A call's wall time beyond the tier's work for it (network, serialisation), a line in the drafts it
+        # carries; fitted without a prior (a negligible one).
+        self.overhead = LinearCost(decay, 0.0, 0.0, prior_weight=1e-9)
+        self.observations = 0
+        self.live = 0  # sessions this coordinator has open on the tier now (generations in progress)
+        self.max_sessions = 0  # the tier's batch limit (ModelInfo.max_batch_sessions; 0 = unknown)
+
+    def seed(self, status, max_sessions: int = 0) -> None:
+        """What the tier reported at start: its StatusResponse (cost_curve) and its batch limit."""
+        self.step_cost.seed([(p.sessions, p.tokens, p.ms) for p in status.cost_curve])
+        self.max_sessions = max_sessions
+
+    @property
+    def batch(self) -> float:
+        """B: the sessions a step holds now."""
+        live = min(self.live, self.max_sessions) if self.max_sessions else self.live
+        return max(self.sessions, live, 1.0)
+
+    def observe(self, batch_sessions: int, batch_tokens: int, step_ms: float, wall_ms: float,
+                compute_ms: float = 0.0, queue_ms: float = 0.0, drafts: int = 0) -> None:
+        """A reply: its step's sessions, tokens and time, and the call's own times. A tier that reports no
+        batching (a fake, an older replica) is taken as running this call alone: a step of its drafts + 1."""
+        if batch_sessions <= 0 or batch_tokens <= 0:
+            batch_sessions, batch_tokens, step_ms = 1, drafts + 1, wall_ms - queue_ms
+        d = self.decay if self.observations else 0.0
+        self.step_cost.observe(batch_tokens, step_ms, batch_sessions)
+        self.sessions = d * self.sessions + (1 - d) * batch_sessions
+        self.overhead.observe(drafts, max(0.0, wall_ms - (compute_ms or step_ms) - queue_ms))
+        self.observations += 1
+
+    def step_ms(self, tokens_each: float) -> float:
+        """One step at the current batch with `tokens_each` new tokens per session."""
+        b = self.batch
+        return self.step_cost.predict(b * tokens_each, b)
+
+    def round_ms(self, k: int) -> float:
+        """A round with k drafts when the step's B sessions all send k: the call's overhead and the whole step."""
+        return self.overhead.predict(k) + self.step_ms(k + 1)
+
+    def verify_ms(self, n: int, measured: bool = True) -> list[float]:
+        """The predicted time of a round scoring 0..n drafts (never falling); measured=False: the prior line."""
+        if not measured:
+            return [self.prior.predict(k, False) for k in range(n + 1)]
+        return list(accumulate((max(self.round_ms(k), 1e-6) for k in range(n + 1)), max))

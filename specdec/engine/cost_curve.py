@@ -1,0 +1,52 @@
+"""The step's cost curve, measured at start: how long one forward takes for B sessions with t new tokens each.
+
+A tier's step time grows with the batch, and not along one line (flat while streaming the weights bounds it,
+steep once arithmetic does), so what a draft token costs depends on the batch it joins: on a 2-core CPU a
+verify of 5 tokens costs ~1.1x one of 1 at batch 1, and 16 sessions' drafts cost ~2.4 ms a token more. The
+coordinator cannot learn that from sessions that have not run yet (a burst of clients starting together), so
+each replica times a few forwards before serving, at the batch sizes and tokens per session it will see, and
+reports them in its status (StatusResponse.cost_curve). Each forward runs B scratch sessions over a short
+cached context. The points are taken coarse grid first (one session and a full batch, a decode step and a
+verify of K = 3), so that a busy machine's budget still spans the batch sizes; the first MIN_POINTS always.
+"""
+
+from __future__ import annotations
+
+import time
+
+from specdec.engine.runner import Feed
+
+# (sessions, new tokens per session), in the order measured: the coarse grid first, then the points between.
+GRID = [(1, 1), (16, 1), (1, 4), (16, 4)] + [(b, t) for t in (1, 4) for b in (4, 32)] + [
+    (b, t) for t in (2, 8) for b in (1, 16, 4, 32)] + [(b, t) for t in (1, 4, 2, 8) for b in (2, 8)]
+MIN_POINTS = 4  # measured whatever the budget: a decode step and a verify of K = 3, alone and in a batch of 16
+CONTEXT = 4  # tokens each scratch session holds before the timed forwards
+REPEATS = 2  # each point is the fastest of this many forwards
+
+
+def measure(runner, cache, max_sessions: int, max_tokens: int, budget_s: float) -> list[tuple[int, int, float]]:
+    """(sessions, tokens in all, ms) of forwards on `runner` over free slots of `cache`, at most max_sessions
+    sessions and max_tokens tokens each, stopping once budget_s seconds are spent (0: none at all)."""
+    if budget_s <= 0:
+        return []
+    slots: list[int] = []
+    while len(slots) < min(max(b for b, _ in GRID), max_sessions) and (slot := cache.allocate()) is not None:
+        slots.append(slot)
+    points: list[tuple[int, int, float]] = []
+    try:
+        deadline = time.perf_counter() + budget_s
+        runner.forward_checked([Feed(slot, 0, [0] * CONTEXT, 1) for slot in slots])  # the scratch sessions' context
+        for b, t in ((b, t) for b, t in GRID if b <= len(slots) and b * t <= max_tokens):
+            feeds = [Feed(slot, CONTEXT, [0] * t, t) for slot in slots[:b]]
+            best = float("inf")
+            for _ in range(REPEATS):
+                t0 = time.perf_counter()
+                runner.forward_checked(feeds)
+                best = min(best, time.perf_counter() - t0)
+            points.append((b, b * t, best * 1e3))
+            if len(points) >= MIN_POINTS and time.perf_counter() > deadline:
+                break
+        return points
+    finally:
+        for slot in slots:
+            cache.release(slot)

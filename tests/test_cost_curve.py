@@ -1,0 +1,43 @@
+"""A tier's step cost curve, measured at start (specdec/engine/cost_curve.py) and reported in its status: the
+points it times (coarse grid first, within the budget, at least MIN_POINTS), the scratch slots given back, and
+both tiers of a real cluster reporting it (StatusResponse.cost_curve), which the coordinator prices from."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.engine import cost_curve
+from specdec.engine.config import BatchConfig, TierConfig
+from specdec.engine.engine import Engine
+from specdec.models import ModelConfig, load_model, load_tokenizer
+from tests.helpers import device_model
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target):
+    e = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig(max_batch_tokens=64)), load_model(device_model(tiny_target)),
+               load_tokenizer(tiny_target))
+    yield e
+
+
+def test_points_span_the_grid_within_the_limits_and_give_the_slots_back(engine):
+    free = engine.cache.free_slots
+    points = cost_curve.measure(engine.runner, engine.cache, 16, 64, budget_s=60.0)
+    wanted = [(b, b * t) for b, t in cost_curve.GRID if b <= 16 and b * t <= 64]
+    assert [(b, n) for b, n, _ in points] == wanted  # the whole grid fits the budget here, in its order
+    assert wanted[:2] == [(1, 1), (16, 16)]  # a decode step alone and in a full batch come first
+    assert all(ms > 0 for _, _, ms in points)
+    assert engine.cache.free_slots == free
+
+
+def test_a_spent_budget_still_measures_the_minimum_and_zero_measures_nothing(engine):
+    points = cost_curve.measure(engine.runner, engine.cache, 64, 512, budget_s=1e-9)
+    assert [(b, n) for b, n, _ in points] == [(1, 1), (16, 16), (1, 4), (16, 64)][: cost_curve.MIN_POINTS]
+    assert cost_curve.measure(engine.runner, engine.cache, 64, 512, budget_s=0.0) == []
+
+
+def test_both_tiers_report_their_curve(self_draft_cluster):
+    for tier in ("target", "draft"):
+        curve = self_draft_cluster.status(tier).cost_curve
+        assert len(curve) >= cost_curve.MIN_POINTS and curve[0].sessions == 1 and curve[0].tokens == 1
+        assert all(p.ms > 0 for p in curve)

@@ -1,0 +1,133 @@
+"""The policy (coordinator.proposers.policy) decision by decision: fake strategies with set predictions, the
+real strategies over fake tiers, and the round loop with a fake target (tests/test_round_loop.py's fakes).
+
+What it must do (DESIGN.md, "Proposers"): pick the prediction of most tokens per ms, K = 0 included, drafting
+only where that beats K = 0 by min_gain; probe a K = 1 every probe_every rounds when K = 0 wins, unless that
+K = 1's strategy judges itself for free; honour a request's K; and in a cold burst (sessions starting
+together, none finished) price every proposal from the cost curve the target measured at start, at the
+batch it is running now, so that a steep curve at batch 16 means K = 0 from the first round."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.proposers.base import Proposal
+from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
+from coordinator.proposers.policy import Policy, PolicyConfig
+from coordinator.proposers.strategy import Prediction
+from coordinator.proposers.tier_cost import TierCost
+from tests.proposer_fakes import Offer, ask, draft, status
+from tests.test_round_loop import FakeDraft, FakeTarget, generation, run, tokens, truth
+
+
+class Fixed:
+    """A strategy whose predictions are set by hand: (k, tokens, cost_ms) each."""
+
+    def __init__(self, source: str, shapes, judged_unchosen: bool = False) -> None:
+        self.source, self.shapes, self.judged_unchosen, self.asked = source, shapes, judged_unchosen, 0
+
+    def predict(self, ask) -> list[Prediction]:
+        self.asked += 1
+        return [Prediction(self, k, e, c) for k, e, c in self.shapes if k <= ask.k and (not ask.fixed or k == ask.k)]
+
+
+def chosen(choice: Prediction | None) -> tuple[str, int] | None:
+    return None if choice is None else (choice.by.source, choice.k)
+
+
+def test_the_largest_rate_wins_and_k0_counts():
+    """verify(0) = 53 ms with nothing measured: K = 0 yields 1/53 = 0.0189 tokens a ms."""
+    a = Fixed(PROMPT_LOOKUP, [(1, 1.5, 56.0), (2, 1.9, 60.0)])  # 0.0268, 0.0317
+    b = Fixed(DRAFT_MODEL, [(1, 1.8, 62.0), (3, 2.6, 80.0)])  # 0.0290, 0.0325
+    assert chosen(Policy(PolicyConfig()).choose([a, b], ask())) == (DRAFT_MODEL, 3)
+    assert chosen(Policy(PolicyConfig()).choose([a], ask())) == (PROMPT_LOOKUP, 2)
+    slow = Fixed(DRAFT_MODEL, [(1, 1.8, 120.0)])  # 0.015 < 0.0189
+    assert Policy(PolicyConfig()).choose([slow], ask()) is None
+    assert Policy(PolicyConfig()).choose([Fixed(SUFFIX, [])], ask()) is None  # nothing offered: K = 0
+
+
+def test_drafting_must_beat_k0_by_the_margin():
+    """1.04x K = 0's rate is not enough at min_gain 1.05; 1.06x is."""
+    k0 = 1 / 53.0
+    assert Policy(PolicyConfig()).choose([Fixed(SUFFIX, [(1, 1.04 * k0 * 50, 50.0)])], ask()) is None
+    assert chosen(Policy(PolicyConfig()).choose([Fixed(SUFFIX, [(1, 1.06 * k0 * 50, 50.0)])], ask())) == (SUFFIX, 1)
+    assert chosen(Policy(PolicyConfig(min_gain=1.0)).choose([Fixed(SUFFIX, [(1, 1.04 * k0 * 50, 50.0)])], ask())) == (SUFFIX, 1)
+
+
+def test_k0_rounds_probe_a_k1_unless_its_strategy_judges_itself_for_free():
+    losing = [(1, 1.1, 100.0)]
+    policy = Policy(PolicyConfig(probe_every=4))
+    picks = [chosen(policy.choose([Fixed(DRAFT_MODEL, losing)], ask())) for _ in range(8)]
+    assert picks == [None, None, None, (DRAFT_MODEL, 1)] * 2
+    free = Policy(PolicyConfig(probe_every=4))
+    assert [free.choose([Fixed(PROMPT_LOOKUP, losing, judged_unchosen=True)], ask()) for _ in range(8)] == [None] * 8
+
+
+def test_a_requests_k_is_honoured_and_a_zero_budget_asks_nobody():
+    slow = Fixed(PROMPT_LOOKUP, [(2, 1.1, 500.0), (3, 1.2, 500.0)])
+    assert chosen(Policy(PolicyConfig()).choose([slow], ask(k=3, fixed=True))) == (PROMPT_LOOKUP, 3)  # no K = 0 option
+    assert chosen(Policy(PolicyConfig()).choose([slow], ask(k=2, fixed=True))) == (PROMPT_LOOKUP, 2)
+    assert Policy(PolicyConfig()).choose([slow], ask(k=0)) is None and slow.asked == 2
+
+
+def hinge(n: float, sessions: float = 1) -> float:
+    """A 2-core CPU's target step: flat at 22 ms while streaming the weights bounds it (up to 5 tokens), then
+    2.4 ms a token, and 1 ms a session."""
+    return 22.0 + 2.4 * max(n - 5.0, 0.0) + 1.0 * (sessions - 1)
+
+
+def measured(live: int) -> TierCost:
+    """A target that reported the hinge as its cost curve at start, with `live` sessions open on it and none of
+    their steps reported yet (a cold burst)."""
+    cost = TierCost()
+    cost.seed(status(hinge), max_sessions=64)
+    cost.live = live
+    return cost
+
+
+def test_a_measured_curve_prices_the_batch_the_tier_runs_now():
+    one, burst = measured(1), measured(16)
+    assert one.batch == 1 and burst.batch == 16
+    assert one.round_ms(0) == pytest.approx(22.0, rel=0.05) and one.round_ms(3) == pytest.approx(22.0, rel=0.1)  # the fit rounds the corner
+    assert burst.round_ms(0) == pytest.approx(hinge(16, 16), rel=0.05)
+    assert burst.round_ms(3) == pytest.approx(hinge(64, 16), rel=0.05)  # every session of the step sends 3
+    capped = measured(100)
+    assert capped.batch == 64  # no more than the tier batches
+
+
+@pytest.mark.parametrize("live, drafts", [(1, True), (16, False), (32, False)])
+def test_cold_burst_k0_from_the_first_round_at_batch_16(live, drafts):
+    """No session has finished (priors at 0.5, no step reported): at batch 1 the flat curve makes drafting pay
+    (a verify of 5 costs one step), at 16 and 32 sessions each draft token adds 16-32 x 2.4 ms to a step
+    every session waits for, so no strategy's first proposal beats K = 0."""
+    lookup = Offer(PROMPT_LOOKUP)
+    lookup.next = Proposal(PROMPT_LOOKUP, [5, 6, 7, 8, 9, 10, 11, 12])
+    suffix = Offer(SUFFIX)
+    suffix.next = Proposal(SUFFIX, [5, 6, 7, 8], probs=[0.6, 0.4, 0.3, 0.2])
+    choice = Policy(PolicyConfig()).choose([suffix, lookup, draft()], ask(measured(live)))
+    assert (choice is not None) == drafts
+
+
+def test_cold_burst_through_the_round_loop():
+    """Sixteen sessions open on a target whose curve is steep at batch 16: a session's very first round is the
+    target alone (the draft is not asked); with one session open it drafts from the first round."""
+    cont = truth()
+    for live, first in ((16, []), (1, cont[:4])):
+        target, tier = FakeTarget(cont), FakeDraft(cont)
+        chunks, _ = run(generation(target, tier, k=None, max_new=8, load=measured(live)))
+        assert tokens(chunks) == cont[:8] and target.calls[0] == first[: len(target.calls[0])]
+        assert (tier.proposed > 0) == (live == 1) and (len(target.calls[0]) > 0) == (live == 1)
+
+
+def test_the_curve_is_refined_by_the_steps_reported():
+    """A tier that measured a flat curve but, under a burst, reports steep steps: the policy follows the steps."""
+    cost = TierCost()
+    cost.seed(status(lambda n, b: 22.0), max_sessions=64)
+    cost.live = 16
+    lookup = Offer(PROMPT_LOOKUP)
+    lookup.next = Proposal(PROMPT_LOOKUP, [5, 6, 7, 8])
+    assert Policy(PolicyConfig()).choose([lookup], ask(cost)) is not None  # priced flat: drafts
+    for i in range(60):
+        n = 16 * (1 + i % 5)
+        cost.observe(16, n, hinge(n, 16), hinge(n, 16) + 1.0)
+    assert Policy(PolicyConfig()).choose([lookup], ask(cost)) is None
