@@ -25,7 +25,7 @@ from bench.prompts import PROMPTS
 from coordinator.proposers.adaptive import AdaptiveConfig
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.lookup import PromptLookupProposer
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
+from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from coordinator.proposers.lookup import LookupConfig
 from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer
 

@@ -13,7 +13,7 @@ import sys
 from coordinator.proposers.adaptive import AdaptiveConfig
 from coordinator.api.admission import AdmissionConfig
 from coordinator.proposers.lookup import LookupConfig
-from coordinator.proposers.names import NAMES, Proposer
+from specdec.core.proposer_names import NAMES, Proposer
 from coordinator.tiers.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported
 from coordinator.api.grpc_api import SERVICE_NAME
 from coordinator.config import CoordinatorConfig
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
           help="adaptive K asks the draft model only while at most this many generations run (0 = any): for tiers "
                "sharing one machine's cores, where a draft beside a busy target slows both (specdec serve / run-local set 1)")
     a.add("--default-proposer", default=D.default_proposer, choices=list(NAMES),
-          help="proposer when a request leaves it unset (a name or alias of coordinator.proposers.names)")
+          help="proposer when a request leaves it unset (a name or alias of specdec.core.proposer_names)")
     a.add("--lookup-min-ngram", type=int, default=LookupConfig.min_ngram, help="prompt lookup: shortest suffix matched")
     a.add("--lookup-max-ngram", type=int, default=LookupConfig.max_ngram, help="prompt lookup: longest suffix matched")
     S = SuffixConfig

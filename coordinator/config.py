@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from coordinator.api.admission import AdmissionConfig
 from coordinator.proposers.adaptive import AdaptiveConfig
 from coordinator.proposers.lookup import LookupConfig
-from coordinator.proposers.names import HYBRID, Proposer
+from specdec.core.proposer_names import HYBRID, Proposer
 from coordinator.proposers.suffix import SuffixConfig
 from coordinator.tiers.reachability import ReachabilityConfig
 from coordinator.tiers.routing import RoutingConfig

@@ -21,7 +21,7 @@ from coordinator.proposers.draft_model import DraftModelProposer
 from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTreePolicy
 from coordinator.proposers.drafter import Drafter
 from coordinator.proposers.lookup import PromptLookupProposer
-from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
+from specdec.core.proposer_names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.suffix import SuffixCache, SuffixProposer
 from coordinator.stats import RoundStats

@@ -7,7 +7,7 @@ import pytest
 from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, StepCurve, TierLoad, expected_tokens
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP
+from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP
 
 
 def loaded(sessions: int, alpha: float = 40.0, beta: float = 3.0, overhead: float = 2.0, rounds: int = 60,

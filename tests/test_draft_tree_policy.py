@@ -10,7 +10,7 @@ tree of branching 1)."""
 from __future__ import annotations
 
 from coordinator.proposers.adaptive import AdaptiveConfig, SourceEstimate, SourcePriors
-from coordinator.proposers.names import DRAFT_MODEL
+from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.proposers.draft_tree import (DraftTreeConfig, DraftTreePolicy, SiblingAcceptance, TreeAsk, best_first,
                                               level_growth)

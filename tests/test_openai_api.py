@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from coordinator.api.admission import AdmissionConfig
-from coordinator.proposers.names import NAMES, Proposer
+from specdec.core.proposer_names import NAMES, Proposer
 from specdec.client import Client
 from tests.helpers import Cluster
 from tests.test_metrics import scrape, value

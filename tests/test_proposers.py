@@ -6,7 +6,7 @@ from coordinator.proposers.adaptive import AdaptiveConfig, LinearCost, SourcePri
 from coordinator.proposers.lookup import LookupConfig, NgramIndex
 from coordinator.proposers.policy import Choice, ProposerPolicy
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
+from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 
 SOURCES = (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL)
 

@@ -23,7 +23,7 @@ from coordinator.proposers.adaptive import AdaptiveConfig, TierLoad
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.drafter import Drafter
 from coordinator.proposers.lookup import LookupConfig, PromptLookupProposer
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, Proposer
+from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, Proposer
 from coordinator.proposers.policy import ProposerPolicy
 from coordinator.stats import RoundStats
 from coordinator.tiers.client import TierError

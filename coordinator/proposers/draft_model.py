@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.draft_tree import DraftTreePolicy, TreeAsk
-from coordinator.proposers.names import DRAFT_MODEL
+from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.tiers.session import TierSession
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2

@@ -18,7 +18,7 @@ from coordinator.params import GenerationParams
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.draft_tree import DraftTreePolicy, TreeAsk
 from coordinator.proposers.lookup import PromptLookupProposer
-from coordinator.proposers.names import DRAFT_MODEL, HYBRID
+from specdec.core.proposer_names import DRAFT_MODEL, HYBRID
 from coordinator.proposers.policy import STEADY_CATCH_UP, ProposerPolicy
 from coordinator.proposers.suffix import SuffixCache, SuffixProposer
 from coordinator.proposers.token_tree import cut

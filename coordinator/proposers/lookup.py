@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import PROMPT_LOOKUP
+from specdec.core.proposer_names import PROMPT_LOOKUP
 from coordinator.proposers.token_tree import TreeBuilder
 
 MATCHES = 4  # occurrences kept per n-gram (the branches a tree may offer from one n)

@@ -45,7 +45,7 @@ from itertools import accumulate
 from coordinator.proposers.adaptive import AcceptanceRatio, AdaptiveConfig, LinearCost, SourceEstimate, SourcePriors, TierLoad
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.draft_tree import DraftTreePolicy, TreeAsk
-from coordinator.proposers.names import DRAFT_MODEL
+from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.token_tree import match
 
 

@@ -29,7 +29,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import SUFFIX
+from specdec.core.proposer_names import SUFFIX
 from coordinator.proposers.token_tree import TreeBuilder
 
 

@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from coordinator.proposers.names import ALIASES, NAMES
+from specdec.core.proposer_names import ALIASES, NAMES
 from specdec.client import Client, finish_reason_name
 from specdec.client.bench import BenchConfig
 from specdec.models import default_draft, default_target
