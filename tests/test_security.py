@@ -346,14 +346,12 @@ def test_coordinator_flags(tmp_path, monkeypatch, capsys):
 
     token_file = tmp_path / "token"
     token_file.write_text(f"{TOKEN}\n")
-    assert auth_token_from(Namespace(auth_token=None, auth_token_file=str(token_file))) == TOKEN
-    assert auth_token_from(Namespace(auth_token=TOKEN, auth_token_file=None)) == TOKEN
-    assert auth_token_from(Namespace(auth_token="", auth_token_file=None)) is None
-    for bad in (Namespace(auth_token=TOKEN, auth_token_file=str(token_file)),
-                Namespace(auth_token="with space", auth_token_file=None),
-                Namespace(auth_token=None, auth_token_file=str(tmp_path / "missing"))):
+    assert auth_token_from(None, str(token_file)) == TOKEN
+    assert auth_token_from(TOKEN, None) == TOKEN
+    assert auth_token_from("", None) is None
+    for bad in ((TOKEN, str(token_file)), ("with space", None), (None, str(tmp_path / "missing"))):
         with pytest.raises(SystemExit) as e:
-            auth_token_from(bad)
+            auth_token_from(*bad)
         assert e.value.code == 2
     # Misconfigured TLS exits 2 before connecting to anything.
     for argv, message in ((["--tier-client-cert", "c.pem", "--tier-client-key", "k.pem"], "need --tier-ca"),

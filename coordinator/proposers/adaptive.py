@@ -27,6 +27,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from specdec.core.settings import setting
+
 
 def expected_tokens(a: float, k: int) -> float:
     """Expected tokens per round, bonus included, for per-token acceptance a and K drafts."""
@@ -194,6 +196,8 @@ class TierLoad:
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
+    """Adaptive K: the policy choosing each round's proposer and K."""
+
     max_k: int = 8  # largest K tried
     decay: float = 0.9  # weight of the past per round (~10-round memory)
     prior_acceptance: float = 0.5  # acceptance assumed before any round
@@ -204,7 +208,7 @@ class AdaptiveConfig:
     # target's and both slow down far more than the policy's timings show (each tier's threads spin on
     # the cores the other needs); above the limit only the local proposers draft. vLLM's
     # speculative_disable_by_batch_size, counted in sessions this coordinator has open on the target.
-    draft_max_sessions: int = 0
+    draft_max_sessions: int = setting(0, flag="draft-max-sessions")
 
 
 class SourcePriors:

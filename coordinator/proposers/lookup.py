@@ -25,6 +25,8 @@ MATCHES = 4  # occurrences kept per n-gram (the branches a tree may offer from o
 
 @dataclass(frozen=True)
 class LookupConfig:
+    """Prompt lookup."""
+
     min_ngram: int = 2  # shortest suffix worth matching (1-grams match too often to be accepted)
     max_ngram: int = 4  # longest suffix tried first
 

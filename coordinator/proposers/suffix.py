@@ -31,20 +31,25 @@ from dataclasses import dataclass, field
 from coordinator.proposers.base import Proposal
 from specdec.core.proposer_names import SUFFIX
 from coordinator.proposers.token_tree import TreeBuilder
+from specdec.core.settings import setting
 
 
 @dataclass(frozen=True)
 class SuffixConfig:
+    """Suffix decoding."""
+
     max_depth: int = 24  # longest indexed substring (match + proposal), vLLM's default
     # A match of m tokens proposes at most m * factor + offset tokens (ArcticInference's max_spec_factor /
     # max_spec_offset, whose defaults are 1 and 0). With a verify nearly flat in K a longer chain costs little:
     # on recorded greedy outputs of the default target, 2 and 2 give 8-13% more tokens per forward than 1 and 0
     # on the template and grounded workloads (docs/BENCHMARKS.md, "suffix decoding's chain limit").
     max_spec_factor: float = 2.0
-    max_spec_offset: float = 2.0
+    max_spec_offset: float = 2.0  # see --suffix-max-spec-factor
     min_token_prob: float = 0.1  # stop the chain when its estimated probability falls below this
-    cache_entries: int = 1024  # finished outputs kept in the shared tree (0 = no shared tree)
-    cache_bytes: int = 64 << 20  # estimated memory bound of the shared tree, evicting the oldest output
+    cache_entries: int = 1024  # finished outputs kept in the tree shared by all sessions (0 = no shared tree)
+    # Estimated memory bound of the shared tree, MiB (the oldest outputs are evicted)
+    cache_bytes: int = setting(64 << 20, flag="suffix-cache-mb", parse=lambda mib: int(float(mib) * 2**20),
+                               show=lambda b: f"{b / 2**20:g}")
     cache_context: int = 4  # prompt tokens stored before each output, so output starts can be predicted
 
     def __post_init__(self) -> None:

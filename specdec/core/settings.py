@@ -43,7 +43,8 @@ def setting(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING,
             show: Callable | None = None, choices: Iterable | None = None, secret: bool = False,
             prefix: str = "", cli: bool = True, repr: bool = True):
     """A dataclass field with what its name and type do not say about its flag:
-    flag: the flag's name without dashes and group prefix (default: the field's name, less a trailing _s);
+    flag: the flag's whole name without dashes (default: its group's prefix and the field's name, less a
+    trailing _s);
     env: the full environment variable name, for names older than SPECDEC_<SERVICE>_<FLAG>;
     aliases: older flag names still accepted (each with its own SPECDEC_<SERVICE>_<ALIAS> too);
     parse / show: text -> value and value -> text, for values that are not their type's plain text;
@@ -71,6 +72,7 @@ class Setting:
     show: Callable[[object], str]
     choices: tuple | None
     secret: bool
+    custom_show: bool  # show= given: it reads None too
 
     @property
     def dest(self) -> str:
@@ -82,7 +84,7 @@ class Setting:
             return "set" if value else "unset"
         if callable(value):  # a default computed at start, e.g. specdec.models.default_target
             return f"{value.__module__}.{value.__qualname__}()"
-        if value is None or value == "":
+        if (value is None or value == "") and not self.custom_show:
             return "none"
         if self.kind is bool:
             return "on" if value else "off"
@@ -190,12 +192,13 @@ def settings_of(cls: type, service: str, path: tuple[str, ...] = (), prefix: str
         else:
             default = _UNSET
         parse, show, choices = _text_parser(kind, meta.get("choices"))
-        flag = prefix + (meta.get("flag") or flag_name(f.name))
+        flag = meta.get("flag") or prefix + flag_name(f.name)
         out.append(Setting(
             path=path + (f.name,), flag=flag, env=meta.get("env") or env_name(service, flag),
-            aliases=tuple(prefix + a for a in meta.get("aliases", ())), kind=kind, optional=optional, default=default,
+            aliases=tuple(meta.get("aliases", ())), kind=kind, optional=optional, default=default,
             help=helps.get(f.name, ""), group=title(cls), parse=meta.get("parse") or parse,
-            show=meta.get("show") or show, choices=choices, secret=meta.get("secret", False)))
+            show=meta.get("show") or show, choices=choices, secret=meta.get("secret", False),
+            custom_show=meta.get("show") is not None))
     return out
 
 
@@ -249,7 +252,12 @@ class Settings:
             return None
         if s.choices is not None and text not in s.choices:
             raise ValueError(f"expected one of {', '.join(map(str, s.choices))}, got {text!r}")
-        return s.parse(text)
+        try:
+            return s.parse(text)
+        except ValueError:
+            if s.parse in (int, float):
+                raise ValueError(f"expected {'an integer' if s.parse is int else 'a number'}, got {text!r}") from None
+            raise
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         """Add every setting to parser, in one argument group per config dataclass."""
@@ -263,7 +271,7 @@ class Settings:
                 group.add_argument(*names, dest=s.dest, action=argparse.BooleanOptionalAction, default=_UNSET, help=help_)
             else:
                 group.add_argument(*names, dest=s.dest, type=self._argparse_type(s), default=_UNSET, help=help_,
-                                   metavar=("{" + ",".join(map(str, s.choices)) + "}") if s.choices else None)
+                                   metavar=("{" + ",".join(map(str, s.choices)) + "}") if s.choices else _metavar(s))
 
     def _argparse_type(self, s: Setting) -> Callable[[str], object]:
         def convert(text: str):
@@ -323,6 +331,12 @@ class Settings:
             default = self.defaults[s.flag]
             out.append(f"| {flags} | `{s.env}` | {s.text(default)} | {s.help.replace('|', '/')}{choices} |")
         return "\n".join(out).lstrip("\n")
+
+
+def _metavar(s: Setting) -> str:
+    if typing.get_origin(s.kind) is tuple:
+        return "N,N,..."
+    return {int: "N", float: "X"}.get(s.kind, "TEXT")
 
 
 def _replace_word(text: str, word: str, by: str) -> str:

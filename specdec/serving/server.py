@@ -31,16 +31,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerConfig:
-    address: str = "127.0.0.1:0"  # host:port to bind; port 0 picks a free one
-    max_message_bytes: int = 8 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED
-    grace_s: float = 5.0  # on shutdown, in-flight rpcs get this long to finish
-    tls_cert: str | None = None  # PEM certificate chain; set (with tls_key) = serve TLS instead of plaintext
-    tls_key: str | None = None  # PEM private key of tls_cert
-    tls_client_ca: str | None = None  # PEM CA bundle; set = mutual TLS: clients must present a cert it signed
-    # Close each client connection (GOAWAY) after this long, so clients re-resolve the service's name and
+    """The gRPC server."""
+
+    address: str = "127.0.0.1:0"  # host:port to listen on (port 0 = any free port)
+    max_message_bytes: int = 8 * 1024 * 1024  # largest gRPC message accepted; larger requests get RESOURCE_EXHAUSTED
+    grace_s: float = 5.0  # seconds in-flight rpcs get to finish on SIGTERM
+    tls_cert: str | None = None  # PEM certificate chain: serve TLS instead of plaintext (needs --tls-key)
+    tls_key: str | None = None  # PEM private key of --tls-cert
+    tls_client_ca: str | None = None  # PEM CA bundle: require client certificates it signed (mutual TLS)
+    # Seconds before a client connection is closed (GOAWAY), so clients re-resolve the service's name and
     # find replicas that joined (docs/DESIGN.md, Many replicas); 0 = never. In-flight rpcs keep the old connection.
     max_connection_age_s: float = 0.0
-    # How long in-flight rpcs may go on over an aged connection before it is closed (a draft stream lasts
+    # Seconds in-flight rpcs may go on over an aged connection before it is closed (a draft stream lasts
     # one generation; one cut short only costs that session a re-prefill).
     max_connection_age_grace_s: float = 600.0
 
@@ -50,7 +52,7 @@ class ServerConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
-            raise ValueError("max_connection_age and max_connection_age_grace must be >= 0 seconds")
+            raise ValueError("max_connection_age_s and max_connection_age_grace_s must be >= 0 seconds")
 
 
 def read_pem(path: str, what: str) -> bytes:
