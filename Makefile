@@ -8,7 +8,7 @@ GEN    := specdec/proto/.generated-stamp
 # Torch first, pinned: this machine's local CPU wheel. A looser pin pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup proto kernels run test bench clean prometheus
+.PHONY: setup proto kernels run test test-fast settings-doc bench clean prometheus
 
 setup: $(STAMP) $(GEN) kernels
 
@@ -35,8 +35,18 @@ $(GEN): $(PROTOS) $(STAMP)
 run: setup
 	$(PY) -m specdec.client.cli run-local --max-new-tokens $${MAX_NEW_TOKENS:-128}
 
+# Everything (what CI runs); --durations shows where the time goes.
 test: setup prometheus
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
+
+# The fast tier while changing code: unit and single-process tests (no service processes, no real model
+# pair, no long statistical or load tests; the marks are in pyproject.toml), under 3 minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m "not processes and not real_pair and not slow" --durations=15 tests
+
+# docs/settings.md from the config dataclasses (tests/test_settings.py fails while it is stale).
+settings-doc: $(STAMP)
+	$(PY) -m tests.settings_doc
 
 # Debian's prometheus, which tests/test_prometheus.py runs against a local cluster: installed once
 # (needs root and apt; a no-op when the binary is there).

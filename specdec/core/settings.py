@@ -96,22 +96,23 @@ def comments(cls: type) -> dict[str, str]:
     comment lines below it indented past the field (a continued comment)."""
     src = textwrap.dedent(inspect.getsource(cls))
     lines = src.splitlines()
-    found = {}  # row -> (text, comment-only line, column)
+    found = {}  # row -> (text, comment-only line, continues the line above: indented past its "#" or the field)
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
             row, col = tok.start
-            found[row] = (tok.string.lstrip("#").strip(), not lines[row - 1][:col].strip(), col)
+            alone = not lines[row - 1][:col].strip()
+            found[row] = (tok.string.lstrip("#").strip(), alone, alone and tok.string[1:].startswith("  "), col)
     out = {}
     for stmt in ast.parse(src).body[0].body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
         above, row = [], stmt.lineno - 1
-        while row in found and found[row][1] and found[row][2] == stmt.col_offset:
+        while row in found and found[row][1] and not found[row][2] and found[row][3] == stmt.col_offset:
             above.insert(0, found[row][0])
             row -= 1
         beside = [found[r][0] for r in range(stmt.lineno, stmt.end_lineno + 1) if r in found and not found[r][1]]
         below, row = [], stmt.end_lineno + 1
-        while row in found and found[row][1] and found[row][2] > stmt.col_offset:
+        while beside and row in found and found[row][1] and (found[row][2] or found[row][3] > stmt.col_offset):
             below.append(found[row][0])
             row += 1
         out[stmt.target.id] = " ".join(part for part in above + beside + below if part)
@@ -304,7 +305,10 @@ class Settings:
 
     def parse(self, parser: argparse.ArgumentParser, argv=None, environ: Mapping[str, str] | None = None) -> dict[str, object]:
         """Parse argv into the root configs; a bad value exits 2 with a one-line error naming its flag or variable."""
-        namespace = parser.parse_args(argv)
+        return self.load(parser.parse_args(argv), environ)
+
+    def load(self, namespace: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, object]:
+        """The root configs from a parsed command line (of a parser add_to filled) and the environment."""
         try:
             return self.build(self.values(namespace, environ))
         except ValueError as e:  # a config's own check (__post_init__) or an unusable environment variable
