@@ -54,7 +54,8 @@ prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-# Benchmarks, each appending a section to docs/BENCHMARKS.md (and redrawing docs/bench_*.png):
+# Benchmarks, each appending a section to the month's run log, docs/bench-logs/YYYY-MM.md (and redrawing
+# docs/bench_*.png); docs/BENCHMARKS.md holds the current figures, each citing its section:
 #  bench.run          target alone vs HF assisted generation vs specdec per proposer and K, on open,
 #                     grounded and repeated-template workloads (~15 min quick;
 #                     BENCH_ARGS=--long for the full matrix, BENCH_ARGS=--help for the options)

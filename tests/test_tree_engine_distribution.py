@@ -18,9 +18,9 @@ from specdec.engine.verify import CANDIDATES, IID, WITHOUT_REPLACEMENT, VerifyWo
 from specdec.math.params import SamplingParams
 from specdec.math.seeds import mix64
 from tests.test_distribution import (N_TOKENS, START, V, assert_matches_target, exact_joint, goodness_of_fit,
+                                     make_tables)
 
 pytestmark = pytest.mark.slow
-                                     make_tables)
 
 N_TRIALS = 5_000
 PARAMS = SamplingParams(temperature=1.0)

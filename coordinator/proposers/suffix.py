@@ -42,7 +42,7 @@ class SuffixConfig:
     # A match of m tokens proposes at most m * factor + offset tokens (ArcticInference's max_spec_factor /
     # max_spec_offset, whose defaults are 1 and 0). With a verify nearly flat in K a longer chain costs little:
     # on recorded greedy outputs of the default target, 2 and 2 give 8-13% more tokens per forward than 1 and 0
-    # on the template and grounded workloads (docs/BENCHMARKS.md, "suffix decoding's chain limit").
+    # on the template and grounded workloads (docs/bench-logs/2026-11.md, "suffix decoding's chain limit").
     max_spec_factor: float = 2.0
     max_spec_offset: float = 2.0  # see --suffix-max-spec-factor
     min_token_prob: float = 0.1  # stop the chain when its estimated probability falls below this
