@@ -22,7 +22,7 @@ value of a setting whose default is "none" means none.
 
 Do not edit this page: change the field's comment (its help) or default, then run
 `make settings-doc` (`python -m tests.settings_doc`); `tests/test_settings.py` fails while it is stale.
-To add a setting, add a field (docs/settings.md, "Adding a setting", below the tables, says how).
+To add a setting, add a field ("Adding a setting", at the end, says how).
 """
 
 FOOTER = """
