@@ -39,10 +39,10 @@ run: setup
 test: setup prometheus
 	$(PY) -m pytest -q --durations=20 tests
 
-# The fast tier while changing code: unit and single-process tests (no service processes, no real model
-# pair, no long statistical or load tests; the marks are in pyproject.toml), under 3 minutes on 2 cores.
+# The fast tier while changing code: the unit tests (no services, in this process or as processes, no real
+# model pair, no long statistical, load or torch.compile tests; the marks are in pyproject.toml).
 test-fast: setup
-	$(PY) -m pytest -q -m "not processes and not real_pair and not slow" --durations=15 tests
+	$(PY) -m pytest -q -m "not processes and not real_pair and not slow and not servers" --durations=15 tests
 
 # docs/settings.md from the config dataclasses (tests/test_settings.py fails while it is stale).
 settings-doc: $(STAMP)

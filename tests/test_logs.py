@@ -21,6 +21,8 @@ from specdec.client import Client
 from specdec.serving.logs import JsonFormatter, TextFormatter, configure_logging
 from tests.helpers import Cluster
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 SECRET_PROMPT = "my-private-prompt-7f3a: the launch codes are"
 
 

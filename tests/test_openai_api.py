@@ -18,6 +18,8 @@ from specdec.client import Client
 from tests.helpers import Cluster
 from tests.test_metrics import scrape, value
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PROMPT = "Write a short story about a lighthouse keeper"
 
 

@@ -31,6 +31,8 @@ from specdec.serving.auth import BearerTokenInterceptor
 from specdec.serving.server import ServerConfig
 from tests.helpers import Cluster
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 TOKEN = "s3cret-Token_0123456789"
 TIER_NAME = "tier.specdec.internal"  # a service name in the tiers' cert, for tier_server_name
 PROMPT = "The quick brown fox jumps over"

@@ -6,6 +6,7 @@ variable of before the mechanism still works; docs/settings.md is the generated 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -42,6 +43,7 @@ OLD_FLAGS = {
 }
 
 
+@functools.cache
 def services() -> dict[str, Settings]:
     return {s.service: s for _, _, s in settings_doc.services()}
 
