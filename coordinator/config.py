@@ -22,24 +22,30 @@ def _k(text: str) -> int | None:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    """The coordinator: its tiers, the API's defaults and limits, proposals."""
+    """The coordinator."""
 
+    #: The coordinator: its tiers
     # The target tier as a gRPC target: host:port, or a name resolving to every replica, e.g.
     # dns:///specdec-target.<ns>.svc.cluster.local:50062 (a headless Service; coordinator.tiers.routing)
     target_address: str = setting(flag="target")
     draft_address: str | None = setting(flag="draft")  # the draft tier, like --target ('' = target-only decoding)
     tokenizer: str = setting()  # model path or hub id whose tokenizer to use (the target's)
     server: ServerConfig = ServerConfig()
+
+    #: The API: requests' defaults and limits
     default_max_new_tokens: int = 128  # max_new_tokens when a request leaves it unset
     max_new_tokens_cap: int = 4096  # largest max_new_tokens accepted
     max_prompt_tokens: int = 8192  # longest prompt accepted (tokens)
     # K when a request leaves it unset: a number, or auto for adaptive K
-    default_num_speculative_tokens: int | None = setting(None, flag="default-k", parse=_k, show=lambda k: "auto" if k is None else str(k))
+    default_num_speculative_tokens: int | None = setting(None, flag="default-k", parse=_k,
+                                                         show=lambda k: "auto" if k is None else str(k))
     max_num_speculative_tokens: int = setting(16, flag="max-k")  # largest K accepted
     default_proposer: Proposer = setting(HYBRID, choices=NAMES)  # proposer when a request leaves it unset (a name or alias)
     adaptive: AdaptiveConfig = setting(AdaptiveConfig(), prefix="adaptive-")
     lookup: LookupConfig = setting(LookupConfig(), prefix="lookup-")
     suffix: SuffixConfig = setting(SuffixConfig(), prefix="suffix-")
+
+    #: Proposals: overlap and token trees
     overlap: bool = False  # the draft tier pre-drafts the next round while the target verifies (its speculation cache)
     speculate_outcomes: int = 4  # with --overlap: the likeliest outcomes of a round the draft pre-drafts the next round for
     tree_nodes: int = 0  # > 0: prompt lookup and suffix decoding propose token trees of this many nodes, K their depth (0 = chains)
@@ -47,16 +53,20 @@ class CoordinatorConfig:
     draft_tree_branching: int = 4  # children per expanded node of the draft model's trees, and nodes expanded per level
     # How a sampled draft tree's siblings are drawn (the target's verifier follows)
     draft_tree_scheme: str = setting("without_replacement", choices=("without_replacement", "iid", "candidates"))
+
+    #: The coordinator: its tiers
     tier_retry_s: float = setting(30.0, flag="tier-retry-timeout")  # seconds to keep retrying an unreachable target when the client set no deadline
     admission: AdmissionConfig = AdmissionConfig()
     rpc_timeout_s: float = 60.0  # deadline of each internal rpc, seconds
     connect_timeout_s: float = 300.0  # seconds to wait for the tiers at start-up
-    # Security (docs/security.md)
 
+    #: The coordinator: its tiers' TLS (docs/security.md)
     tier_ca: str | None = None  # PEM CA that signed the tiers' certificates: connect to the tiers over TLS
     tier_client_cert: str | None = None  # PEM client certificate presented to the tiers (mutual TLS); needs --tier-ca
     tier_client_key: str | None = None  # PEM private key of --tier-client-cert
     tier_server_name: str | None = None  # name to verify in the tiers' certificates (default: the address's host)
+
+    #: The API: its token, HTTP address and model name
     # Require 'authorization: Bearer <token>' on the public API (health and reflection stay open)
     auth_token: str | None = setting(None, secret=True, repr=False)
     auth_token_file: str | None = None  # read the bearer token from this file's first line (instead of --auth-token)

@@ -33,7 +33,8 @@ Add a typed field with a default and a comment to the config dataclass it belong
 `CoordinatorConfig`; a strategy: its config class). The comment is its help; the field's name, less
 a trailing `_s` (seconds), after its group's prefix (`suffix-`, `lookup-`, ...) is its flag; its type
 picks the parser (`bool`, `int`, `float`, `str`, `X | None`, `tuple[int, ...]`, a `Literal`, a str
-enum). A field whose type is a dataclass is a group. `setting(...)` (specdec.core.settings) says the
+enum). A field whose type is a dataclass is a group (titled by its class docstring's first sentence);
+a `#: title` comment line starts a group within a class. `setting(...)` (specdec.core.settings) says the
 rest where needed: another flag name (`flag=`), older names (`aliases=`), a parser for text such as
 `auto` (`parse=`, `show=`), accepted values (`choices=`), a secret (`secret=True`), or a field that
 is no setting (`cli=False`). Then `make settings-doc`.

@@ -156,6 +156,8 @@ class Inner:
     wait_s: float = 1.5
     sizes: tuple[int, ...] = (1, 2)  # beside the field
     #                                  and continued
+
+    #: Named things
     name: str | None = None  # may be none
 
 
@@ -169,13 +171,13 @@ class Outer:
 
 
 def test_fields_become_flags_with_their_comments_as_help():
-    assert comments(Inner) == {"wait_s": "Above the field, two lines.", "sizes": "beside the field and continued",
-                               "name": "may be none"}
+    assert comments(Inner) == ({"wait_s": "Above the field, two lines.", "sizes": "beside the field and continued",
+                                "name": "may be none"}, {"name": "Named things"})
     s = Settings("demo", {"root": Outer})
     assert [(x.flag, x.env, x.group) for x in s.settings] == [
         ("flag-on", "SPECDEC_DEMO_FLAG_ON", "Outer"), ("short", "SPECDEC_DEMO_SHORT", "Outer"),
         ("secret", "SPECDEC_DEMO_SECRET", "Outer"), ("in-wait", "SPECDEC_DEMO_IN_WAIT", "The inner group"),
-        ("in-sizes", "SPECDEC_DEMO_IN_SIZES", "The inner group"), ("in-name", "SPECDEC_DEMO_IN_NAME", "The inner group")]
+        ("in-sizes", "SPECDEC_DEMO_IN_SIZES", "The inner group"), ("in-name", "SPECDEC_DEMO_IN_NAME", "Named things")]
     parser = __import__("argparse").ArgumentParser()
     s.add_to(parser)
     root = s.parse(parser, ["--older", "4", "--no-flag-on", "--in-sizes", "5,6", "--in-name", ""],

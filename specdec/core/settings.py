@@ -6,7 +6,8 @@ A setting is a field with a type, a default and a comment: the comment beside th
 lines just above it, and aligned continuation lines below it) is its help. Its flag is the field's name
 with dashes, less a trailing `_s` (seconds: the help says so), after its group's prefix:
 `idle_ttl_s: float = 600.0  # seconds ...` is `--idle-ttl` and SPECDEC_<SERVICE>_IDLE_TTL. A field whose
-type is a dataclass is a group of settings (its class docstring's first line titles it); so adding a
+type is a dataclass is a group of settings (its class docstring's first line titles it; a `#: title`
+comment line starts a group within a class, for the fields below it); so adding a
 setting is adding a field. `setting(...)` says what the name and type do not: another flag name, a
 parser for values such as "auto", or that a field is not a setting at all (`setting(..., cli=False)`).
 
@@ -22,6 +23,7 @@ import argparse
 import ast
 import dataclasses
 import enum
+import functools
 import inspect
 import io
 import os
@@ -91,9 +93,11 @@ class Setting:
         return self.show(value)
 
 
-def comments(cls: type) -> dict[str, str]:
-    """Each annotated field's comment: the comment lines just above it, the comment on its line(s), and the
-    comment lines below it indented past the field (a continued comment)."""
+@functools.cache
+def comments(cls: type) -> tuple[dict[str, str], dict[str, str]]:
+    """(help, group): each annotated field's comment (the comment lines just above it, the comment on its
+    line(s), and the comment lines below it indented past the field: a continued comment), and the title of
+    the last `#: title` line above it, where a class splits its fields into groups (else none)."""
     src = textwrap.dedent(inspect.getsource(cls))
     lines = src.splitlines()
     found = {}  # row -> (text, comment-only line, continues the line above: indented past its "#" or the field)
@@ -102,12 +106,16 @@ def comments(cls: type) -> dict[str, str]:
             row, col = tok.start
             alone = not lines[row - 1][:col].strip()
             found[row] = (tok.string.lstrip("#").strip(), alone, alone and tok.string[1:].startswith("  "), col)
-    out = {}
+    marks = {row: text[1:].strip() for row, (text, alone, _, _) in found.items() if alone and text.startswith(":")}
+    out, groups = {}, {}
     for stmt in ast.parse(src).body[0].body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
+        above_marks = [row for row in marks if row < stmt.lineno]
+        if above_marks:
+            groups[stmt.target.id] = marks[max(above_marks)]
         above, row = [], stmt.lineno - 1
-        while row in found and found[row][1] and not found[row][2] and found[row][3] == stmt.col_offset:
+        while row in found and row not in marks and found[row][1] and not found[row][2] and found[row][3] == stmt.col_offset:
             above.insert(0, found[row][0])
             row -= 1
         beside = [found[r][0] for r in range(stmt.lineno, stmt.end_lineno + 1) if r in found and not found[r][1]]
@@ -116,7 +124,7 @@ def comments(cls: type) -> dict[str, str]:
             below.append(found[row][0])
             row += 1
         out[stmt.target.id] = " ".join(part for part in above + beside + below if part)
-    return out
+    return out, groups
 
 
 def title(cls: type) -> str:
@@ -176,7 +184,7 @@ def flag_name(name: str) -> str:
 def settings_of(cls: type, service: str, path: tuple[str, ...] = (), prefix: str = "") -> list[Setting]:
     """The settings of a config dataclass and the dataclasses in its fields, depth first."""
     hints = typing.get_type_hints(cls)
-    helps = comments(cls)
+    helps, groups = comments(cls)
     out = []
     for f in dataclasses.fields(cls):
         meta = f.metadata.get("setting", {})
@@ -197,7 +205,7 @@ def settings_of(cls: type, service: str, path: tuple[str, ...] = (), prefix: str
         out.append(Setting(
             path=path + (f.name,), flag=flag, env=meta.get("env") or env_name(service, flag),
             aliases=tuple(meta.get("aliases", ())), kind=kind, optional=optional, default=default,
-            help=helps.get(f.name, ""), group=title(cls), parse=meta.get("parse") or parse,
+            help=helps.get(f.name, ""), group=groups.get(f.name) or title(cls), parse=meta.get("parse") or parse,
             show=meta.get("show") or show, choices=choices, secret=meta.get("secret", False),
             custom_show=meta.get("show") is not None))
     return out
@@ -324,17 +332,21 @@ class Settings:
         return message
 
     def table(self) -> str:
-        """The settings as markdown: a section per group, a row per flag."""
-        out, group = [], None
+        """The settings as markdown: a section per group (in the order of their first setting), a row per flag."""
+        groups: dict[str, list[Setting]] = {}
         for s in self.settings:
-            if s.group != group:
-                group = s.group
-                out += ["", f"**{group}**", "", "| flag | environment variable | default | meaning |", "|---|---|---|---|"]
-            flags = " ".join(f"`--{n}`" + (f" / `--no-{n}`" if s.kind is bool else "") for n in (s.flag, *s.aliases))
-            choices = f" (one of {', '.join(f'`{c}`' for c in s.choices)})" if s.choices else ""
-            default = self.defaults[s.flag]
-            out.append(f"| {flags} | `{s.env}` | {s.text(default)} | {s.help.replace('|', '/')}{choices} |")
+            groups.setdefault(s.group, []).append(s)
+        out = []
+        for group, members in groups.items():
+            out += ["", f"**{group}**", "", "| flag | environment variable | default | meaning |", "|---|---|---|---|"]
+            out += [self._row(s) for s in members]
         return "\n".join(out).lstrip("\n")
+
+    def _row(self, s: Setting) -> str:
+        """One setting's row of the table."""
+        flags = " ".join(f"`--{n}`" + (f" / `--no-{n}`" if s.kind is bool else "") for n in (s.flag, *s.aliases))
+        choices = f" (one of {', '.join(f'`{c}`' for c in s.choices)})" if s.choices else ""
+        return f"| {flags} | `{s.env}` | {s.text(self.defaults[s.flag])} | {s.help.replace('|', '/')}{choices} |"
 
 
 def _metavar(s: Setting) -> str:
