@@ -8,7 +8,7 @@ GEN    := specdec/proto/.generated-stamp
 # Torch first, pinned: this machine's local CPU wheel. A looser pin pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup proto kernels run test bench gpu-check clean prometheus eagle-head
+.PHONY: setup proto kernels run test test-fast settings-doc bench gpu-check clean prometheus eagle-head
 
 setup: $(STAMP) $(GEN) kernels
 
@@ -35,8 +35,18 @@ $(GEN): $(PROTOS) $(STAMP)
 run: setup
 	$(PY) -m specdec.client.cli run-local --max-new-tokens $${MAX_NEW_TOKENS:-128}
 
+# Everything (what CI runs); --durations shows where the time goes.
 test: setup prometheus
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
+
+# The fast tier while changing code: the unit tests (no services, in this process or as processes, no real
+# model pair, no long statistical, load or torch.compile tests; the marks are in pyproject.toml).
+test-fast: setup
+	$(PY) -m pytest -q -m "not processes and not real_pair and not slow and not servers" --durations=15 tests
+
+# docs/settings.md from the config dataclasses (tests/test_settings.py fails while it is stale).
+settings-doc: $(STAMP)
+	$(PY) -m tests.settings_doc
 
 # Debian's prometheus, which tests/test_prometheus.py runs against a local cluster: installed once
 # (needs root and apt; a no-op when the binary is there).
@@ -44,7 +54,8 @@ prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-# Benchmarks, each appending a section to docs/BENCHMARKS.md (and redrawing docs/bench_*.png):
+# Benchmarks, each appending a section to the month's run log, docs/bench-logs/YYYY-MM.md (and redrawing
+# docs/bench_*.png); docs/BENCHMARKS.md holds the current figures, each citing its section:
 #  bench.run          target alone vs HF assisted generation vs specdec per proposer and K, on open,
 #                     grounded and repeated-template workloads (~15 min quick;
 #                     BENCH_ARGS=--long for the full matrix, BENCH_ARGS=--help for the options)

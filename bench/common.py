@@ -1,6 +1,7 @@
 """What every bench shares: the repository's paths, a progress log, the machine a run measured on (CPU,
 memory, GPU, versions, git commit), how busy the rest of the machine was, markdown tables, free ports, and
-appending a run's section to docs/BENCHMARKS.md."""
+appending a run's section to this month's log, docs/bench-logs/YYYY-MM.md (docs/BENCHMARKS.md: the current
+figures, one per thing measured, each citing its section)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from specdec.serving.ports import free_port  # noqa: F401 (the one definition; benches import it from here)
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS_MD = REPO / "docs" / "BENCHMARKS.md"  # where every bench appends its section
+BENCH_LOGS = REPO / "docs" / "bench-logs"  # the dated run logs, one file per month
 T_START = time.time()
 DISTURBED = 0.10  # a timed generation during which other processes used more CPU than this is "disturbed"
 
@@ -33,9 +34,31 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[st
     return lines
 
 
-def append_section(section: str, path: str | Path = BENCHMARKS_MD, header: str = "# Benchmarks\n") -> None:
-    """Append a run's section (markdown) to path, starting the file with `header` if it is empty or new."""
-    path = Path(path)
+def bench_log(when: float | None = None) -> Path:
+    """The month's run log (UTC) where every bench appends its section: docs/bench-logs/YYYY-MM.md."""
+    return BENCH_LOGS / (time.strftime("%Y-%m", time.gmtime(when)) + ".md")
+
+
+def log_header(path: Path) -> str:
+    """The first lines of a new month's log."""
+    return (f"# Benchmark runs, {path.stem}\n\nEvery run `make bench` made this month, as it appended them (newest "
+            "last): each section names its command, machine and commit. The current figures, one per thing measured, "
+            "are on [BENCHMARKS.md](../BENCHMARKS.md).\n")
+
+
+def plot_dir(out: str | Path) -> Path:
+    """Where a bench draws its plots: docs/ for a log under docs/ (the README and BENCHMARKS.md show them
+    there), else beside the file written."""
+    out = Path(out).resolve()
+    docs = REPO / "docs"
+    return docs if out.is_relative_to(docs) else out.parent
+
+
+def append_section(section: str, path: str | Path | None = None, header: str | None = None) -> None:
+    """Append a run's section (markdown) to path (default: this month's log), starting the file with `header`
+    (default: log_header's) if it is empty or new."""
+    path = Path(path) if path else bench_log()
+    header = header if header is not None else log_header(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     existing = path.read_text() if path.exists() else ""
     if not existing.strip():

@@ -30,7 +30,7 @@ reports the median: on a 2-core machine two bursts of the same row differ by up 
 differences the rows are compared on.
 
 Run with ``python -m bench.concurrency`` (``make bench`` runs it after bench.run). It appends a
-section to docs/BENCHMARKS.md and draws docs/bench_concurrency.png.
+section to the month's log in docs/bench-logs/ and draws docs/bench_concurrency.png.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -45,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import REPO, append_section, git_commit, gpu_name, log, machine_info, md_table
+from bench.common import REPO, append_section, bench_log, git_commit, gpu_name, log, machine_info, md_table
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the steady load's first seconds, not counted (the clients' first requests start together)")
     p.add_argument("--cold", action="store_true",
                    help="a fresh cluster for every burst (no warm-up request, no finished session before it)")
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    p.add_argument("--out", default=str(bench_log()))
     p.add_argument("--plot", default=None, help="PNG to draw (default docs/bench_concurrency.png; "
                    "docs/bench_concurrency_gpu.png with a GPU --device)")
     p.add_argument("--json", default=None, help="also write the raw per-client samples here")
@@ -468,7 +469,7 @@ def main(argv=None) -> int:
     plot_path = Path(args.plot or REPO / "docs" / ("bench_concurrency.png" if args.device == "cpu" else "bench_concurrency_gpu.png"))
     where = f"{gpu_name(args.device).split(' (')[0]}, {args.dtype}" if args.device != "cpu" else f"{m['cores']} cores"
     made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({where}, N={args.max_new_tokens})")
-    lines = markdown(results, levels, command, info, args.max_new_tokens, plot_path.name if made else None)
+    lines = markdown(results, levels, command, info, args.max_new_tokens, os.path.relpath(plot_path, Path(args.out).resolve().parent) if made and args.out else plot_path.name if made else None)
     append_section("\n".join(lines), args.out)
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1, default=str))

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import bench_log
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -48,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default=None,
                    help="step modes (default: eager,packed,compile on a CPU; eager,cuda-graphs on CUDA)")
     p.add_argument("--target", default=None, help="model (default: specdec.models.default_target())")
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
+    p.add_argument("--out", default=str(bench_log()), help="markdown file to append to ('' = none)")
     return p.parse_args(argv)
 
 

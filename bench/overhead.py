@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, append_section, md_table
+from bench.common import REPO, append_section, bench_log, md_table
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "rounds longer, so each process sleeps longer between its messages")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="sample the three processes with py-spy during the timed generations; folded stacks go here")
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
+    p.add_argument("--out", default=str(bench_log()), help="markdown file to append to ('' = none)")
     p.add_argument("--target-args", default="", help="extra flags for the target service, e.g. '--device cuda'")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service")
     p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator")

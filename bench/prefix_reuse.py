@@ -10,7 +10,7 @@ time to the first streamed token. Also reported: the aggregate tokens/s of each 
 its wall time) and the target's prefix-cache hits / queries (vLLM's counters, from GetStatus). Greedy, ignore_eos,
 fixed lengths, so on and off generate the same tokens.
 
-    python -m bench.prefix_reuse                  # the default pair (docs/BENCHMARKS.md)
+    python -m bench.prefix_reuse                  # the default pair (the month's log in docs/bench-logs/)
     python -m bench.prefix_reuse --quick --out /tmp/prefix.md   # a tiny random model, short histories (~1 min)
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import REPO, append_section, log, machine_info, md_table
+from bench.common import REPO, append_section, bench_log, log, machine_info, md_table
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system-tokens", type=int, default=1500, help="agent: tokens of the shared system prompt")
     p.add_argument("--task-tokens", type=int, default=40, help="agent: tokens of each call's own task")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
+    p.add_argument("--out", default=str(bench_log()), help="markdown file to append to ('' = none)")
     p.add_argument("--tier-args", default="", help="extra flags for both tiers, e.g. '--device cuda'")
     p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator")
     args = p.parse_args(argv)

@@ -15,7 +15,7 @@ Three workloads:
 The order matters: quick runs take the first few prompts of each workload, so each workload starts
 with a representative mix (quick ``grounded`` = a rewrite, a code edit and a summary).
 Do not edit prompts in place once results are published: add new ones at the end instead, so older
-sections of docs/BENCHMARKS.md stay comparable.
+sections of the run logs (docs/bench-logs/) stay comparable.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import json
 import time
 from pathlib import Path
 
+from bench.common import bench_log
 from bench.prompts import prompts_for
 from coordinator.proposers.lookup import LookupConfig, LookupStrategy
 from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixStrategy
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--grounded-prompts", type=int, default=6)
     p.add_argument("--max-k", type=int, default=8, help="the most drafts per round (the coordinator's default cap)")
     p.add_argument("--outputs", default=None, help="JSON file of the greedy outputs: written, or read if it exists")
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    p.add_argument("--out", default=str(bench_log()))
     args = p.parse_args(argv)
     from specdec.models import default_target
 

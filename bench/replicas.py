@@ -13,7 +13,7 @@ T/2 each. Each configuration runs `-n` requests, `-c` at a time (specdec.client.
 
 On a 2-core machine this shows that routing works (every request served, sessions split over both
 replicas), not a speed-up: both replicas share the same two cores. Appends a section to
-docs/BENCHMARKS.md.
+the month's log in docs/bench-logs/.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, append_section, free_port, git_commit, log, md_table
+from bench.common import REPO, append_section, bench_log, free_port, git_commit, log, md_table
 
 TARGETS = ["127.0.0.2", "127.0.0.3"]
 DRAFT = "127.0.0.4"
@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the target tier in all (split over replicas)")
     p.add_argument("--proposer", default="hybrid", choices=["draft", "lookup", "hybrid"])
     p.add_argument("--tiny", action="store_true", help="tiny random-init models instead of the real pair (wiring only)")
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    p.add_argument("--out", default=str(bench_log()))
     return p.parse_args(argv)
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 import statistics
 
-HEADER = """# Benchmarks
-
-Produced by `make bench` (`python -m bench.run`; `--long` for the full matrix, `--help` for the
+# What starts a month's log that bench.run opens (after bench.common.log_header's lines).
+HEADER = """Produced by `make bench` (`python -m bench.run`; `--long` for the full matrix, `--help` for the
 options). Each run appends one section below; the newest is last. The plots (`docs/bench_*.png`)
 show the newest run only.
 

@@ -6,7 +6,7 @@
     python -m bench.run --device cuda --dtype float32     # on a GPU: both tiers and the baselines there
     python -m bench.run --device cuda --draft TARGET --draft-dtype bfloat16   # the target's own copy as draft
 
-Appends one section per run to docs/BENCHMARKS.md (created with a header explaining the columns),
+Appends one section per run to the month's log in docs/bench-logs/ (created with a header explaining the columns),
 prints the same tables to stdout and progress to stderr, and redraws docs/bench_speed_vs_k.png and
 docs/bench_bound.png. Goals are recorded ("met" / "missed"), never asserted: a slow machine never
 fails the bench. A row that errors (e.g. a proposer the server does not implement yet) shows
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO, T_START, CpuMeter, append_section, gpu_name, log, machine_info, wait_idle
+from bench.common import REPO, T_START, CpuMeter, append_section, bench_log, log_header, plot_dir, gpu_name, log, machine_info, wait_idle
 from bench.run_rows import run_baselines, run_specdec
 from bench.run_rows import repeats as _repeats
 from bench.run_plan import SPEC_MAX_NEW_TOKENS, build_plan, describe_plan
@@ -45,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--long", action="store_true", help="the full matrix: K 1..8 everywhere, all prompts, 2 repeats, N=128")
     mode.add_argument("--smoke", action="store_true", help="tiny run for development: 1 prompt, 2 K values, N=16")
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append the run's section to")
-    p.add_argument("--plot-dir", default=None, help="where the PNGs go (default: the directory of --out)")
+    p.add_argument("--out", default=str(bench_log()), help="markdown file to append the run's section to")
+    p.add_argument("--plot-dir", default=None,
+                   help="where the PNGs go (default: docs/ for a log under docs/, else the directory of --out)")
     p.add_argument("--json", default=None, help="also write every raw sample (token ids, stats) to this JSON file")
     p.add_argument("--placements", default=None,
                    help="comma list of shared, separate (CPU; the default there) or gpu (the default with --device cuda)")
@@ -176,10 +177,10 @@ def main(argv=None) -> int:
     section = build_section(plan=plan, models=models, prompts=prompts, info=info, started=started, command=command,
                             elapsed=elapsed, waited=waited, other=other, all_rows=all_rows, aggs=aggs, bounds=bounds,
                             summary=summary, per_placement=per_placement, baseline_meta=baseline_meta, out_path=out_path,
-                            plot_dir=Path(args.plot_dir) if args.plot_dir else out_path.parent)
+                            plot_dir=Path(args.plot_dir) if args.plot_dir else plot_dir(out_path))
     if plan["device"] == "cpu":  # the llama.cpp peer on the same GGUF and prompts (where it is installed)
         section = section.rstrip("\n") + "\n\n" + "\n".join(llama_cpp_row(plan, models, prompts, all_rows, aggs))
-    append_section(section, out_path, header=report.HEADER)
+    append_section(section, out_path, header=log_header(Path(out_path)) + "\n" + report.HEADER)
     if args.json:
         Path(args.json).write_text(json.dumps({"plan": plan, "machine": info, "rows": all_rows, "aggregates": aggs,
                                                "bounds": bounds, "placements": per_placement, "baselines": baseline_meta},

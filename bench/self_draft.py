@@ -12,7 +12,7 @@ The analytical speed-up of speculative decoding with such a draft follows from b
 a, K drafts and a draft step costing c target steps, a round yields (1 - a^(K+1)) / (1 - a) tokens for
 K * c + v(K) target-step times (v(K) = verify cost of K + 1 tokens, measured by the main bench).
 
-Run: python -m bench.self_draft [--tokens 64] [--prompts 6] [--threads 2]; appends to docs/BENCHMARKS.md.
+Run: python -m bench.self_draft [--tokens 64] [--prompts 6] [--threads 2]; appends to the month's log in docs/bench-logs/.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import shlex
 import sys
 import time
 
-from bench.common import REPO
+from bench.common import REPO, bench_log
 
 
 def main(argv=None) -> int:
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    p.add_argument("--out", default=str(bench_log()))
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (int8 dynamic quantisation is CPU-only)")
     args = p.parse_args(argv)
     import torch

@@ -20,7 +20,7 @@ matrices in their blocks), packed-float32 (the same over the GGUF dequantised on
 --no-gguf-blocks), packed-onednn
 (the packed mode without that kernel: the LM head on oneDNN-packed weights, the layers on the library's
 products, as on a CPU without AVX-512), compile (torch.compile, frozen weights) on a CPU; eager and
-cuda-graphs (and cuda-graphs-plain, its graphs without fused ops) on CUDA. Writes a section to docs/BENCHMARKS.md and docs/bench_step_cost[_gpu_<dtype>].png.
+cuda-graphs (and cuda-graphs-plain, its graphs without fused ops) on CUDA. Writes a section to the month's log in docs/bench-logs/ and docs/bench_step_cost[_gpu_<dtype>].png.
 
 Each mode's row names its weights' format, and its floor is that format's bytes over the bandwidth.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import shlex
 import statistics
 import sys
@@ -38,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, append_section, git_commit, gpu_name, machine_info
+from bench.common import REPO, append_section, bench_log, plot_dir, git_commit, gpu_name, machine_info
 TOKENS = (1, 2, 3, 5, 9, 17, 33)
 BATCHES = (1, 4, 16, 64)
 PREFIX = 100
@@ -329,7 +330,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "shapes only; e.g. --target bench/shapes/llama-3-8b --draft '' --dtype bfloat16)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the tiers' default here)")
     p.add_argument("--quick", action="store_true", help="batches up to 16, 5 repeats")
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    p.add_argument("--out", default=str(bench_log()))
     return p.parse_args(argv)
 
 
@@ -416,9 +417,9 @@ def main(argv=None) -> int:
                                                   f"({propose[(True, b, k)] / propose[(False, b, k)]:.2f}x)"
                                                   for k in propose_ks) + " |")
     suffix = "" if device.type == "cpu" else f"_gpu_{args.dtype}"
-    png = Path(args.out).parent / f"bench_step_cost{suffix}.png" if args.out else None
+    png = plot_dir(args.out) / f"bench_step_cost{suffix}.png" if args.out else None
     if png is not None and plot(results, png, f"step cost, {args.device} {args.dtype}"):
-        lines += ["", f"![step cost]({png.name})"]
+        lines += ["", f"![step cost]({os.path.relpath(png, Path(args.out).resolve().parent)})"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

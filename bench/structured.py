@@ -9,7 +9,7 @@
   the constraint, and against the target alone (transformers' generate in-process, greedy, with the same
   grammar engine's mask as a logits processor).
 
-    python -m bench.structured              # docs/BENCHMARKS.md
+    python -m bench.structured              # the month's log in docs/bench-logs/
     python -m bench.structured --prompts 2 --out /tmp/structured.md
 """
 
@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from bench.common import REPO, append_section, log, machine_info
+from bench.common import REPO, append_section, bench_log, log, machine_info
 from coordinator.constraint import grammar_text
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=len(PEOPLE))
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="markdown file to append to ('' = none)")
+    p.add_argument("--out", default=str(bench_log()), help="markdown file to append to ('' = none)")
     args = p.parse_args(argv)
     target, draft = default_target(), default_draft()
     prompts = PEOPLE[: args.prompts]

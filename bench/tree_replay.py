@@ -15,7 +15,7 @@ figures run ~0.1-0.2 above a real run's tokens per forward (whose rounds start a
 and whose last round is cut at the token limit).
 
 Run with ``python -m bench.tree_replay`` (a few minutes on 2 cores); it appends a section to
-docs/BENCHMARKS.md.
+the month's log in docs/bench-logs/.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import shlex
 import sys
 import time
 
-from bench.common import REPO, append_section, git_commit, log, machine_info, md_table
+from bench.common import REPO, append_section, bench_log, git_commit, log, machine_info, md_table
 
 # (b, D, N): chains (b = 1), the fixed top-2 shape the draft grew before trees were dynamic (b = 2, every
 # candidate kept), and dynamic trees of b = 4 at several depths and budgets.
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--best-first", type=int, default=16, help="largest exhaustive best-first tree (0 = none)")
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
-    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
+    p.add_argument("--out", default=str(bench_log()))
     return p.parse_args(argv)
 
 

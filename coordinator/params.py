@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.proposers.names import HYBRID, Proposer
+from specdec.core.proposer_names import HYBRID, Proposer
 from specdec.math.params import SamplingParams
 from specdec.proto import generate_pb2
 

@@ -21,7 +21,7 @@ from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTrees
 from coordinator.proposers.drafter import Drafter
 from coordinator.proposers.estimates import SharedPriors
 from coordinator.proposers.lookup import LookupStrategy
-from coordinator.proposers.names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
+from specdec.core.proposer_names import DRAFT_MODEL, HYBRID, PROMPT_LOOKUP, SUFFIX
 from coordinator.proposers.policy import Policy
 from coordinator.proposers.suffix import SuffixCache, SuffixStrategy
 from coordinator.proposers.tier_cost import TierCost

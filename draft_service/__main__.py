@@ -7,20 +7,24 @@ import os
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
 
 from draft_service.service import SERVICE_NAME, DraftConfig, build
-from specdec.serving.flags import EnvArgs, add_tier_args, check_server_tls, server_config, tier_config
+from specdec.core.settings import Settings
+from specdec.serving.flags import parse_service, ready_tier, tier_settings
 from specdec.serving.tier import run_tier
 from specdec.models import default_draft
 
+DESCRIPTION = "Serve a draft model: proposes K tokens per round with their probabilities q."
+
+
+def settings() -> Settings:
+    """Every flag of the draft tier: the fields of DraftConfig and ProcessConfig (specdec.core.settings)."""
+    return tier_settings("draft", DraftConfig, default_model=default_draft, default_port=50061)
+
 
 def main(argv=None) -> None:
-    a = EnvArgs("draft", "Serve a draft model: proposes K tokens per round with their probabilities q.")
-    add_tier_args(a, default_model=default_draft(), default_port=50061)
-    a.add("--draft-top-n", type=int, default=DraftConfig.draft_top_n, help="tokens kept in each q row on the wire")
-    args = a.parse(argv)
-    config = DraftConfig(tier=tier_config(args), server=server_config(args), draft_top_n=args.draft_top_n)
-    check_server_tls(config.server)  # unusable TLS files: exit 2 now, before the model loads
-
-    run_tier("draft", SERVICE_NAME, build, config, args.port_file, args.metrics_address)
+    s = settings()
+    configs = parse_service(s, DESCRIPTION, argv)
+    config, process = ready_tier(s, configs["config"]), configs["process"]
+    run_tier("draft", SERVICE_NAME, build, config, process.port_file, process.metrics_address)
 
 
 if __name__ == "__main__":

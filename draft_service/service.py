@@ -26,9 +26,11 @@ SERVICE_NAME = "specdec.v1.DraftService"
 
 @dataclass(frozen=True)
 class DraftConfig:
+    """The draft tier."""
+
     tier: TierConfig
     server: ServerConfig = ServerConfig()
-    draft_top_n: int = 64  # q is truncated to this many tokens per position (DESIGN.md, q on the wire)
+    draft_top_n: int = 64  # tokens kept in each q row on the wire (DESIGN.md, q on the wire)
 
 
 class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):

@@ -21,6 +21,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.core.settings import setting
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -72,9 +74,11 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str  # local directory, .gguf file, or hub id
-    device: str = "cpu"  # torch device: "cpu", "cuda", "cuda:1", ...
-    dtype: str = "float32"  # float32 | bfloat16 | float16; float32 is what exactness tests use
+    """The model."""
+
+    path: str = setting(flag="model")  # model: HF directory, .gguf file (or a directory holding one), or hub id
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ...
+    dtype: str = setting("float32", choices=DTYPES)  # the weights' and activations' dtype; float32 is what exactness tests use
 
     @property
     def torch_dtype(self):

@@ -24,6 +24,8 @@ SERVICE_NAME = "specdec.v1.TargetService"
 
 @dataclass(frozen=True)
 class TargetConfig:
+    """The target tier."""
+
     tier: TierConfig
     server: ServerConfig = ServerConfig()
 

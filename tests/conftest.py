@@ -23,6 +23,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault(RING_HASH_ENV, "true")
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """A case run in the torch.compile step mode (tests/step_modes.py) is slow: it compiles for minutes
+    on 2 cores (make test runs it, make test-fast does not)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "compile" in params.values():
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny-models")

@@ -7,7 +7,7 @@ import pytest
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.estimates import LinearCost, SharedPriors, expected_tokens
-from coordinator.proposers.names import PROMPT_LOOKUP
+from specdec.core.proposer_names import PROMPT_LOOKUP
 from coordinator.proposers.policy import Policy, PolicyConfig
 from coordinator.proposers.tier_cost import StepCurve, TierCost
 from tests.proposer_fakes import Offer, ask, draft

@@ -13,6 +13,8 @@ import pytest
 
 from specdec.client import Client
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 CONTEXT = 1024  # the tiny models' max_position_embeddings (tests/helpers.make_tiny_model)
 
 

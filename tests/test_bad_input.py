@@ -21,6 +21,8 @@ from specdec.client import Client
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2, target_pb2_grpc
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 VOCAB = 49152  # SmolLM2 tokenizer, the tiny models' logits width
 MAX_CONTEXT = 1024  # tiny models' max_position_embeddings
 MAX_K = 16  # tiers' max_draft_tokens and the coordinator's max K

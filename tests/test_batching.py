@@ -31,6 +31,8 @@ from specdec.core.prefix import PrefixHashes
 from specdec.core.errors import RequestError
 from tests.helpers import Cluster, device_model, reference_greedy
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 VOCAB = 49152
 MAX_NEW = 24
 

@@ -6,7 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from specdec.client.bench import percentile
+
+pytestmark = pytest.mark.processes
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

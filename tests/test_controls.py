@@ -17,6 +17,8 @@ from specdec.math.params import SamplingParams
 from specdec.proto import common_pb2, generate_pb2, target_pb2
 from tests.controls_reference import reference_greedy_processed as _reference
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]
 MAX_NEW = 24
 CONTROLS = [

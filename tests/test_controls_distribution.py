@@ -21,6 +21,8 @@ from specdec.math.rejection import rejection_sample
 from specdec.math.sampling import process_logits, process_logits_rows
 from tests.test_distribution import NEGATIVE_PVALUE_MAX, assert_matches_target, goodness_of_fit
 
+pytestmark = pytest.mark.slow
+
 V, START, N_TOKENS, K = 5, 0, 3, 2
 PROMPT_LEN = 1  # the prompt is [START]
 N_TRIALS = 12_000

@@ -26,6 +26,8 @@ from specdec.math.params import SamplingParams
 from specdec.math.rejection import dense_q, rejection_sample, rejection_sample_batched, round_randomness
 from specdec.math.sampling import process_logits, truncate_top_n
 
+pytestmark = pytest.mark.slow
+
 V = 5  # vocab size
 START = 0  # the fixed context token
 N_TOKENS = 3  # length of the generated prefix whose joint distribution we test

@@ -20,6 +20,8 @@ from specdec.math.params import SamplingParams
 from specdec.math.seeds import mix64
 from tests.test_distribution import N_TOKENS, START, V, assert_matches_target, exact_joint, make_tables
 
+pytestmark = pytest.mark.slow
+
 N_TRIALS = 5_000
 PARAMS = SamplingParams(temperature=1.0)
 SHAPE = dict(nodes=7, depth=3, branching=2)  # levels of 2, 4 and 1 node: the third expands the likeliest second-level node

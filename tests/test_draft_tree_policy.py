@@ -12,7 +12,7 @@ from __future__ import annotations
 from coordinator.proposers.draft_model import DraftModelStrategy
 from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTrees, SiblingAcceptance, TreeAsk, best_first, level_growth
 from coordinator.proposers.estimates import SharedPriors
-from coordinator.proposers.names import DRAFT_MODEL
+from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.policy import Policy, PolicyConfig
 from coordinator.proposers.tier_cost import TierCost
 from specdec.proto import draft_pb2, target_pb2

@@ -11,6 +11,8 @@ from specdec.client import Client
 from specdec.models import make_tiny_model
 from tests.helpers import Cluster, reference_greedy
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30]
 
 

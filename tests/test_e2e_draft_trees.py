@@ -16,6 +16,8 @@ from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.helpers import Cluster, reference_greedy
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PROMPTS = [[1, 504, 3937, 282, 4193, 314, 30, 504, 3937, 282, 611, 314, 30, 504],
            [1, 9038, 2115, 253, 1345, 9038, 2115, 253, 700, 9038, 2115], [1, 2115, 253, 9038, 30, 4193, 77]]
 MAX_NEW = 30

@@ -5,6 +5,8 @@ import pytest
 from specdec.client import Client
 from tests.helpers import reference_greedy
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PROMPTS = [[1, 9038, 2115, 253, 1345], [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]]
 MAX_NEW = 40
 

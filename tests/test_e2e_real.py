@@ -8,6 +8,8 @@ from specdec.client import Client
 from specdec.models import load_model, load_tokenizer
 from tests.helpers import Cluster, device_model, reference_greedy
 
+pytestmark = pytest.mark.real_pair
+
 QUESTIONS = ["Write a short poem about the sea.", "What is the capital of France? Answer in one sentence."]
 MAX_NEW = 32
 

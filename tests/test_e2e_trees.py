@@ -11,6 +11,8 @@ import pytest
 from specdec.client import Client
 from tests.helpers import Cluster, reference_greedy
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 REPETITIVE = [1, 504, 3937, 282, 4193, 314, 30, 504, 3937, 282, 611, 314, 30, 504, 3937, 282, 4193, 314, 30, 504,
               3937, 282, 611, 314, 30, 504, 3937]
 PROMPTS = [REPETITIVE, [1, 9038, 2115, 253, 1345, 9038, 2115, 253, 700, 9038, 2115]]

@@ -1,7 +1,11 @@
 """When the draft tier is unreachable, generation carries on with prompt lookup, output unchanged."""
 
+import pytest
+
 from specdec.client import Client
 from tests.helpers import Cluster, reference_greedy
+
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 504, 3937, 282]
 

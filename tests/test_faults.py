@@ -21,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.client import Client
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
+pytestmark = [pytest.mark.processes, pytest.mark.real_pair]
+
 QUESTION = "Write a long story about a lighthouse keeper and a storm."
 N = 300  # long enough (~20 s on 2 cores, the target's steps eager) for a tier to restart mid-generation
 

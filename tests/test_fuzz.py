@@ -42,6 +42,8 @@ from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.helpers import device_model, reference_greedy
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 49152
 MAX_CONTEXT = 1024
 MAX_K = 16  # tiers' max_draft_tokens and the coordinator's largest K

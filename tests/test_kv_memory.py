@@ -5,11 +5,14 @@ the tokens written, never past the bound."""
 import re
 
 import grpc
+import pytest
 
 from specdec.client import Client
 from specdec.client.local import LocalPipeline, LocalPipelineConfig
 from specdec.proto import common_pb2, target_pb2_grpc
 from tests.helpers import TEST_DEVICE, tier_device_args
+
+pytestmark = pytest.mark.processes
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30]
 

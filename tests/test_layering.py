@@ -3,13 +3,14 @@ import upward, and the coordinator, the client and the torch-free serving module
 
 The layers, bottom to top (a module imports only lower layers and its own room):
   0 specdec.math (imports nothing of ours), specdec.proto (generated)
-  1 specdec.core (errors, prefix fingerprints), specdec.models (where models come from)
-  2 specdec.engine
-  3 specdec.serving (server skeleton, auth, flags, metrics, logs, the tiers' shared server parts),
+  1 specdec.core (errors, prefix fingerprints, proposer names, the settings mechanism)
+  2 specdec.models (where models come from)
+  3 specdec.engine
+  4 specdec.serving (server skeleton, auth, flags, metrics, logs, the tiers' shared server parts),
     specdec.training (trainers of draft heads: above the engine, beside serving)
-  4 draft_service, target_service (the tiers)
-  5 coordinator, specdec.client
-  6 bench
+  5 draft_service, target_service (the tiers)
+  6 coordinator, specdec.client (rooms of one layer: neither imports the other)
+  7 bench
 Every import counts: inside functions and under `if TYPE_CHECKING:` too."""
 
 from __future__ import annotations
@@ -24,21 +25,20 @@ PACKAGES = ("specdec", "coordinator", "draft_service", "target_service", "bench"
 # (room, layer): a module belongs to the room with the longest matching prefix.
 ROOMS = {
     "specdec.math": 0, "specdec.proto": 0, "specdec": 0,
-    "specdec.core": 1, "specdec.models": 1,
-    "specdec.engine": 2,
-    "specdec.serving": 3, "specdec.training": 3,
-    "draft_service": 4, "target_service": 4,
-    "coordinator": 5, "specdec.client": 5,
-    "bench": 6,
+    "specdec.core": 1,
+    "specdec.models": 2,
+    "specdec.engine": 3,
+    "specdec.serving": 4, "specdec.training": 4,
+    "draft_service": 5, "target_service": 5,
+    "coordinator": 6, "specdec.client": 6,
+    "bench": 7,
 }
-# Imports between rooms of one layer that are allowed, as (importer's room, imported module).
-SIDEWAYS = {("specdec.client", "coordinator.proposers.names")}  # the one table of proposer names
 
 TORCH_FREE = ["coordinator.service", "coordinator.api.frontend", "coordinator.api.openai_api",
               "coordinator.api.http_server", "coordinator.metrics", "coordinator.generation", "specdec.client",
               "specdec.client.cli", "specdec.client.bench", "specdec.serving.metrics", "specdec.serving.logs",
               "specdec.serving.server", "specdec.serving.auth", "specdec.serving.flags", "specdec.core.errors",
-              "specdec.core.prefix"]
+              "specdec.core.prefix", "specdec.core.settings", "specdec.core.proposer_names"]
 
 
 def modules() -> dict[str, Path]:
@@ -85,19 +85,39 @@ def graph() -> dict[str, set[str]]:
     return {name: imports(path, name, known) for name, path in known.items()}
 
 
-def test_no_upward_import_and_none_from_tests():
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Every import of g that runs upward or sideways (to another room of the same layer), or from tests."""
     bad = []
-    for importer, targets in graph().items():
+    for importer, targets in g.items():
         r = room(importer)
         for t in targets:
             if t.split(".")[0] == "tests":
                 bad.append(f"{importer} imports {t} (tests are not a library)")
                 continue
             tr = room(t)
-            if tr == r or ROOMS[tr] < ROOMS[r] and r != "specdec.math" or (r, t) in SIDEWAYS:
+            if tr == r or ROOMS[tr] < ROOMS[r] and r != "specdec.math":
                 continue
             bad.append(f"{importer} (layer {ROOMS[r]}, {r}) imports {t} (layer {ROOMS[tr]}, {tr})")
-    assert not bad, "\n".join(sorted(bad))
+    return sorted(bad)
+
+
+def test_no_upward_import_and_none_from_tests():
+    bad = upward(graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_client_imports_no_server():
+    """specdec.client (what a user's program imports) needs none of the coordinator or the tiers: the client
+    is covered by the check above, and the check finds such an arrow."""
+    g = graph()
+    client = {m: ts for m, ts in g.items() if room(m) == "specdec.client"}
+    assert "specdec.client.cli" in client and "specdec.client.serve" in client
+    assert not upward(client)
+    assert upward({"specdec.client.cli": {"coordinator.config"}}) == [
+        "specdec.client.cli (layer 6, specdec.client) imports coordinator.config (layer 6, coordinator)"]
+    servers = [f"{m} imports {t}" for m, ts in client.items() for t in ts
+               if t.split(".")[0] in ("coordinator", "draft_service", "target_service")]
+    assert not servers, servers  # it starts them as processes (specdec.client.local), never imports them
 
 
 def test_math_imports_nothing_of_ours():

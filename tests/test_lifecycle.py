@@ -28,6 +28,8 @@ from specdec.proto import generate_pb2, generate_pb2_grpc
 from specdec.engine.sessions import SessionStoreConfig
 from tests.helpers import Cluster, reference_greedy
 
+pytestmark = pytest.mark.slow
+
 EOS = 2
 VOCAB = 49152
 RPC_TIMEOUT = 60

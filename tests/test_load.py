@@ -11,6 +11,8 @@ from coordinator.api.admission import AdmissionConfig
 from specdec.client import Client
 from tests.helpers import Cluster
 
+pytestmark = pytest.mark.slow
+
 
 def rss_mb() -> float:
     for line in open("/proc/self/status"):

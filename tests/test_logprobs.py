@@ -15,6 +15,8 @@ from specdec.client import Client
 from specdec.math.params import SamplingParams
 from tests.controls_reference import reference_greedy_processed, reference_logprobs
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]
 MAX_NEW = 16
 TOP = 4

@@ -21,6 +21,8 @@ from specdec.client import Client
 from specdec.serving.logs import JsonFormatter, TextFormatter, configure_logging
 from tests.helpers import Cluster
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 SECRET_PROMPT = "my-private-prompt-7f3a: the launch codes are"
 
 
@@ -105,6 +107,7 @@ def test_generation_logs_fields_and_no_prompt_text(target_only):
     assert failed["level"] == "warning" and failed["code"] == "UNAVAILABLE" and failed["session_id"] != f["session_id"]
 
 
+@pytest.mark.processes
 def test_log_format_flag_on_a_service_process(tiny_target):
     """python -m coordinator --log-format json: even a refusal to start is one JSON line per record."""
     run = subprocess.run([sys.executable, "-m", "coordinator", "--log-format", "json", "--target", "127.0.0.1:9",
@@ -153,6 +156,7 @@ def run_coordinator_over_a_target_that_stops(tiny_target: str, env: dict) -> str
                     p.wait()
 
 
+@pytest.mark.processes
 def test_json_logs_keep_grpc_core_chatter_off_stderr(tiny_target):
     """gRPC core's own INFO lines (here a GOAWAY from a target that stopped with a call in flight) bypass
     Python logging: a service keeps them off stderr unless GRPC_VERBOSITY asks for them, so

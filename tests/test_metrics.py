@@ -25,6 +25,8 @@ from specdec.serving.metrics import TierMetrics, serve_metrics
 from specdec.serving.server import Service, ServerConfig, create_server
 from tests.helpers import Cluster
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 
 def scrape(url: str, token: str | None = None) -> list:
     """Every sample of a real scrape: (name, labels, value). token: the coordinator's bearer token, if set."""

@@ -13,10 +13,12 @@ import openai
 import pytest
 
 from coordinator.api.admission import AdmissionConfig
-from coordinator.proposers.names import NAMES, Proposer
+from specdec.core.proposer_names import NAMES, Proposer
 from specdec.client import Client
 from tests.helpers import Cluster
 from tests.test_metrics import scrape, value
+
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
 
 PROMPT = "Write a short story about a lighthouse keeper"
 

@@ -7,6 +7,8 @@ import pytest
 from specdec.client import Client
 from tests.helpers import Cluster, reference_greedy
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 2600, 28]
 
 

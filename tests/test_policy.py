@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
+from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from coordinator.proposers.policy import Policy, PolicyConfig
 from coordinator.proposers.strategy import Prediction
 from coordinator.proposers.tier_cost import TierCost

@@ -24,6 +24,8 @@ from specdec.engine.sessions import SessionStoreConfig
 from tests.helpers import Cluster, reference_greedy
 from tests.replicas import ReplicaCluster
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 VOCAB = 49152
 MAX_NEW = 16
 

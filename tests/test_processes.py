@@ -5,8 +5,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from specdec.client.local import LocalPipeline, LocalPipelineConfig
 from tests.helpers import reference_greedy, tier_device_args
+
+pytestmark = pytest.mark.processes
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30]
 

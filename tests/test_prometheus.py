@@ -30,6 +30,8 @@ from specdec.engine.sessions import SessionStoreConfig
 from specdec.serving.metrics import serve_metrics
 from tests.helpers import Cluster
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parent.parent
 OBSERVABILITY = ROOT / "deploy" / "observability"
 RULES = OBSERVABILITY / "prometheus-rules.yaml"

@@ -33,6 +33,8 @@ from tests.helpers import reference_greedy
 from specdec.serving.ports import free_port
 from tests.replicas import NAMES
 
+pytestmark = pytest.mark.processes
+
 TARGETS, DRAFTS, JOINING = ["127.0.0.2", "127.0.0.3"], ["127.0.0.4", "127.0.0.5"], "127.0.0.6"
 N = 160  # tokens per generation: with the random draft ~one round per token, long enough to fault mid-run
 SESSIONS = 16

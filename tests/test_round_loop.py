@@ -24,7 +24,7 @@ from coordinator.proposers.base import Proposal
 from coordinator.proposers.draft_model import DraftModelConfig, DraftModelStrategy
 from coordinator.proposers.drafter import Drafter
 from coordinator.proposers.lookup import LookupConfig, LookupStrategy
-from coordinator.proposers.names import DRAFT_MODEL, PROMPT_LOOKUP, Proposer
+from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, Proposer
 from coordinator.proposers.policy import Policy, PolicyConfig
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats

@@ -28,6 +28,8 @@ from specdec.models import make_tiny_model
 from tests.helpers import TOKENIZER_DIR
 from tests.replicas import ReplicaCluster
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 TARGETS, DRAFTS = ["127.0.0.2", "127.0.0.3"], ["127.0.0.4", "127.0.0.5"]
 N_TOKENS = 24
 

@@ -31,6 +31,8 @@ from specdec.serving.auth import BearerTokenInterceptor
 from specdec.serving.server import ServerConfig
 from tests.helpers import Cluster
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 TOKEN = "s3cret-Token_0123456789"
 TIER_NAME = "tier.specdec.internal"  # a service name in the tiers' cert, for tier_server_name
 PROMPT = "The quick brown fox jumps over"
@@ -346,14 +348,12 @@ def test_coordinator_flags(tmp_path, monkeypatch, capsys):
 
     token_file = tmp_path / "token"
     token_file.write_text(f"{TOKEN}\n")
-    assert auth_token_from(Namespace(auth_token=None, auth_token_file=str(token_file))) == TOKEN
-    assert auth_token_from(Namespace(auth_token=TOKEN, auth_token_file=None)) == TOKEN
-    assert auth_token_from(Namespace(auth_token="", auth_token_file=None)) is None
-    for bad in (Namespace(auth_token=TOKEN, auth_token_file=str(token_file)),
-                Namespace(auth_token="with space", auth_token_file=None),
-                Namespace(auth_token=None, auth_token_file=str(tmp_path / "missing"))):
+    assert auth_token_from(None, str(token_file)) == TOKEN
+    assert auth_token_from(TOKEN, None) == TOKEN
+    assert auth_token_from("", None) is None
+    for bad in ((TOKEN, str(token_file)), ("with space", None), (None, str(tmp_path / "missing"))):
         with pytest.raises(SystemExit) as e:
-            auth_token_from(bad)
+            auth_token_from(*bad)
         assert e.value.code == 2
     # Misconfigured TLS exits 2 before connecting to anything.
     for argv, message in ((["--tier-client-cert", "c.pem", "--tier-client-key", "k.pem"], "need --tier-ca"),

@@ -21,6 +21,8 @@ import pytest
 from specdec.serving.ports import free_port
 from tests.helpers import tier_device_args
 
+pytestmark = pytest.mark.processes
+
 START_TIMEOUT_S = 180
 
 

@@ -13,6 +13,8 @@ from specdec.models import served_model_name
 from specdec.serving.metrics import serve_metrics
 from tests.test_metrics import scrape
 
+pytestmark = pytest.mark.real_pair
+
 
 @pytest.mark.parametrize("path, name", [
     ("../shared/models/smollm2-135m-instruct", "smollm2-135m-instruct"),  # the default target: a directory with a GGUF

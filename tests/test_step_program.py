@@ -22,6 +22,8 @@ from specdec.models import load_model
 from tests.helpers import TEST_DEVICE, Cluster, device_model, reference_greedy
 from tests.step_modes import make_runner
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 CUDA = TEST_DEVICE.startswith("cuda")
 
 

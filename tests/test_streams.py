@@ -17,6 +17,8 @@ from specdec.proto import common_pb2, draft_pb2, target_pb2
 from specdec.core.prefix import PrefixHashes
 from specdec.serving.tier import DRAINING
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2, 198]
 TIMEOUT = 30
 

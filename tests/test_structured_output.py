@@ -33,6 +33,8 @@ from specdec.proto import common_pb2, generate_pb2, target_pb2, target_pb2_grpc
 from specdec.serving import token_masks
 from tests.test_batching import prompt
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                            "tags": {"type": "array", "items": {"enum": ["a", "bc", "d"]},

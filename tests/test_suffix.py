@@ -334,6 +334,7 @@ def test_cache_async_add_equals_add_and_survives_concurrent_eviction():
     small.tree.check()
 
 
+@pytest.mark.slow
 def test_memory_estimate_covers_measured_memory():
     rng = random.Random(5)
     datasets = [

@@ -17,7 +17,8 @@ from specdec.engine.threads import _libgomp
 
 
 # PyTorch's Linux wheels ship GNU OpenMP; elsewhere release_thread_pool is a no-op by design.
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="GNU OpenMP (libgomp) is what Linux torch wheels use")
+pytestmark = [pytest.mark.processes,
+              pytest.mark.skipif(sys.platform != "linux", reason="GNU OpenMP (libgomp) is what Linux torch wheels use")]
 
 
 COUNT = "import os\ndef threads():\n    return len(os.listdir('/proc/self/task'))\n"

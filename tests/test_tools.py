@@ -13,6 +13,8 @@ import pytest
 
 from coordinator.api.openai_tools import ToolUse
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object",
                                                            "properties": {"city": {"type": "string", "maxLength": 20},

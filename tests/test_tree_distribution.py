@@ -40,6 +40,8 @@ from specdec.math.tree_verify import (TreeVerdict, level_noise, num_levels, veri
                                       verify_tree_greedy_batched, verify_tree_sampled_batched)
 from tests.test_distribution import GOF_PVALUE_MIN, NEGATIVE_PVALUE_MAX, goodness_of_fit
 
+pytestmark = pytest.mark.slow
+
 # --- The synthetic model and tree shapes ---------------------------------------------------------
 
 V_EXACT = 4

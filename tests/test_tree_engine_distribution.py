@@ -20,6 +20,8 @@ from specdec.math.seeds import mix64
 from tests.test_distribution import (N_TOKENS, START, V, assert_matches_target, exact_joint, goodness_of_fit,
                                      make_tables)
 
+pytestmark = pytest.mark.slow
+
 N_TRIALS = 5_000
 PARAMS = SamplingParams(temperature=1.0)
 CANDIDATE_TREE = ([0, 1, 2, 3, 4], [-1, -1, 0, 0, 1])  # fixed candidates, whatever the context

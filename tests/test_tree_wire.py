@@ -15,6 +15,8 @@ from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
 from tests.helpers import Cluster, reference_greedy
 from tests.test_batching import prompt
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 PARENTS = [-1, -1, 1, 1, 3, 3]
 
 

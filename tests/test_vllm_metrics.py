@@ -12,6 +12,8 @@ import pytest
 from specdec.serving.metrics import serve_metrics
 from tests.test_metrics import scrape, value
 
+pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
+
 # vLLM's request_latency_buckets and build_1_2_5_buckets(1024) (the tiny models' context), copied from
 # vllm/v1/metrics/loggers.py: ours must be the same.
 VLLM_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,

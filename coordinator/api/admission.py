@@ -12,13 +12,16 @@ import grpc
 from asyncio_throttle import Throttler
 
 from specdec.core.errors import RequestError
+from specdec.core.settings import setting
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_concurrency: int = 64  # generations in flight; 0 = unlimited
-    max_requests_per_s: float = 0.0  # new generations per second; 0 = unlimited
-    max_queue_wait_s: float = 0.25  # longest wait for a rate slot before RESOURCE_EXHAUSTED
+    """Admission: concurrency and request-rate limits."""
+
+    max_concurrency: int = 64  # generations in flight before RESOURCE_EXHAUSTED (0 = unlimited)
+    max_requests_per_s: float = setting(0.0, flag="max-rps")  # new generations per second before RESOURCE_EXHAUSTED (0 = unlimited)
+    max_queue_wait_s: float = setting(0.25, flag="admission-wait")  # longest wait for a rate slot, seconds
 
 
 class Admission:

@@ -5,7 +5,7 @@ length, max tokens, K, stop strings, sampling ranges) are the shared validator's
 specdec's own options travel as extra body fields (openai client: `extra_body={...}`):
 num_speculative_tokens (K; 0 = target-only; unset = the server's default, adaptive), num_speculative_nodes
 (a token tree's node budget N; 0 = chains; unset = the server's default), proposer (any name
-or alias of coordinator.proposers.names, the gRPC API's table), top_k, ignore_eos, and vLLM's
+or alias of specdec.core.proposer_names, the gRPC API's table), top_k, ignore_eos, and vLLM's
 repetition_penalty and min_p. n > 1 becomes n GenerateRequests (n generations; with a seed, choice i
 samples with seed + i, as vLLM does).
 """
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.api.openai_tools import ToolError, ToolUse, call_text
 from coordinator.params import MAX_CACHE_KEY_LEN
-from coordinator.proposers.names import NAMES, Proposer
+from specdec.core.proposer_names import NAMES, Proposer
 from specdec.proto import generate_pb2
 
 ProposerName = Literal[NAMES]  # every name and alias the gRPC API accepts

@@ -10,7 +10,7 @@ import secrets
 from coordinator.constraint import ConstraintError
 from coordinator.params import MAX_CACHE_KEY_LEN, GenerationParams
 from coordinator.pipeline import Pipeline
-from coordinator.proposers.names import Proposer
+from specdec.core.proposer_names import Proposer
 from specdec.math.params import SamplingParams
 from specdec.proto import generate_pb2
 from specdec.core.errors import RequestError, check_token_ids, invalid_argument

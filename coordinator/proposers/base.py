@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.proposers.names import Proposer
+from specdec.core.proposer_names import Proposer
 from specdec.proto import common_pb2
 
 

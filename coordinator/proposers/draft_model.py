@@ -20,12 +20,13 @@ from coordinator.proposers.base import Proposal
 from coordinator.proposers.draft_tree import DraftTrees, TreeAsk
 from coordinator.proposers.estimates import Acceptance, LinearCost, Ratio, SharedPriors, expected_tokens
 from coordinator.proposers.local import MIN_ATTEMPTS
-from coordinator.proposers.names import DRAFT_MODEL
+from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.strategy import Ask, Outcome, Prediction
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
 from coordinator.tiers.session import TierSession
 from coordinator.tiers.target import Verdict
+from specdec.core.settings import setting
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
 
@@ -36,12 +37,14 @@ STEADY_CATCH_UP = 2
 
 @dataclass(frozen=True)
 class DraftModelConfig:
+    """The draft-model strategy."""
+
     prior_acceptance: float = 0.5  # per-token acceptance before any round (and before any session taught one)
     decay: float = 0.9  # weight of the past per round in its estimates (~10-round memory)
     # Offer nothing while the target batches more than this many sessions (0 = any number): where the tiers
     # share a machine's cores, a draft step under load runs beside the busy target's and both slow down more
-    # than any price shows. vLLM's speculative_disable_by_batch_size.
-    max_sessions: int = 0
+    # than any price shows. vLLM's speculative_disable_by_batch_size (specdec serve / run-local on a CPU set 1).
+    max_sessions: int = setting(0, flag="draft-max-sessions")
     prior_overhead_ms: float = 1.0  # a call's cost beside its steps, where no timing may count (or no curve)
     prior_step_ms: float = 5.0  # a draft step's cost, likewise
 

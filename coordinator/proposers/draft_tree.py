@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from coordinator.proposers.estimates import Ratio, SharedPriors
-from coordinator.proposers.names import DRAFT_MODEL
+from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.token_tree import children
 from specdec.proto import draft_pb2, target_pb2
 

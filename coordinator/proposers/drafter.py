@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Sequence
 
 from coordinator.params import GenerationParams
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import DRAFT_MODEL
+from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.policy import Policy
 from coordinator.proposers.strategy import Ask, Outcome, Strategy
 from coordinator.proposers.suffix_tree import SuffixCache

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.estimates import SharedPriors
 from coordinator.proposers.local import LocalStrategy
-from coordinator.proposers.names import PROMPT_LOOKUP
+from specdec.core.proposer_names import PROMPT_LOOKUP
 from coordinator.proposers.token_tree import TreeBuilder
 
 MATCHES = 4  # occurrences kept per n-gram (the branches a tree may offer from one n)
@@ -27,6 +27,8 @@ MATCHES = 4  # occurrences kept per n-gram (the branches a tree may offer from o
 
 @dataclass(frozen=True)
 class LookupConfig:
+    """Prompt lookup."""
+
     min_ngram: int = 2  # shortest suffix worth matching (1-grams match too often to be accepted)
     max_ngram: int = 4  # longest suffix tried first
     prior_acceptance: float = 0.5  # per-token acceptance assumed before any round (and before any session taught one)

@@ -28,6 +28,8 @@ from coordinator.proposers.strategy import Ask, Prediction, Strategy
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    """Adaptive K: the policy choosing each round's strategy and shape."""
+
     max_k: int = 8  # the deepest proposal tried (drafts per path)
     probe_every: int = 8  # when K = 0 wins, probe a K = 1 this often
     min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor

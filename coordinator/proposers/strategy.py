@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.names import Proposer
+from specdec.core.proposer_names import Proposer
 from coordinator.tiers.target import Verdict
 from specdec.core.prefix import PrefixHashes
 

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.estimates import SharedPriors
 from coordinator.proposers.local import LocalStrategy
-from coordinator.proposers.names import SUFFIX
+from specdec.core.proposer_names import SUFFIX
 from coordinator.proposers.suffix_tree import SuffixCache, SuffixConfig, SuffixDraft, SuffixTree, speculate
 from coordinator.proposers.token_tree import TreeBuilder
+from specdec.core.settings import setting
 
 __all__ = ["SuffixCache", "SuffixConfig", "SuffixStrategy", "SuffixTree", "speculate"]
 

@@ -9,11 +9,10 @@ The tree is a depth-bounded, path-compressed suffix tree over several sequences:
 every sequence is indexed up to max_depth tokens. A node's `count` is the number of suffixes that
 pass through its edge; its `total` is how many of those continue past the edge's end. Nodes sit only
 where the tree branches or a suffix ends, so it holds O(tokens) nodes; edge labels are copied into
-compact int arrays (at most max_depth tokens each). Costs, with D = max_depth:
-  - append a token: O(D) (each of the sequence's last D suffixes moves down one token);
-  - remove a sequence of n tokens: O(n D);
-  - speculate: O(D) per match length from the session's own tree (its suffixes' positions are kept),
-    O(D^2) at worst from the shared tree (each match length is walked from the root).
+compact int arrays (at most max_depth tokens each). Costs, with D = max_depth: appending a token O(D)
+(the sequence's last D suffixes move down one token); removing a sequence of n tokens O(n D); speculating
+O(D) per match length from the session's own tree (its suffixes' positions are kept), O(D^2) at worst from
+the shared tree (each match length is walked from the root).
 """
 
 from __future__ import annotations
@@ -24,20 +23,23 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from specdec.core.settings import setting
 
 
 @dataclass(frozen=True)
 class SuffixConfig:
+    """Suffix decoding."""
     max_depth: int = 24  # longest indexed substring (match + proposal), vLLM's default
     # A match of m tokens proposes at most m * factor + offset tokens (ArcticInference's max_spec_factor /
     # max_spec_offset, whose defaults are 1 and 0). With a verify nearly flat in K a longer chain costs little:
     # on recorded greedy outputs of the default target, 2 and 2 give 8-13% more tokens per forward than 1 and 0
-    # on the template and grounded workloads (docs/BENCHMARKS.md, "suffix decoding's chain limit").
+    # on the template and grounded workloads (docs/bench-logs/2026-11.md, "suffix decoding's chain limit").
     max_spec_factor: float = 2.0
-    max_spec_offset: float = 2.0
+    max_spec_offset: float = 2.0  # see --suffix-max-spec-factor
     min_token_prob: float = 0.1  # stop the chain when its estimated probability falls below this
-    cache_entries: int = 1024  # finished outputs kept in the shared tree (0 = no shared tree)
-    cache_bytes: int = 64 << 20  # estimated memory bound of the shared tree, evicting the oldest output
+    cache_entries: int = 1024  # finished outputs kept in the tree shared by all sessions (0 = no shared tree)
+    cache_bytes: int = setting(64 << 20, flag="suffix-cache-mb", parse=lambda mib: int(float(mib) * 2**20),
+                               show=lambda b: f"{b / 2**20:g}")  # estimated memory bound of the shared tree, MiB
     cache_context: int = 4  # prompt tokens stored before each output, so output starts can be predicted
     prior_acceptance: float = 0.5  # the strategy's per-token acceptance before any round, where its chain has no probs
     decay: float = 0.9  # weight of the past per round in the strategy's estimates (~10-round memory)

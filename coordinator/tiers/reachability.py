@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReachabilityConfig:
+    """Reachability: how often and how patiently each tier is probed."""
+
     interval_s: float = 0.5  # between probes
     timeout_s: float = 2.0  # a probe's deadline (a replica busy with a long step still answers within it)
     failures: int = 2  # failed probes in a row before the tier counts as unreachable

@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.core.prefix import PrefixHashes
+from specdec.core.settings import setting
 
 # grpc-core reads requestHashHeader from the ring-hash config only when this is true (A76, experimental).
 RING_HASH_ENV = "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"
@@ -40,12 +41,16 @@ class RoutingUnsupported(RuntimeError):
 
 @dataclass(frozen=True)
 class RoutingConfig:
+    """Routing: how sessions reach the replicas of each tier."""
+
     hash_header: str = "specdec-session-id"  # request header the ring hash keys on: every session rpc carries its routing key
-    prefix_tokens: int = 256  # a longer prompt routes by the fingerprint of its first prefix_tokens tokens (0: never)
+    # A prompt longer than this (and without a prompt_cache_key) reaches the replicas by the fingerprint of its first
+    # this-many tokens, where their prefix caches hold it; 0 = route every session by its own id
+    prefix_tokens: int = setting(256, flag="prefix-route-tokens")
     min_ring_size: int = 1024  # ring entries at least (grpc's default); more entries split sessions more evenly
     max_ring_size: int = 4096  # ring entries at most (grpc's default and its cap)
     health_check: bool = True  # watch each replica's health service; a NOT_SERVING replica gets no new calls
-    min_resolution_interval_s: float = 5.0  # re-resolve the tier's name at most this often (grpc's default: 30 s)
+    min_resolution_interval_s: float = setting(5.0, flag="min-resolution-interval")  # re-resolve the tier's name at most this often (grpc's default: 30 s)
     max_reconnect_backoff_s: float = 0.5  # a replica that comes back is connected within this (grpc's default grows to 120 s)
 
     def service_config(self, health_service: str) -> dict:

@@ -181,8 +181,8 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def main_bench(args, make_client) -> int:
-    """The CLI command body: args from specdec.client.cli; make_client(address, args) -> Client."""
+def main_bench(args, address: str, connect) -> int:
+    """The CLI command body: args from specdec.client.cli; connect() -> a Client of the coordinator at address."""
     if args.num_requests < 1 or args.concurrency < 1:
         print("error: --num-requests and --concurrency must be >= 1", file=sys.stderr)
         return 2
@@ -191,7 +191,7 @@ def main_bench(args, make_client) -> int:
                       num_speculative_nodes=args.num_speculative_nodes, ignore_eos=args.ignore_eos, proposer=args.proposer)
     config = BenchConfig(num_requests=args.num_requests, concurrency=min(args.concurrency, args.num_requests),
                          prompt=args.prompt, chat=args.chat, generation=generation)
-    print(f"{config.num_requests} requests, {config.concurrency} at a time, against {args.address}", file=sys.stderr)
-    summary = run_bench(lambda: make_client(args.address, args), config)
+    print(f"{config.num_requests} requests, {config.concurrency} at a time, against {address}", file=sys.stderr)
+    summary = run_bench(connect, config)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0 if summary["failed"] == 0 else 1

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+from dataclasses import dataclass
+
 import grpc
 
-from coordinator.proposers.names import ALIASES, NAMES
 from specdec.client import Client, finish_reason_name
+from specdec.core.proposer_names import ALIASES, NAMES
+from specdec.core.settings import Settings, setting
 from specdec.client.bench import BenchConfig
 from specdec.models import default_draft, default_target
 
@@ -65,29 +67,40 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, stats")
 
 
+@dataclass(frozen=True)
+class ConnectionConfig:
+    """The connection to a coordinator."""
+
+    address: str = "127.0.0.1:50051"  # coordinator host:port
+    tls_ca: str | None = setting(None, env="SPECDEC_TLS_CA")  # PEM CA that signed the coordinator's certificate: connect over TLS
+    client_cert: str | None = setting(None, env="SPECDEC_CLIENT_CERT")  # PEM client certificate, for a coordinator that requires one
+    client_key: str | None = setting(None, env="SPECDEC_CLIENT_KEY")  # PEM private key of --client-cert
+    tls_server_name: str | None = None  # name to verify in the coordinator's certificate (default: the address's host)
+    token: str | None = setting(None, env="SPECDEC_TOKEN", secret=True)  # bearer token for the coordinator (the variable keeps it out of `ps`)
+
+
+def connection_settings() -> Settings:
+    """The connection flags of specdec generate, info and bench-client (specdec.core.settings)."""
+    return Settings("client", {"connection": ConnectionConfig})
+
+
 def add_connection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
-    p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA"),
-                   help="PEM CA that signed the coordinator's certificate: connect over TLS [env SPECDEC_TLS_CA]")
-    p.add_argument("--client-cert", default=os.environ.get("SPECDEC_CLIENT_CERT"),
-                   help="PEM client certificate, for a coordinator that requires one [env SPECDEC_CLIENT_CERT]")
-    p.add_argument("--client-key", default=os.environ.get("SPECDEC_CLIENT_KEY"),
-                   help="PEM private key of --client-cert [env SPECDEC_CLIENT_KEY]")
-    p.add_argument("--tls-server-name", default=None, help="name to verify in the coordinator's certificate")
-    p.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN"),
-                   help="bearer token for the coordinator [env SPECDEC_TOKEN, which keeps it out of `ps`]")
+    connection_settings().add_to(p)
 
 
 def make_client(address: str, args: argparse.Namespace) -> Client:
     """A Client from the connection flags (run-local has none: plaintext, no token); exits 2 on unusable TLS files."""
+    c = connection_settings().load(args)["connection"] if hasattr(args, "connection.address") else ConnectionConfig()
     try:
-        return Client(address, tls_ca=getattr(args, "tls_ca", None) or None, token=getattr(args, "token", None) or None,
-                      client_cert=getattr(args, "client_cert", None) or None,
-                      client_key=getattr(args, "client_key", None) or None,
-                      tls_server_name=getattr(args, "tls_server_name", None) or None)
+        return Client(address, tls_ca=c.tls_ca, token=c.token, client_cert=c.client_cert, client_key=c.client_key,
+                      tls_server_name=c.tls_server_name)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def address(args: argparse.Namespace) -> str:
+    return connection_settings().load(args)["connection"].address
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -133,11 +146,11 @@ def run_generation(address: str, args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    return run_generation(args.address, args)
+    return run_generation(address(args), args)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    with make_client(args.address, args) as client:
+    with make_client(address(args), args) as client:
         try:
             print(json.dumps(client.info(), indent=2))
         except grpc.RpcError as e:
@@ -149,7 +162,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench_client(args: argparse.Namespace) -> int:
     from specdec.client.bench import main_bench
 
-    return main_bench(args, make_client)
+    return main_bench(args, address(args), lambda: make_client(address(args), args))
 
 
 def cmd_run_local(args: argparse.Namespace) -> int:

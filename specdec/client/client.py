@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from coordinator.proposers.names import Proposer
+from specdec.core.proposer_names import Proposer
 from specdec.proto import generate_pb2, generate_pb2_grpc
 
 
@@ -60,7 +60,7 @@ def build_request(
     response_format: dict | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
-    proposer: a name or alias of coordinator.proposers.names (e.g. "suffix", "draft_model" or its alias "draft").
+    proposer: a name or alias of specdec.core.proposer_names (e.g. "suffix", "draft_model" or its alias "draft").
     prompt_cache_key: requests with the same key reach the same replicas (and their prefix caches).
     response_format: structured output, one of {"json_object": True}, {"json_schema": "<schema JSON>"},
     {"regex": "..."}, {"lark": "..."} (generate.proto's ResponseFormat)."""

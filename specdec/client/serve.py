@@ -32,8 +32,11 @@ import socket
 import sys
 import time
 
+from dataclasses import dataclass
+
 from specdec.client.local import LocalPipeline, LocalPipelineConfig
-from specdec.models import default_draft, default_target, served_model_name
+from specdec.core.settings import Settings, setting
+from specdec.models import DTYPES, default_draft, default_target, served_model_name
 
 POLL_S = 0.2  # how often serve looks at its children
 MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before serve gives up (exit 1)
@@ -48,33 +51,42 @@ class _Stop(BaseException):
     """SIGTERM / SIGINT arrived (a BaseException, so that a start in progress is unwound and cleaned up)."""
 
 
+@dataclass(frozen=True)
+class ServeConfig:
+    """specdec serve: the three services on this machine."""
+
+    target_model: str = setting()  # HF directory, .gguf file (or a directory holding one), or hub id
+    draft_model: str | None = setting()  # the draft model ('' = target-only decoding)
+    device: str = "cpu"  # torch device of both tiers: cpu, cuda, cuda:1, ...
+    dtype: str = setting("float32", choices=DTYPES)  # the target's dtype
+    draft_dtype: str = setting("float32", choices=DTYPES)  # the draft's dtype
+    threads: int = 0  # torch threads per tier (0 = torch's default)
+    host: str = "127.0.0.1"  # where the coordinator listens (0.0.0.0: every interface)
+    port: int = 50051  # the gRPC API's port
+    http_port: int = 8000  # the OpenAI-compatible API's port
+    metrics_port: int | None = None  # the coordinator's Prometheus /metrics port (default: none)
+    served_model_name: str | None = None  # the model's id in the OpenAI API and the metrics (default: derived from --target-model)
+    target_args: str = ""  # more flags for python -m target_service, one string (e.g. "--max-batch-sessions 8")
+    draft_args: str = ""  # more flags for python -m draft_service, one string
+    coordinator_args: str = ""  # more flags for python -m coordinator, one string
+    start_timeout_s: float = LocalPipelineConfig.start_timeout_s  # seconds for all three to be up (a first GGUF conversion takes a while)
+    # Restart a child whose gRPC health check has failed for this long, seconds (0 = only restart exits)
+    health_timeout_s: float = 30.0
+
+
+def settings() -> Settings:
+    """Every flag of specdec serve: the fields of ServeConfig (specdec.core.settings)."""
+    return Settings("serve", {"serve": ServeConfig}, defaults={"target-model": default_target, "draft-model": default_draft})
+
+
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run target, draft and coordinator on this machine until stopped (SIGTERM / Ctrl-C)",
                        description="\n\n".join(__doc__.split("\n\n")[:2]), formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--target-model", default=default_target(), help="HF directory, .gguf file (or a directory holding one), or hub id")
-    s.add_argument("--draft-model", default=default_draft(), help="the draft model; '' for target-only decoding")
-    s.add_argument("--device", default="cpu", help="torch device of both tiers: cpu, cuda, cuda:1, ...")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the target's dtype")
-    s.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    s.add_argument("--threads", type=int, default=0, help="torch threads per tier (0 = torch's default)")
-    s.add_argument("--host", default="127.0.0.1", help="where the coordinator listens (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=50051, help="the gRPC API's port")
-    s.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible API's port")
-    s.add_argument("--metrics-port", type=int, default=None, help="the coordinator's Prometheus /metrics port (default: none)")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model's id in the OpenAI API and the metrics (default: derived from --target-model)")
-    for tier in ("target", "draft", "coordinator"):
-        s.add_argument(f"--{tier}-args", default="", help=f"more flags for python -m {tier}{'_service' if tier != 'coordinator' else ''}, "
-                       "one string (e.g. \"--max-batch-sessions 8\")")
-    # (config: Supervisor.health_timeout_s)
-    s.add_argument("--health-timeout", type=float, default=30.0,
-                   help="restart a child whose gRPC health check has failed for this long, seconds (0 = only restart exits)")
-    s.add_argument("--start-timeout", type=float, default=LocalPipelineConfig.start_timeout_s,
-                   help="seconds for all three to be up (a first GGUF conversion takes a while)")
+    settings().add_to(s)
     s.set_defaults(func=cmd_serve)
 
 
-def pipeline_config(args: argparse.Namespace) -> LocalPipelineConfig:
+def pipeline_config(args: ServeConfig) -> LocalPipelineConfig:
     threads = ["--threads", str(args.threads)] if args.threads else []
     coordinator = ["--http-address", f"{args.host}:{args.http_port}"]
     if args.metrics_port is not None:
@@ -86,11 +98,12 @@ def pipeline_config(args: argparse.Namespace) -> LocalPipelineConfig:
         target_args=["--device", args.device, "--dtype", args.dtype, *threads, *shlex.split(args.target_args)],
         draft_args=["--device", args.device, "--dtype", args.draft_dtype, *threads, *shlex.split(args.draft_args)],
         coordinator_args=[*coordinator, *shlex.split(args.coordinator_args)],
-        coordinator_address=f"{args.host}:{args.port}", start_timeout_s=args.start_timeout, shared_cores=args.device == "cpu",
+        coordinator_address=f"{args.host}:{args.port}", start_timeout_s=args.start_timeout_s, shared_cores=args.device == "cpu",
         inherit_output=True, die_with_parent=True)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(namespace: argparse.Namespace) -> int:
+    args = settings().load(namespace)["serve"]
     config = pipeline_config(args)
     name = args.served_model_name or served_model_name(args.target_model)
 
@@ -109,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pipeline.start()
         say(f"ready: OpenAI API at http://{args.host}:{args.http_port}/v1 (model {name!r}), "
             f"gRPC at {args.host}:{args.port}; SIGTERM or Ctrl-C stops")
-        supervisor = Supervisor(pipeline, health_timeout_s=args.health_timeout)
+        supervisor = Supervisor(pipeline, health_timeout_s=args.health_timeout_s)
         while supervisor.tick():
             time.sleep(POLL_S)
         quiet_stop(pipeline)

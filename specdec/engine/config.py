@@ -1,19 +1,25 @@
-"""Configuration of a tier engine: the model, its KV memory and sessions, and batching."""
+"""Configuration of a tier engine: the model, its KV memory and sessions, and batching. Each field is a
+flag of the tiers too (specdec.core.settings: the comment beside it is its help)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.core.settings import setting
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.models import ModelConfig
+
+STEP_MODES = ("auto", "eager", "packed", "compile", "cuda-graphs")  # specdec.engine.step
 
 
 @dataclass(frozen=True)
 class BatchConfig:
+    """Batching: what one forward holds."""
+
     max_batch_sessions: int = 64  # sessions in one forward
     max_batch_tokens: int = 512  # tokens in one forward (decoding sessions first, then prefill chunks)
-    prefill_chunk_tokens: int = 128  # a long prompt is fed this many tokens per step, so decoding never stalls
-    max_queue: int = 1024  # waiting requests beyond this are refused with RESOURCE_EXHAUSTED
+    prefill_chunk_tokens: int = setting(128, flag="prefill-chunk")  # a long prompt is fed this many tokens per step, so decoding never stalls
+    max_queue: int = 1024  # queued requests beyond this are refused with RESOURCE_EXHAUSTED
     coalesce_ms: float = 5.0  # wait up to this long before a step for the last step's sessions to come back,
     #                           when they usually do within it (0 = never wait)
 
@@ -29,28 +35,40 @@ class BatchConfig:
 class StepConfig:
     """How the tier runs its forward (specdec.engine.step). Every mode computes the same function."""
 
-    mode: str = "auto"  # auto | eager | packed | compile | cuda-graphs (specdec.engine.step); auto: the CPU's
-    #                     measured best (step.AUTO_CPU), cuda-graphs on CUDA
-    capture_sessions: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # CUDA graphs: batch sizes (sessions) captured
-    capture_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # ...and query tokens per session (K + 1 fits one)
+    # How each step runs: auto (packed on a CPU, cuda-graphs on CUDA), eager (transformers' modules as they
+    # are: for debugging), packed (the plain Llama decoder over weights packed once), compile (torch.compile:
+    # minutes at start on a small CPU), cuda-graphs (steps replayed from CUDA graphs per shape bucket)
+    mode: str = setting("auto", flag="step-mode", choices=STEP_MODES)
+    capture_sessions: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # CUDA graphs: batch sizes (sessions per step) captured
+    capture_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # CUDA graphs: query tokens per session captured (a verify of K drafts needs K + 1)
     max_graphs: int = 128  # CUDA graphs kept (least recently used dropped); steps beyond the buckets run eager
-    max_capture_tokens: int = 512  # buckets captured at start: at most this many (padded) tokens
-    fused_ops: bool = True  # CUDA graphs capture the decoder with fused ops (norms, rotary, SiLU on Triton
-    #                         kernels; q/k/v and gate/up as one product each): specdec.engine.step.graph_decoder
-    draft_chain: bool = True  # the draft's K - 1 steps after d_1 as one chain on the device (specdec.engine.draft_chain)
-    skinny_gemm: bool = True  # packed mode, float32: linears on specdec's batch-invariant CPU kernel (specdec.engine.skinny_gemm)
-    row_attention: bool = True  # packed / compile mode, float32 CPU: few-token feeds' attention on specdec's row kernel
-    gguf_blocks: bool = True  # packed mode on the skinny GEMM: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices stay in their
-    #                           blocks, dequantised inside the kernel (specdec.engine.gguf_weights); False: float32 copy
+    # Buckets captured at start: at most this many (padded) tokens (the tiers set it to --max-batch-tokens)
+    max_capture_tokens: int = setting(512, cli=False)
+    fused_ops: bool = True  # CUDA graphs capture the decoder with fused ops: norms, rotary and SiLU on Triton
+    #                         kernels, q/k/v and gate/up as one product each (off: PyTorch's operators, one
+    #                         product per linear; specdec.engine.step.graph_decoder)
+    draft_chain: bool = True  # draft tier: a proposal's steps after the first run as one chain on the device, one
+    #                           host round trip (off: one engine step each; specdec.engine.draft_chain)
+    skinny_gemm: bool = True  # packed steps in float32 on an AVX-512 CPU: every linear on specdec's batch-invariant
+    #                           kernel, built once with the host's C++ compiler (off: oneDNN's and the library's
+    #                           products; specdec.engine.skinny_gemm)
+    row_attention: bool = True  # packed and compile steps in float32 on an AVX-512 CPU: each decode or verify token
+    #                             attends to its own session's cache on specdec's batch-invariant kernel, with no
+    #                             padding (off: PyTorch's attention over padded groups)
+    gguf_blocks: bool = True  # packed steps on the skinny GEMM: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices stay in their
+    #                           blocks, dequantised exactly inside the kernel (off: a float32 copy, the reference's
+    #                           values; specdec.engine.gguf_weights)
 
 
 @dataclass(frozen=True)
 class TierConfig:
+    """A tier's engine."""
+
     model: ModelConfig
     sessions: SessionStoreConfig = field(default_factory=SessionStoreConfig)
-    max_draft_tokens: int = 16  # cap on K per request
+    max_draft_tokens: int = 16  # largest K a request may ask for
     batch: BatchConfig = field(default_factory=BatchConfig)
-    torch_threads: int = 0  # intra-op threads for this process; 0 leaves torch's default
+    torch_threads: int = setting(0, flag="threads")  # torch intra-op threads of this process (0 = torch's default)
     step: StepConfig = field(default_factory=StepConfig)
     # At start, time forwards at the batch sizes it will see for at most this long (specdec.engine.cost_curve),
     # reported in its status for the coordinator's policy; 0 = skip (the coordinator then learns from steps).

@@ -32,13 +32,15 @@ class PrefixMismatch(Exception):
 
 @dataclass(frozen=True)
 class SessionStoreConfig:
-    max_sessions: int = 64  # KV slots, i.e. live sessions; an idle one is evicted (LRU) for a new one
-    max_session_tokens: int = 2048  # tokens one slot holds (capped by the model's context)
-    max_cached_tokens: int = 1_000_000  # tokens across all sessions; idle sessions evicted (LRU) beyond it
-    idle_ttl_s: float = 600.0  # a session unused this long is evicted
-    kv_memory_gib: float = 0.0  # > 0: size the KV pool from this budget (slots of max_session_tokens) instead of max_sessions
-    prefix_cache: bool = True  # keep ended sessions' slots and reuse any slot's prefix for a new session
-    prefix_block_tokens: int = 16  # prefixes are indexed every this many tokens (a match then extends token by token)
+    """Sessions and KV memory."""
+
+    max_sessions: int = 64  # KV slots (live sessions); an idle session is evicted (LRU) for a new one
+    max_session_tokens: int = 2048  # tokens one KV slot holds (capped by the model's context)
+    max_cached_tokens: int = 1_000_000  # tokens cached across sessions; idle sessions are evicted (LRU) beyond it
+    idle_ttl_s: float = 600.0  # seconds before an unused session is evicted
+    kv_memory_gib: float = 0.0  # > 0: size the KV pool from this memory budget (slots of --max-session-tokens) instead of --max-sessions
+    prefix_cache: bool = True  # keep ended sessions' KV slots and start a new session from the longest cached prefix of its tokens
+    prefix_block_tokens: int = 16  # prefix-cache granularity: prefixes are indexed every this many tokens (a match then extends token by token)
 
 
 @dataclass(eq=False)

@@ -43,13 +43,14 @@ import torch._dynamo.config
 import torch._inductor.config
 
 from specdec.engine import cpu_kernels, skinny_gemm, triton_row_ops
+from specdec.engine.config import STEP_MODES
 from specdec.engine.llama import LlamaDecoder, concatenated_product
 from specdec.engine.packed import can_pack, pack_head, pack_layers, replace_linears
 from specdec.engine.quant_gemm import QuantLinear
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "eager", "packed", "compile", "cuda-graphs")
+MODES = STEP_MODES
 AUTO_CPU = "packed"  # what `auto` runs on a CPU
 
 

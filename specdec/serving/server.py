@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.core.errors import as_request_error
+from specdec.core.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +44,23 @@ def run_event_loop(main, event_loop: str = "asyncio"):
 
 @dataclass(frozen=True)
 class ServerConfig:
-    address: str = "127.0.0.1:0"  # host:port to bind; port 0 picks a free one
-    max_message_bytes: int = 8 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED
-    grace_s: float = 5.0  # on shutdown, in-flight rpcs get this long to finish
-    tls_cert: str | None = None  # PEM certificate chain; set (with tls_key) = serve TLS instead of plaintext
-    tls_key: str | None = None  # PEM private key of tls_cert
-    tls_client_ca: str | None = None  # PEM CA bundle; set = mutual TLS: clients must present a cert it signed
-    # Close each client connection (GOAWAY) after this long, so clients re-resolve the service's name and
+    """The gRPC server."""
+
+    address: str = "127.0.0.1:0"  # host:port to listen on (port 0 = any free port)
+    max_message_bytes: int = 8 * 1024 * 1024  # largest gRPC message accepted; larger requests get RESOURCE_EXHAUSTED
+    grace_s: float = 5.0  # seconds in-flight rpcs get to finish on SIGTERM
+    tls_cert: str | None = None  # PEM certificate chain: serve TLS instead of plaintext (needs --tls-key)
+    tls_key: str | None = None  # PEM private key of --tls-cert
+    tls_client_ca: str | None = None  # PEM CA bundle: require client certificates it signed (mutual TLS)
+    # Seconds before a client connection is closed (GOAWAY), so clients re-resolve the service's name and
     # find replicas that joined (docs/DESIGN.md, Many replicas); 0 = never. In-flight rpcs keep the old connection.
     max_connection_age_s: float = 0.0
-    # How long in-flight rpcs may go on over an aged connection before it is closed (a draft stream lasts
+    # Seconds in-flight rpcs may go on over an aged connection before it is closed (a draft stream lasts
     # one generation; one cut short only costs that session a re-prefill).
     max_connection_age_grace_s: float = 600.0
     # The process's asyncio event loop: "uvloop" (libuv's: less time per rpc, docs/performance.md) or "asyncio"
     # (the standard library's).
-    event_loop: str = "uvloop"
+    event_loop: str = setting("uvloop", choices=EVENT_LOOPS)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -67,7 +70,7 @@ class ServerConfig:
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
         if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
-            raise ValueError("max_connection_age and max_connection_age_grace must be >= 0 seconds")
+            raise ValueError("max_connection_age_s and max_connection_age_grace_s must be >= 0 seconds")
 
 
 def read_pem(path: str, what: str) -> bytes:

@@ -1,0 +1,33 @@
+"""The benchmarks' run logs: each bench appends its section to the month's log, docs/bench-logs/YYYY-MM.md
+(docs/BENCHMARKS.md holds the current figures, each citing its section there)."""
+
+from __future__ import annotations
+
+import calendar
+import re
+from pathlib import Path
+
+from bench.common import BENCH_LOGS, REPO, append_section, bench_log, plot_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sections_go_to_the_months_log(tmp_path):
+    assert bench_log(calendar.timegm((2026, 12, 1, 0, 0, 0))) == BENCH_LOGS / "2026-12.md"
+    assert bench_log(calendar.timegm((2026, 11, 30, 23, 59, 0))) == REPO / "docs" / "bench-logs" / "2026-11.md"
+    log = tmp_path / "2027-01.md"
+    append_section("## first\n\nrow", log)
+    append_section("## second", log)
+    text = log.read_text()
+    assert text.startswith("# Benchmark runs, 2027-01\n") and "BENCHMARKS.md" in text.split("##")[0]
+    assert text.index("## first") < text.index("## second") and text.endswith("## second\n")
+    assert plot_dir(BENCH_LOGS / "2026-11.md") == REPO / "docs" and plot_dir(tmp_path / "x.md") == tmp_path
+
+
+def test_the_figures_page_cites_sections_that_exist():
+    """Every `bench-logs/<month>.md` section BENCHMARKS.md cites (by its date and time) is in that log."""
+    page = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    cites = re.findall(r"\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2})\]\(bench-logs/(\d{4}-\d{2})\.md\)", page)
+    assert len(cites) >= 10
+    for when, month in cites:
+        assert f"## {when} UTC" in (ROOT / "docs" / "bench-logs" / f"{month}.md").read_text(), when
