@@ -10,7 +10,7 @@ bench.tree_replay's). The draft model's per-token agreement on the same answers 
 no timing: agreement only.
 
 Run with ``python -m bench.eagle3_agreement --head DIR`` (~1-3 min on 2 cores); it appends a section to
-docs/BENCHMARKS.md.
+the month's run log (docs/bench-logs/).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import BENCHMARKS_MD, append_section, md_table
+from bench.common import append_section, bench_log, md_table
 
 REPO = Path(__file__).resolve().parent.parent
 # The test files that run on a CUDA device (docs/testing.md lists the H100 run of 2026-11-25).
@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="the GPU to check (cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="bfloat16", help="the target's dtype besides float32")
-    p.add_argument("--out", default=str(BENCHMARKS_MD), help="markdown file every part appends to")
+    p.add_argument("--out", default=str(bench_log()), help="markdown file every part appends to (the month's run log)")
     p.add_argument("--cpu-smoke", action="store_true", help="the same plan on the CPU with tiny settings (checks the plan)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--only", default="", help="comma list of parts to run (default: all)")
