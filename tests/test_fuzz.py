@@ -40,6 +40,7 @@ from transformers import AutoTokenizer
 from specdec.models import load_model
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.serving import draft_probs
 from tests.helpers import device_model, reference_greedy
 
 VOCAB = 49152
@@ -370,7 +371,7 @@ def draw_q(data, drafts: list[int], clean: bool) -> list[common_pb2.DraftDistrib
         elif defect == "all_zero":
             probs = [0.0] * len(probs)
         rows[i] = (ids, probs)
-    return [common_pb2.DraftDistribution(token_ids=ids, probs=probs) for ids, probs in rows]
+    return [draft_probs.row(ids, probs) for ids, probs in rows]
 
 
 def check_q_rows(v: Verdict, rows, k: int) -> None:
