@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ks", default="0,2", help="comma list of K (0 = target-only rounds)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--generations", type=int, default=10, help="timed generations per K (after one warm-up)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0 = greedy; above 0 the draft sends its q rows, --draft-top-n of them a row, "
+                        "and the target rejection-samples against them)")
     p.add_argument("--size", default="64,2", metavar="HIDDEN,LAYERS",
                    help="the random model's hidden size and layers (default: the tests' tiny model); a larger one makes "
                         "rounds longer, so each process sleeps longer between its messages")
@@ -71,14 +74,15 @@ def random_model(out_dir: Path, hidden: int, layers: int) -> str:
                            num_heads=8, num_kv_heads=4)
 
 
-def measure(address: str, k: int, n: int, generations: int) -> list[dict]:
+def measure(address: str, k: int, n: int, generations: int, temperature: float = 0.0) -> list[dict]:
     rows = []
     with Client(address) as c:
-        c.generate(token_ids=PROMPT, max_new_tokens=8, num_speculative_tokens=k, ignore_eos=True, proposer="draft")
+        c.generate(token_ids=PROMPT, max_new_tokens=8, num_speculative_tokens=k, ignore_eos=True, proposer="draft",
+                   temperature=temperature, seed=1)
         for _ in range(generations):
             t0 = time.perf_counter()
             out = c.generate(token_ids=PROMPT, max_new_tokens=n, num_speculative_tokens=k, ignore_eos=True,
-                             proposer="draft")
+                             proposer="draft", temperature=temperature, seed=1)
             s = out.stats
             rounds = max(1, int(s.get("rounds", 0)))
             rows.append({
@@ -147,7 +151,7 @@ def main(argv=None) -> int:
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                              for name, proc in pipe.procs.items()]
                     time.sleep(1.0)
-                results[k] = measure(pipe.address, k, args.max_new_tokens, args.generations)
+                results[k] = measure(pipe.address, k, args.max_new_tokens, args.generations, args.temperature)
                 for spy in spies:
                     spy.send_signal(2)
                 for spy in spies:
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
              "",
              f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2) as target and as its own "
              "draft (every draft accepted), three processes on "
-             f"loopback, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
+             f"loopback, temperature {args.temperature:g}, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
              "generations (ms):", ""]
     table = []
     for k, rows in results.items():

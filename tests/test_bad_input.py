@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.client import Client
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.serving import draft_probs
 
 pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
 
@@ -312,7 +313,7 @@ def test_propose_stream_error_ends_stream(draft_stub, build, code, words, valid_
 
 
 def _row(ids, probs) -> common_pb2.DraftDistribution:
-    return common_pb2.DraftDistribution(token_ids=list(ids), probs=list(probs))
+    return draft_probs.row(ids, probs)
 
 
 GOOD_ROW = ([5, 6], [0.25, 0.75])
@@ -425,9 +426,7 @@ def test_verify_message_too_large(target_stub):
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, f"got {err.code().name}: {err.details()!r}"
     # ...and a big q row list, the realistic way to overflow a Verify.
     n = BIG // 6
-    row = common_pb2.DraftDistribution()
-    row.token_ids.extend(range(n))
-    row.probs.extend([1.0 / n] * n)
+    row = draft_probs.row(range(n), [1.0 / n] * n)
     req = target_pb2.VerifyRequest(context=ctx("badinput-big-q"), draft_tokens=[5], q=[row], sampling=common_pb2.SamplingParams(temperature=1.0))
     assert req.ByteSize() > MAX_MESSAGE
     err = unary_error(target_stub.Verify, req)

@@ -27,6 +27,7 @@ from specdec.engine.verify import VerifyWork
 from specdec.math.params import SamplingParams
 from specdec.models import ModelConfig, load_model, load_tokenizer
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
+from specdec.serving import draft_probs
 from specdec.core.prefix import PrefixHashes
 from specdec.core.errors import RequestError
 from tests.helpers import Cluster, device_model, reference_greedy
@@ -96,8 +97,7 @@ def test_a_bad_q_row_fails_alone_among_concurrent_verifies(batch_cluster):
     other seven answer exactly as they do alone."""
     def request(i: int, bad: bool = False) -> target_pb2.VerifyRequest:
         ids = prompt(50 + i, 12)
-        q = [common_pb2.DraftDistribution(token_ids=[5, 6], probs=[0.5, 0.5]),
-             common_pb2.DraftDistribution(token_ids=[5, 6], probs=[0.5, 0.7 if bad else 0.5])]
+        q = [draft_probs.row([5, 6], [0.5, 0.5]), draft_probs.row([5, 6], [0.5, 0.7 if bad else 0.5])]
         return target_pb2.VerifyRequest(
             context=common_pb2.SessionContext(session_id=f"qrow-{i}", prefix_len=0, new_tokens=ids),
             draft_tokens=[5, 6], q=q, sampling=common_pb2.SamplingParams(temperature=1.0), seed=7 + i)

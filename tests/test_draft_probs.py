@@ -47,7 +47,7 @@ def test_cat_keeps_every_row_in_order():
 def test_codec_round_trip_is_exact():
     q = DraftProbs.from_rows(rows_of(2, 4))
     wire = draft_probs.encode(q)
-    assert len(wire) == 4 and all(len(r.token_ids) == 4 for r in wire)
+    assert len(wire) == 4 and all(len(r.token_ids) == len(r.probs) == 4 * 4 for r in wire)  # packed: 4 bytes a value
     back = draft_probs.decode(wire, 4, V)
     for field in ("token_ids", "probs", "row_offsets"):
         assert torch.equal(getattr(back, field), getattr(q, field)), field
@@ -64,10 +64,19 @@ def test_codec_round_trip_is_exact():
     ([([1], [1.0]), ([2, 3], [0.2, 0.2])], "q[1].probs sum to 0.400000, not 1"),
 ])
 def test_codec_refuses_malformed_rows(rows, message):
-    wire = [common_pb2.DraftDistribution(token_ids=ids, probs=probs) for ids, probs in rows]
+    wire = [draft_probs.row(ids, probs) for ids, probs in rows]
     with pytest.raises(RequestError) as e:
         draft_probs.decode(wire, 2, V)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.message
+
+
+def test_codec_refuses_bytes_that_are_not_whole_values():
+    good = draft_probs.row([1], [1.0])
+    for torn in (common_pb2.DraftDistribution(token_ids=b"\x01\x00\x00", probs=good.probs),
+                 common_pb2.DraftDistribution(token_ids=good.token_ids, probs=good.probs[:-1])):
+        with pytest.raises(RequestError) as e:
+            draft_probs.decode([good, torn], 2, V)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "q[1]: token_ids and probs must be packed" in e.value.message
 
 
 def test_spec_decode_metadata():

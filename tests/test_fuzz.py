@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from transformers import AutoTokenizer
 from specdec.models import load_model
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.serving import draft_probs
 from tests.helpers import device_model, reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -372,7 +374,7 @@ def draw_q(data, drafts: list[int], clean: bool) -> list[common_pb2.DraftDistrib
         elif defect == "all_zero":
             probs = [0.0] * len(probs)
         rows[i] = (ids, probs)
-    return [common_pb2.DraftDistribution(token_ids=ids, probs=probs) for ids, probs in rows]
+    return [draft_probs.row(ids, probs) for ids, probs in rows]
 
 
 def check_q_rows(v: Verdict, rows, k: int) -> None:
@@ -381,20 +383,22 @@ def check_q_rows(v: Verdict, rows, k: int) -> None:
     if len(rows) != k:
         v.refuse.append(f"{len(rows)} q rows for {k} drafts")
     for i, row in enumerate(rows):
-        if not row.token_ids or len(row.token_ids) != len(row.probs):
-            v.refuse.append(f"q[{i}] empty or misaligned")
+        if not row.token_ids or len(row.token_ids) != len(row.probs) or len(row.token_ids) % 4:
+            v.refuse.append(f"q[{i}] empty, misaligned or torn")
             continue
-        check_ids(v, row.token_ids, f"q[{i}].token_ids")
-        if len(set(row.token_ids)) != len(row.token_ids):
+        n = len(row.token_ids) // 4  # the wire: little-endian int32 ids, float32 probs (common.proto)
+        ids, probs = struct.unpack(f"<{n}i", row.token_ids), struct.unpack(f"<{n}f", row.probs)
+        check_ids(v, ids, f"q[{i}].token_ids")
+        if len(set(ids)) != len(ids):
             v.refuse.append(f"q[{i}] duplicate ids")
-        if not all(math.isfinite(p) and p >= 0 for p in row.probs):
+        if not all(math.isfinite(p) and p >= 0 for p in probs):
             v.refuse.append(f"q[{i}] probs not finite / negative")
             continue
-        err = abs(sum(row.probs) - 1.0)
+        err = abs(sum(probs) - 1.0)
         if err > Q_TOL * 1.1:
-            v.refuse.append(f"q[{i}] sums to {sum(row.probs)}")
+            v.refuse.append(f"q[{i}] sums to {sum(probs)}")
         elif err > Q_TOL * 0.9:
-            v.maybe.append(f"q[{i}] sums to {sum(row.probs)} (at the tolerance)")
+            v.maybe.append(f"q[{i}] sums to {sum(probs)} (at the tolerance)")
 
 
 def check_context_len(v: Verdict, ctx: common_pb2.SessionContext, extra: int) -> None:
@@ -592,8 +596,9 @@ def check_proposal(resp: draft_pb2.ProposeResponse, request: draft_pb2.ProposeRe
     else:
         assert len(resp.q) == k, f"sampled proposal carries {len(resp.q)} q rows for {k} tokens"
     for i, row in enumerate(resp.q):
-        ids, probs = list(row.token_ids), list(row.probs)
-        assert ids and len(ids) == len(probs), f"q[{i}] empty or misaligned"
+        assert row.token_ids and len(row.token_ids) == len(row.probs) and not len(row.probs) % 4, f"q[{i}] empty, misaligned or torn"
+        n = len(row.token_ids) // 4  # the wire: little-endian int32 ids, float32 probs (common.proto)
+        ids, probs = struct.unpack(f"<{n}i", row.token_ids), struct.unpack(f"<{n}f", row.probs)
         assert len(set(ids)) == len(ids), f"q[{i}] has duplicate ids"
         assert all(0 <= t < VOCAB for t in ids), f"q[{i}] id out of range"
         assert all(math.isfinite(p) and p >= 0 for p in probs), f"q[{i}] has bad probs"

@@ -12,6 +12,7 @@ import pytest
 
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
+from specdec.serving import draft_probs
 from tests.helpers import Cluster, reference_greedy
 from tests.test_batching import prompt
 
@@ -71,10 +72,10 @@ BAD = [  # (parents, scheme, q rows?, temperature, the message's start)
 def test_a_malformed_tree_fails_alone_among_concurrent_verifies(target_cluster, parents, scheme, with_q, temperature,
                                                                 message):
     drafts = [11, 11, 12, 13, 14, 15]
-    q = [common_pb2.DraftDistribution(token_ids=[11, 12], probs=[0.5, 0.5]) for _ in drafts] if with_q else []
+    q = [draft_probs.row([11, 12], [0.5, 0.5]) for _ in drafts] if with_q else []
 
     def good(i: int) -> target_pb2.VerifyRequest:
-        qs = [common_pb2.DraftDistribution(token_ids=[d, d + 1], probs=[0.6, 0.4]) for d in drafts] if i % 2 else []
+        qs = [draft_probs.row([d, d + 1], [0.6, 0.4]) for d in drafts] if i % 2 else []
         return request(f"ok-{i}", prompt(600 + i, 8), drafts, PARENTS, temperature=0.9 * (i % 3 > 0), seed=i, q=qs)
 
     alone = [call(target_cluster, [good(i)])[0] for i in range(5)]
