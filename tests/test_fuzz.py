@@ -604,8 +604,8 @@ def check_proposal(resp: draft_pb2.ProposeResponse, request: draft_pb2.ProposeRe
         assert all(math.isfinite(p) and p >= 0 for p in probs), f"q[{i}] has bad probs"
         assert abs(sum(probs) - 1.0) <= Q_TOL, f"q[{i}] sums to {sum(probs)}"
         assert len(ids) <= DRAFT_TOP_N, f"q[{i}] has {len(ids)} > draft_top_n entries"
-        if 0 < s.top_k:
-            assert len(ids) <= s.top_k, f"q[{i}] has {len(ids)} entries with top_k={s.top_k}"
+        if 0 < s.top_k and len(ids) > s.top_k:  # only logits tied at the k-th keep more (transformers' top-k does too)
+            assert sorted(probs, reverse=True)[s.top_k - 1] == min(probs), f"q[{i}] has {len(ids)} entries with top_k={s.top_k}"
         assert dict(zip(ids, probs)).get(resp.tokens[i], 0.0) > 0, f"token {i} was drawn outside its own q row"
     assert resp.cached_len == ctx.prefix_len + len(ctx.new_tokens) + k - 1, (
         f"cached_len {resp.cached_len} != {ctx.prefix_len} + {len(ctx.new_tokens)} + {k} - 1")

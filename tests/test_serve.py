@@ -69,8 +69,8 @@ class Serve:
         while True:
             assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}:\n{self.output()}"
             self.children.update(children(self.proc.pid))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+            try:  # healthy, and serve has said so (it says "ready" once its start-up checks return)
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and "ready:" in self.output():
                     self.children.update(children(self.proc.pid))
                     return
             except httpx.HTTPError:

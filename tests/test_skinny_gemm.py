@@ -124,3 +124,15 @@ def test_packed_mode_runs_float32_models_on_the_kernel(tiny_target):
     assert not off.skinny and not isinstance(off.head, SkinnyLinear)
     assert "turned off" in skinny_applies(load_model(ModelConfig(tiny_target)), enabled=False)
     assert "bfloat16" in skinny_applies(load_model(ModelConfig(tiny_target, dtype="bfloat16")))
+
+
+def test_a_build_lock_left_by_a_dead_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's builder waits forever on a lock a killed build left: cpu_kernels removes one older than
+    STALE_LOCK_S (and never a build's own, younger one)."""
+    from specdec.engine.cpu_kernels import STALE_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    assert not clear_stale_lock(tmp_path)  # none there
+    lock.touch()
+    assert not clear_stale_lock(tmp_path, now=lock.stat().st_mtime + STALE_LOCK_S / 2) and lock.exists()
+    assert clear_stale_lock(tmp_path, now=lock.stat().st_mtime + STALE_LOCK_S + 1) and not lock.exists()

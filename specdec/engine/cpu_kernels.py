@@ -17,6 +17,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # -fopenmp: the kernels run on torch's OpenMP threads
+STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died (a build takes ~25 s to 2 min)
 KERNELS = {"skinny_gemm": "the skinny GEMM", "row_attention": "row attention",  # csrc/<name>.cpp: what it is
            "row_ops": "the row ops (RMSNorm with its residual, rotary, SiLU gate)"}
 
@@ -37,6 +39,21 @@ def build_dir(name: str) -> Path:
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(CFLAGS).encode()).hexdigest()[:12]
     root = Path(os.environ.get("SPECDEC_KERNELS_DIR", cache_dir() / "kernels"))
     return root / f"{name}-torch{torch.__version__}-{digest}"
+
+
+def clear_stale_lock(where: Path, now: float | None = None) -> bool:
+    """Remove `where`/lock if a build that died left it (older than STALE_LOCK_S): torch's builder waits on it
+    forever otherwise, and the tier hangs at start. True if one was removed."""
+    lock = where / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except OSError:  # no lock
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("removing %s, left %.0fs ago by a kernel build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _build(name: str):
@@ -55,6 +72,7 @@ def _build(name: str):
 
     try:  # the directory too: a read-only or missing cache path (a container's root filesystem) is a reason, not a crash
         where.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(where)
         return compile_and_load(module_name, [str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                 build_directory=str(where), verbose=False), None
     except Exception as e:  # no writable directory, no compiler, no ninja, a failed build: say why, and run without it
