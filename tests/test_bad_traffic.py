@@ -26,6 +26,8 @@ from specdec.proto import generate_pb2
 from specdec.serving.metrics import MetricsServer
 from tests.helpers import Cluster
 
+pytestmark = pytest.mark.servers  # in-process servers (make test, not make test-fast)
+
 TOKEN = "bad-traffic-token"
 LIMIT = 8 * 2**20  # the fixture's max_body_bytes
 HUGE = 256 * 2**20  # what the hostile requests announce

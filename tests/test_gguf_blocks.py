@@ -40,6 +40,7 @@ def runner(model) -> ModelRunner:
     return ModelRunner(model, SlotKVCache(KVGeometry.of(model), 4, 256), StepConfig(mode="packed"))
 
 
+@pytest.mark.slow  # transformers' float32 load of each file: ~20 s a format on 2 cores
 @pytest.mark.parametrize("fmt", [*sorted(FORMATS), "Q5_0"])
 def test_weights_are_the_float32_loads_bitwise_and_blocks_stay_blocks(tiny_ggufs, fmt, caplog):
     with caplog.at_level(logging.WARNING, logger=gguf_weights.__name__):
@@ -78,6 +79,7 @@ def test_packed_step_over_blocks_is_bitwise_the_step_over_the_float32_load(tiny_
             assert torch.equal(got, want), fmt
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_greedy_through_real_servers_equals_the_float32_reference(tiny_ggufs, tiny_random_draft, fmt):
     target = tiny_ggufs[fmt]

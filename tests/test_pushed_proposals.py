@@ -14,6 +14,8 @@ from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.helpers import Cluster, reference_greedy
 
+pytestmark = pytest.mark.servers  # in-process servers (make test, not make test-fast)
+
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 2600, 28]
 PUSH = {"overlap": True, "draft_push": True}
 

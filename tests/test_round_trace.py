@@ -97,6 +97,7 @@ def test_one_step_wakes_the_event_loop_once(tiny_target):
     assert len({w.first_step_at for w in works}) == 1
 
 
+@pytest.mark.servers
 def test_generation_stats_carry_the_trace(self_draft_cluster):
     with Client(self_draft_cluster.address) as client:
         out = client.generate(token_ids=PROMPT, max_new_tokens=12, num_speculative_tokens=2, proposer="draft",
@@ -134,6 +135,7 @@ def collector():
     server.stop(None)
 
 
+@pytest.mark.servers
 def test_rounds_reach_an_otlp_collector(tiny_target, collector):
     sink, port = collector
     cluster = Cluster(tiny_target, tiny_target, coordinator_overrides={"otlp_endpoint": f"127.0.0.1:{port}"})
