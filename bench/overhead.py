@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, append_section, bench_log, md_table
+from bench.common import append_section, bench_log, md_table
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import REPO, append_section, bench_log, log, machine_info, md_table
+from bench.common import append_section, bench_log, log, machine_info, md_table
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, append_section, bench_log, free_port, git_commit, log, md_table
+from bench.common import append_section, bench_log, free_port, git_commit, log, md_table
 
 TARGETS = ["127.0.0.2", "127.0.0.3"]
 DRAFT = "127.0.0.4"

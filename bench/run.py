@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO, T_START, CpuMeter, append_section, bench_log, log_header, plot_dir, gpu_name, log, machine_info, wait_idle
+from bench.common import T_START, CpuMeter, append_section, bench_log, log_header, plot_dir, gpu_name, log, machine_info, wait_idle
 from bench.run_rows import run_baselines, run_specdec
 from bench.run_rows import repeats as _repeats
 from bench.run_plan import SPEC_MAX_NEW_TOKENS, build_plan, describe_plan

@@ -23,7 +23,7 @@ import shlex
 import sys
 import time
 
-from bench.common import REPO, bench_log
+from bench.common import bench_log
 
 
 def main(argv=None) -> int:

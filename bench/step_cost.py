@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, append_section, bench_log, plot_dir, git_commit, gpu_name, machine_info
+from bench.common import append_section, bench_log, plot_dir, git_commit, gpu_name, machine_info
 TOKENS = (1, 2, 3, 5, 9, 17, 33)
 BATCHES = (1, 4, 16, 64)
 PREFIX = 100

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from bench.common import REPO, append_section, bench_log, log, machine_info
+from bench.common import append_section, bench_log, log, machine_info
 from coordinator.constraint import grammar_text
 from bench.pipeline import BenchPipeline
 from specdec.client import Client

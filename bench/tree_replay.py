@@ -2,7 +2,7 @@
 
 The target generates each held-out open prompt's answer greedily; then every position of that answer is
 taken as a round's start, and the draft grows its trees there exactly as its engine does
-(specdec.engine.propose_tree.Growth: b children per expanded node, the b likeliest nodes of each level
+(specdec.engine.tree_growth.Growth: b children per expanded node, the b likeliest nodes of each level
 expanded, greedy trees dynamic: grown past the budget, the N likeliest kept). A greedy round commits the
 longest root path that matches the target's answer, plus one token; the table gives that mean (tokens
 per target forward, had every round been such a tree) per shape, beside two references: the chain
@@ -27,7 +27,7 @@ import shlex
 import sys
 import time
 
-from bench.common import REPO, append_section, bench_log, git_commit, log, machine_info, md_table
+from bench.common import append_section, bench_log, git_commit, log, machine_info, md_table
 
 # (b, D, N): chains (b = 1), the fixed top-2 shape the draft grew before trees were dynamic (b = 2, every
 # candidate kept), and dynamic trees of b = 4 at several depths and budgets.
@@ -66,7 +66,7 @@ class DraftAt:
 
 def grow(dist_at: DraftAt, b: int, depth: int, budget: int):
     """The draft engine's greedy growth (the same Growth code) of a tree with this shape."""
-    from specdec.engine.propose_tree import GREEDY, Growth, TreeShape
+    from specdec.engine.tree_growth import GREEDY, Growth, TreeShape
 
     g = Growth(TreeShape(budget, depth, b, GREEDY), -1, 0, dynamic=True)
     level = g.expand(-1, dist_at(()), 0, greedy_logits=True)

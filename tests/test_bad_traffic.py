@@ -7,7 +7,6 @@ field while a running stream keeps producing; a grammar is compiled once for a r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import select
 import socket

@@ -1,4 +1,4 @@
-"""Trees grown as the draft engine grows them (specdec.engine.propose_tree.Growth: siblings drawn i.i.d. or
+"""Trees grown as the draft engine grows them (specdec.engine.tree_growth.Growth: siblings drawn i.i.d. or
 without replacement from q with position- and node-keyed draws, the likeliest nodes of a level expanded within
 the node budget) (CANDIDATES trees dynamic: grown past the budget, the likeliest N kept) and verified by the target's engine (specdec.engine.verify) keep the target's distribution
 exactly: the first N_TOKENS tokens generated round after round match the exact target joint (chi-square and
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engine.propose_tree import Growth, TreeShape
+from specdec.engine.tree_growth import Growth, TreeShape
 from specdec.engine.draft_probs import DraftProbs
 from specdec.engine.verify import CANDIDATES, IID, WITHOUT_REPLACEMENT, VerifyWork, _verify_sampled, _verify_trees
 from specdec.math.params import SamplingParams

@@ -15,7 +15,8 @@ from specdec.core.prefix import PrefixHashes
 from specdec.engine.config import BatchConfig, ModelConfig, TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.propose import ProposeWork
-from specdec.engine.propose_tree import GREEDY, ProposeTreeWork, TreeShape
+from specdec.engine.propose_tree import ProposeTreeWork
+from specdec.engine.tree_growth import GREEDY, TreeShape
 from specdec.engine.runner import Feed
 from specdec.engine.verify import CANDIDATES, IID, WITHOUT_REPLACEMENT
 from specdec.math.params import SamplingParams

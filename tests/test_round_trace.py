@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from coordinator.trace import PARTS, OtlpRounds, RoundTrace
 from specdec.client import Client
 from specdec.core.prefix import PrefixHashes
-from specdec.engine.config import BatchConfig, TierConfig
+from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.verify import VerifyWork
 from specdec.math.params import SamplingParams

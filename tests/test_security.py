@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
-from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 

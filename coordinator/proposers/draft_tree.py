@@ -124,7 +124,7 @@ def best_first(p: Sequence[float], nodes: int, depth: int) -> list[float]:
 
 
 def level_growth(p: Sequence[float], nodes: int, depth: int) -> list[float]:
-    """The same chances for a sampled tree's fixed shape (specdec.engine.propose_tree.Growth within its budget):
+    """The same chances for a sampled tree's fixed shape (specdec.engine.tree_growth.Growth within its budget):
     the root's b children, then per level the likeliest ceil(left / b) (at most b) nodes each with b children,
     until N nodes or D levels."""
     b, out, level = len(p), [], [1.0]

@@ -15,7 +15,6 @@ from coordinator.proposers.local import LocalStrategy
 from specdec.core.proposer_names import SUFFIX
 from coordinator.proposers.suffix_tree import SuffixCache, SuffixConfig, SuffixDraft, SuffixTree, speculate
 from coordinator.proposers.token_tree import TreeBuilder
-from specdec.core.settings import setting
 
 __all__ = ["SuffixCache", "SuffixConfig", "SuffixStrategy", "SuffixTree", "speculate"]
 

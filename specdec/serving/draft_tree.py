@@ -5,7 +5,8 @@ and the tree reply's fields back."""
 from __future__ import annotations
 
 from specdec.core.errors import invalid_argument
-from specdec.engine.propose_tree import GREEDY, TreeProposeResult, TreeShape
+from specdec.engine.propose_tree import TreeProposeResult
+from specdec.engine.tree_growth import GREEDY, TreeShape
 from specdec.engine.verify import CANDIDATES, IID, WITHOUT_REPLACEMENT
 from specdec.math.params import SamplingParams
 from specdec.proto import draft_pb2, target_pb2
