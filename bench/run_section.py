@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bench import report
+from bench import report, report_tables
 from bench.common import DISTURBED
 from bench.plots import plot_bound, plot_speed_vs_k
 from bench.run_plan import describe_plan
@@ -89,9 +89,9 @@ def build_section(*, plan: dict, models: dict, prompts: dict, info: dict, starte
     if "template" in plan["workloads"]:
         L.append("Template workload (tok/s, median over the requests; x target alone):")
         L.append("")
-        L.extend(report.template_table(all_rows, aggs, plan["placements"]))
+        L.extend(report_tables.template_table(all_rows, aggs, plan["placements"]))
         L.append("")
-    trees = report.tree_table(all_rows, aggs, plan["placements"], plan["workloads"])
+    trees = report_tables.tree_table(all_rows, aggs, plan["placements"], plan["workloads"])
     if len(trees) > 2:
         L.append("The draft model's chains, token trees and speculation cache (overlap) (x target alone; rounds ready: "
                  "drafts the speculation cache had pre-drafted; saved: the draft call's usual time less theirs):")
@@ -100,7 +100,7 @@ def build_section(*, plan: dict, models: dict, prompts: dict, info: dict, starte
         L.append("")
     L.append("Goals:")
     L.append("")
-    L.extend(report.goal_lines(summary["goals"]))
+    L.extend(report_tables.goal_lines(summary["goals"]))
     L.append("")
     L.extend(reading(all_rows, aggs, bounds))
     L.append("")
@@ -116,13 +116,13 @@ def build_section(*, plan: dict, models: dict, prompts: dict, info: dict, starte
             L.append("")
             L.append(f"Prompts: {', '.join(p.id for p in prompts[wl])} (mean {sum(ptoks) / len(ptoks) if ptoks else 0:.0f} prompt tokens).")
             L.append("")
-            L.extend(report.results_table(rows, aggs, tgt))
+            L.extend(report_tables.results_table(rows, aggs, tgt))
             L.append("")
             b = [x for x in bounds if x["placement"] == pl and x["workload"] == wl]
             if b:
                 L.append(f"Bound vs measured ({pl} / {wl}, greedy, speed-up over specdec K=0):")
                 L.append("")
-                L.extend(report.bound_table(b))
+                L.extend(report_tables.bound_table(b))
                 L.append("")
 
     L.append("### Memory")
