@@ -12,7 +12,8 @@ The parts run one after another as the benches' own commands (python -m bench.X)
 bench appends its section to --out as it always does, and this appends a dated summary (each part's
 status and time) after them. A part over its budget is stopped and reported, and the next one runs.
 --cpu-smoke runs the same plan on the CPU with tiny settings, to check the plan itself anywhere;
---dry-run prints the plan. Run it wherever a GPU is available, first: nothing here has measured it yet.
+--dry-run prints the plan. Run it wherever a GPU is available, first (its first run, on an H100 on 2026-11-26, is in
+docs/bench-logs/2026-11.md).
 """
 
 from __future__ import annotations
@@ -64,18 +65,21 @@ def plan(device: str, dtype: str, out: str, smoke: bool = False) -> list[Part]:
                                                       "--max-new-tokens", "8", "--rows", "k0",
                                                       "--plot", str(Path(out).parent / "bench_concurrency_smoke.png"), *out_args), 300),
         ]
+    # Budgets from the first H100 run (2026-11-26: cuda-tests 67 s, exactness ~90 s at 6 prompts, step-cost ~75 s
+    # with three modes, workloads over 160 s with the assisted-generation peer and the tree/overlap variants,
+    # concurrency 30 s); the settings below are trimmed so the budgets sum to TOTAL_BUDGET_S.
     return [
-        Part("cuda-tests", "pytest", ("-q", *CUDA_TESTS), 150, {"SPECDEC_TEST_DEVICE": device}),
+        Part("cuda-tests", "pytest", ("-q", *CUDA_TESTS), 120, {"SPECDEC_TEST_DEVICE": device}),
         Part("exactness", "bench.exactness", ("--device", device, "--dtypes", f"float32,{dtype}", "--tokens", "64",
-                                              "--prompts", "6", "--ks", "1,3", *out_args), 50),
+                                              "--prompts", "4", "--ks", "1,3", *out_args), 80),
         Part("step-cost", "bench.step_cost", ("--device", device, "--dtype", dtype, "--quick", "--decode-tokens", "32",
-                                              *out_args), 50),
+                                              "--modes", "eager,cuda-graphs", *out_args), 80),
         Part("workloads", "bench.run", ("--device", device, "--dtype", dtype, "--workloads", "open,grounded,template",
                                         "--prompts", "2", "--template-prompts", "2", "--repeats", "1",
-                                        "--max-new-tokens", "64", "--ks", "2,4", "--no-sampled", "--wait-idle", "0",
-                                        *out_args), 160),
+                                        "--max-new-tokens", "64", "--ks", "2,4", "--no-sampled", "--no-peer",
+                                        "--draft-trees", "0", "--speculate", "0", "--wait-idle", "0", *out_args), 150),
         Part("concurrency", "bench.concurrency", ("--device", device, "--dtype", dtype, "--levels", "1,32", "--repeats", "1",
-                                                  "--max-new-tokens", "64", "--rows", "specdec,k0", *out_args), 60),
+                                                  "--max-new-tokens", "64", "--rows", "specdec,k0", *out_args), 50),
     ]
 
 
@@ -83,7 +87,8 @@ def run_part(part: Part) -> tuple[str, float]:
     """(status, seconds): ok, failed (exit code), or stopped at its budget."""
     t0 = time.monotonic()
     print(f"gpu-check: {part.name}: {' '.join(part.command()[1:])} (budget {part.budget_s:.0f}s)", file=sys.stderr, flush=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), **part.env}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, **part.env}
     try:
         rc = subprocess.run(part.command(), cwd=REPO, env=env, timeout=part.budget_s).returncode
     except subprocess.TimeoutExpired:

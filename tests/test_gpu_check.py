@@ -34,3 +34,11 @@ def test_dry_run_prints_the_plan(capsys, tmp_path):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 5 and lines[1].startswith("exactness (300s): -m bench.exactness --device cpu")
     assert not (tmp_path / "b.md").exists()  # a dry run writes nothing
+
+
+def test_a_part_keeps_the_callers_python_path(tmp_path, monkeypatch):
+    """Packages installed beside the image's (pip --target, on PYTHONPATH) stay importable in every part."""
+    (tmp_path / "pp_probe.py").write_text("import bench.gpu_check\n")  # needs both the caller's path and the repo
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    status, _ = gpu_check.run_part(gpu_check.Part("probe", "pp_probe", (), 60))
+    assert status == "ok"
