@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the steady load's first seconds, not counted (the clients' first requests start together)")
     p.add_argument("--cold", action="store_true",
                    help="a fresh cluster for every burst (no warm-up request, no finished session before it)")
-    p.add_argument("--out", default=str(bench_log()))
+    p.add_argument("--out", default=str(bench_log()), help="markdown file to append the section to ('' = none)")
     p.add_argument("--plot", default=None, help="PNG to draw (default docs/bench_concurrency.png; "
                    "docs/bench_concurrency_gpu.png with a GPU --device)")
     p.add_argument("--json", default=None, help="also write the raw per-client samples here")
@@ -411,7 +411,8 @@ def main(argv=None) -> int:
     where = f"{gpu_name(args.device).split(' (')[0]}, {args.dtype}" if args.device != "cpu" else f"{m['cores']} cores"
     made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({where}, N={args.max_new_tokens})")
     lines = markdown(results, levels, command, info, args.max_new_tokens, os.path.relpath(plot_path, Path(args.out).resolve().parent) if made and args.out else plot_path.name if made else None)
-    append_section("\n".join(lines), args.out)
+    if args.out:
+        append_section("\n".join(lines), args.out)
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1, default=str))
     print("\n".join(lines))

@@ -190,19 +190,37 @@ def test_on_a_flat_then_steep_step_k_is_the_aggregate_optimum(sessions):
 
 def test_a_greedy_session_never_probes_a_local_chain_it_judges_for_free():
     """K = 0 wins: a greedy session's local chains are judged against the committed tokens every round, so no
-    round spends a verify row probing them; a sampled session's are not, so it probes one K = 1 every
-    probe_every rounds, and a greedy session still probes the draft model."""
+    round spends a verify row probing them; a sampled session's are not, so it probes one K = 1 after
+    probe_every rounds, then after twice as many while K = 0 keeps winning, and a greedy session still probes
+    the draft model."""
     def ks(greedy: bool, with_draft: bool) -> list[int]:
         policy, load = Policy(PolicyConfig(max_k=8, probe_every=4)), loaded(16, step=hinge)
         strategy = draft(greedy=greedy) if with_draft else lookup(None, rounds=20, accepted=0)[0]
         strategy.greedy = greedy
         for _ in range(20):
             strategy.acceptance.judge(4, 0)  # nothing accepted lately
-        return [(c.k if (c := policy.choose([strategy], ask(load))) else 0) for _ in range(16)]
+        return [(c.k if (c := policy.choose([strategy], ask(load))) else 0) for _ in range(32)]
 
-    assert ks(greedy=True, with_draft=False) == [0] * 16
-    assert ks(greedy=False, with_draft=False) == [0, 0, 0, 1] * 4
-    assert ks(greedy=True, with_draft=True) == [0, 0, 0, 1] * 4
+    backing_off = [0, 0, 0, 1] + [0] * 7 + [1] + [0] * 15 + [1] + [0] * 4  # after 4, 8, then 16 rounds
+    assert ks(greedy=True, with_draft=False) == [0] * 32
+    assert ks(greedy=False, with_draft=False) == backing_off
+    assert ks(greedy=True, with_draft=True) == backing_off
+
+
+def test_probing_returns_to_its_first_interval_once_drafting_wins():
+    policy, load = Policy(PolicyConfig(max_k=8, probe_every=2, probe_max_every=8)), loaded(16, step=hinge)
+    strategy = draft(greedy=True)
+    for _ in range(20):
+        strategy.acceptance.judge(4, 0)
+    first = [(c.k if (c := policy.choose([strategy], ask(load))) else 0) for _ in range(14)]
+    assert first == [0, 1, 0, 0, 0, 1] + [0] * 7 + [1]  # after 2, 4, then 8 rounds (the cap)
+    for _ in range(50):
+        strategy.acceptance.judge(4, 4)  # everything accepted: drafting wins
+    assert policy.choose([strategy], ask(load)).k > 1
+    for _ in range(50):
+        strategy.acceptance.judge(4, 0)
+    again = [(c.k if (c := policy.choose([strategy], ask(load))) else 0) for _ in range(6)]
+    assert again == [0, 1, 0, 0, 0, 1]
 
 
 def test_a_margin_below_one_is_refused_at_start(capsys):

@@ -57,8 +57,8 @@ def test_drafting_must_beat_k0_by_the_margin():
 def test_k0_rounds_probe_a_k1_unless_its_strategy_judges_itself_for_free():
     losing = [(1, 1.1, 100.0)]
     policy = Policy(PolicyConfig(probe_every=4))
-    picks = [chosen(policy.choose([Fixed(DRAFT_MODEL, losing)], ask())) for _ in range(8)]
-    assert picks == [None, None, None, (DRAFT_MODEL, 1)] * 2
+    picks = [chosen(policy.choose([Fixed(DRAFT_MODEL, losing)], ask())) for _ in range(12)]
+    assert picks == [None, None, None, (DRAFT_MODEL, 1)] + [None] * 7 + [(DRAFT_MODEL, 1)]  # then twice as long
     free = Policy(PolicyConfig(probe_every=4))
     assert [free.choose([Fixed(PROMPT_LOOKUP, losing, judged_unchosen=True)], ask()) for _ in range(8)] == [None] * 8
 

@@ -38,6 +38,8 @@ class Drafter:
         self._output: list[int] | None = None  # the finished session's tokens, for the shared suffix tree
 
     async def start(self) -> None:
+        if self.never_drafts:
+            return
         for s in self.every:
             await s.start()
 
@@ -49,6 +51,9 @@ class Drafter:
         """The round's drafts (at most budget(limit) deep, at most max_k nodes) with their q rows."""
         budget, k = max(self.budget(limit), 0), self.params.num_speculative_tokens
         k = min(budget, self.policy.config.max_k if k is None else k)
+        if k <= 0:  # nothing to draft: no prices, no strategy asked
+            source = self.strategies[0].source if self.strategies else DRAFT_MODEL
+            return Proposal(source, [], k=0, fallback=any(s.source == DRAFT_MODEL and not s.available for s in self.strategies))
         measured = not self.params.reproducible
         ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, measured,
                   self.target.verify_ms(max(k, self.max_k), measured), self.target.batch, len(committed))
@@ -74,8 +79,15 @@ class Drafter:
         by = next((s for s in self.every if s.source == proposal.source), None)
         return await (by.while_verifying(verifying) if by is not None and proposal.tokens else verifying)
 
+    @property
+    def never_drafts(self) -> bool:
+        """A request whose K is 0 throughout: no strategy needs its rounds or its tokens."""
+        return self.params.num_speculative_tokens == 0
+
     def observe(self, proposal: Proposal, verdict: Verdict, accepted: Sequence[int]) -> None:
         """The round's outcome: accepted = the accepted drafts + the next token."""
+        if self.never_drafts:
+            return
         path = verdict.path if proposal.parents else range(verdict.num_accepted)
         outcome = Outcome(proposal, accepted, path, verdict.wall_ms)
         for s in self.every:
@@ -83,6 +95,8 @@ class Drafter:
 
     def commit(self, tokens: list[int]) -> None:
         """Tokens just committed."""
+        if self.never_drafts:
+            return
         for s in self.every:
             s.commit(tokens)
 

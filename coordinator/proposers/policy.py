@@ -10,7 +10,10 @@ nothing else about the strategies.
 Drafting must beat K = 0 by PolicyConfig.min_gain (5%): the largest of many noisy estimates overstates its
 own value (the optimizer's curse), and where drafting was predicted to gain a few percent (a batch of sessions
 on the steep part of the step's curve, drafts accepted a fifth of the time) it measured a few percent slower.
-When K = 0 wins, the best K = 1 is still probed every probe_every rounds so its estimates can recover,
+When K = 0 wins, the best K = 1 is still probed after probe_every rounds so its estimates can recover, the
+interval doubling after each probe while K = 0 keeps winning (to probe_max_every; back to probe_every once
+drafting wins): a probe costs a draft round trip, and on a tiny pair whose step costs less than the round
+trip (a GPU's regime) probing every 8th round cost the default request ~5% against K = 0 (bench.concurrency),
 unless its strategy judges its unchosen offers for free (a local chain in a greedy session): a probe would
 only spend a row of the step on a draft the policy expects to lose (under load, measured: probing every 8th round cost ~4% of a
 16-session burst's tokens/s). A request's own K (fixed) has no K = 0 option, and a reproducible request
@@ -32,6 +35,7 @@ class PolicyConfig:
 
     max_k: int = 8  # the deepest proposal tried (drafts per path)
     probe_every: int = 8  # when K = 0 wins, probe a K = 1 this often
+    probe_max_every: int = 64  # probes that keep losing back off, the interval doubling up to this
     min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor
 
 
@@ -41,6 +45,7 @@ class Policy:
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self._since_probe = 0
+        self._probe_every = config.probe_every  # doubles after each probe while K = 0 keeps winning
 
     def choose(self, strategies: Sequence[Strategy], ask: Ask) -> Prediction | None:
         """The best prediction of any strategy, or None for K = 0 (the target alone)."""
@@ -51,10 +56,12 @@ class Policy:
         if ask.fixed or best is None:
             return best
         if best.rate > self.config.min_gain / ask.verify_ms[0]:
+            self._probe_every = self.config.probe_every
             return best
         self._since_probe += 1
         probe = max((p for p in predictions if p.k == 1 and not p.nodes), key=lambda p: p.rate, default=None)
-        if self._since_probe < self.config.probe_every or probe is None or probe.by.judged_unchosen:
+        if self._since_probe < self._probe_every or probe is None or probe.by.judged_unchosen:
             return None
         self._since_probe = 0
+        self._probe_every = min(2 * self._probe_every, max(self.config.probe_max_every, self.config.probe_every))
         return probe
