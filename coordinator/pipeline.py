@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.output import Output
 from coordinator.params import GenerationParams
+from coordinator.proposers.coordinator_cost import CoordinatorCost
 from coordinator.proposers.draft_model import DraftModelStrategy
 from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTrees
 from coordinator.proposers.drafter import Drafter
@@ -87,6 +89,8 @@ class Pipeline:
         # steps its replies report (the target's Verify, the draft's Propose).
         self.target_load = TierCost()
         self.draft_load = TierCost(prior_intercept=config.draft_model.prior_step_ms, prior_slope=0.0)
+        self.coordinator_cost = CoordinatorCost()  # this process's own CPU per tier call, sampled once connected
+        self._sampler: asyncio.Task | None = None
         self.source_priors = SharedPriors()  # what ended sessions' strategies learnt, where new ones start
         self.suffix_cache = SuffixCache(config.suffix)  # recent outputs of all sessions, for suffix decoding
         # The round trace's OpenTelemetry export (coordinator.trace); None when no endpoint is set.
@@ -140,6 +144,14 @@ class Pipeline:
         for probe in (self.target_reachability, self.draft_reachability):
             if probe is not None:
                 probe.start()
+        self._sampler = asyncio.ensure_future(self._sample_coordinator_cost())
+
+    async def _sample_coordinator_cost(self, interval_s: float = 0.25) -> None:
+        """The loop thread's CPU over the tier calls answered, a few times a second (CoordinatorCost); runs on
+        the loop, so time.thread_time() is the loop thread's."""
+        while True:
+            self.coordinator_cost.sample(time.thread_time(), self.target_load.observations + self.draft_load.observations)
+            await asyncio.sleep(interval_s)
 
     def announce_reachability(self) -> None:
         """Call the listeners (on a flip, and once more when the service starts serving)."""
@@ -199,7 +211,8 @@ class Pipeline:
                 push=c.overlap and c.draft_push))
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
         drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
-                          suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context)
+                          suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
+                          coordinator=self.coordinator_cost)
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
         constraint = (params.grammar.session(jump_forward=params.logprobs < 0)
@@ -234,6 +247,8 @@ class Pipeline:
 
     async def close(self, cleanup_timeout_s: float = 5.0) -> None:
         """Stop the probes, finish pending session clean-ups, then close the channels."""
+        if self._sampler is not None:
+            self._sampler.cancel()
         for probe in (self.target_reachability, self.draft_reachability):
             if probe is not None:
                 await probe.close()

@@ -104,19 +104,19 @@ class DraftModelStrategy:
         if ask.fixed and self.trees is not None and (tree := self.trees.fixed(ask.k, a, ask.nodes)) is not None:
             e = self.trees.expected(a, tree.nodes, tree.depth)  # the request's K: the tree of that depth, whatever the timings
             return [Prediction(self, ask.k, e, ask.verify_ms[tree.nodes] + self.propose_ms(ask.k, ask.measured), tree.nodes,
-                               tree.branching)]
+                               tree.branching, calls=2)]
         if ask.measured:  # propose_ms(k) for every k, its line read once
             ratio, base, per = self.time_ratio.value, self.price(0), self.cost.step_ms(1)
             propose = [ratio * (base + k * per) for k in range(ask.k + 1)]
         else:
             propose = [self.prior.predict(k, False) for k in range(ask.k + 1)]
         for k in range(ask.k if ask.fixed else 1, ask.k + 1):
-            out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + propose[k]))
+            out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + propose[k], calls=2))
         if self.trees is not None and not ask.fixed and ask.measured:
             found = self.trees.best(a, lambda d: self.propose_ms(d), ask.verify_ms, ask.k, ask.nodes)
             if found is not None:
                 e, cost, tree = found
-                out.append(Prediction(self, tree.depth, e, cost, tree.nodes, tree.branching))
+                out.append(Prediction(self, tree.depth, e, cost, tree.nodes, tree.branching, calls=2))
         return out
 
     async def propose(self, choice: Prediction, committed: list[int], hashes: PrefixHashes) -> Proposal:

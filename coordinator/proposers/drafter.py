@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Sequence
 
 from coordinator.params import GenerationParams
 from coordinator.proposers.base import Proposal
+from coordinator.proposers.coordinator_cost import CoordinatorCost
 from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.policy import Policy
 from coordinator.proposers.strategy import Ask, Outcome, Strategy
@@ -25,12 +26,15 @@ from specdec.core.prefix import PrefixHashes
 
 class Drafter:
     def __init__(self, params: GenerationParams, policy: Policy, strategies: Sequence[Strategy], fallback: Strategy,
-                 target: TierCost, *, max_k: int, suffix_cache: SuffixCache | None = None, cache_context: int = 0) -> None:
+                 target: TierCost, *, max_k: int, suffix_cache: SuffixCache | None = None, cache_context: int = 0,
+                 coordinator: CoordinatorCost | None = None) -> None:
         """strategies: the session's, model-free ones first; fallback: prompt lookup, there whenever the draft tier
         is unreachable. target: the target's prices. max_k: the server's and tiers' cap on K (and on a tree's
         nodes). suffix_cache: the coordinator's tree of recent outputs, which this session's output joins at
-        close(), after cache_context prompt tokens."""
+        close(), after cache_context prompt tokens. coordinator: the coordinator's own CPU per tier call (None or
+        PolicyConfig.price_coordinator off: not charged)."""
         self.params, self.policy, self.target, self.max_k = params, policy, target, max_k
+        self.coordinator = coordinator if policy.config.price_coordinator else None
         self.strategies = list(strategies)
         self.fallback = fallback
         self.every = self.strategies + [fallback] * (fallback not in self.strategies)  # all that learn and commit
@@ -55,8 +59,10 @@ class Drafter:
             source = self.strategies[0].source if self.strategies else DRAFT_MODEL
             return Proposal(source, [], k=0, fallback=any(s.source == DRAFT_MODEL and not s.available for s in self.strategies))
         measured = not self.params.reproducible
+        call_ms = self.coordinator.call_ms if self.coordinator is not None and measured else 0.0
         ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, measured,
-                  self.target.verify_ms(max(k, self.max_k), measured), self.target.batch, len(committed))
+                  self.target.verify_ms(max(k, self.max_k), measured), self.target.batch, len(committed),
+                  call_ms, max(self.target.live, 1))
         draft_down = any(s.source == DRAFT_MODEL and not s.available for s in self.strategies)
         local = [s for s in self.strategies if s.source != DRAFT_MODEL]
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.

@@ -5,7 +5,9 @@ time when every session of the step scores n drafts, from the curve the tier mea
 it has reported since), asks every strategy of the session for its predictions within that price (each
 shape it could propose: a chain of K, a tree of N nodes and depth D, with the tokens it would commit and the
 round's time), adds K = 0 (the target alone: one token for verify(0)) and picks the largest rate. It knows
-nothing else about the strategies.
+nothing else about the strategies. Each prediction's time also carries the coordinator's own CPU for its
+tier calls (coordinator_cost.py: in series with the round, and under load the floor that one event loop
+serving every generation puts under it), as does K = 0's.
 
 Drafting must beat K = 0 by PolicyConfig.min_gain (5%): the largest of many noisy estimates overstates its
 own value (the optimizer's curse), and where drafting was predicted to gain a few percent (a batch of sessions
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from coordinator.proposers.coordinator_cost import round_ms
 from coordinator.proposers.strategy import Ask, Prediction, Strategy
 
 
@@ -37,6 +40,7 @@ class PolicyConfig:
     probe_every: int = 8  # when K = 0 wins, probe a K = 1 this often
     probe_max_every: int = 64  # probes that keep losing back off, the interval doubling up to this
     min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor
+    price_coordinator: bool = True  # charge the coordinator's own CPU per tier call, in series and as a floor under load
 
 
 class Policy:
@@ -52,14 +56,18 @@ class Policy:
         if ask.k <= 0:
             return None
         predictions = [p for s in strategies for p in s.predict(ask)]
-        best = max(predictions, key=lambda p: p.rate, default=None)
+
+        def rate(p: Prediction) -> float:  # tokens per ms, the coordinator's own time charged
+            return p.tokens / max(round_ms(p.cost_ms, p.calls, ask.call_ms, ask.in_flight), 1e-6)
+
+        best = max(predictions, key=rate, default=None)
         if ask.fixed or best is None:
             return best
-        if best.rate > self.config.min_gain / ask.verify_ms[0]:
+        if rate(best) > self.config.min_gain / round_ms(ask.verify_ms[0], 1, ask.call_ms, ask.in_flight):
             self._probe_every = self.config.probe_every
             return best
         self._since_probe += 1
-        probe = max((p for p in predictions if p.k == 1 and not p.nodes), key=lambda p: p.rate, default=None)
+        probe = max((p for p in predictions if p.k == 1 and not p.nodes), key=rate, default=None)
         if self._since_probe < self._probe_every or probe is None or probe.by.judged_unchosen:
             return None
         self._since_probe = 0

@@ -31,6 +31,8 @@ class Ask:
     verify_ms: Sequence[float]  # the predicted verify time of a round scoring n drafts, n = 0..max(k, nodes)
     batch: float = 1.0  # sessions per target step now (the load)
     context: int = 0  # the committed length
+    call_ms: float = 0.0  # the coordinator's CPU per tier call (coordinator_cost.py; 0: not charged)
+    in_flight: float = 1.0  # generations running on this coordinator now
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Prediction:
     cost_ms: float  # C: the round's time, proposing and verifying
     nodes: int = 0  # a draft-model tree's node budget (0: a chain)
     branching: int = 1  # a draft-model tree's children per expanded node
+    calls: int = 1  # tier calls the round makes (a draft-model round: Propose and Verify)
 
     @property
     def rate(self) -> float:
