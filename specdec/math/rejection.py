@@ -55,7 +55,7 @@ def verify_greedy(
 ) -> tuple[int, int]:
     """rejection_sample's temperature-0 limit without materialising one-hot p and q: accept d_i while
     it equals argmax p_i; the next token is argmax p at the stop position (the recovered token, or the
-    bonus). tests/test_sampling.py pins it to rejection_sample on one-hot inputs."""
+    bonus). tests/test_rejection.py pins it to rejection_sample on one-hot inputs."""
     target_argmax = target_logits.argmax(dim=-1)  # [K+1]
     k = draft_tokens.shape[0]
     mismatch = (target_argmax[:k] != draft_tokens).nonzero()
