@@ -83,6 +83,14 @@ def real_pair() -> tuple[str, str]:
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def renders() -> dict[str, list[dict]]:
+    """deploy/ rendered: overlay (+ components) name -> objects, for the deploy tests (tests/deploy_renders.py)."""
+    from tests.deploy_renders import render_all  # kubernetes-validate and kubectl only where a test asks
+
+    return render_all()
+
+
 # Raw stubs on the random-draft cluster, for tests that send arbitrary (also invalid) messages.
 
 

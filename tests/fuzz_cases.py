@@ -19,7 +19,7 @@ test the servers must answer the standard health check, still generate the exact
 hold no session once the ones the test created are ended.
 
 Requests stay far below the 8 MiB message limit, so RESOURCE_EXHAUSTED is never a right answer here
-(tests/test_bad_input.py covers oversized messages). Hypothesis runs derandomized (the same examples
+(tests/test_bad_input_extremes.py covers oversized messages). Hypothesis runs derandomized (the same examples
 every run) and without an example database.
 """
 
@@ -46,7 +46,7 @@ MAX_CONTEXT = 1024
 MAX_K = 16  # tiers' max_draft_tokens and the coordinator's largest K
 MAX_NEW_CAP = 4096  # CoordinatorConfig.max_new_tokens_cap default
 MAX_PROMPT = 8192  # CoordinatorConfig.max_prompt_tokens default
-MAX_STOP_STRINGS = 16  # coordinator limits, as tests/test_bad_input.py pins them
+MAX_STOP_STRINGS = 16  # coordinator limits, as tests/test_bad_input_generate.py pins them
 MAX_STOP_LEN = 256
 DRAFT_TOP_N = 64  # DraftConfig.draft_top_n default (the Cluster's)
 EOS = 2

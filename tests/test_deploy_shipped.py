@@ -1,4 +1,4 @@
-"""deploy/ as shipped, checked offline on the renders of tests/test_deploy.py: what a GPU cluster needs for
+"""deploy/ as shipped, checked offline on the renders of tests/deploy_renders.py: what a GPU cluster needs for
 every tier to start and keep its sessions. No `replicas` under an HPA (an apply would scale a tier back);
 Triton's cache on a writable volume under a read-only root filesystem and a non-root user; a compiler in
 the CUDA image only; a maximum connection age on the coordinators; GPU volumes that hold an 8B target in
@@ -11,13 +11,8 @@ import re
 
 import pytest
 
-from tests.test_deploy import (DEPLOY, ENV_PREFIX, RENDERS, TIERS, container, deployments, env_of, env_value, of_kind,
-                               quantity, render_all)
-
-
-@pytest.fixture(scope="module")
-def renders() -> dict[str, list[dict]]:
-    return render_all()
+from tests.deploy_renders import (DEPLOY, ENV_PREFIX, RENDERS, TIERS, container, deployments, env_of, env_value, of_kind,
+                                  quantity)
 
 
 @pytest.mark.parametrize("name", RENDERS)

@@ -11,7 +11,8 @@ from array import array
 import pytest
 
 from coordinator.proposers.suffix import SuffixStrategy
-from coordinator.proposers.suffix_tree import SuffixCache, SuffixConfig, SuffixTree, speculate
+from coordinator.proposers.suffix_cache import SuffixCache
+from coordinator.proposers.suffix_tree import SuffixConfig, SuffixTree, speculate
 
 
 def tree_counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:

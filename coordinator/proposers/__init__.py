@@ -8,4 +8,5 @@ local.py        what the model-free strategies share; lookup.py (prompt lookup),
 draft_model.py  the draft tier's model; draft_tree.py its token trees' shapes and estimates
 drafter.py      one session's strategies and policy: the round loop's propose / observe / commit
 names.py (the proposer names), base.py (Proposal), token_tree.py, suffix_tree.py: data and data structures
+suffix_cache.py the suffix tree of recent finished outputs that a coordinator's sessions share
 """

@@ -17,7 +17,7 @@ from coordinator.proposers.coordinator_cost import CoordinatorCost
 from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.policy import Policy
 from coordinator.proposers.strategy import Ask, Outcome, Strategy
-from coordinator.proposers.suffix_tree import SuffixCache
+from coordinator.proposers.suffix_cache import SuffixCache
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.tiers.client import TierError
 from coordinator.tiers.target import Verdict

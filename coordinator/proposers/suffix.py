@@ -1,5 +1,5 @@
 """Suffix decoding as a strategy: chains (or token trees) from the session's own suffix tree (prompt + output)
-and the coordinator's shared tree of recent finished outputs (coordinator/proposers/suffix_tree.py), priced
+and the coordinator's shared tree of recent finished outputs (coordinator/proposers/suffix_cache.py), priced
 and judged as every model-free strategy is (coordinator/proposers/local.py), with the tree's own estimate of
 each draft's chance."""
 
@@ -13,7 +13,8 @@ from coordinator.proposers.base import Proposal
 from coordinator.proposers.estimates import SharedPriors
 from coordinator.proposers.local import LocalStrategy
 from specdec.core.proposer_names import SUFFIX
-from coordinator.proposers.suffix_tree import SuffixCache, SuffixConfig, SuffixDraft, SuffixTree, speculate
+from coordinator.proposers.suffix_cache import SuffixCache
+from coordinator.proposers.suffix_tree import SuffixConfig, SuffixDraft, SuffixTree, speculate
 from coordinator.proposers.token_tree import TreeBuilder
 
 __all__ = ["SuffixCache", "SuffixConfig", "SuffixStrategy", "SuffixTree", "speculate"]
