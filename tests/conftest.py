@@ -83,9 +83,10 @@ def real_pair() -> tuple[str, str]:
     return target, draft
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def renders() -> dict[str, list[dict]]:
-    """deploy/ rendered: overlay (+ components) name -> objects, for the deploy tests (tests/deploy_renders.py)."""
+    """deploy/ rendered once per run: overlay (+ components) name -> objects, for the deploy tests
+    (tests/deploy_renders.py), which read and never change them."""
     from tests.deploy_renders import render_all  # kubernetes-validate and kubectl only where a test asks
 
     return render_all()
