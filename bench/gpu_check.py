@@ -83,6 +83,42 @@ def plan(device: str, dtype: str, out: str, smoke: bool = False) -> list[Part]:
     ]
 
 
+# What the parts import beyond torch (module, the distribution pip installs it from): a machine's image may lack
+# any of them (the first H100 run failed at import twice), so the check names them all before it starts.
+NEEDED = (("grpc", "grpcio"), ("grpc_health", "grpcio-health-checking"), ("grpc_reflection", "grpcio-reflection"),
+          ("google.protobuf", "protobuf"), ("transformers", "transformers"), ("gguf", "gguf"),
+          ("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("llguidance", "llguidance"), ("openai", "openai"),
+          ("opentelemetry.sdk", "opentelemetry-sdk"), ("prometheus_client", "prometheus-client"),
+          ("uvloop", "uvloop"), ("pytest", "pytest"), ("matplotlib", "matplotlib"))
+
+
+def preflight(device: str, needed=NEEDED) -> list[str]:
+    """What stops the check before it starts: packages that do not import (each with the error), the
+    generated gRPC modules, the model pair's directory, the device. Empty: ready."""
+    import importlib
+
+    problems = []
+    for module, dist in needed:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # an import that fails for any reason (missing, a version clash) is named
+            problems.append(f"{dist}: import {module} failed ({type(e).__name__}: {e})")
+    try:
+        importlib.import_module("specdec.proto.generate_pb2_grpc")
+    except Exception as e:
+        problems.append(f"the generated gRPC modules (make proto): {type(e).__name__}: {e}")
+    from specdec.models import models_dir
+
+    if not models_dir().is_dir():
+        problems.append(f"the model pair: {models_dir()} is not a directory (set SPECDEC_MODELS_DIR)")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(f"--device {device}: torch {torch.__version__} sees no CUDA device")
+    return problems
+
+
 def run_part(part: Part) -> tuple[str, float]:
     """(status, seconds): ok, failed (exit code), or stopped at its budget."""
     t0 = time.monotonic()
@@ -115,6 +151,10 @@ def main(argv=None) -> int:
         for part in parts:
             print(f"{part.name} ({part.budget_s:.0f}s): {' '.join(part.command()[1:])}")
         return 0
+    problems = preflight(device)
+    if problems:
+        print("gpu-check: not started; fix these first:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
     for part in parts:

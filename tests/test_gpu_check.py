@@ -42,3 +42,15 @@ def test_a_part_keeps_the_callers_python_path(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     status, _ = gpu_check.run_part(gpu_check.Part("probe", "pp_probe", (), 60))
     assert status == "ok"
+
+
+def test_preflight_names_what_would_stop_the_check(monkeypatch, tmp_path):
+    """Ready here (every package of the parts, the models, the CPU); a package that does not import is named
+    with the distribution to install, and a missing model directory stops main() before any part runs."""
+    assert gpu_check.preflight("cpu") == []
+    problems = gpu_check.preflight("cpu", needed=(("no_such_module_xyz", "no-such-dist"),))
+    assert len(problems) == 1 and problems[0].startswith("no-such-dist: import no_such_module_xyz failed")
+    monkeypatch.setenv("SPECDEC_MODELS_DIR", str(tmp_path / "absent"))
+    out = tmp_path / "b.md"
+    assert gpu_check.main(["--cpu-smoke", "--out", str(out)]) == 2
+    assert not out.exists()  # nothing ran, nothing written
