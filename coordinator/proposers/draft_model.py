@@ -105,13 +105,8 @@ class DraftModelStrategy:
             e = self.trees.expected(a, tree.nodes, tree.depth)  # the request's K: the tree of that depth, whatever the timings
             return [Prediction(self, ask.k, e, ask.verify_ms[tree.nodes] + self.propose_ms(ask.k, ask.measured), tree.nodes,
                                tree.branching, calls=2)]
-        if ask.measured:  # propose_ms(k) for every k, its line read once
-            ratio, base, per = self.time_ratio.value, self.price(0), self.cost.step_ms(1)
-            propose = [ratio * (base + k * per) for k in range(ask.k + 1)]
-        else:
-            propose = [self.prior.predict(k, False) for k in range(ask.k + 1)]
         for k in range(ask.k if ask.fixed else 1, ask.k + 1):
-            out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + propose[k], calls=2))
+            out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + self.propose_ms(k, ask.measured), calls=2))
         if self.trees is not None and not ask.fixed and ask.measured:
             found = self.trees.best(a, lambda d: self.propose_ms(d), ask.verify_ms, ask.k, ask.nodes)
             if found is not None:

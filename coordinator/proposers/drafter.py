@@ -55,18 +55,17 @@ class Drafter:
         """The round's drafts (at most budget(limit) deep, at most max_k nodes) with their q rows."""
         budget, k = max(self.budget(limit), 0), self.params.num_speculative_tokens
         k = min(budget, self.policy.config.max_k if k is None else k)
+        draft_down = any(s.source == DRAFT_MODEL and not s.available for s in self.strategies)
+        local = [s for s in self.strategies if s.source != DRAFT_MODEL]
+        # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
+        strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         if k <= 0:  # nothing to draft: no prices, no strategy asked
-            source = self.strategies[0].source if self.strategies else DRAFT_MODEL
-            return Proposal(source, [], k=0, fallback=any(s.source == DRAFT_MODEL and not s.available for s in self.strategies))
+            return self._target_only(strategies, draft_down)
         measured = not self.params.reproducible
         call_ms = self.coordinator.call_ms if self.coordinator is not None and measured else 0.0
         ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, measured,
                   self.target.verify_ms(max(k, self.max_k), measured), self.target.batch, len(committed),
                   call_ms, max(self.target.live, 1))
-        draft_down = any(s.source == DRAFT_MODEL and not s.available for s in self.strategies)
-        local = [s for s in self.strategies if s.source != DRAFT_MODEL]
-        # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
-        strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         choice = self.policy.choose(strategies, ask)
         try:
             proposal = await choice.by.propose(choice, committed, hashes) if choice is not None else None
@@ -74,10 +73,15 @@ class Drafter:
             draft_down, strategies = True, local or [self.fallback]  # the best model-free offer instead
             choice = self.policy.choose(strategies, ask)
             proposal = await choice.by.propose(choice, committed, hashes) if choice is not None else None
-        if proposal is None:  # K = 0, charged to the first strategy
-            return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down)
+        if proposal is None:
+            return self._target_only(strategies, draft_down)
         proposal.fallback = draft_down and proposal.source != DRAFT_MODEL
         return proposal
+
+    @staticmethod
+    def _target_only(strategies: Sequence[Strategy], draft_down: bool) -> Proposal:
+        """A K = 0 round, charged to the first strategy."""
+        return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down)
 
     async def verify(self, verifying: Awaitable[Verdict], proposal: Proposal) -> Verdict:
         """The target's verdict on `proposal`; the strategy that proposed it may use the wait (the draft model

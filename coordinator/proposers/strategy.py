@@ -47,11 +47,6 @@ class Prediction:
     branching: int = 1  # a draft-model tree's children per expanded node
     calls: int = 1  # tier calls the round makes (a draft-model round: Propose and Verify)
 
-    @property
-    def rate(self) -> float:
-        """Tokens per millisecond."""
-        return self.tokens / max(self.cost_ms, 1e-6)
-
 
 @dataclass(frozen=True)
 class Outcome:

@@ -62,10 +62,7 @@ class StepCurve:
             self._since = 0
 
     def predict(self, n: float, sessions: float = 1.0) -> float:
-        key = (max(int(round(n)), 1), max(int(round(sessions)), 1))
-        if key not in self._cache:
-            self._fit([key])
-        return self._cache[key]
+        return self.predict_many([n], sessions)[0]
 
     def predict_many(self, ns, sessions: float = 1.0) -> list[float]:
         """predict(n, sessions) for each n, the sizes not cached fitted in one pass."""
