@@ -30,6 +30,7 @@ from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
 from coordinator.trace import OtlpRounds, RoundTrace
 from coordinator.tiers.client import TierClient
+from coordinator.tiers.features import SessionFeatures
 from coordinator.tiers.reachability import TierReachability
 from coordinator.tiers.routing import probe_ring_hash
 from coordinator.tiers.session import DRAFT_RETRY, TARGET_RETRY, TierSession, deadline_clock
@@ -140,7 +141,9 @@ class Pipeline:
         if self.draft_info is not None and self.draft_info.tokenizer_fingerprint != self.target_info.tokenizer_fingerprint:
             raise PipelineMismatch(f"draft tokenizer ({self.draft_info.model}) differs from target tokenizer ({self.target_info.model}); refusing to start")
         log.info("pipeline: target %s at %s, draft %s", self.target_info.model, self.config.target_address,
-                 f"{self.draft_info.model} at {self.config.draft_address}" if self.draft_info else "none (target-only)")
+                 f"{self.draft_info.model} at {self.config.draft_address}" + (
+                     f" (an EAGLE-3 head reading the target's layers {list(self.draft_info.feature_layers)})"
+                     if self.feature_draft else "") if self.draft_info else "none (target-only)")
         for probe in (self.target_reachability, self.draft_reachability):
             if probe is not None:
                 probe.start()
@@ -168,6 +171,11 @@ class Pipeline:
                     raise ConnectionError(f"{name} service at {client.address} did not answer: {e.details()}") from None
                 await asyncio.sleep(0.5)
 
+    @property
+    def feature_draft(self) -> bool:
+        """Whether the draft tier serves an EAGLE-3 head (it drafts from the target's features)."""
+        return self.draft_info is not None and bool(self.draft_info.feature_layers)
+
     def max_k(self) -> int:
         """The largest K accepted: the server's cap and each tier's."""
         caps = [self.config.max_num_speculative_tokens]
@@ -186,10 +194,12 @@ class Pipeline:
         stats = RoundStats(trace=RoundTrace(self.round_spans, session_id))
         time_left = deadline_clock(deadline)
         sampling = sampling_params.encode(params.sampling, len(params.prompt_ids))  # the same message to both tiers
+        head = self.feature_draft and params.proposer in (DRAFT_MODEL, HYBRID)
+        features = SessionFeatures(list(self.draft_info.feature_layers), self.draft_info.feature_width) if head else None
         target = TargetVerifier(
             TierSession(self.target.session(session_id, key), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
                         fingerprint, time_left, self.target_reachability),
-            sampling, params.seed, stats, self.target_load, logprobs=params.logprobs)
+            sampling, params.seed, stats, self.target_load, logprobs=params.logprobs, features=features)
         max_k, greedy = self.max_k(), params.sampling.temperature == 0
         priors = None if params.reproducible else self.source_priors  # no other session sways a reproducible one
         tree_nodes = min(max_k, 0 if params.sampling.penalized  # chains only
@@ -206,9 +216,9 @@ class Pipeline:
                 c.draft_model, TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                            self.draft_reachability),
                 sampling, derive_seed(params.seed, 0, DRAFT_STREAM), stats, cost=self.draft_load,
-                max_context=self.draft_info.max_context, trees=self._draft_trees(params),
-                grammar=params.grammar.text if params.grammar is not None else "", greedy=greedy, priors=priors,
-                push=c.overlap and c.draft_push))
+                max_context=self.draft_info.max_context, trees=None if head else self._draft_trees(params),
+                grammar=params.grammar.text if params.grammar is not None and not head else "", greedy=greedy,
+                priors=priors, push=c.overlap and c.draft_push and not head, features=features))
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
         drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,

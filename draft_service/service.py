@@ -9,8 +9,11 @@ import asyncio
 from dataclasses import dataclass
 
 from specdec.core.errors import invalid_argument
+from specdec.core.settings import setting
 from specdec.engine.config import TierConfig
+from specdec.engine.eagle3_features import from_bytes
 from specdec.engine.engine import Engine
+from specdec.engine.head_engine import HeadEngine, is_head
 from specdec.engine.propose import ProposeResult, ProposeWork
 from specdec.engine.propose_tree import ProposeTreeWork, TreeProposeResult
 from specdec.engine.pushed import PushedProposal
@@ -31,6 +34,18 @@ class DraftConfig:
     tier: TierConfig
     server: ServerConfig = ServerConfig()
     draft_top_n: int = 64  # tokens kept in each q row on the wire (DESIGN.md, q on the wire)
+    # A feature draft (--model an EAGLE-3 head's directory): the target it drafts for (HF directory, .gguf or hub
+    # id), whose config, tokenizer and input embedding the head reads; empty = the default target
+    head_target: str = setting("", flag="head-target")
+
+
+def load_engine(config: DraftConfig) -> Engine | HeadEngine:
+    """The tier's engine: a HeadEngine when --model is an EAGLE-3 head's checkpoint, else a draft model's Engine."""
+    if is_head(config.tier.model.path):
+        from specdec.models import default_target
+
+        return HeadEngine.load(config.tier, config.head_target or default_target())
+    return Engine.load(config.tier)
 
 
 class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
@@ -90,6 +105,9 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
     def to_work(self, request: draft_pb2.ProposeRequest) -> ProposeWork | ProposeTreeWork:
         """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""
         engine = self.engine
+        head = isinstance(engine, HeadEngine)
+        if head and request.tree_nodes:
+            raise invalid_argument("tree_nodes: this replica serves an EAGLE-3 head, which proposes chains only")
         if request.tree_nodes:
             return self._tree_work(request)
         check_num_tokens(engine, request.num_tokens, "num_tokens", minimum=1)
@@ -100,11 +118,36 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         draft_tree.shape_of(request, params, engine.config.max_draft_tokens)  # a chain: no tree fields
         if request.push:
             raise invalid_argument("push: only for token-tree requests with speculate > 0 (a chain is tree_branching 1)")
+        if request.grammar and head:
+            raise invalid_argument("grammar: this replica serves an EAGLE-3 head, which proposes unconstrained (the "
+                                   "coordinator checks its drafts against the grammar)")
         if request.grammar and (error := engine.grammars.check(request.grammar)):
             raise invalid_argument(f"grammar: {error}")
-        return ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
+        work = ProposeWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
                                   request.num_tokens, params, request.seed, self.draft_top_n, prompt_len=prompt_len,
                                   grammar=request.grammar)
+        if head:
+            work.features, work.features_start = self._features(request, engine)
+        return work
+
+    @staticmethod
+    def _features(request: draft_pb2.ProposeRequest, engine: HeadEngine):
+        """The request's feature rows (bfloat16 [n, W]) and the position of the first, checked."""
+        width, data = engine.feature_width, request.features
+        if request.features_start < 0:
+            raise invalid_argument(f"features_start: {request.features_start} is negative")
+        if request.context.prefix_len == 0 and data and request.features_start:
+            raise invalid_argument(f"features_start: a full send (context.prefix_len 0) starts the rows again at 0, "
+                                   f"not {request.features_start}")
+        if len(data) % (2 * width):
+            raise invalid_argument(f"features: {len(data)} bytes are not whole rows of {width} bfloat16 numbers "
+                                   f"(the target's layers {engine.feature_layers})")
+        end = request.features_start + len(data) // (2 * width)
+        committed = request.context.prefix_len + len(request.context.new_tokens)
+        if end > committed:
+            raise invalid_argument(f"features: rows up to position {end - 1}, past the committed sequence's "
+                                   f"{committed} tokens")
+        return (from_bytes(data, width) if data else None), request.features_start
 
     def _tree_work(self, request: draft_pb2.ProposeRequest) -> ProposeTreeWork:
         engine, ctx = self.engine, request.context
@@ -126,7 +169,7 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
 
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:
     """The draft service's server (not started); loads the model unless `engine` is given."""
-    engine = engine or Engine.load(config.tier)
+    engine = engine or load_engine(config)
     service = Service(DraftServicer(engine, config.draft_top_n), draft_pb2_grpc.add_DraftServiceServicer_to_server,
                       SERVICE_NAME)
     return create_tier_server(engine, service, config.server, "draft")

@@ -29,6 +29,7 @@ from specdec.serving.server import ServerConfig, set_serving
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.config import BatchConfig, StepConfig, TierConfig
 from specdec.engine.engine import Engine
+from specdec.engine.head_engine import HeadEngine, is_head
 from target_service.service import SERVICE_NAME as TARGET_SERVICE
 from target_service.service import TargetConfig
 from target_service.service import build as build_target
@@ -83,8 +84,10 @@ class Cluster:
         step = step or StepConfig()
         self.target_tier = Engine.load(TierConfig(device_model(target_model), sessions, max_draft_tokens, batch,
                                                   step=step))
-        self.draft_tier = (Engine.load(TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens,
-                                                  batch, step=step)) if draft_model else None)
+        draft_config = TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens, batch, step=step)
+        # An EAGLE-3 head's directory as the draft: a feature draft for this target
+        self.draft_tier = (None if not draft_model else HeadEngine.load(draft_config, target_model)
+                           if is_head(draft_model) else Engine.load(draft_config))
         self._servers = []
         self.pipeline = None
         self.coordinator = None  # coordinator.service.Coordinator

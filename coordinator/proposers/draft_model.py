@@ -24,6 +24,7 @@ from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.strategy import Ask, Outcome, Prediction
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
+from coordinator.tiers.features import SessionFeatures
 from coordinator.tiers.session import TierSession
 from coordinator.tiers.target import Verdict
 from specdec.core.settings import setting
@@ -56,12 +57,14 @@ class DraftModelStrategy:
     def __init__(self, config: DraftModelConfig, session: TierSession, sampling: common_pb2.SamplingParams, seed: int,
                  stats: RoundStats, *, cost: TierCost | None = None, max_context: int = 0, trees: DraftTrees | None = None,
                  grammar: str = "", greedy: bool = True, priors: SharedPriors | None = None,
-                 push: bool = False) -> None:
+                 push: bool = False, features: SessionFeatures | None = None) -> None:
         """session: the draft's TierSession (its cursor, routing and back-off). cost: the draft tier's prices
         (None: the config's prior line). max_context: the draft's (beyond it, nothing is offered). trees: how trees
         and the speculation cache are asked for (None: chains only). grammar: structured output's, which the
         draft masks its q with. push: ask for pushed proposals (with the speculation cache; DESIGN.md,
-        The split's cost)."""
+        The split's cost). features: where the draft tier serves an EAGLE-3 head, the target's rows it drafts from
+        (sent with each request; nothing is offered until they cover the committed sequence)."""
+        self.features = features
         self.config, self.session, self.sampling, self.seed, self.stats = config, session, sampling, seed, stats
         self.cost = cost or TierCost(prior_intercept=config.prior_step_ms, prior_slope=0.0)
         self.prior = LinearCost(config.decay, config.prior_overhead_ms, config.prior_step_ms)
@@ -98,6 +101,7 @@ class DraftModelStrategy:
         c = self.config
         self._fixed = ask.fixed
         if (not self.session.available or ask.context + ask.k > self.max_context
+                or (self.features is not None and not self.features.ready(ask.context))
                 or (c.max_sessions and not ask.fixed and ask.batch > c.max_sessions)):
             return []
         a, out = self.acceptance.value, []
@@ -126,6 +130,8 @@ class DraftModelStrategy:
             if self.trees is not None:
                 self.trees.request_fields(message, tree, k)
             message.push = self.push and message.speculate > 0
+            if self.features is not None:
+                message.features_start, message.features = self.features.for_draft(ctx.prefix_len)
             return message
 
         asked = (k, tree)
@@ -141,6 +147,8 @@ class DraftModelStrategy:
         reply = await self.session.call(committed, hashes, request,
                                         extra=lambda response: [] if response.parents else list(response.tokens))
         r = reply.message
+        if self.features is not None:
+            self.features.sent()
         proposal = Proposal(DRAFT_MODEL, list(r.tokens), list(r.q), wall_ms=reply.wall_ms, compute_ms=r.compute_ms,
                             queue_ms=r.queue_ms, k=k, catch_up=reply.fed, parents=list(r.parents),
                             tree_scheme=r.tree_scheme, overlapped=r.speculated)

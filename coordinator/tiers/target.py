@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
+from coordinator.tiers.features import SessionFeatures
 from coordinator.tiers.session import TierSession
 from specdec.core.prefix import PrefixHashes
 from specdec.math.seeds import TARGET_STREAM, derive_seed
@@ -25,11 +26,13 @@ class Verdict:
 
 class TargetVerifier:
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int, stats: RoundStats,
-                 load: TierCost | None = None, logprobs: int = -1) -> None:
+                 load: TierCost | None = None, logprobs: int = -1, features: SessionFeatures | None = None) -> None:
         """seed: the request's (each round's draws are keyed by it and the committed length); load: the target's
         batching, shared by the coordinator's sessions, learnt from every response (None: not learnt);
-        logprobs: -1 none, n >= 0 the committed tokens' logprobs with the top n alternatives."""
+        logprobs: -1 none, n >= 0 the committed tokens' logprobs with the top n alternatives; features: a feature
+        draft's rows, which every verdict brings (None: no feature draft)."""
         self.logprobs = logprobs
+        self.features = features
         self.session = session
         self.sampling = sampling
         self.seed = seed
@@ -51,9 +54,12 @@ class TargetVerifier:
             lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
                                                  logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0),
                                                  draft_parents=parents, token_masks=masks,
-                                                 tree_scheme=tree_scheme if parents else 0),
+                                                 tree_scheme=tree_scheme if parents else 0,
+                                                 feature_layers=self.features.layers if self.features else ()),
             extra=lambda response: [drafts[i] for i in response.accepted_path] if parents else drafts)
         response = reply.message
+        if self.features is not None:
+            self.features.absorb(response.features_start, response.features, on_gap=self.session.cursor.reset)
         self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)
         if self.load is not None:
             self.load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,

@@ -53,6 +53,8 @@ class ProposeWork(Work):
     matcher: object = None  # ...advanced through the session's output and this proposal's draws so far
     tokens: list[int] = field(default_factory=list)
     q_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (token_ids [n], probs [n]) per draft
+    features: torch.Tensor | None = None  # a feature draft's (specdec.engine.head_engine): the target's rows [n, W]...
+    features_start: int = 0  # ...of positions features_start.. (a draft model ignores them)
 
     kind: ClassVar[str] = "propose"
 

@@ -31,7 +31,8 @@ def model_info(engine) -> common_pb2.ModelInfo:
         model=c.model.path, vocab_size=engine.vocab_size, tokenizer_fingerprint=engine.tokenizer_fingerprint,
         eos_token_ids=engine.eos_token_ids, max_context=engine.max_context, device=str(engine.device),
         dtype=c.model.dtype, max_draft_tokens=c.max_draft_tokens, max_batch_sessions=c.batch.max_batch_sessions,
-        max_batch_tokens=c.batch.max_batch_tokens)
+        max_batch_tokens=c.batch.max_batch_tokens, feature_layers=getattr(engine, "feature_layers", ()),
+        feature_width=getattr(engine, "feature_width", 0))
 
 
 DRAINING = "replica draining: open a new stream (it reaches another replica)"

@@ -1,0 +1,437 @@
+"""The draft tier's engine for an EAGLE-3 head: a feature draft, proposing chains from the target's own layer states.
+
+A draft model guesses from the tokens alone; the head (specdec.engine.eagle3) reads the target's low / middle /
+high layer outputs at each committed position, which the target returns with each verdict and the coordinator
+forwards with the next proposal request (ProposeRequest.features). Per session the engine keeps:
+
+    tokens      the committed sequence (and the last proposal's drafts, as a draft model's cache holds them)
+    features    one row per committed position 0 .. F - 1 (bfloat16, the target's concatenated layer outputs)
+    cache       the head layer's keys and values: entry i pairs token x_{i+1} with fc(features at i), the
+                first `exact` of them computed from the target's features
+
+A proposal of K tokens after the committed x_0 .. x_{T-1} (it needs F >= T - 1 rows):
+
+    catch up    entries exact .. T - 2: tokens x_{exact+1} .. x_{T-1} with g = fc(f_exact .. f_{T-2})
+    draft       the last entry's output -> logits over the draft vocabulary -> d_1; then each d_j is fed
+                with g = the head's own output at the entry before (training-time test), for d_{j+1}
+    roll back   the drafts' entries are dropped (exact = T - 1): an accepted draft's entry is recomputed
+                from the target's features next round, as the head was trained
+
+Rotary positions are the target's (entry i at position i), as vLLM and SGLang run a head. The head's logits
+are scattered to the full vocabulary (-inf outside the draft vocabulary), and from there a proposal is drawn
+exactly as the draft model's (specdec.engine.propose.ProposeWork.finish_step: penalties, the DraftSampler's
+keyed draws, q truncated to top_n), so q is 0 outside the draft vocabulary and rejection sampling stays exact.
+Each pass of the engine thread takes every queued request (one per session), and steps them in lockstep; the
+head's steps run per session (one layer: a fraction of a millisecond for the default target's shapes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+
+import grpc
+import torch
+
+from specdec.core.errors import RequestError
+from specdec.core.prefix import PrefixHashes
+from specdec.engine.config import TierConfig
+from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head
+from specdec.engine.eagle3_checks import ARCHITECTURES
+from specdec.engine.engine import EngineStatus
+from specdec.engine.propose import ProposeWork
+from specdec.engine.threads import release_thread_pool
+
+log = logging.getLogger(__name__)
+
+FEATURE_DTYPE = torch.bfloat16
+
+
+def is_head(path: str) -> bool:
+    """Whether `path` is an EAGLE-3 head checkpoint (a directory whose config.json names its architecture)."""
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return any(a in ARCHITECTURES for a in json.loads(config.read_text()).get("architectures") or [])
+    except (ValueError, AttributeError):
+        return False
+
+
+@dataclass(eq=False)
+class HeadSession:
+    session_id: str
+    tokens: list[int] = field(default_factory=list)
+    hashes: PrefixHashes = field(default_factory=PrefixHashes)
+    features: torch.Tensor | None = None  # [capacity, W]: rows 0 .. num_features - 1 are the target's
+    num_features: int = 0
+    cache: HeadCache = field(default_factory=HeadCache)
+    exact: int = 0  # leading cache entries computed from the target's features
+    last_used: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def crop(self, length: int) -> None:
+        del self.tokens[length:]
+        self.hashes.crop(length)
+        self.exact = min(self.exact, max(0, length - 1))
+        self.cache.truncate(self.exact)
+
+    def append(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        self.hashes.extend(tokens)
+
+    def put_features(self, start: int, rows: torch.Tensor) -> None:
+        """Rows for positions start .. start + len(rows) - 1 (start <= num_features: no gap)."""
+        end = start + rows.shape[0]
+        if self.features is None or self.features.shape[0] < end:
+            grown = torch.empty(max(end, 2 * (0 if self.features is None else self.features.shape[0]), 64),
+                                rows.shape[1], dtype=FEATURE_DTYPE)
+            if self.features is not None:
+                grown[: self.num_features] = self.features[: self.num_features]
+            self.features = grown
+        self.features[start:end] = rows
+        self.num_features = end
+        self.exact = min(self.exact, start)  # entries past start read rows that may be new
+        self.cache.truncate(self.exact)
+
+    @property
+    def cached_bytes(self) -> int:
+        c = self.cache
+        kv = 0 if c.k is None else 2 * c.k.numel() * c.k.element_size()
+        rows = 0 if self.features is None else self.num_features * self.features.shape[1] * 2
+        return kv + rows
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """The KV pool's shape as metrics report it (specdec.serving.tier.cache_info): sessions of max_context tokens."""
+
+    num_slots: int
+    slot_tokens: int
+
+
+class HeadEngine:
+    """The engine a draft tier runs for an EAGLE-3 head: submit(ProposeWork) -> ProposeResult, as Engine's."""
+
+    def __init__(self, config: TierConfig, head: Eagle3Head, target_config, tokenizer, eos_token_ids: list[int],
+                 tokenizer_fingerprint: str) -> None:
+        # The head's proposals are drawn step by step (finish_step feeds each draft back): no draft chain.
+        self.config = replace(config, step=replace(config.step, draft_chain=False))
+        self.head = head
+        self.device = next(head.parameters()).device
+        self.vocab_size = head.vocab_size
+        self.feature_layers = head.layer_ids(target_config.num_hidden_layers)
+        self.feature_width = head.fc.in_features
+        self.max_context = min(int(getattr(target_config, "max_position_embeddings", 0) or 1 << 20),
+                               config.sessions.max_session_tokens)
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.cache = SlotShape(config.sessions.max_sessions, self.max_context)
+        self.grammars = None  # a head proposes unconstrained (the coordinator checks its drafts against a grammar)
+        self._draft_ids = head.target_ids(torch.arange(head.draft_vocab_size, device=self.device))  # [Vd]
+        self.observers: list = []
+        self.cost_curve: list[tuple[int, int, float]] = []
+        self.steps = self.step_tokens = self.evictions = 0
+        self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[ProposeWork] = []
+        self._running = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="head-engine", daemon=True)
+
+    @classmethod
+    def load(cls, config: TierConfig, target_path: str) -> "HeadEngine":
+        """The head at config.model.path, checked against the target at target_path (whose config, tokenizer and
+        input embedding it reads: the head shares the target's embedding unless it carries its own)."""
+        from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
+
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
+        t0 = time.perf_counter()
+        embedding, target_config = target_embedding(target_path)
+        head = load_head(config.model.path, target_config, embedding, dtype=config.model.torch_dtype,
+                         device=config.model.device)
+        tokenizer = load_tokenizer(target_path)
+        eos = eos_token_ids(SimpleNamespace(generation_config=target_config), tokenizer)
+        engine = cls(config, head, target_config, tokenizer, eos, tokenizer_fingerprint(tokenizer))
+        if config.cost_curve_s > 0:
+            engine.cost_curve = engine.measure_cost_curve(config.cost_curve_s)
+        release_thread_pool()  # this thread is done computing: the engine thread's team is the only one
+        engine.start()
+        log.info("loaded EAGLE-3 head %s for %s in %.1fs on %s/%s: reads target layers %s, draft vocabulary %d",
+                 config.model.path, target_path, time.perf_counter() - t0, config.model.device, config.model.dtype,
+                 engine.feature_layers, head.draft_vocab_size)
+        return engine
+
+    # --- the event loop's side ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    async def submit(self, work: ProposeWork):
+        loop = asyncio.get_running_loop()
+        work.loop, work.future = loop, loop.create_future()
+        work.submitted_at = time.perf_counter()
+        with self._wake:
+            if self._stopping:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+            if len(self._inbox) >= self.config.batch.max_queue:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"{self.config.batch.max_queue} requests already waiting; try again later")
+            self._inbox.append(work)
+            self._wake.notify()
+        try:
+            return await work.future
+        except asyncio.CancelledError:
+            work.cancelled = True
+            raise
+
+    def end_session(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def status(self) -> EngineStatus:
+        with self._lock:
+            self._evict_idle()
+            sessions = list(self._sessions.values())
+            used = sum(s.cached_bytes for s in sessions)
+            return EngineStatus(
+                num_sessions=len(sessions), cached_tokens=sum(len(s) for s in sessions), evictions=self.evictions,
+                num_running=self._running, num_waiting=len(self._inbox), kv_used_bytes=used, kv_capacity_bytes=0,
+                kv_capacity_tokens=self.cache.num_slots * self.max_context, kv_resident_bytes=used,
+                step_mode="eagle3-head", compile_s=0.0, steps=self.steps, step_tokens=self.step_tokens)
+
+    # --- the engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._inbox:
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                batch, later, seen = [], [], set()
+                for w in self._inbox[: self.config.batch.max_batch_sessions]:  # one request per session per pass
+                    (later if w.session_id in seen else batch).append(w)
+                    seen.add(w.session_id)
+                self._inbox = later + self._inbox[self.config.batch.max_batch_sessions:]
+                self._running = len(batch)
+            try:
+                self._pass(batch)
+            finally:
+                self._running = 0
+        with self._lock:
+            for w in self._inbox:
+                _answer(w, error=RequestError(grpc.StatusCode.UNAVAILABLE, "the engine shut down"))
+
+    def _pass(self, works: list[ProposeWork]) -> None:
+        started = []
+        with self._lock:
+            for w in works:
+                if w.cancelled:
+                    continue
+                try:
+                    self._start(w)
+                    started.append(w)
+                except RequestError as e:
+                    _answer(w, error=e)
+        out: dict[int, torch.Tensor] = {}  # id(work) -> the head's output at its last entry [1, H]
+        fed: dict[int, int] = {}  # id(work) -> entries its step computed
+        t0, rows, ok = time.perf_counter(), [], []
+        for w in started:
+            try:
+                rows.append(self._catch_up(w, out, fed))
+                ok.append(w)
+            except Exception as e:  # the work's own failure: its session is dropped; the rest go on
+                log.exception("head step failed")
+                self._drop(w, f"head step failed: {type(e).__name__}: {e}")
+        works = ok
+        while works:
+            self._finish_step(works, rows, t0, sum(fed.values()))
+            works = [w for w in works if not w.done]
+            t0, rows = time.perf_counter(), [self._draft_step(w, out) for w in works]
+            fed = {id(w): 1 for w in works}
+
+    @torch.inference_mode()
+    def _catch_up(self, w: ProposeWork, out: dict, fed: dict) -> torch.Tensor:
+        """The session's entries from `exact` to its last committed token, from the target's features: the
+        first proposal's logits [1, V]."""
+        s, head = w.session, self.head
+        t, start = len(s), min(s.exact, len(s) - 2)
+        s.cache.truncate(start)
+        ids = torch.tensor(s.tokens[start + 1 : t], device=self.device)
+        g = head.fuse(s.features[start : t - 1].to(self.device))
+        positions = torch.arange(start, t - 1, device=self.device)
+        last = head.step(ids, g, positions, s.cache)[-1:]
+        s.exact = t - 1
+        out[id(w)] = last
+        fed[id(w)] = t - 1 - start
+        return self._logits(last)
+
+    @torch.inference_mode()
+    def _draft_step(self, w: ProposeWork, out: dict) -> torch.Tensor:
+        """Feed the last draft with the head's own output at the entry before: the next proposal's logits."""
+        s = w.session
+        position = len(s) - 1  # the draft's entry follows the session's (it joins the session's tokens after this step)
+        last = self.head.step(torch.tensor(w.pending[-1:], device=self.device), out[id(w)],
+                              torch.tensor([position], device=self.device), s.cache)
+        out[id(w)] = last
+        return self._logits(last)
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[1, H] -> [1, V] float32: the draft vocabulary's logits in place, -inf elsewhere (q = 0 there)."""
+        row = torch.full((1, self.vocab_size), float("-inf"), device=self.device)
+        row[:, self._draft_ids] = self.head.logits(out).float()
+        return row
+
+    def _finish_step(self, works: list[ProposeWork], rows: list[torch.Tensor], t0: float, tokens: int) -> None:
+        """Every work of the step draws its next token (ProposeWork's batched sampling); a finished one is answered.
+        t0: when the step's head steps began; tokens: the entries they computed."""
+        with self._lock:
+            seconds = time.perf_counter() - t0
+            for w in works:
+                if w.tokens:  # the draft just fed: the session holds it, as a draft model's cache would
+                    w.session.append(w.pending[-1:])
+                w.compute_s += seconds
+                w.last_step = (len(works), tokens, seconds)
+                w.step_started = t0
+            ProposeWork.finish_step(works, rows, self)
+            self.steps += 1
+            self.step_tokens += tokens
+            for w in works:
+                if w.done:
+                    s = w.session
+                    s.cache.truncate(s.exact)  # the drafts' entries go; an accepted one is recomputed from features
+                    s.last_used = time.monotonic()
+                    _answer(w, result=w.result)
+        for observe in self.observers:
+            observe(len(works), tokens, seconds)
+
+    def _start(self, w: ProposeWork) -> None:
+        """The work's session cropped to its prefix, its new tokens and feature rows in (lock held)."""
+        self._evict_idle()
+        s = self._sessions.get(w.session_id)
+        if w.prefix_len == 0:
+            s = HeadSession(w.session_id)
+            self._sessions[w.session_id] = s
+            self._evict_over()
+        elif s is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"session {w.session_id!r} is not cached here; resend from the start")
+        elif len(s) < w.prefix_len or s.hashes.at(w.prefix_len) != w.prefix_hash:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"session {w.session_id!r}: prefix differs at prefix_len={w.prefix_len}; resend from the start")
+        s.crop(w.prefix_len)
+        self._sessions.move_to_end(w.session_id)
+        rows = w.features
+        if rows is not None and rows.shape[0]:
+            if w.features_start > s.num_features:
+                self._sessions.pop(w.session_id, None)
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"features: rows start at position {w.features_start} but the replica holds rows "
+                                   f"0..{s.num_features - 1} only; resend the session from the start")
+            s.put_features(w.features_start, rows)
+        s.append(w.pending)
+        w.pending = []
+        w.session = s
+        needed = len(s) - 1
+        if len(s) < 2 or s.num_features < needed:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"features: drafting after {len(s)} tokens needs the target's features of positions "
+                               f"0..{needed - 1}; the replica holds {s.num_features} rows")
+
+    def _drop(self, w: ProposeWork, message: str) -> None:
+        with self._lock:
+            self._sessions.pop(w.session_id, None)
+        _answer(w, error=RequestError(grpc.StatusCode.INTERNAL, message))
+
+    def _evict_idle(self) -> None:
+        ttl = self.config.sessions.idle_ttl_s
+        now = time.monotonic()
+        for sid in [sid for sid, s in self._sessions.items() if s.last_used and now - s.last_used > ttl]:
+            del self._sessions[sid]
+            self.evictions += 1
+
+    def _evict_over(self) -> None:
+        while len(self._sessions) > self.config.sessions.max_sessions:
+            self._sessions.popitem(last=False)  # least recently used (a pass's own sessions were moved to the end)
+            self.evictions += 1
+
+    # --- the cost curve -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def measure_cost_curve(self, budget_s: float, context: int = 32) -> list[tuple[int, int, float]]:
+        """One draft step of b sessions over `context` cached entries, timed (best of 3) for b = 1, 2, 4, ... up
+        to the batch limit, within budget_s: (sessions, tokens, ms), as a model tier reports its curve."""
+        head, width = self.head, self.feature_width
+        g = torch.Generator().manual_seed(0)
+        features = torch.randn(context, width, generator=g).to(FEATURE_DTYPE)
+        ids = torch.randint(0, self.vocab_size, (context,), generator=g, device=self.device)
+        curve, deadline, b = [], time.perf_counter() + budget_s, 1
+        while b <= self.config.batch.max_batch_sessions and time.perf_counter() < deadline:
+            caches = [HeadCache() for _ in range(b)]
+            outs = [head.step(ids, head.fuse(features.to(self.device)), torch.arange(context, device=self.device), c)[-1:]
+                    for c in caches]
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for c, o in zip(caches, outs):
+                    self._logits(head.step(ids[:1], o, torch.tensor([context], device=self.device), c))
+                    c.truncate(context)
+                best = min(best, time.perf_counter() - t0)
+            curve.append((b, b, best * 1e3))
+            b *= 2
+        return curve
+
+
+def _answer(work: ProposeWork, result=None, error: Exception | None = None) -> None:
+    """Resolve a work's future on its event loop (a caller that went away is skipped)."""
+
+    def deliver() -> None:
+        if work.future.done():
+            return
+        if error is not None:
+            work.future.set_exception(error)
+        else:
+            work.future.set_result(result)
+
+    work.loop.call_soon_threadsafe(deliver)
+
+
+def _config_dir(target_path: str) -> str:
+    from specdec.models import ModelConfig, _local_source
+
+    return _local_source(ModelConfig(target_path))
+
+
+def target_embedding(target_path: str) -> tuple[torch.nn.Embedding, object]:
+    """The target's input embedding (float32) and config, without keeping the rest of its weights."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    directory = Path(_config_dir(target_path))
+    config = AutoConfig.from_pretrained(directory)
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as weights:
+            for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+                if name in weights.keys():
+                    return torch.nn.Embedding.from_pretrained(weights.get_tensor(name).float(), freeze=True), config
+    from specdec.models import ModelConfig, load_model
+
+    model = load_model(ModelConfig(target_path))  # weights in another form: load the model, keep its embedding
+    return torch.nn.Embedding.from_pretrained(model.get_input_embeddings().weight.detach().float(), freeze=True), config

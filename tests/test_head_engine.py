@@ -1,0 +1,161 @@
+"""The draft tier serving an EAGLE-3 head (specdec.engine.head_engine) through a real gRPC server: its greedy chain is
+the head's own (specdec.engine.eagle3.greedy_chain over the target's features), round after round with the rows
+sent incrementally and after a full resend; q is exactly 0 outside a reduced draft vocabulary; bad requests get a
+precise status and the replica stays healthy. The sampled law with the head as the draft: test_head_distribution."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from draft_service.service import DraftConfig, build
+from specdec.core.prefix import PrefixHashes
+from specdec.engine.config import TierConfig
+from specdec.engine.eagle3 import greedy_chain, load_head
+from specdec.engine.eagle3_features import target_features, to_bytes
+from specdec.engine.head_engine import HeadEngine
+from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
+from tests.helpers import device_model
+
+PROMPT = [1, 17, 256, 9, 4001, 33, 712, 88, 5, 61]
+
+
+@pytest.fixture(scope="module")
+def head_server(tiny_head, tiny_target):
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine = HeadEngine.load(TierConfig(device_model(tiny_head), cost_curve_s=0.5), tiny_target)
+    async def start():
+        tier = build(DraftConfig(engine.config), engine)
+        await tier.server.start()
+        return tier
+
+    tier = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    with grpc.insecure_channel(f"127.0.0.1:{tier.port}") as channel:
+        yield engine, draft_pb2_grpc.DraftServiceStub(channel)
+    asyncio.run_coroutine_threadsafe(tier.server.stop(0), loop).result(30)
+    engine.close()
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def features_of(model, layers, tokens) -> torch.Tensor:
+    """The target's rows for every position of `tokens` (one plain forward), bfloat16 [T, 3 H]."""
+    with torch.inference_mode():
+        rows, _ = target_features(model, torch.tensor([tokens]), layers)
+    return rows[0]
+
+
+def propose(stub, sid, committed, prefix_len, k, rows_start, rows, **kw):
+    hashes = PrefixHashes(committed)
+    ctx = common_pb2.SessionContext(session_id=sid, prefix_len=prefix_len, prefix_hash=hashes.at(prefix_len),
+                                    new_tokens=committed[prefix_len:])
+    return stub.Propose(draft_pb2.ProposeRequest(context=ctx, num_tokens=k, features_start=rows_start,
+                                                 features=to_bytes(rows) if rows is not None else b"", **kw))
+
+
+def test_model_info_names_the_layers(head_server, tiny_target_model):
+    engine, stub = head_server
+    info = stub.GetModelInfo(common_pb2.ModelInfoRequest())
+    layers = tiny_target_model.config.num_hidden_layers
+    assert list(info.feature_layers) == [0, layers - 1, layers - 1]
+    assert info.feature_width == 3 * tiny_target_model.config.hidden_size
+    assert info.vocab_size == tiny_target_model.config.vocab_size
+    assert stub.GetStatus(common_pb2.StatusRequest()).cost_curve  # measured at start
+
+
+def test_greedy_chains_are_the_heads_own_round_after_round(head_server, tiny_head, tiny_target_model):
+    """Three rounds of one session (the rows sent as a coordinator sends them: those the replica lacks), then a full
+    resend; each proposal equals greedy_chain over the whole prefix computed afresh."""
+    engine, stub = head_server
+    target = tiny_target_model
+    head = load_head(tiny_head, target.config, target.get_input_embeddings())
+    layers = engine.feature_layers
+    committed, sent, prefix = list(PROMPT), 0, 0
+    accepted = [2, 0, 3]
+    for round_, n in enumerate(accepted):
+        rows = features_of(target, layers, committed)[: len(committed) - 1]
+        r = propose(stub, "g", committed, prefix, 3, sent, rows[sent:])
+        want = greedy_chain(head, torch.tensor(committed), rows.float(), 3)
+        assert list(r.tokens) == want, f"round {round_}"
+        assert r.cached_len == len(committed) + 2 and not r.q
+        prefix, sent = len(committed) + min(n, 2), len(committed) - 1
+        committed = committed + list(r.tokens[:n]) + [(7 * round_ + 11) % 1000]  # n accepted, then a correction
+    rows = features_of(target, layers, committed)[: len(committed) - 1]
+    again = propose(stub, "g", committed, 0, 2, 0, rows)  # a full resend: every row again
+    assert list(again.tokens) == greedy_chain(head, torch.tensor(committed), rows.float(), 2)
+
+
+def test_a_reduced_vocabulary_has_q_zero_outside_it(tiny_target, tiny_target_model, tmp_path):
+    """A head of 64 draft tokens: every sampled draft is one of them and every q row's mass is on them (summing to 1)."""
+    import asyncio
+
+    from specdec.engine.propose import ProposeWork
+    from specdec.math.params import SamplingParams
+    from tests.test_eagle3_head import small_head
+    from specdec.engine.eagle3 import write_checkpoint
+
+    head = small_head(tiny_target_model, vocab=64)
+    write_checkpoint(head, tmp_path / "head")
+    engine = HeadEngine.load(TierConfig(device_model(str(tmp_path / "head")), cost_curve_s=0), tiny_target)
+    vocab = set(head.target_ids(torch.arange(64)).tolist())
+    rows = features_of(tiny_target_model, engine.feature_layers, PROMPT)[:-1]
+
+    async def one(seed):
+        w = ProposeWork.create(f"s{seed}", 0, 0, PROMPT, 3, SamplingParams(temperature=1.0), seed, 64)
+        w.features, w.features_start = rows, 0
+        return await engine.submit(w)
+
+    async def all_():
+        return await asyncio.gather(*(one(s) for s in range(20)))
+
+    try:
+        results = asyncio.run(all_())
+    finally:
+        engine.close()
+    for r in results:
+        assert set(r.tokens) <= vocab
+        dense = r.q.dense(tiny_target_model.config.vocab_size, "cpu")
+        torch.testing.assert_close(dense.sum(-1), torch.ones(3))
+        outside = torch.ones(dense.shape[1], dtype=torch.bool)
+        outside[list(vocab)] = False
+        assert float(dense[:, outside].abs().sum()) == 0.0
+    assert len({tuple(r.tokens) for r in results}) > 1  # sampled, keyed by seed
+
+
+@pytest.mark.parametrize("fields, code, message", [
+    (dict(tree_nodes=3), grpc.StatusCode.INVALID_ARGUMENT, "tree_nodes: this replica serves an EAGLE-3 head"),
+    (dict(grammar="start: \"a\""), grpc.StatusCode.INVALID_ARGUMENT, "grammar: this replica serves an EAGLE-3 head"),
+    (dict(rows=slice(0, 3), cut=1), grpc.StatusCode.INVALID_ARGUMENT, "features: "),
+    (dict(rows=slice(0, 4)), grpc.StatusCode.FAILED_PRECONDITION, "features: drafting after 10 tokens needs"),
+    (dict(rows=slice(0, 9), start=-1), grpc.StatusCode.INVALID_ARGUMENT, "features_start: -1 is negative"),
+    (dict(rows=slice(0, 9), start=2), grpc.StatusCode.INVALID_ARGUMENT, "features_start: a full send"),
+])
+def test_bad_requests_are_refused_and_the_replica_stays_healthy(head_server, tiny_target_model, fields, code, message):
+    engine, stub = head_server
+    rows = features_of(tiny_target_model, engine.feature_layers, PROMPT)
+    fields = dict(fields)
+    part, cut, start = fields.pop("rows", slice(0, 9)), fields.pop("cut", 0), fields.pop("start", 0)
+    data = to_bytes(rows[part])
+    request = draft_pb2.ProposeRequest(context=common_pb2.SessionContext(session_id="bad", new_tokens=PROMPT),
+                                       num_tokens=2, features=data[: len(data) - cut], features_start=start, **fields)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Propose(request)
+    assert e.value.code() == code and e.value.details().startswith(message), e.value.details()
+    good = propose(stub, "after-bad", PROMPT, 0, 2, 0, rows[:9])  # the replica still serves
+    assert len(good.tokens) == 2
+
+
+def test_a_gap_in_the_rows_is_a_failed_precondition(head_server, tiny_target_model):
+    """Rows that start past those the replica holds cannot be used: the caller is told to resend the session whole."""
+    engine, stub = head_server
+    committed = PROMPT + [5, 6, 7]
+    rows = features_of(tiny_target_model, engine.feature_layers, committed)
+    propose(stub, "gap", PROMPT, 0, 2, 0, rows[:9])
+    with pytest.raises(grpc.RpcError) as e:
+        propose(stub, "gap", committed, len(PROMPT), 2, 10, rows[10:12])  # row 9 never sent
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "features: rows start at position 10" in e.value.details()
