@@ -408,7 +408,10 @@ def _answer(work: ProposeWork, result=None, error: Exception | None = None) -> N
         else:
             work.future.set_result(result)
 
-    work.loop.call_soon_threadsafe(deliver)
+    try:
+        work.loop.call_soon_threadsafe(deliver)
+    except RuntimeError:  # the caller's event loop has closed: nobody is waiting
+        pass
 
 
 def _config_dir(target_path: str) -> str:
