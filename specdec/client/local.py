@@ -102,7 +102,9 @@ class LocalPipeline:
             if c.draft_model:
                 draft_port = free_port()
                 one_thread = ["--threads", "1"] if c.shared_cores else []
-                self._spawn("draft", "draft_service", ["--model", c.draft_model, *one_thread, *c.draft_args],
+                # --head-target: where the draft is an EAGLE-3 head, the target it drafts for (a draft model ignores it)
+                self._spawn("draft", "draft_service", ["--model", c.draft_model, "--head-target", c.target_model,
+                                                       *one_thread, *c.draft_args],
                             f"127.0.0.1:{draft_port}")
                 draft = f"127.0.0.1:{draft_port}"
             self._spawn("coordinator", "coordinator", [

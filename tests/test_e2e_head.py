@@ -1,0 +1,72 @@
+"""An EAGLE-3 head as the draft tier, through real servers: the target returns its features with each verdict, the
+coordinator forwards them, the head drafts chains from them, and greedy output equals the target's own generate(),
+token for token, at a fixed K, with the adaptive policy, in the hybrid proposer and under several sessions at once.
+A draft replica that loses the session gets every row again."""
+
+import concurrent.futures
+
+import pytest
+
+from specdec.client import Client
+from tests.helpers import Cluster, reference_greedy
+
+pytestmark = pytest.mark.servers
+
+PROMPTS = [[1, 9038, 2115, 253, 1345], [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def head_cluster(tiny_target, tiny_head):
+    cluster = Cluster(tiny_target, tiny_head)
+    yield cluster
+    cluster.close()
+
+
+def test_the_coordinator_sees_a_feature_draft(head_cluster):
+    info = head_cluster.pipeline.draft_info
+    assert list(info.feature_layers) == [0, 1, 1] and head_cluster.pipeline.feature_draft
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_equals_target_generate_with_the_head(head_cluster, tiny_target_model, k):
+    drafted = accepted = 0
+    with Client(head_cluster.address) as client:
+        for prompt in PROMPTS:
+            expected = reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+            out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=k, proposer="draft")
+            assert out.token_ids == expected
+            drafted += int(out.stats["draft_tokens"])
+            accepted += int(out.stats["accepted_tokens"])
+    assert drafted >= MAX_NEW  # the head drafted (every round after the first, whose verdict brings the prompt's rows)
+    assert 0 < accepted < drafted  # some of it accepted, some not
+
+
+def test_adaptive_and_hybrid_and_concurrent_sessions(head_cluster, tiny_target_model):
+    def run(i):
+        prompt = PROMPTS[i % 2] + [100 + i]
+        with Client(head_cluster.address) as client:
+            out = client.generate(token_ids=prompt, max_new_tokens=24, proposer="hybrid" if i % 3 == 0 else "draft")
+        return prompt, out.token_ids
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        for prompt, got in pool.map(run, range(6)):
+            assert got == reference_greedy(tiny_target_model, prompt, 24, [2])
+
+
+def test_a_draft_replica_that_lost_the_session_gets_every_row_again(head_cluster, tiny_target_model):
+    """The draft tier forgets every session between two generations' rounds (its sessions dropped under the stream):
+    each resend carries the rows from position 0 and the output is unchanged."""
+    engine = head_cluster.draft_tier
+    prompt = PROMPTS[1]
+    expected = reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+    with Client(head_cluster.address) as client:
+        stream = client.stream(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=3, proposer="draft")
+        ids = []
+        for i, event in enumerate(stream):
+            if event.HasField("chunk"):
+                ids.extend(event.chunk.token_ids)
+                if i % 3 == 1:
+                    with engine._lock:
+                        engine._sessions.clear()
+    assert ids == expected
