@@ -252,25 +252,32 @@ class HeadEngine:
                     _answer(w, error=e)
         out: dict[int, torch.Tensor] = {}  # id(work) -> the head's output at its last entry [1, H]
         fed: dict[int, int] = {}  # id(work) -> entries its step computed
-        t0, rows, ok = time.perf_counter(), [], []
+        t0, lasts, works = time.perf_counter(), [], []
         for w in started:
             try:
-                rows.append(self._catch_up(w, out, fed))
-                ok.append(w)
+                lasts.append(self._catch_up(w, out, fed))
+                works.append(w)
             except Exception as e:  # the work's own failure: its session is dropped; the rest go on
                 log.exception("head step failed")
                 self._drop(w, f"head step failed: {type(e).__name__}: {e}")
-        works = ok
         while works:
-            self._finish_step(works, rows, t0, sum(fed.values()))
-            works = [w for w in works if not w.done]
-            t0, rows = time.perf_counter(), [self._draft_step(w, out) for w in works]
-            fed = {id(w): 1 for w in works}
+            try:
+                rows = list(self._logits(torch.cat(lasts)).split(1))  # the step's sessions in one LM-head product
+                self._finish_step(works, rows, t0, sum(fed.values()))
+                works = [w for w in works if not w.done]
+                t0, fed = time.perf_counter(), {id(w): 1 for w in works}
+                lasts = [self._draft_step(w, out) for w in works]
+            except Exception as e:  # nothing of this step can be trusted: its unanswered works fail
+                log.exception("head step failed")
+                for w in works:
+                    if not w.done:
+                        self._drop(w, f"head step failed: {type(e).__name__}: {e}")
+                break
 
     @torch.inference_mode()
     def _catch_up(self, w: ProposeWork, out: dict, fed: dict) -> torch.Tensor:
-        """The session's entries from `exact` to its last committed token, from the target's features: the
-        first proposal's logits [1, V]."""
+        """The session's entries from `exact` to its last committed token, from the target's features: the last
+        entry's output [1, H], whose logits give the first proposal."""
         s, head = w.session, self.head
         t, start = len(s), min(s.exact, len(s) - 2)
         s.cache.truncate(start)
@@ -281,23 +288,24 @@ class HeadEngine:
         s.exact = t - 1
         out[id(w)] = last
         fed[id(w)] = t - 1 - start
-        return self._logits(last)
+        return last
 
     @torch.inference_mode()
     def _draft_step(self, w: ProposeWork, out: dict) -> torch.Tensor:
-        """Feed the last draft with the head's own output at the entry before: the next proposal's logits."""
+        """Feed the last draft with the head's own output at the entry before: the new entry's output [1, H]."""
         s = w.session
         position = len(s) - 1  # the draft's entry follows the session's (it joins the session's tokens after this step)
         last = self.head.step(torch.tensor(w.pending[-1:], device=self.device), out[id(w)],
                               torch.tensor([position], device=self.device), s.cache)
         out[id(w)] = last
-        return self._logits(last)
+        return last
 
+    @torch.inference_mode()
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """[1, H] -> [1, V] float32: the draft vocabulary's logits in place, -inf elsewhere (q = 0 there)."""
-        row = torch.full((1, self.vocab_size), float("-inf"), device=self.device)
-        row[:, self._draft_ids] = self.head.logits(out).float()
-        return row
+        """[B, H] -> [B, V] float32: the draft vocabulary's logits in place, -inf elsewhere (q = 0 there)."""
+        rows = torch.full((out.shape[0], self.vocab_size), float("-inf"), device=self.device)
+        rows[:, self._draft_ids] = self.head.logits(out).float()
+        return rows
 
     def _finish_step(self, works: list[ProposeWork], rows: list[torch.Tensor], t0: float, tokens: int) -> None:
         """Every work of the step draws its next token (ProposeWork's batched sampling); a finished one is answered.
@@ -388,8 +396,9 @@ class HeadEngine:
             best = float("inf")
             for _ in range(3):
                 t0 = time.perf_counter()
-                for c, o in zip(caches, outs):
-                    self._logits(head.step(ids[:1], o, torch.tensor([context], device=self.device), c))
+                self._logits(torch.cat([head.step(ids[:1], o, torch.tensor([context], device=self.device), c)
+                                        for c, o in zip(caches, outs)]))  # as a step runs: one LM-head product
+                for c in caches:
                     c.truncate(context)
                 best = min(best, time.perf_counter() - t0)
             curve.append((b, b, best * 1e3))
