@@ -13,6 +13,7 @@ overhead the < 1 ms goal is about; the tiers' part is shown beside it.
     python -m bench.overhead --profile DIR        # also sample every process with py-spy (folded stacks in DIR)
     python -m bench.overhead --event-loop uvloop  # all three processes on uvloop
     python -m bench.overhead --coordinator-args="--overlap --draft-push"   # the draft pushes its next proposals
+    python -m bench.overhead --head --size 576,2  # an EAGLE-3 head as the draft (its rows at the default target's width)
 
 Then the round trace (coordinator.trace; docs/performance.md), per round: client <-> coordinator (the client's
 wall time less the coordinator's), the coordinator's own time, and for each tier's rpcs the wire (both gRPC
@@ -58,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-args", default="", help="extra flags for the target service, e.g. '--device cuda'")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service")
     p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator")
+    p.add_argument("--head", action="store_true",
+                   help="the draft tier serves an EAGLE-3 head (specdec.engine.eagle3.echo_head) for the model instead of "
+                        "the model itself: the target's features cross the wire every round")
     p.add_argument("--event-loop", default="", choices=["", "asyncio", "uvloop"],
                    help="the event loop of all three processes ('' = their default)")
     return p.parse_args(argv)
@@ -72,6 +76,15 @@ def random_model(out_dir: Path, hidden: int, layers: int) -> str:
         return make_tiny_model(out_dir, seed=0)
     return make_tiny_model(out_dir, seed=0, hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
                            num_heads=8, num_kv_heads=4)
+
+
+def head_for(model: str, out_dir: Path) -> str:
+    """An echo head (specdec.engine.eagle3.echo_head) for the model, written in the published layout."""
+    from specdec.engine.eagle3 import echo_head, write_checkpoint
+    from specdec.models import ModelConfig, load_model
+
+    write_checkpoint(echo_head(load_model(ModelConfig(model))), out_dir)
+    return str(out_dir)
 
 
 def measure(address: str, k: int, n: int, generations: int, temperature: float = 0.0) -> list[dict]:
@@ -133,10 +146,11 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
     hidden, layers = (int(x) for x in args.size.split(","))
     model = random_model(work / "model", hidden, layers)
+    draft = head_for(model, work / "head") if args.head else model
     spies: list[subprocess.Popen] = []
     results: dict[int, list[dict]] = {}
     loop = ["--event-loop", args.event_loop] if args.event_loop else []
-    config = LocalPipelineConfig(target_model=model, draft_model=model, target_args=args.target_args.split() + loop,
+    config = LocalPipelineConfig(target_model=model, draft_model=draft, target_args=args.target_args.split() + loop,
                                  draft_args=args.draft_args.split() + loop,
                                  coordinator_args=args.coordinator_args.split() + loop)
     try:
@@ -165,8 +179,10 @@ def main(argv=None) -> int:
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: per-round overhead", "",
              f"Command: `{shlex.join(['python', '-m', 'bench.overhead', *(argv if argv is not None else sys.argv[1:])])}`",
              "",
-             f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2) as target and as its own "
-             "draft (every draft accepted), three processes on "
+             f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2) as target and " + (
+                 "an EAGLE-3 head for it as the draft (specdec.engine.eagle3.echo_head: the target's rows of 3 x "
+                 f"{hidden} bfloat16 numbers, {6 * hidden} bytes, cross the wire for each committed position), "
+                 if args.head else "as its own draft (every draft accepted), ") + "three processes on "
              f"loopback, temperature {args.temperature:g}, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
              "generations (ms):", ""]
     table = []

@@ -1,4 +1,4 @@
-"""python -m draft_service: serve a draft model."""
+"""python -m draft_service: serve a draft model, or an EAGLE-3 head (a feature draft)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import os
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
 
 from draft_service.service import SERVICE_NAME, DraftConfig, build
-from specdec.core.settings import Settings
+from specdec.core.settings import Settings, fail
+from specdec.engine.eagle3_checks import CheckpointError
 from specdec.serving.flags import parse_service, ready_tier, tier_settings
 from specdec.serving.tier import run_tier
 from specdec.models import default_draft
 
-DESCRIPTION = "Serve a draft model: proposes K tokens per round with their probabilities q."
+DESCRIPTION = ("Serve a draft model, or an EAGLE-3 head (--model its checkpoint directory, --head-target its target): "
+               "proposes K tokens per round with their probabilities q.")
 
 
 def settings() -> Settings:
@@ -24,7 +26,10 @@ def main(argv=None) -> None:
     s = settings()
     configs = parse_service(s, DESCRIPTION, argv)
     config, process = ready_tier(s, configs["config"]), configs["process"]
-    run_tier("draft", SERVICE_NAME, build, config, process.port_file, process.metrics_address)
+    try:
+        run_tier("draft", SERVICE_NAME, build, config, process.port_file, process.metrics_address)
+    except CheckpointError as e:  # an EAGLE-3 head that does not fit its target: say which field, exit 2
+        fail(f"{e} (--model {config.tier.model.path}, --head-target {config.head_target or 'the default target'})")
 
 
 if __name__ == "__main__":

@@ -133,21 +133,10 @@ def target_stub(cluster):
 
 @pytest.fixture(scope="session")
 def tiny_head(tiny_dir, tiny_target_model) -> str:
-    """An EAGLE-3 head for the tiny target (full vocabulary), written in the published layout: its fc reads the last
-    layer's output, its lm_head and norm are the target's and its layer is small, so its guess at entry i is near
-    the target's own prediction at position i, which repeats often enough on the tiny model's loops for drafts to
-    be accepted as well as rejected."""
-    from specdec.engine.eagle3 import head_config, random_head, write_checkpoint
+    """An EAGLE-3 head for the tiny target in the published layout (specdec.engine.eagle3.echo_head: near the target's
+    own prediction one position early), whose drafts the tiny model's loops accept often enough, and reject too."""
+    from specdec.engine.eagle3 import echo_head, write_checkpoint
 
-    target = tiny_target_model
-    hidden, layers = target.config.hidden_size, target.config.num_hidden_layers
-    head = random_head(head_config(target.config, target.config.vocab_size, [0, layers - 1, layers - 1]),
-                       target.get_input_embeddings(), seed=3, std=0.01)
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, 2 * hidden :] = torch.eye(hidden)
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight)
-        head.norm.weight.copy_(target.base_model.norm.weight)
     path = tiny_dir / "head"
-    write_checkpoint(head, path)
+    write_checkpoint(echo_head(tiny_target_model), path)
     return str(path)

@@ -18,6 +18,8 @@ from specdec.engine.head_engine import HeadEngine
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.helpers import device_model
 
+pytestmark = pytest.mark.servers  # a draft service in this process on a real port (make test-fast leaves it out)
+
 PROMPT = [1, 17, 256, 9, 4001, 33, 712, 88, 5, 61]
 
 
@@ -159,3 +161,39 @@ def test_a_gap_in_the_rows_is_a_failed_precondition(head_server, tiny_target_mod
         propose(stub, "gap", committed, len(PROMPT), 2, 10, rows[10:12])  # row 9 never sent
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "features: rows start at position 10" in e.value.details()
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("edit, names", [
+    (lambda c, s: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 1, 7]),
+     "eagle_aux_hidden_state_layer_ids [0, 1, 7]: layer 7 is past the target's depth"),
+    (lambda c, s: c.update(hidden_size=96), "hidden_size 96 does not match the target's hidden_size 64"),
+    (lambda c, s: (c.update(draft_vocab_size=64), s.update({"lm_head.weight": s["lm_head.weight"][:64]}),
+                   s.pop("d2t", None)), "d2t"),
+])
+def test_a_bad_head_is_refused_at_start_naming_the_field(tiny_target, tiny_target_model, tmp_path, edit, names):
+    """The draft service started as a user starts it, on a head that does not fit its target: exit 2, one line naming
+    the field."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.engine.eagle3 import echo_head, write_checkpoint
+
+    path = tmp_path / "head"
+    write_checkpoint(echo_head(tiny_target_model), path)
+    config, state = json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+    edit(config, state)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "draft_service", "--model", str(path), "--head-target", tiny_target,
+                          "--address", "127.0.0.1:0"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: EAGLE-3 head checkpoint refused: ") and names in last, last

@@ -312,6 +312,23 @@ def random_head(config: dict, target_embedding: nn.Embedding | None = None, seed
     return head
 
 
+def echo_head(target, seed: int = 3) -> Eagle3Head:
+    """A stand-in for a trained head (tests, benchmarks of the pipeline's cost): full vocabulary; fc reads the target's
+    last layer output, lm_head and norm are the target's, and its own layer is small (weights N(0, 0.01)), so its
+    guess at entry i is near the target's own prediction at position i (the token after x_i, where the head is
+    asked for the one after x_{i+1}): right where the target repeats itself, wrong elsewhere."""
+    c = target.config
+    hidden, layers = c.hidden_size, c.num_hidden_layers
+    head = random_head(head_config(c, c.vocab_size, [0, layers - 1, layers - 1]), target.get_input_embeddings(),
+                       seed=seed, std=0.01)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * hidden :] = torch.eye(hidden)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight)
+        head.norm.weight.copy_(target.base_model.norm.weight)
+    return head
+
+
 def mapped_vocabulary(head: Eagle3Head, d2t: torch.Tensor) -> None:
     """Install a draft vocabulary map (d2t offsets, checked) and its t2d mask on a head."""
     error = mapping_error(d2t, head.vocab_size)
