@@ -216,7 +216,7 @@ class Pipeline:
                 c.draft_model, TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                            self.draft_reachability),
                 sampling, derive_seed(params.seed, 0, DRAFT_STREAM), stats, cost=self.draft_load,
-                max_context=self.draft_info.max_context, trees=None if head else self._draft_trees(params),
+                max_context=self.draft_info.max_context, trees=self._draft_trees(params, speculate=not head),
                 grammar=params.grammar.text if params.grammar is not None and not head else "", greedy=greedy,
                 priors=priors, push=c.overlap and c.draft_push and not head, features=features))
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
@@ -230,13 +230,13 @@ class Pipeline:
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
                           max_context=self.target_info.max_context, session_id=session_id, constraint=constraint)
 
-    def _draft_trees(self, params: GenerationParams) -> DraftTrees | None:
+    def _draft_trees(self, params: GenerationParams, speculate: bool = True) -> DraftTrees | None:
         """The draft model's trees and speculation cache for a session (None: chains only; penalised
         requests, whose counts would differ per branch; structured output, whose grammar the draft tier applies
         to chains only; a session with neither on). The request's node budget, where it set one, overrides
-        the server's."""
+        the server's. speculate=False: no speculation cache (an EAGLE-3 head's tier has none)."""
         c = self.config
-        speculate = c.speculate_outcomes if c.overlap else 0
+        speculate = c.speculate_outcomes if c.overlap and speculate else 0
         nodes = min(c.draft_tree_nodes if params.tree_nodes is None else params.tree_nodes, self.max_k())
         if params.sampling.penalized or params.response_format or not (nodes or speculate):
             return None

@@ -106,10 +106,13 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""
         engine = self.engine
         head = isinstance(engine, HeadEngine)
-        if head and request.tree_nodes:
-            raise invalid_argument("tree_nodes: this replica serves an EAGLE-3 head, which proposes chains only")
+        if head and request.tree_nodes and (request.speculate or request.push):
+            raise invalid_argument("speculate: this replica serves an EAGLE-3 head, which has no speculation cache")
         if request.tree_nodes:
-            return self._tree_work(request)
+            work = self._tree_work(request)
+            if head:
+                work.features, work.features_start = self._features(request, engine)
+            return work
         check_num_tokens(engine, request.num_tokens, "num_tokens", minimum=1)
         check_context(engine, request.context, extra_tokens=request.num_tokens - 1)
         ctx = request.context

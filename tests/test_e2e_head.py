@@ -70,3 +70,19 @@ def test_a_draft_replica_that_lost_the_session_gets_every_row_again(head_cluster
                     with engine._lock:
                         engine._sessions.clear()
     assert ids == expected
+
+
+@pytest.fixture(scope="module")
+def head_tree_cluster(tiny_target, tiny_head):
+    cluster = Cluster(tiny_target, tiny_head, coordinator_overrides={"draft_tree_nodes": 6, "draft_tree_branching": 2})
+    yield cluster
+    cluster.close()
+
+
+def test_greedy_trees_from_the_head_equal_target_generate(head_tree_cluster, tiny_target_model):
+    with Client(head_tree_cluster.address) as client:
+        for prompt in PROMPTS:
+            expected = reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+            out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=3, proposer="draft")
+            assert out.token_ids == expected
+            assert int(out.stats["draft_tokens"]) > 0

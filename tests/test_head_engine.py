@@ -129,7 +129,7 @@ def test_a_reduced_vocabulary_has_q_zero_outside_it(tiny_target, tiny_target_mod
 
 
 @pytest.mark.parametrize("fields, code, message", [
-    (dict(tree_nodes=3), grpc.StatusCode.INVALID_ARGUMENT, "tree_nodes: this replica serves an EAGLE-3 head"),
+    (dict(tree_nodes=3, speculate=2), grpc.StatusCode.INVALID_ARGUMENT, "speculate: this replica serves an EAGLE-3 head"),
     (dict(grammar="start: \"a\""), grpc.StatusCode.INVALID_ARGUMENT, "grammar: this replica serves an EAGLE-3 head"),
     (dict(rows=slice(0, 3), cut=1), grpc.StatusCode.INVALID_ARGUMENT, "features: "),
     (dict(rows=slice(0, 4)), grpc.StatusCode.FAILED_PRECONDITION, "features: drafting after 10 tokens needs"),
@@ -197,3 +197,44 @@ def test_a_bad_head_is_refused_at_start_naming_the_field(tiny_target, tiny_targe
     assert run.returncode == 2, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("error: EAGLE-3 head checkpoint refused: ") and names in last, last
+
+
+def head_logits(head, committed: list[int], rows: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """The head's logits (full vocabulary) after the committed tokens and then `path` drafted: catch-up over the rows,
+    then each path token fed with the head's own output before it, as a chain drafts."""
+    from specdec.engine.eagle3 import HeadCache
+
+    cache = HeadCache()
+    t = len(committed)
+    out = head.step(torch.tensor(committed[1:]), head.fuse(rows.float()), torch.arange(t - 1), cache)[-1:]
+    for j, token in enumerate(path):
+        out = head.step(torch.tensor([token]), out, torch.tensor([t - 1 + j]), cache)
+    full = torch.full((head.vocab_size,), float("-inf"))
+    full[head.target_ids(torch.arange(head.draft_vocab_size))] = head.logits(out)[0].float()
+    return full
+
+
+@pytest.mark.parametrize("nodes, branching", [(6, 2), (8, 3)])
+def test_greedy_trees_hold_the_heads_top_tokens_below_each_node(head_server, tiny_head, tiny_target_model, nodes, branching):
+    """A dynamic greedy tree: every node's children are the head's top tokens after the node's path (a prefix of its
+    top-b, the likeliest kept), the first child at each level is the greedy chain, and the tree has its node budget."""
+    engine, stub = head_server
+    target = tiny_target_model
+    head = load_head(tiny_head, target.config, target.get_input_embeddings())
+    rows = features_of(target, engine.feature_layers, PROMPT)[:-1]
+    r = propose(stub, f"tree{nodes}", PROMPT, 0, 1, 0, rows, tree_nodes=nodes, tree_depth=4, tree_branching=branching)
+    tokens, parents = list(r.tokens), list(r.parents)
+    assert len(tokens) == nodes and len(parents) == nodes and r.cached_len == len(PROMPT)
+    paths = {-1: []}
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        paths[i] = paths[parent] + [token]
+    for node, path in paths.items():
+        children = [tokens[i] for i, p in enumerate(parents) if p == node]
+        if children:
+            top = torch.topk(head_logits(head, PROMPT, rows, path), branching).indices.tolist()
+            assert children == top[: len(children)], f"below node {node}"
+    spine, node = [], -1
+    while (child := next((i for i, p in enumerate(parents) if p == node), None)) is not None:
+        spine.append(tokens[child])
+        node = child
+    assert spine == greedy_chain(head, torch.tensor(PROMPT), rows.float(), len(spine))

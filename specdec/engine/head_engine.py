@@ -45,6 +45,8 @@ from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head
 from specdec.engine.eagle3_checks import ARCHITECTURES
 from specdec.engine.engine import EngineStatus
 from specdec.engine.propose import ProposeWork
+from specdec.engine.propose_tree import ProposeTreeWork, tree_dists
+from specdec.engine.tree_growth import Growth
 from specdec.engine.threads import release_thread_pool
 
 log = logging.getLogger(__name__)
@@ -260,6 +262,15 @@ class HeadEngine:
             except Exception as e:  # the work's own failure: its session is dropped; the rest go on
                 log.exception("head step failed")
                 self._drop(w, f"head step failed: {type(e).__name__}: {e}")
+        trees = [(w, last) for w, last in zip(works, lasts) if isinstance(w, ProposeTreeWork)]
+        works, lasts = [w for w in works if not isinstance(w, ProposeTreeWork)], [
+            last for w, last in zip(works, lasts) if not isinstance(w, ProposeTreeWork)]
+        for w, last in trees:
+            try:
+                self._grow(w, last, t0, fed[id(w)])
+            except Exception as e:
+                log.exception("head tree failed")
+                self._drop(w, f"head step failed: {type(e).__name__}: {e}")
         while works:
             try:
                 rows = list(self._logits(torch.cat(lasts)).split(1))  # the step's sessions in one LM-head product
@@ -273,6 +284,49 @@ class HeadEngine:
                     if not w.done:
                         self._drop(w, f"head step failed: {type(e).__name__}: {e}")
                 break
+
+    @torch.inference_mode()
+    def _grow(self, w: ProposeTreeWork, last: torch.Tensor, t0: float, fed: int) -> None:
+        """A token tree below the last committed token, grown level by level as the draft model's is
+        (specdec.engine.tree_growth.Growth over the same distributions, specdec.engine.propose_tree.tree_dists): a
+        node's entry pairs its token with its parent's output, at the position after its parent's, and attends to
+        the committed entries and its ancestors' only. The nodes' entries are dropped after, like a chain's."""
+        s, head = w.session, self.head
+        base = len(s)
+        g = Growth(w.shape, -1, base, w.dynamic)
+        outs, kv = {-1: last}, {-1: None}  # node -> its output [1, H]; its entry's (k, v) [kv, 1, D]
+        level = g.expand(-1, tree_dists(self._logits(last), [w])[0], w.seed, w.params.greedy)
+        steps, tokens = 1, fed
+        while True:
+            nodes = g.to_expand(level)
+            if not nodes or base + max(g.depth[n] for n in nodes) + 1 > self.max_context:
+                break
+            for n in nodes:
+                path, a = [], n
+                while a >= 0:
+                    path.append(a)
+                    a = g.parents[a]
+                ancestors = [kv[a] for a in reversed(path[1:])]
+                cache = HeadCache(*_joined(s.cache, ancestors))
+                outs[n] = head.step(torch.tensor([g.tokens[n]], device=self.device), outs[g.parents[n]],
+                                    torch.tensor([base - 1 + g.depth[n]], device=self.device), cache)
+                kv[n] = (cache.k[:, -1:], cache.v[:, -1:])
+            dists = tree_dists(self._logits(torch.cat([outs[n] for n in nodes])), [w] * len(nodes))
+            level = [c for n, d in zip(nodes, dists) for c in g.expand(n, d, w.seed, w.params.greedy)]
+            steps, tokens = steps + 1, tokens + len(nodes)
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            w.compute_s += seconds
+            w.last_step = (1, tokens, seconds / steps)
+            w.step_started = t0
+            w.result = w._result(g, base, speculated=False)
+            self.steps += steps
+            self.step_tokens += tokens
+            s.cache.truncate(s.exact)
+            s.last_used = time.monotonic()
+            _answer(w, result=w.result)
+        for observe in self.observers:
+            observe(1, tokens, seconds)
 
     @torch.inference_mode()
     def _catch_up(self, w: ProposeWork, out: dict, fed: dict) -> torch.Tensor:
@@ -404,6 +458,13 @@ class HeadEngine:
             curve.append((b, b, best * 1e3))
             b *= 2
         return curve
+
+
+def _joined(cache: HeadCache, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The committed cache's keys and values followed by a node's ancestors' entries."""
+    if not entries:
+        return cache.k, cache.v
+    return (torch.cat([cache.k, *(k for k, _ in entries)], dim=1), torch.cat([cache.v, *(v for _, v in entries)], dim=1))
 
 
 def _answer(work: ProposeWork, result=None, error: Exception | None = None) -> None:

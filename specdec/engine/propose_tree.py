@@ -111,6 +111,8 @@ class ProposeTreeWork(Work):
     answer: TreeProposeResult | None = None
     hit: bool = False
     salvaged: int = 0
+    features: torch.Tensor | None = None  # a feature draft's rows (as ProposeWork's; specdec.engine.head_engine)
+    features_start: int = 0
 
     kind: ClassVar[str] = "propose_tree"
 
@@ -359,28 +361,37 @@ class ProposeTreeWork(Work):
     @classmethod
     def finish_step(cls, works: list["ProposeTreeWork"], logits: list[torch.Tensor], engine) -> None:
         rows = torch.cat(logits)  # [R, V]
-        row_params = [w.params for w, lg in zip(works, logits) for _ in range(lg.shape[0])]
-        rows = adjust_logits_rows(rows, row_params)  # logit_bias (trees take no penalties)
-        dists: list[Dist | None] = [None] * rows.shape[0]
-        greedy = [i for i, p in enumerate(row_params) if p.greedy]
-        sampled = [i for i, p in enumerate(row_params) if not p.greedy]
-        if greedy:  # the top tokens by the softmax of the adjusted logits (their order is the argmax's)
-            top = max(OUTCOME_TOP, max(w.shape.branching for w in works))
-            vals, ids = torch.topk(torch.softmax(rows[greedy], dim=-1), min(top, rows.shape[1]), dim=-1)
-            vals, ids = vals.cpu(), ids.cpu()
-            for j, i in enumerate(greedy):
-                dists[i] = (ids[j], vals[j])
-        if sampled:
-            probs = shape_rows(rows[sampled], [row_params[i] for i in sampled])  # [S, V]
-            row_work = [w for w, lg in zip(works, logits) for _ in range(lg.shape[0])]
-            top_n = min(max(row_work[i].top_n for i in sampled), probs.shape[-1])
-            vals, ids = torch.topk(probs, top_n, dim=-1)
-            vals, ids = vals.cpu(), ids.cpu()
-            for j, i in enumerate(sampled):
-                n = min(row_work[i].top_n, top_n)
-                t, q = renormalise_top(vals[j, :n], ids[j, :n])  # the truncated q the children are drawn from
-                dists[i] = (t, q)
+        row_works = [w for w, lg in zip(works, logits) for _ in range(lg.shape[0])]
+        dists = tree_dists(rows, row_works)
         start = 0
         for w, lg in zip(works, logits):
             w.consume(dists[start : start + lg.shape[0]], engine)
             start += lg.shape[0]
+
+
+def tree_dists(rows: torch.Tensor, row_works: list[ProposeTreeWork]) -> list[Dist]:
+    """The distribution each row's children are drawn from (rows [R, V], the logits of each row's node, and the work
+    each belongs to): logit_bias applied (trees take no penalties); greedy rows keep the top tokens by the softmax
+    (their order is the argmax's); sampled rows their q shaped by the work's parameters and truncated to its top_n,
+    renormalised. Most likely first, on the host."""
+    row_params = [w.params for w in row_works]
+    rows = adjust_logits_rows(rows, row_params)
+    dists: list[Dist | None] = [None] * rows.shape[0]
+    greedy = [i for i, p in enumerate(row_params) if p.greedy]
+    sampled = [i for i, p in enumerate(row_params) if not p.greedy]
+    if greedy:
+        top = max(OUTCOME_TOP, max(w.shape.branching for w in row_works))
+        vals, ids = torch.topk(torch.softmax(rows[greedy], dim=-1), min(top, rows.shape[1]), dim=-1)
+        vals, ids = vals.cpu(), ids.cpu()
+        for j, i in enumerate(greedy):
+            dists[i] = (ids[j], vals[j])
+    if sampled:
+        probs = shape_rows(rows[sampled], [row_params[i] for i in sampled])  # [S, V]
+        top_n = min(max(row_works[i].top_n for i in sampled), probs.shape[-1])
+        vals, ids = torch.topk(probs, top_n, dim=-1)
+        vals, ids = vals.cpu(), ids.cpu()
+        for j, i in enumerate(sampled):
+            n = min(row_works[i].top_n, top_n)
+            t, q = renormalise_top(vals[j, :n], ids[j, :n])  # the truncated q the children are drawn from
+            dists[i] = (t, q)
+    return dists
