@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from specdec.core.errors import check_token_ids, invalid_argument
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
-from specdec.engine.verify import MAX_TOP_LOGPROBS, VerifyResult, VerifyWork
+from specdec.engine.eagle3_features import to_bytes
+from specdec.engine.verify import MAX_FEATURE_LAYERS, MAX_TOP_LOGPROBS, VerifyResult, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
 from specdec.serving import draft_probs, sampling_params, token_masks
 from specdec.serving.token_tree import tree_of
@@ -63,10 +64,17 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         if parents is not None and params.penalized:
             raise invalid_argument("draft_parents: token trees take no presence, frequency or repetition penalty "
                                    "(send the drafts as a chain)")
+        layers = list(request.feature_layers)
+        if len(layers) > MAX_FEATURE_LAYERS:
+            raise invalid_argument(f"feature_layers: at most {MAX_FEATURE_LAYERS} layer ids, got {len(layers)}: {layers}")
+        outside = [i for i in layers if not 0 <= i < engine.num_layers]
+        if outside:
+            raise invalid_argument(f"feature_layers: layer ids must be in [0, {engine.num_layers}) (the model's "
+                                   f"decoder layers), got {outside}")
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
                                  list(request.draft_tokens), q, params, request.seed, prompt_len=prompt_len,
                                  logprobs=request.top_logprobs if request.logprobs else -1, parents=parents,
-                                 scheme=scheme, allowed=allowed)
+                                 scheme=scheme, allowed=allowed, feature_layers=layers)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
@@ -74,6 +82,8 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                          compute_ms=r.compute_ms, batch_sessions=r.batch_sessions,
                                          batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms,
                                          prefix_reused=r.reused, accepted_path=r.path if r.tree else (),
+                                         features=to_bytes(r.features) if r.features is not None else b"",
+                                         features_start=r.features_start,
                                          logprobs=[target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
                                                                             top_token_ids=t.top_ids, top_logprobs=t.top_logprobs)
                                                    for t in r.logprobs])
