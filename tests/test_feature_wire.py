@@ -90,6 +90,19 @@ def test_chain_rounds_cover_the_committed_sequence_once(target_cluster, tiny_tar
     got = torch.cat(rows)
     assert len(got) == len(committed) == len(ids) + 7
     assert_bf16_close(got, plain_features(tiny_target_model, committed))
+    (full,) = call(target_cluster, [request("feat-chain-once", committed)])
+    assert_same_tier(target_cluster, got, features(full, tiny_target_model))
+
+
+def assert_same_tier(cluster, got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same tier's features of the same positions, fed in other steps: bitwise equal where its steps run on
+    the batch-invariant kernels (packed float32 on an AVX-512 CPU: skinny GEMM, row ops and row attention: a row's
+    arithmetic does not depend on what else its step holds), else to one bfloat16 rounding."""
+    runner = cluster.target_tier.runner
+    if runner.program.skinny and runner.row_attention:
+        assert torch.equal(got, want), int((got != want).sum())
+    else:
+        assert_bf16_close(got, want)
 
 
 def test_a_tree_returns_its_accepted_paths_rows(target_cluster, tiny_target_model):
@@ -99,6 +112,8 @@ def test_a_tree_returns_its_accepted_paths_rows(target_cluster, tiny_target_mode
     (r,) = call(target_cluster, [request("feat-tree", ids, tree, PARENTS)])
     assert (list(r.accepted_path), r.features_start, r.cached_len) == ([1, 3, 4], 0, len(ids) + 3)
     assert_bf16_close(features(r, tiny_target_model), plain_features(tiny_target_model, ids + g[:3]))
+    (chain,) = call(target_cluster, [request("feat-tree-as-chain", ids + g[:3])])
+    assert_same_tier(target_cluster, features(r, tiny_target_model), features(chain, tiny_target_model))
 
 
 def test_a_long_prompt_returns_every_chunks_rows(target_cluster, tiny_target_model):
