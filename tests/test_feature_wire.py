@@ -2,8 +2,9 @@
 through a real target server: every verdict of a session that asks carries the features of exactly the positions it
 added to the session's cache (the committed tokens it fed, then the accepted drafts, or a tree's accepted path),
 so over its rounds the rows cover the committed sequence once, equal to one plain forward's layer outputs; a long
-prompt's prefill chunks all return theirs; such a request takes nothing from the prefix cache; bad layer ids get
-INVALID_ARGUMENT naming the field while the server stays healthy; a request without layers gets no bytes."""
+prompt's prefill chunks all return theirs; such a request takes nothing from the prefix cache; bad layer ids, and
+more positions than one response can carry, get INVALID_ARGUMENT naming the field while the server stays healthy;
+a request without layers gets no bytes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import torch
 from specdec.core.prefix import PrefixHashes
 from specdec.engine.eagle3_features import from_bytes, target_features
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
+from specdec.serving.server import ServerConfig
+from target_service.service import TargetConfig
+from target_service.service import build as build_target
 from tests.helpers import Cluster, reference_greedy
 from tests.test_batching import prompt
 from tests.test_feature_taps import assert_bf16_close
@@ -41,9 +45,9 @@ def request(sid: str, ids: list[int], drafts: list[int] = (), parents: list[int]
                                     sampling=common_pb2.SamplingParams(temperature=0.0), feature_layers=layers)
 
 
-def call(cluster, requests):
+def call(cluster, requests, port: int | None = None):
     async def run():
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.target_port}") as ch:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port or cluster.target_port}") as ch:
             stub = target_pb2_grpc.TargetServiceStub(ch)
             return await asyncio.gather(*(stub.Verify(r, timeout=60) for r in requests), return_exceptions=True)
     return asyncio.run(run())
@@ -168,3 +172,28 @@ def test_bad_feature_layers_are_refused_and_the_server_stays_healthy(target_clus
     ids = prompt(706, 6)
     (ok,) = call(target_cluster, [request("feat-after-bad", ids)])
     assert_bf16_close(features(ok, tiny_target_model), plain_features(tiny_target_model, ids))
+
+
+def test_features_that_would_not_fit_in_a_response_are_refused(target_cluster, tiny_target_model):
+    """A server whose messages are at most 96 KiB (64 KiB of it kept for the rest of a response) carries 32 KiB of
+    features: 128 positions of two layers (256 bytes each), 256 of one. 200 new tokens with two layers are refused
+    before they run, naming the field and the most a request may send; with one layer they are served."""
+    engine = target_cluster.target_tier
+
+    async def start():  # on the cluster's event loop, which serves it
+        built = build_target(TargetConfig(engine.config, server=ServerConfig(max_message_bytes=96 * 1024)), engine)
+        await built.server.start()
+        return built
+
+    small = target_cluster._call(start())
+    try:
+        ids = prompt(707, 200)
+        (err,) = call(target_cluster, [request("feat-too-big", ids)], port=small.port)
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details().startswith("feature_layers: the features of 200 positions (256 bytes each)"), err.details()
+        assert "at most 128 positions a request" in err.details(), err.details()
+        (ok,) = call(target_cluster, [request("feat-fits", ids, layers=[0])], port=small.port)
+        assert_bf16_close(features(ok, tiny_target_model, [0]), plain_features(tiny_target_model, ids, [0]))
+    finally:
+        target_cluster._call(small.server.stop(0))
+        engine.observers.remove(small.metrics.observe_step)  # the module's cluster serves on alone

@@ -102,7 +102,8 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, config.step)
         self.device = self.cache.geometry.device
         self.vocab_size = self.runner.vocab_size
-        self.num_layers = int(model.config.num_hidden_layers)  # decoder layers: ids of feature taps are below it
+        # Feature taps (Feed.taps): layer ids below num_layers, hidden_size numbers per layer and position
+        self.num_layers, self.hidden_size = int(model.config.num_hidden_layers), int(model.config.hidden_size)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         self.grammars = GrammarCache(tokenizer, self.vocab_size, list(self.eos_token_ids))  # the draft's masked q
