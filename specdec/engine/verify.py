@@ -23,6 +23,11 @@ accepted path's KV entries (stored at committed_len + node index) are then moved
 0..n-1 (SlotKVCache.move: a copy inside the slot, no forward) and the session cropped to them. A tree
 takes logit_bias, min_p and the rest of the sampling parameters, but not the penalties (their counts
 would differ per branch): the servicer refuses that mix.
+
+A work may ask for the outputs of some decoder layers (feature_layers: an EAGLE-3 head's features). Its steps
+tap them (Work.taps, specdec.engine.runner.Feed.taps) at every token it feeds, prefill chunks included, and the
+result carries the rows of the positions the verdict keeps: the committed tokens it fed, then the accepted
+drafts (a tree's accepted path), positions prefix_len .. cached_len - 1.
 """
 
 from __future__ import annotations
@@ -112,16 +117,18 @@ class VerifyWork(Work):
     def feed_tree(self) -> list[int] | None:
         return self.parents
 
-    def committed_features(self, path: list[int]) -> tuple[torch.Tensor, int]:
+    def committed_features(self, path: list[int], cached_len: int) -> tuple[torch.Tensor, int]:
         """(features, features_start) once the verdict keeps the accepted `path`: the rows of the committed
         tokens it fed (every one: a work with taps takes no cached prefix), then the accepted nodes' rows in
-        path order (a chain's path is 0..n-1: the first committed + n rows)."""
+        path order (a chain's path is 0..n-1: the first committed + n rows); exactly prefix_len .. cached_len - 1."""
         fed = torch.cat(self.fed_features)  # [committed tokens fed + K, W], over the work's steps
         committed = len(fed) - len(self.drafts)
+        rows = fed[list(range(committed)) + [committed + j for j in path]]
         start = self.committed_len - committed  # the first fed token's position
-        if self.reused or start != self.prefix_len:
-            raise RuntimeError(f"features of {len(fed)} fed rows start at {start}, not at prefix_len {self.prefix_len}")
-        return fed[list(range(committed)) + [committed + j for j in path]], start
+        if start != self.prefix_len or start + len(rows) != cached_len:
+            raise RuntimeError(f"{len(rows)} feature rows from position {start} do not cover prefix_len "
+                               f"{self.prefix_len} .. cached_len {cached_len} - 1")
+        return rows, start
 
     def token_counts(self, first_row: int, vocab_size: int, device) -> TokenCounts:
         """The penalties' counts at this work's K + 1 positions, rows first_row.. of the batch: position i
@@ -159,9 +166,7 @@ class VerifyWork(Work):
                                   list(range(w.committed_len, keep)))
                 engine.sessions.crop(w.session, w.committed_len)
                 engine.sessions.append(w.session, [w.drafts[j] for j in path])
-            features, start = w.committed_features(path) if w.taps else (None, 0)
-            if features is not None and start + len(features) != keep:  # rows for exactly start .. keep - 1
-                raise RuntimeError(f"{len(features)} feature rows from {start} do not end at cached_len {keep}")
+            features, start = w.committed_features(path, keep) if w.taps else (None, 0)
             sessions, tokens, _ = w.last_step
             step_ms, compute_ms, queue_ms = w.finished_step()  # the verification counted in the step
             w.result = VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, w.reused,
