@@ -18,7 +18,7 @@ from specdec.engine.runner import Feed
 from specdec.engine.step import StepProgram, TransformersDecoder
 from specdec.models import ModelConfig, load_model
 from tests.helpers import TEST_DEVICE
-from tests.step_modes import MODES, assert_close, make_runner
+from tests.step_modes import EXACT, MODES, assert_close, make_runner
 
 LAYERS = (1, 0)  # the tiny target's two layers, out of order: the last layer's tap and an inner one's
 
@@ -113,4 +113,7 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     and a value that lands on the other side of a bfloat16 boundary moves by one bfloat16 unit in the last place."""
     got, want = got.float().cpu(), want.float().cpu()
     scale = float(want.abs().max())
+    if not EXACT:  # a bfloat16 / float16 model (SPECDEC_TEST_DTYPE): two forwards round differently all along
+        assert float((got - want).abs().max()) <= 0.05 * scale
+        return
     assert torch.allclose(got, want, rtol=2**-7, atol=1e-6 * scale), float((got - want).abs().max())
