@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from specdec.core.errors import check_token_ids, invalid_argument
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
-from specdec.engine.verify import MAX_TOP_LOGPROBS, VerifyResult, VerifyWork
+from specdec.engine.eagle3_features import to_bytes
+from specdec.engine.verify import MAX_FEATURE_LAYERS, MAX_TOP_LOGPROBS, VerifyResult, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
 from specdec.serving import draft_probs, sampling_params, token_masks
 from specdec.serving.token_tree import tree_of
@@ -30,9 +31,15 @@ class TargetConfig:
     server: ServerConfig = ServerConfig()
 
 
+RESPONSE_HEADROOM = 64 * 1024  # bytes of a VerifyResponse besides its features (17 tokens' top-20 logprobs: ~3 KiB)
+
+
 class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_message_bytes: int = ServerConfig.max_message_bytes) -> None:
+        """max_message_bytes: the server's limit on a message it sends (ServerConfig): a request whose features
+        could not fit in its response is refused before it runs."""
         self.engine = engine
+        self.max_feature_bytes = max_message_bytes - RESPONSE_HEADROOM
 
     @handle_errors
     async def Verify(self, request, context):
@@ -63,10 +70,11 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         if parents is not None and params.penalized:
             raise invalid_argument("draft_parents: token trees take no presence, frequency or repetition penalty "
                                    "(send the drafts as a chain)")
+        layers = feature_layers(request, engine, self.max_feature_bytes)
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
                                  list(request.draft_tokens), q, params, request.seed, prompt_len=prompt_len,
                                  logprobs=request.top_logprobs if request.logprobs else -1, parents=parents,
-                                 scheme=scheme, allowed=allowed)
+                                 scheme=scheme, allowed=allowed, feature_layers=layers)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
@@ -74,13 +82,35 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                          compute_ms=r.compute_ms, batch_sessions=r.batch_sessions,
                                          batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms,
                                          prefix_reused=r.reused, accepted_path=r.path if r.tree else (),
+                                         features=to_bytes(r.features) if r.features is not None else b"",
+                                         features_start=r.features_start,
                                          logprobs=[target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
                                                                             top_token_ids=t.top_ids, top_logprobs=t.top_logprobs)
                                                    for t in r.logprobs])
 
 
+def feature_layers(request: target_pb2.VerifyRequest, engine: Engine, max_bytes: int) -> list[int]:
+    """The decoder layers whose features the request asks for, or INVALID_ARGUMENT naming feature_layers: too many,
+    an id past the model's depth, or more positions than one response (max_bytes of features) can carry."""
+    layers = list(request.feature_layers)
+    if len(layers) > MAX_FEATURE_LAYERS:
+        raise invalid_argument(f"feature_layers: at most {MAX_FEATURE_LAYERS} layer ids, got {len(layers)}: {layers}")
+    outside = [i for i in layers if not 0 <= i < engine.num_layers]
+    if outside:
+        raise invalid_argument(f"feature_layers: layer ids must be in [0, {engine.num_layers}) (the model's decoder "
+                               f"layers), got {outside}")
+    row_bytes = 2 * len(layers) * engine.hidden_size  # one position's features, 16-bit
+    positions = len(request.context.new_tokens) + len(request.draft_tokens)  # the most rows the response carries
+    if layers and positions * row_bytes > max_bytes:
+        raise invalid_argument(f"feature_layers: the features of {positions} positions ({row_bytes} bytes each) would "
+                               f"not fit in one response ({max_bytes} bytes): send the new tokens in parts "
+                               f"(prefix_len > 0), at most {max(0, max_bytes // row_bytes)} positions a request")
+    return layers
+
+
 def build(config: TargetConfig, engine: Engine | None = None) -> TierServer:
     """The target service's server (not started); loads the model unless `engine` is given."""
     engine = engine or Engine.load(config.tier)
-    service = Service(TargetServicer(engine), target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME)
+    service = Service(TargetServicer(engine, config.server.max_message_bytes),
+                      target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME)
     return create_tier_server(engine, service, config.server, "target")

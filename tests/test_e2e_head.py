@@ -86,3 +86,17 @@ def test_greedy_trees_from_the_head_equal_target_generate(head_tree_cluster, tin
             out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=3, proposer="draft")
             assert out.token_ids == expected
             assert int(out.stats["draft_tokens"]) > 0
+
+
+def test_a_prompt_longer_than_one_part_is_sent_in_parts(head_cluster, tiny_target_model, monkeypatch):
+    """With features asked, the coordinator sends an uncached part longer than FEATURE_PART_BYTES of rows in parts
+    (the target refuses a request whose rows could exceed one response); the rows and the output are unchanged."""
+    from coordinator.tiers import target
+
+    monkeypatch.setattr(target, "FEATURE_PART_BYTES", 5 * 2 * 3 * tiny_target_model.config.hidden_size)  # 5 rows
+    prompt = PROMPTS[1] * 3 + [17]  # 40 tokens: 8 parts
+    expected = reference_greedy(tiny_target_model, prompt, 16, [2])
+    with Client(head_cluster.address) as client:
+        out = client.generate(token_ids=prompt, max_new_tokens=16, num_speculative_tokens=2, proposer="draft")
+    assert out.token_ids == expected
+    assert int(out.stats["draft_tokens"]) > 0

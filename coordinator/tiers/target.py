@@ -15,6 +15,9 @@ from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.proto import common_pb2, target_pb2
 
 
+FEATURE_PART_BYTES = 4 << 20  # a request's rows at most: half the tiers' default --max-message-bytes (8 MiB)
+
+
 @dataclass(frozen=True)
 class Verdict:
     num_accepted: int  # n: the leading drafts the target accepted
@@ -48,6 +51,8 @@ class TargetVerifier:
         """Verify drafts (with their q rows; none = one-hot) after the committed tokens; with parents, the
         drafts are a token tree's nodes, drawn as tree_scheme says (0: candidates without q, IID with q); masks:
         structured output's allowed tokens at each of the K + 1 positions. Raises TierError."""
+        if self.features is not None:
+            await self._prefill_in_parts(committed, hashes)
         seed = derive_seed(self.seed, len(committed), TARGET_STREAM)
         reply = await self.session.call(
             committed, hashes,
@@ -66,6 +71,21 @@ class TargetVerifier:
                               response.compute_ms, response.queue_ms, drafts=len(drafts))
         return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.accepted_path),
                        tuple(response.logprobs))
+
+    async def _prefill_in_parts(self, committed: list[int], hashes: PrefixHashes) -> None:
+        """With features asked, a request feeds at most FEATURE_PART_BYTES of rows (the target refuses a request
+        whose rows could exceed one response): a longer uncached part (a prompt, a re-prefill) goes first in parts,
+        each a verify without drafts over a prefix whose verdict is dropped (only its rows are kept)."""
+        part = max(1, FEATURE_PART_BYTES // self.features.row_bytes)
+        while len(self.session.context(committed, hashes).new_tokens) > part:
+            end = len(committed) - len(self.session.context(committed, hashes).new_tokens) + part
+            prefix = committed[:end]
+            reply = await self.session.call(
+                prefix, hashes,
+                lambda ctx: target_pb2.VerifyRequest(context=ctx, sampling=common_pb2.SamplingParams(),  # (dropped)
+                                                     feature_layers=self.features.layers),
+                extra=lambda response: [])
+            self.features.absorb(reply.message.features_start, reply.message.features, on_gap=self.session.cursor.reset)
 
     async def close(self) -> None:
         if self._open:

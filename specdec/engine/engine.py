@@ -102,6 +102,8 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, config.step)
         self.device = self.cache.geometry.device
         self.vocab_size = self.runner.vocab_size
+        # Feature taps (Feed.taps): layer ids below num_layers, hidden_size numbers per layer and position
+        self.num_layers, self.hidden_size = int(model.config.num_hidden_layers), int(model.config.hidden_size)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         self.grammars = GrammarCache(tokenizer, self.vocab_size, list(self.eos_token_ids))  # the draft's masked q
@@ -223,7 +225,7 @@ class Engine:
                 kv_capacity_bytes=self.cache.capacity_bytes, kv_capacity_tokens=self.cache.capacity_tokens,
                 kv_resident_bytes=self.cache.resident_bytes, step_mode=self.runner.mode, compile_s=self.runner.compile_s,
                 steps=self.steps, step_tokens=self.step_tokens, prefix_cache_sessions=s.retained,
-                prefix_cache_tokens=s.retained_tokens,                prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits)
+                prefix_cache_tokens=s.retained_tokens, prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits)
 
     # --- the engine thread --------------------------------------------------------------------------
 
@@ -267,8 +269,9 @@ class Engine:
         if work.cancelled:
             return DROPPED
         try:
-            # A fresh start may take a cached prefix of its tokens, leaving those it needs logits of.
-            reusable = len(work.pending) - work.num_logits if work.prefix_len == 0 else 0
+            # A fresh start may take a cached prefix of its tokens, leaving those it needs logits of (and
+            # features of: a work with taps takes none).
+            reusable = len(work.pending) - work.num_logits if work.prefix_len == 0 and not work.taps else 0
             session = self.sessions.acquire(work.session_id, work.prefix_len, work.prefix_hash, work.pending, reusable)
         except PrefixMismatch as e:
             self._settle(work, error=RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)))
@@ -303,7 +306,7 @@ class Engine:
 
     def _step(self, plan: list[Planned]) -> None:
         feeds = [Feed(p.work.session.slot, len(p.work.session), p.work.pending[: p.take], p.num_logits,
-                      p.work.feed_tree() if p.num_logits else None) for p in plan]
+                      p.work.feed_tree() if p.num_logits else None, p.work.taps) for p in plan]
         tokens = sum(p.take for p in plan)
         t0 = time.perf_counter()
         try:
@@ -321,8 +324,10 @@ class Engine:
             self.step_tokens += tokens
             completed: dict[type, list[tuple[Work, torch.Tensor]]] = {}
             chains: dict[type, list[Work]] = {}  # works to finish as draft chains, after the lock
-            for p, rows, ok in zip(plan, logits, finite):
+            for p, feed, rows, ok in zip(plan, feeds, logits, finite):
                 w = p.work
+                if feed.features is not None:  # a prefill chunk's too: the work gathers them over its steps
+                    w.fed_features.append(feed.features)
                 self.sessions.append(w.session, w.pending[: p.take])
                 del w.pending[: p.take]
                 w.compute_s += seconds

@@ -110,13 +110,20 @@ class LlamaDecoder:
         self.rotary = base.rotary_emb
         self.ops = ops or TorchRowOps
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """taps: layer ids -> filled with each one's output [T, hidden] (the residual stream after that decoder
+        layer, what transformers' LlamaDecoderLayer returns). The residual is updated lazily (layer i's last
+        product is added into x by the next add_rms_norm), so layer i - 1's output is x right after
+        iteration i's first add, and the last layer's is x after the final one: copies, as x changes on."""
         ops, t, d = self.ops, input_ids.shape[0], self.head_dim
         x = self.embed(input_ids)  # [T, hidden], a fresh tensor: the residual stream, updated in place
         cos, sin = self._rotary(positions, x.dtype)  # [T, D]
         down = None
         for i, (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = ops.add_rms_norm(x, down, norm1.weight, norm1.variance_epsilon)
+            if taps is not None and i - 1 in taps:
+                taps[i - 1] = x.clone()
             q, k, v = qkv_proj(h)
             ops.rotary_(q, cos, sin, d)
             ops.rotary_(k, cos, sin, d)
@@ -126,7 +133,10 @@ class LlamaDecoder:
             h = ops.add_rms_norm(x, o, norm2.weight, norm2.variance_epsilon)
             gate, up = gate_up_proj(h)
             (down,) = down_proj(ops.silu_mul(gate, up))
-        return ops.add_rms_norm(x, down, self.norm.weight, self.norm.variance_epsilon)
+        h = ops.add_rms_norm(x, down, self.norm.weight, self.norm.variance_epsilon)
+        if taps is not None and len(self.layers) - 1 in taps:
+            taps[len(self.layers) - 1] = x  # x changes no more
+        return h
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] of each token's position, as transformers' LlamaRotaryEmbedding computes them."""

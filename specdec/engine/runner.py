@@ -28,6 +28,10 @@ class Feed:
     tokens: list[int]  # new tokens, in order
     num_logits: int  # logits wanted for the last num_logits new tokens (0..len(tokens))
     tree: list[int] | None = None  # token trees: parents (-1 = root) of the nodes the tokens end with; None = a chain
+    taps: tuple[int, ...] | None = None  # decoder layers whose outputs this feed wants (ids, in the order wanted)
+    # Set by the forward when taps are asked: [len(tokens), len(taps) * hidden] bfloat16, each token's row the
+    # taps' outputs concatenated in taps' order (specdec.engine.eagle3_features: the head's fc input)
+    features: torch.Tensor | None = None
 
 
 class UnsupportedModel(ValueError):
@@ -103,8 +107,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> torch.Tensor:
         """The logits of every feed's wanted rows, in feed order: [sum of num_logits, V], float32."""
+        layers = sorted({i for f in feeds if f.taps for i in f.taps})  # the union of the feeds' taps
         try:
-            bucket = self.graphs.bucket(feeds) if self.graphs is not None else None
+            # A step that taps runs uncaptured: a graph replays its kernels, not the copies of the taps.
+            bucket = self.graphs.bucket(feeds) if self.graphs is not None and not layers else None
             if bucket is not None:
                 return self._captured(feeds, bucket)
             ids: list[int] = []
@@ -117,7 +123,11 @@ class ModelRunner:
                                   extra=(ids, rows), trees=[f.tree for f in feeds], row_attention=self.row_attention)
             input_ids, row_index = layout.extra
             with active(layout):
-                return self.program(input_ids, layout.positions, row_index).float()  # [R, V]
+                if not layers:
+                    return self.program(input_ids, layout.positions, row_index).float()  # [R, V]
+                logits, taps = self.program.tapped(input_ids, layout.positions, row_index, layers)
+            _hand_features(feeds, taps)
+            return logits.float()
         except BaseException:
             for f in feeds:  # what this step wrote may be incomplete: never read it unmasked
                 self.cache.initialized[f.slot] = min(self.cache.initialized[f.slot], f.cached)
@@ -131,3 +141,13 @@ class ModelRunner:
             start += len(f.tokens)
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.head(hidden[index]).float()
+
+
+def _hand_features(feeds: list[Feed], taps: dict[int, torch.Tensor]) -> None:
+    """Each tapping feed's rows of the step's taps [T, H], its layers concatenated in its order, in bfloat16."""
+    start = 0
+    for f in feeds:
+        n = len(f.tokens)
+        if f.taps:
+            f.features = torch.cat([taps[i][start : start + n] for i in f.taps], dim=-1).to(torch.bfloat16)
+        start += n

@@ -44,6 +44,7 @@ import torch._inductor.config
 
 from specdec.engine import cpu_kernels, skinny_gemm, triton_row_ops
 from specdec.engine.config import STEP_MODES
+from specdec.engine.eagle3_features import captured
 from specdec.engine.llama import LlamaDecoder, concatenated_product
 from specdec.engine.packed import can_pack, pack_head, pack_layers, replace_linears
 from specdec.engine.quant_gemm import QuantLinear
@@ -79,7 +80,17 @@ class TransformersDecoder:
     def __init__(self, base_model) -> None:
         self.base_model = base_model
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T], [T] -> [T, H]
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:  # [T], [T] -> [T, H]
+        """taps: layer ids -> filled with each one's output [T, H], read by forward hooks on the layers."""
+        if not taps:
+            return self._forward(input_ids, positions)
+        with captured(self.base_model, list(taps)) as states:
+            hidden = self._forward(input_ids, positions)
+        taps.update((i, states[i][-1][0]) for i in taps)
+        return hidden
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.base_model(input_ids=input_ids[None], position_ids=positions[None],
                                use_cache=False).last_hidden_state[0]
 
@@ -196,13 +207,22 @@ class StepProgram:
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
         return self.head(self.decoder(input_ids, positions)[row_index])  # [R, V]
 
-    def _decode_eager(self, input_ids, positions, row_index) -> torch.Tensor:
-        x = self.decoder(input_ids, positions)[row_index]
+    def _decode_eager(self, input_ids, positions, row_index, taps=None) -> torch.Tensor:
+        x = self.decoder(input_ids, positions, taps)[row_index]
         # On a CPU, x @ W.T for a few rows makes the BLAS pack all of W (a 49152 x 576 head: 24 ms for 2
         # rows on one core) while W @ x.T costs 6 ms: same product, same weights.
         if self.plain_head and self.device.type == "cpu" and self.head.bias is None and 1 < x.shape[0] <= 16:
             return (self.head.weight @ x.T).T
         return self.head(x)
+
+    @torch.inference_mode()
+    def tapped(self, input_ids: torch.Tensor, positions: torch.Tensor, row_index: torch.Tensor,
+               layers: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The step with taps: (logits [R, V], layer id -> that layer's output [T, H] at every token), run
+        eagerly through the mode's own decoder (compile: the uncompiled one; cuda-graphs: uncaptured), so it
+        computes the same function as __call__. A step that taps nothing goes through __call__."""
+        taps: dict[int, torch.Tensor | None] = dict.fromkeys(layers)
+        return self._decode_eager(input_ids, positions, row_index, taps), taps
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,11 @@ accepted path's KV entries (stored at committed_len + node index) are then moved
 0..n-1 (SlotKVCache.move: a copy inside the slot, no forward) and the session cropped to them. A tree
 takes logit_bias, min_p and the rest of the sampling parameters, but not the penalties (their counts
 would differ per branch): the servicer refuses that mix.
+
+A work may ask for the outputs of some decoder layers (feature_layers: an EAGLE-3 head's features). Its steps
+tap them (Work.taps, specdec.engine.runner.Feed.taps) at every token it feeds, prefill chunks included, and the
+result carries the rows of the positions the verdict keeps: the committed tokens it fed, then the accepted
+drafts (a tree's accepted path), positions prefix_len .. cached_len - 1.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from specdec.math.tree_verify import (level_noise, num_levels, verify_tree_candi
                                       verify_tree_greedy_batched, verify_tree_sampled_batched)
 
 MAX_TOP_LOGPROBS = 20  # alternatives per committed token (OpenAI's cap)
+MAX_FEATURE_LAYERS = 8  # decoder layers a request may ask the features of (an EAGLE-3 head reads 3)
 
 # Tree schemes (VerifyWork.scheme), as the wire names them
 CANDIDATES = "candidates"  # deterministic candidates: no q (suffix / lookup matches, an unsampled draft's top-b)
@@ -74,6 +80,10 @@ class VerifyResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed token, when asked
     path: tuple[int, ...] = ()  # token trees: the accepted nodes, root-down (a chain: 0..n-1)
     tree: bool = False  # the drafts were a token tree
+    # With feature layers: [cached_len - features_start, layers x hidden] bfloat16, the features of the committed
+    # tokens the request fed, then of the accepted drafts (a tree's: its accepted path's nodes, root-down)
+    features: torch.Tensor | None = None
+    features_start: int = 0  # the position of the first of them: the session's cached length before the request
 
 
 @dataclass(eq=False)
@@ -95,14 +105,30 @@ class VerifyWork(Work):
     def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], drafts: list[int],
                q: DraftProbs | None, params: SamplingParams, seed: int, prompt_len: int = 0,
                logprobs: int = -1, parents: list[int] | None = None, scheme: str = "",
-               allowed: torch.Tensor | None = None) -> "VerifyWork":
+               allowed: torch.Tensor | None = None, feature_layers: list[int] = ()) -> "VerifyWork":
+        """feature_layers: decoder layers whose outputs (EAGLE-3 features) the result carries at every position
+        the request adds to the session (VerifyResult.features); empty: none."""
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
                    params=params, seed=seed, committed_len=prefix_len + len(new_tokens), prompt_len=prompt_len,
-                   logprobs=logprobs, parents=list(parents) if parents else None, scheme=scheme, allowed=allowed)
+                   logprobs=logprobs, parents=list(parents) if parents else None, scheme=scheme, allowed=allowed,
+                   taps=tuple(feature_layers) or None)
 
     def feed_tree(self) -> list[int] | None:
         return self.parents
+
+    def committed_features(self, path: list[int], cached_len: int) -> tuple[torch.Tensor, int]:
+        """(features, features_start) once the verdict keeps the accepted `path`: the rows of the committed
+        tokens it fed (every one: a work with taps takes no cached prefix), then the accepted nodes' rows in
+        path order (a chain's path is 0..n-1: the first committed + n rows); exactly prefix_len .. cached_len - 1."""
+        fed = torch.cat(self.fed_features)  # [committed tokens fed + K, W], over the work's steps
+        committed = len(fed) - len(self.drafts)
+        rows = fed[list(range(committed)) + [committed + j for j in path]]
+        start = self.committed_len - committed  # the first fed token's position
+        if start != self.prefix_len or start + len(rows) != cached_len:
+            raise RuntimeError(f"{len(rows)} feature rows from position {start} do not cover prefix_len "
+                               f"{self.prefix_len} .. cached_len {cached_len} - 1")
+        return rows, start
 
     def token_counts(self, first_row: int, vocab_size: int, device) -> TokenCounts:
         """The penalties' counts at this work's K + 1 positions, rows first_row.. of the batch: position i
@@ -140,10 +166,11 @@ class VerifyWork(Work):
                                   list(range(w.committed_len, keep)))
                 engine.sessions.crop(w.session, w.committed_len)
                 engine.sessions.append(w.session, [w.drafts[j] for j in path])
+            features, start = w.committed_features(path, keep) if w.taps else (None, 0)
             sessions, tokens, _ = w.last_step
             step_ms, compute_ms, queue_ms = w.finished_step()  # the verification counted in the step
             w.result = VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, w.reused,
-                                    logprobs.get(i, []), tuple(path), w.parents is not None)
+                                    logprobs.get(i, []), tuple(path), w.parents is not None, features, start)
 
 
 def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[SamplingParams], TokenCounts | None]:

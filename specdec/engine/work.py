@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -41,6 +41,9 @@ class Work:
     settled_at: float = 0.0  # time.perf_counter() when the engine thread answered it (the round trace)
     on_push: Callable[[list], None] | None = None  # given unasked results (specdec.engine.pushed), on the event loop
     chain_steps: int = 0  # > 0: steps the engine runs as one chain after this step (run_chain)
+    taps: tuple[int, ...] | None = None  # decoder layers whose outputs it wants at every token it feeds (Feed.taps);
+    #                                      such a work takes nothing from the prefix cache: every token is fed
+    fed_features: list[torch.Tensor] = field(default_factory=list)  # with taps: each step's Feed.features, in order
 
     kind: ClassVar[str] = "work"
 
