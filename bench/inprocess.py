@@ -8,6 +8,7 @@ The spec names the rows to measure; the result (one JSON file) has per-sample ti
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -156,7 +157,11 @@ def run_baselines(spec: dict) -> dict:
     tok = load_tokenizer(spec["target"])
     device = spec.get("device", "cpu")
     target = load_model(ModelConfig(spec["target"], device=device, dtype=spec.get("dtype", "float32")))
-    draft = load_model(ModelConfig(spec["draft"], device=device, dtype=spec.get("draft_dtype") or spec.get("dtype", "float32")))
+    from specdec.engine.head_engine import is_head
+
+    # An EAGLE-3 head as specdec's draft: transformers' assisted generation has no use for it (no peer rows)
+    draft = None if is_head(spec["draft"]) else load_model(
+        ModelConfig(spec["draft"], device=device, dtype=spec.get("draft_dtype") or spec.get("dtype", "float32")))
     on_gpu = torch.device(device).type == "cuda"
     if on_gpu:
         from specdec.engine.runner import use_exact_float32_matmuls
@@ -165,9 +170,9 @@ def run_baselines(spec: dict) -> dict:
     _log(f"models loaded in {time.perf_counter() - t0:.1f}s; torch threads {torch.get_num_threads()}, "
          f"cpus {sorted(os.sched_getaffinity(0))}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}")
     target_calls = _ForwardCounter(target)
-    draft_calls = _ForwardCounter(draft)
-    default_draft_gen = {k: getattr(draft.generation_config, k, None)
-                         for k in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+    draft_calls = _ForwardCounter(draft) if draft is not None else None
+    default_draft_gen = {k: getattr(draft.generation_config, k, None) for k in (
+        "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")} if draft is not None else {}
 
     n_new = int(spec["max_new_tokens"])
     meter = BackgroundMeter()
@@ -204,6 +209,8 @@ def run_baselines(spec: dict) -> dict:
         for key, value in default_draft_gen.items():
             setattr(draft.generation_config, key, value)
         compiled = method == "target" and row.get("variant") == "compiled"
+        if method == "peer" and draft is None:
+            raise ValueError("the draft is an EAGLE-3 head: transformers' assisted generation needs a draft model")
         if method == "peer":
             kw["assistant_model"] = draft
             if row.get("k"):
@@ -218,7 +225,8 @@ def run_baselines(spec: dict) -> dict:
             raise ValueError(f"unknown in-process method {method!r} {row.get('variant') or ''}")
         torch.manual_seed(seed)
         target_calls.reset()
-        draft_calls.reset()
+        if draft_calls is not None:
+            draft_calls.reset()
         meter.reset()
         if compiled:
             target_calls.pause()
@@ -232,7 +240,7 @@ def run_baselines(spec: dict) -> dict:
         if compiled:
             target_calls.resume()
             target_calls.calls = len(new)  # one forward per token: the prompt's, then one per decode step
-        return new, dt, target_calls.reset(), draft_calls.reset(), meter.fraction()
+        return new, dt, target_calls.reset(), draft_calls.reset() if draft_calls is not None else 0, meter.fraction()
 
     results = []
     warmed = set()  # one warm-up generation per method (and greedy/sampled), not per row
@@ -268,6 +276,18 @@ def run_baselines(spec: dict) -> dict:
 
     models = {}
     for name, model in (("target", target), ("draft", draft)):
+        if model is None:  # an EAGLE-3 head: its one layer's KV, as the draft tier holds it (in the draft dtype)
+            from types import SimpleNamespace
+
+            from safetensors import safe_open
+
+            with safe_open(str(Path(spec[name]) / "model.safetensors"), framework="pt") as f:
+                params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+            config = SimpleNamespace(**json.loads((Path(spec[name]) / "config.json").read_text()))
+            dtype_bytes = torch.empty(0, dtype=getattr(torch, spec.get("draft_dtype") or spec.get("dtype", "float32"))).element_size()
+            models[name] = {**kv_bytes_per_token(config, dtype_bytes), "params": params, "path": spec[name],
+                            "arch": "EAGLE-3 head"}
+            continue
         info = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
         info["params"] = sum(p.numel() for p in model.parameters())
         info["path"] = spec[name]
@@ -279,7 +299,7 @@ def run_baselines(spec: dict) -> dict:
             "torch_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0)), "device": device,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "retries": retry.retries, "retry_spent_s": retry.spent,
             "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-            "peer_default_schedule": _peer_default_schedule(draft)}
+            "peer_default_schedule": _peer_default_schedule(draft) if draft is not None else {}}
 
 
 def _peer_default_schedule(draft) -> dict:
