@@ -238,3 +238,38 @@ def test_greedy_trees_hold_the_heads_top_tokens_below_each_node(head_server, tin
         spine.append(tokens[child])
         node = child
     assert spine == greedy_chain(head, torch.tensor(PROMPT), rows.float(), len(spine))
+
+
+def test_a_sessions_proposal_does_not_depend_on_its_batch(tiny_target, tiny_target_model, tmp_path):
+    """Seeded sampled proposals, alone and among seven other sessions in the same steps: bitwise the same tokens and q
+    (the head's products run on the batch-invariant skinny GEMM where the CPU has it; each session's layer alone)."""
+    import asyncio
+
+    from specdec.engine.eagle3 import write_checkpoint
+    from specdec.engine.propose import ProposeWork
+    from specdec.math.params import SamplingParams
+    from tests.test_eagle3_head import small_head
+
+    write_checkpoint(small_head(tiny_target_model, vocab=64), tmp_path / "head")
+    engine = HeadEngine.load(TierConfig(device_model(str(tmp_path / "head")), cost_curve_s=0), tiny_target)
+    rows = features_of(tiny_target_model, engine.feature_layers, PROMPT)[:-1]
+
+    async def one(sid, prompt, seed):
+        w = ProposeWork.create(sid, 0, 0, prompt, 4, SamplingParams(temperature=0.8), seed, 64)
+        w.features, w.features_start = rows[: len(prompt) - 1], 0
+        return await engine.submit(w)
+
+    async def run():
+        alone = await one("alone", PROMPT, 7)
+        crowd = await asyncio.gather(*(one(f"c{i}", PROMPT[: 4 + i], i) for i in range(4)),
+                                     one("crowded", PROMPT, 7), *(one(f"d{i}", PROMPT[: 5 + i], 10 + i) for i in range(3)))
+        return alone, crowd[4]
+
+    try:
+        alone, crowded = asyncio.run(run())
+    finally:
+        engine.close()
+    assert crowded.batch_sessions > 1  # it did share its steps
+    assert alone.tokens == crowded.tokens
+    vocab = tiny_target_model.config.vocab_size
+    assert torch.equal(alone.q.dense(vocab, "cpu"), crowded.q.dense(vocab, "cpu"))

@@ -142,6 +142,11 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", identity)
         self.register_buffer("t2d", t2d_mask(identity, c.vocab_size))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's compute dtype (its norms' weights keep it when its linears are packed for a kernel)."""
+        return self.norm.weight.dtype
+
     # --- the pieces of one step ------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[..., H] the tokens' embeddings: the head's own, else the target's."""
@@ -149,11 +154,11 @@ class Eagle3Head(nn.Module):
         table = table if table is not None else self._shared[0]
         if table is None:
             raise CheckpointError("the checkpoint has no embed_tokens.weight and no target embedding was given")
-        return table(ids).to(self.fc.weight.dtype)
+        return table(ids).to(self.dtype)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """fc: [..., 3 Ht] the target's concatenated layer states (any dtype) -> [..., H] the first step's g."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        return self.fc(features.to(self.dtype))
 
     def qkv(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor):
         """ids [B, T], g [B, T, H], positions [B, T] -> q [B, heads, T, D], k, v [B, kv, T, D] (rotated), the residual."""

@@ -21,8 +21,11 @@ Rotary positions are the target's (entry i at position i), as vLLM and SGLang ru
 are scattered to the full vocabulary (-inf outside the draft vocabulary), and from there a proposal is drawn
 exactly as the draft model's (specdec.engine.propose.ProposeWork.finish_step: penalties, the DraftSampler's
 keyed draws, q truncated to top_n), so q is 0 outside the draft vocabulary and rejection sampling stays exact.
-Each pass of the engine thread takes every queued request (one per session), and steps them in lockstep; the
-head's steps run per session (one layer: a fraction of a millisecond for the default target's shapes).
+Each pass of the engine thread takes every queued request (one per session), and steps them in lockstep: the
+head's layer runs per session, then one LM-head product for the step's sessions. A float32 head on an AVX-512 CPU
+runs every product on specdec's skinny GEMM kernel (specdec.engine.skinny_gemm: fast at a few rows, and
+batch-invariant), elsewhere the LM head runs per session: either way a session's proposal is bitwise the same
+whichever sessions share its steps, so seeded sampling stays reproducible under load.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ class HeadEngine:
         self.vocab_size = head.vocab_size
         self.feature_layers = head.layer_ids(target_config.num_hidden_layers)
         self.feature_width = head.fc.in_features
+        self.skinny = pack_linears(head)  # float32 on an AVX-512 CPU: specdec's batch-invariant kernel
         self.max_context = min(int(getattr(target_config, "max_position_embeddings", 0) or 1 << 20),
                                config.sessions.max_session_tokens)
         self.eos_token_ids = eos_token_ids
@@ -171,9 +175,9 @@ class HeadEngine:
             engine.cost_curve = engine.measure_cost_curve(config.cost_curve_s)
         release_thread_pool()  # this thread is done computing: the engine thread's team is the only one
         engine.start()
-        log.info("loaded EAGLE-3 head %s for %s in %.1fs on %s/%s: reads target layers %s, draft vocabulary %d",
+        log.info("loaded EAGLE-3 head %s for %s in %.1fs on %s/%s%s: reads target layers %s, draft vocabulary %d",
                  config.model.path, target_path, time.perf_counter() - t0, config.model.device, config.model.dtype,
-                 engine.feature_layers, head.draft_vocab_size)
+                 " (skinny GEMM)" if engine.skinny else "", engine.feature_layers, head.draft_vocab_size)
         return engine
 
     # --- the event loop's side ----------------------------------------------------------------------
@@ -273,7 +277,7 @@ class HeadEngine:
                 self._drop(w, f"head step failed: {type(e).__name__}: {e}")
         while works:
             try:
-                rows = list(self._logits(torch.cat(lasts)).split(1))  # the step's sessions in one LM-head product
+                rows = self._rows(lasts)
                 self._finish_step(works, rows, t0, sum(fed.values()))
                 works = [w for w in works if not w.done]
                 t0, fed = time.perf_counter(), {id(w): 1 for w in works}
@@ -353,6 +357,13 @@ class HeadEngine:
                               torch.tensor([position], device=self.device), s.cache)
         out[id(w)] = last
         return last
+
+    def _rows(self, lasts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each session's logits [1, V]: one LM-head product for the step's sessions where the products are
+        batch-invariant (the skinny GEMM), else one per session, so a session's logits never depend on its batch."""
+        if self.skinny:
+            return list(self._logits(torch.cat(lasts)).split(1))
+        return [self._logits(last) for last in lasts]
 
     @torch.inference_mode()
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -450,14 +461,30 @@ class HeadEngine:
             best = float("inf")
             for _ in range(3):
                 t0 = time.perf_counter()
-                self._logits(torch.cat([head.step(ids[:1], o, torch.tensor([context], device=self.device), c)
-                                        for c, o in zip(caches, outs)]))  # as a step runs: one LM-head product
+                self._rows([head.step(ids[:1], o, torch.tensor([context], device=self.device), c)
+                            for c, o in zip(caches, outs)])  # as a step runs
                 for c in caches:
                     c.truncate(context)
                 best = min(best, time.perf_counter() - t0)
             curve.append((b, b, best * 1e3))
             b *= 2
         return curve
+
+
+def pack_linears(head: Eagle3Head) -> bool:
+    """Every linear of a float32 head on a CPU onto specdec's skinny GEMM kernel (specdec.engine.skinny_gemm), in
+    place: a few rows at a time it is several times faster than the library's product, and batch-invariant, so
+    the head's logits for a session are bitwise the same whichever sessions share its step (seeded sampling stays
+    reproducible under load). False (nothing changed) where the kernel is unavailable or the head is not float32."""
+    from specdec.engine import skinny_gemm
+
+    if head.dtype != torch.float32 or head.norm.weight.device.type != "cpu" or skinny_gemm.unavailable() is not None:
+        return False
+    swaps = [(parent, name, child) for parent in head.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear]
+    for parent, name, child in swaps:
+        setattr(parent, name, skinny_gemm.SkinnyLinear([child]))
+    return True
 
 
 def _joined(cache: HeadCache, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
