@@ -157,7 +157,7 @@ def run_baselines(spec: dict) -> dict:
     tok = load_tokenizer(spec["target"])
     device = spec.get("device", "cpu")
     target = load_model(ModelConfig(spec["target"], device=device, dtype=spec.get("dtype", "float32")))
-    from specdec.engine.head_engine import is_head
+    from specdec.engine.head_weights import is_head
 
     # An EAGLE-3 head as specdec's draft: transformers' assisted generation has no use for it (no peer rows)
     draft = None if is_head(spec["draft"]) else load_model(

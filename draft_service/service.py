@@ -13,7 +13,8 @@ from specdec.core.settings import setting
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3_features import from_bytes
 from specdec.engine.engine import Engine
-from specdec.engine.head_engine import HeadEngine, is_head
+from specdec.engine.head_engine import HeadEngine
+from specdec.engine.head_weights import is_head
 from specdec.engine.propose import ProposeResult, ProposeWork
 from specdec.engine.propose_tree import ProposeTreeWork, TreeProposeResult
 from specdec.engine.pushed import PushedProposal

@@ -29,7 +29,8 @@ from specdec.serving.server import ServerConfig, set_serving
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.config import BatchConfig, StepConfig, TierConfig
 from specdec.engine.engine import Engine
-from specdec.engine.head_engine import HeadEngine, is_head
+from specdec.engine.head_engine import HeadEngine
+from specdec.engine.head_weights import is_head
 from target_service.service import SERVICE_NAME as TARGET_SERVICE
 from target_service.service import TargetConfig
 from target_service.service import build as build_target

@@ -69,9 +69,8 @@ PUSH = object()  # in place of an error: a hand-back of unasked results (Engine.
 
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
 
-# Compiled steps: engines of one process that serve the same model share its weights, and so its
-# compiled graphs (frozen weights make every model object a compile of its own): a self-draft beside
-# its target, or a test's many clusters, compile once.
+# Compiled steps: engines of one process that serve the same model share its weights, and so its compiled graphs
+# (frozen weights make every model object a compile of its own): a self-draft, or a test's many clusters, compile once.
 _compiled_models: dict = {}
 
 

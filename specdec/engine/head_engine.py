@@ -35,17 +35,17 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import grpc
 import torch
 
 from specdec.core.errors import RequestError
-from specdec.core.prefix import PrefixHashes
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head
-from specdec.engine.eagle3_checks import ARCHITECTURES
+from specdec.engine.head_session import FEATURE_DTYPE, HeadSession
+from specdec.engine.head_weights import pack_linears, target_embedding
 from specdec.engine.engine import EngineStatus
 from specdec.engine.propose import ProposeWork
 from specdec.engine.propose_tree import ProposeTreeWork, tree_dists
@@ -53,69 +53,6 @@ from specdec.engine.tree_growth import Growth
 from specdec.engine.threads import release_thread_pool
 
 log = logging.getLogger(__name__)
-
-FEATURE_DTYPE = torch.bfloat16
-
-
-def is_head(path: str) -> bool:
-    """Whether `path` is an EAGLE-3 head checkpoint (a directory whose config.json names its architecture)."""
-    import json
-    from pathlib import Path
-
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return any(a in ARCHITECTURES for a in json.loads(config.read_text()).get("architectures") or [])
-    except (ValueError, AttributeError):
-        return False
-
-
-@dataclass(eq=False)
-class HeadSession:
-    session_id: str
-    tokens: list[int] = field(default_factory=list)
-    hashes: PrefixHashes = field(default_factory=PrefixHashes)
-    features: torch.Tensor | None = None  # [capacity, W]: rows 0 .. num_features - 1 are the target's
-    num_features: int = 0
-    cache: HeadCache = field(default_factory=HeadCache)
-    exact: int = 0  # leading cache entries computed from the target's features
-    last_used: float = 0.0
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def crop(self, length: int) -> None:
-        del self.tokens[length:]
-        self.hashes.crop(length)
-        self.exact = min(self.exact, max(0, length - 1))
-        self.cache.truncate(self.exact)
-
-    def append(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-        self.hashes.extend(tokens)
-
-    def put_features(self, start: int, rows: torch.Tensor) -> None:
-        """Rows for positions start .. start + len(rows) - 1 (start <= num_features: no gap)."""
-        end = start + rows.shape[0]
-        if self.features is None or self.features.shape[0] < end:
-            grown = torch.empty(max(end, 2 * (0 if self.features is None else self.features.shape[0]), 64),
-                                rows.shape[1], dtype=FEATURE_DTYPE)
-            if self.features is not None:
-                grown[: self.num_features] = self.features[: self.num_features]
-            self.features = grown
-        self.features[start:end] = rows
-        self.num_features = end
-        self.exact = min(self.exact, start)  # entries past start read rows that may be new
-        self.cache.truncate(self.exact)
-
-    @property
-    def cached_bytes(self) -> int:
-        c = self.cache
-        kv = 0 if c.k is None else 2 * c.k.numel() * c.k.element_size()
-        rows = 0 if self.features is None else self.num_features * self.features.shape[1] * 2
-        return kv + rows
-
 
 @dataclass(frozen=True)
 class SlotShape:
@@ -471,22 +408,6 @@ class HeadEngine:
         return curve
 
 
-def pack_linears(head: Eagle3Head) -> bool:
-    """Every linear of a float32 head on a CPU onto specdec's skinny GEMM kernel (specdec.engine.skinny_gemm), in
-    place: a few rows at a time it is several times faster than the library's product, and batch-invariant, so
-    the head's logits for a session are bitwise the same whichever sessions share its step (seeded sampling stays
-    reproducible under load). False (nothing changed) where the kernel is unavailable or the head is not float32."""
-    from specdec.engine import skinny_gemm
-
-    if head.dtype != torch.float32 or head.norm.weight.device.type != "cpu" or skinny_gemm.unavailable() is not None:
-        return False
-    swaps = [(parent, name, child) for parent in head.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear]
-    for parent, name, child in swaps:
-        setattr(parent, name, skinny_gemm.SkinnyLinear([child]))
-    return True
-
-
 def _joined(cache: HeadCache, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The committed cache's keys and values followed by a node's ancestors' entries."""
     if not entries:
@@ -509,29 +430,3 @@ def _answer(work: ProposeWork, result=None, error: Exception | None = None) -> N
         work.loop.call_soon_threadsafe(deliver)
     except RuntimeError:  # the caller's event loop has closed: nobody is waiting
         pass
-
-
-def _config_dir(target_path: str) -> str:
-    from specdec.models import ModelConfig, _local_source
-
-    return _local_source(ModelConfig(target_path))
-
-
-def target_embedding(target_path: str) -> tuple[torch.nn.Embedding, object]:
-    """The target's input embedding (float32) and config, without keeping the rest of its weights."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    directory = Path(_config_dir(target_path))
-    config = AutoConfig.from_pretrained(directory)
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as weights:
-            for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
-                if name in weights.keys():
-                    return torch.nn.Embedding.from_pretrained(weights.get_tensor(name).float(), freeze=True), config
-    from specdec.models import ModelConfig, load_model
-
-    model = load_model(ModelConfig(target_path))  # weights in another form: load the model, keep its embedding
-    return torch.nn.Embedding.from_pretrained(model.get_input_embeddings().weight.detach().float(), freeze=True), config
