@@ -98,6 +98,13 @@ bench: setup
 	$(PY) -m bench.structured $(STRUCTURED_ARGS)
 	$(PY) -m bench.proposer_replay $(REPLAY_ARGS)
 	$(PY) -m bench.tree_replay $(TREE_REPLAY_ARGS)
+	@# An EAGLE-3 head as the draft (EAGLE_HEAD=DIR, else the one `make eagle-head` wrote), where there is one
+	@head="$${EAGLE_HEAD:-$$($(PY) -c 'from specdec.training.eagle3 import default_out; print(default_out())')}"; \
+	if [ -f "$$head/config.json" ]; then \
+	    $(PY) -m bench.eagle3_agreement --head "$$head" && \
+	    $(PY) -m bench.run --draft "$$head" --no-peer --workloads open --placements separate --no-sampled \
+	        --ks 1,2 --prompts 8 --max-new-tokens 64 --plot-dir "$$(mktemp -d)"; \
+	else echo "make bench: no EAGLE-3 head at $$head (make eagle-head, or EAGLE_HEAD=DIR): the head's rows are not measured"; fi
 
 # An EAGLE-3 draft head for the default target (or TARGET=...), trained on the CPU and written in the published
 # layout (config.json + model.safetensors) to ~/.cache/specdec/eagle3/<target> (or EAGLE_OUT=...):

@@ -178,15 +178,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def default_out(target: str | None = None) -> Path:
+    """Where `make eagle-head` writes a target's head (and `make bench` looks for it): the cache's eagle3/<target>."""
+    from specdec.models import cache_dir, default_target, served_model_name
+
+    return cache_dir() / "eagle3" / served_model_name(target or default_target())
+
+
 def main(argv=None) -> int:
-    from specdec.models import ModelConfig, cache_dir, load_model, load_tokenizer, served_model_name
+    from specdec.models import ModelConfig, load_model, load_tokenizer
     from specdec.training.prompts import training_prompts
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out or cache_dir() / "eagle3" / served_model_name(args.target))
+    out = Path(args.out) if args.out else default_out(args.target)
     target = load_model(ModelConfig(args.target))
     for p in target.parameters():
         p.requires_grad_(False)
