@@ -98,6 +98,7 @@ bench: setup
 	$(PY) -m bench.structured $(STRUCTURED_ARGS)
 	$(PY) -m bench.proposer_replay $(REPLAY_ARGS)
 	$(PY) -m bench.tree_replay $(TREE_REPLAY_ARGS)
+	$(PY) -m bench.head_cost $(HEAD_COST_ARGS)
 	@# An EAGLE-3 head as the draft (EAGLE_HEAD=DIR, else the one `make eagle-head` wrote), where there is one
 	@head="$${EAGLE_HEAD:-$$($(PY) -c 'from specdec.training.eagle3 import default_out; print(default_out())')}"; \
 	if [ -f "$$head/config.json" ]; then \

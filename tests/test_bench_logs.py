@@ -31,3 +31,12 @@ def test_the_figures_page_cites_sections_that_exist():
     assert len(cites) >= 10
     for when, month in cites:
         assert f"## {when} UTC" in (ROOT / "docs" / "bench-logs" / f"{month}.md").read_text(), when
+
+
+def test_head_cost_runs_on_a_tiny_target(tiny_target, capsys):
+    """bench.head_cost end to end on the tiny target (its figures are not checked: a test never times anything)."""
+    from bench.head_cost import main
+
+    assert main(["--target", tiny_target, "--out", "", "--repeats", "1", "--tokens", "1,3", "--curve-s", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "| 3 |" in out and "step with the taps" in out and "| 1 |" in out

@@ -65,8 +65,9 @@ class SlotShape:
 class HeadEngine:
     """The engine a draft tier runs for an EAGLE-3 head: submit(ProposeWork) -> ProposeResult, as Engine's."""
 
-    def __init__(self, config: TierConfig, head: Eagle3Head, target_config, tokenizer, eos_token_ids: list[int],
+    def __init__(self, config: TierConfig, head: Eagle3Head, target_config, eos_token_ids: list[int],
                  tokenizer_fingerprint: str) -> None:
+        """head: loaded and checked against target_config (the target's transformers config)."""
         # The head's proposals are drawn step by step (finish_step feeds each draft back): no draft chain.
         self.config = replace(config, step=replace(config.step, draft_chain=False))
         self.head = head
@@ -107,7 +108,7 @@ class HeadEngine:
                          device=config.model.device)
         tokenizer = load_tokenizer(target_path)
         eos = eos_token_ids(SimpleNamespace(generation_config=target_config), tokenizer)
-        engine = cls(config, head, target_config, tokenizer, eos, tokenizer_fingerprint(tokenizer))
+        engine = cls(config, head, target_config, eos, tokenizer_fingerprint(tokenizer))
         if config.cost_curve_s > 0:
             engine.cost_curve = engine.measure_cost_curve(config.cost_curve_s)
         release_thread_pool()  # this thread is done computing: the engine thread's team is the only one
