@@ -20,21 +20,14 @@ from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving.server import ServerConfig
 from target_service.service import TargetConfig
 from target_service.service import build as build_target
-from tests.helpers import Cluster, reference_greedy
+from tests.helpers import reference_greedy
 from tests.test_batching import prompt
 from tests.test_feature_taps import assert_bf16_close
+from tests.test_tree_wire import PARENTS, target_cluster  # noqa: F401 (the target-only cluster fixture, per module)
 
 pytestmark = pytest.mark.servers  # the services in this process on real ports (make test-fast leaves them out)
 
 LAYERS = [1, 0]  # the tiny target's two decoder layers, last first
-PARENTS = [-1, -1, 1, 1, 3, 3]
-
-
-@pytest.fixture(scope="module")
-def target_cluster(tiny_target):
-    cluster = Cluster(tiny_target, None)
-    yield cluster
-    cluster.close()
 
 
 def request(sid: str, ids: list[int], drafts: list[int] = (), parents: list[int] = (), *, prefix: list[int] = (),

@@ -433,10 +433,10 @@ class Engine:
         for answer in answers:
             by_loop.setdefault(answer[0].loop, []).append(answer)
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver_answers, items)
 
 
-def _deliver(answers: list[tuple[Work, object, Exception | None]]) -> None:
+def deliver_answers(answers: list[tuple[Work, object, Exception | None]]) -> None:
     """On the event loop: resolve the answered works' futures (a caller that went away is skipped)."""
     for work, result, error in answers:
         if error is PUSH:

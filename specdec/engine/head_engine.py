@@ -46,7 +46,7 @@ from specdec.engine.config import TierConfig
 from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head
 from specdec.engine.head_session import FEATURE_DTYPE, HeadSession
 from specdec.engine.head_weights import pack_linears, target_embedding
-from specdec.engine.engine import EngineStatus
+from specdec.engine.engine import EngineStatus, deliver_answers
 from specdec.engine.propose import ProposeWork
 from specdec.engine.propose_tree import ProposeTreeWork, tree_dists
 from specdec.engine.tree_growth import Growth
@@ -417,17 +417,8 @@ def _joined(cache: HeadCache, entries: list[tuple[torch.Tensor, torch.Tensor]]) 
 
 
 def _answer(work: ProposeWork, result=None, error: Exception | None = None) -> None:
-    """Resolve a work's future on its event loop (a caller that went away is skipped)."""
-
-    def deliver() -> None:
-        if work.future.done():
-            return
-        if error is not None:
-            work.future.set_exception(error)
-        else:
-            work.future.set_result(result)
-
+    """Resolve a work's future on its event loop, as the model engine does (a caller that went away is skipped)."""
     try:
-        work.loop.call_soon_threadsafe(deliver)
+        work.loop.call_soon_threadsafe(deliver_answers, [(work, result, error)])
     except RuntimeError:  # the caller's event loop has closed: nobody is waiting
         pass
