@@ -17,14 +17,15 @@ bench times, in one process and interleaved (so a noisy machine shifts every mod
 
 Modes: eager, packed (float32 on an AVX-512 CPU: every linear on specdec's skinny GEMM kernel, a GGUF's
 matrices in their blocks), packed-float32 (the same over the GGUF dequantised once to float32:
---no-gguf-blocks), packed-onednn
+--no-gguf-blocks), packed-q8_0 (the draft only: its matrices quantised into Q8_0 blocks at load, the draft
+tier's default: --quantize q8_0), packed-onednn
 (the packed mode without that kernel: the LM head on oneDNN-packed weights, the layers on the library's
 products, as on a CPU without AVX-512), compile (torch.compile, frozen weights) on a CPU; eager and
 cuda-graphs (and cuda-graphs-plain, its graphs without fused ops) on CUDA. Writes a section to the month's log in docs/bench-logs/ and docs/bench_step_cost[_gpu_<dtype>].png.
 
 Each mode's row names its weights' format, and its floor is that format's bytes over the bandwidth.
 
-    python -m bench.step_cost [--device cpu] [--dtype float32] [--modes eager,packed,packed-float32,packed-onednn,compile] [--quick]
+    python -m bench.step_cost [--device cpu] [--dtype float32] [--modes eager,packed,packed-float32,packed-q8_0,packed-onednn,compile] [--quick]
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def step_config(mode: str, **kw):
         return StepConfig(mode="packed", skinny_gemm=False, **kw)
     if mode == "packed-float32":
         return StepConfig(mode="packed", gguf_blocks=False, **kw)
+    if mode == "packed-q8_0":
+        return StepConfig(mode="packed", quantize="q8_0", **kw)
     if mode == "cuda-graphs-plain":
         return StepConfig(mode="cuda-graphs", fused_ops=False, **kw)
     return StepConfig(mode=mode, **kw)
@@ -148,6 +151,10 @@ def make_runner(path: str, device: str, dtype: str, mode: str, slots: int, rando
 
     step = step_config(mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32))
     model = load(path, device, dtype, random_weights, blocks=step.mode == "packed" and step.skinny_gemm and step.gguf_blocks)
+    if step.quantize != "none":  # as the draft tier serves it by default (specdec.engine.quantize)
+        from specdec.engine.quantize import quantize_model
+
+        quantize_model(model, step.quantize.upper())
     weights = (weight_bytes(model), weight_format(model))  # before a mode packs them (packed weights are no parameters)
     cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode.startswith("cuda-graphs"))
     t0 = time.perf_counter()
@@ -319,7 +326,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--modes", default=None, help="comma list (default: eager,packed,packed-float32,packed-onednn,compile on CPU; "
+    p.add_argument("--modes", default=None, help="comma list (default: eager,packed,packed-float32,packed-q8_0 (draft only),packed-onednn,compile on CPU; "
                                                  "eager,cuda-graphs-plain,cuda-graphs on CUDA)")
     p.add_argument("--target", default=None, help="target model (default: the shared pair's)")
     p.add_argument("--draft", default=None, help="draft model (default: the shared pair's; '' to skip)")
@@ -343,7 +350,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     modes = args.modes.split(",") if args.modes else (["eager", "cuda-graphs-plain", "cuda-graphs"] if device.type == "cuda"
-                                                       else ["eager", "packed", "packed-float32", "packed-onednn", "compile"])
+                                                       else ["eager", "packed", "packed-float32", "packed-q8_0",
+                                                             "packed-onednn", "compile"])
+    only_draft = {"packed-q8_0"}  # the draft's weights may be quantised, the target's may not
     repeats = 5 if args.quick else args.repeats
     bw = bandwidth_gbs(device)
     models = {"target": args.target or default_target()}
@@ -351,11 +360,13 @@ def main(argv=None) -> int:
         models["draft"] = args.draft or default_draft()
     results = {}
     for name, path in models.items():
-        print(f"measuring {name} ({path}) in {modes}", flush=True)
-        r = measure_model(path, args.device, args.dtype, modes, repeats, args.quick, args.random_weights)
+        own = [m for m in modes if name == "draft" or m not in only_draft]
+        print(f"measuring {name} ({path}) in {own}", flush=True)
+        r = measure_model(path, args.device, args.dtype, own, repeats, args.quick, args.random_weights)
         r["floor_ms"] = {m: nbytes / (bw * 1e9) * 1e3 for m, (nbytes, _) in r["weight_bytes"].items()}
         results[name] = r
-    decode = (decode_loop(models["target"], args.device, args.dtype, modes, args.decode_tokens, args.random_weights)
+    decode = (decode_loop(models["target"], args.device, args.dtype, [m for m in modes if m not in only_draft],
+                          args.decode_tokens, args.random_weights)
               if args.decode_tokens else {})
     propose_ks, propose_batches = (1, 2, 4, 8), (1, 4)
     draft_mode = "cuda-graphs" if device.type == "cuda" else "auto"

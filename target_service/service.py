@@ -30,6 +30,11 @@ class TargetConfig:
     tier: TierConfig
     server: ServerConfig = ServerConfig()
 
+    def __post_init__(self) -> None:
+        if self.tier.step.quantize != "none":  # only a draft may run other weights than its checkpoint's
+            raise ValueError(f"quantize {self.tier.step.quantize!r} would make the target another model than the "
+                             "reference, and the output would no longer be the target's: only a draft tier takes it")
+
 
 RESPONSE_HEADROOM = 64 * 1024  # bytes of a VerifyResponse besides its features (17 tokens' top-20 logprobs: ~3 KiB)
 

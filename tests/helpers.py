@@ -13,6 +13,7 @@ import asyncio
 import os
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -72,10 +73,10 @@ class Cluster:
     def __init__(self, target_model: str, draft_model: str | None, *, coordinator_overrides: dict | None = None,
                  sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64,
                  tier_server: ServerConfig | None = None, batch: BatchConfig | None = None,
-                 draft_dtype: str | None = None, step: StepConfig | None = None) -> None:
+                 draft_dtype: str | None = None, step: StepConfig | None = None, draft_quantize: str = "none") -> None:
         """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0. Both tiers run
         on the test device in the test dtype (draft_dtype overrides the draft's), in step mode `step`
-        (default: auto)."""
+        (default: auto); the draft's matrices quantised as `draft_quantize` asks (StepConfig.quantize)."""
         self.tier_server = tier_server or ServerConfig()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -85,7 +86,8 @@ class Cluster:
         step = step or StepConfig()
         self.target_tier = Engine.load(TierConfig(device_model(target_model), sessions, max_draft_tokens, batch,
                                                   step=step))
-        draft_config = TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens, batch, step=step)
+        draft_config = TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens, batch,
+                                  step=replace(step, quantize=draft_quantize))
         # An EAGLE-3 head's directory as the draft: a feature draft for this target
         self.draft_tier = (None if not draft_model else HeadEngine.load(draft_config, target_model)
                            if is_head(draft_model) else Engine.load(draft_config))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.core.settings import setting
+from specdec.engine.quantize import QUANTIZE
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.models import ModelConfig
 
@@ -58,6 +59,10 @@ class StepConfig:
     gguf_blocks: bool = True  # packed steps on the skinny GEMM: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices stay in their
     #                           blocks, dequantised exactly inside the kernel (off: a float32 copy, the reference's
     #                           values; specdec.engine.gguf_weights)
+    # Packed float32 steps on the skinny GEMM: quantise the checkpoint's float32 matrices into these blocks at load
+    # (a draft only: its q is reported as drawn, so the output stays exact; the target takes only none;
+    # specdec.engine.quantize). auto, the draft service's default: q8_0 where the step runs on the block kernel
+    quantize: str = setting("none", choices=QUANTIZE)
 
 
 @dataclass(frozen=True)

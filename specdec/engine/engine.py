@@ -32,6 +32,7 @@ from specdec.engine.config import TierConfig
 from specdec.engine.cost_curve import measure as measure_cost_curve
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+from specdec.engine.quantize import quantize
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.engine.scheduler import DROPPED, STARTED, WAIT, Planned, Scheduler
 from specdec.engine.sessions import PrefixMismatch, SessionTable
@@ -66,7 +67,6 @@ class EngineStatus:
 
 
 PUSH = object()  # in place of an error: a hand-back of unasked results (Engine.push), not an answer
-
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
 
 # Compiled steps: engines of one process that serve the same model share its weights, and so its compiled graphs
@@ -76,12 +76,12 @@ _compiled_models: dict = {}
 
 def _load_model(config: TierConfig):
     mode = resolve_mode(config.step.mode, torch.device(config.model.device))
-    if mode != "compile":  # packed float32 steps on the skinny GEMM serve a GGUF from its blocks
-        blocks = mode == "packed" and config.step.skinny_gemm and config.step.gguf_blocks
-        return gguf_weights.load_model(config.model, blocks=blocks)
-    if config.model not in _compiled_models:
+    packed = mode == "packed" and config.step.skinny_gemm  # float32 on the skinny GEMM: a GGUF served from its blocks
+    if mode == "compile" and config.model not in _compiled_models:
         _compiled_models[config.model] = load_model(config.model)
-    return _compiled_models[config.model]
+    model = _compiled_models[config.model] if mode == "compile" else \
+        gguf_weights.load_model(config.model, blocks=packed and config.step.gguf_blocks)
+    return quantize(model, config.step.quantize, config.model, packed)  # a draft's matrices into blocks, if asked
 
 
 class Engine:

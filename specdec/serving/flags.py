@@ -56,11 +56,13 @@ def config_error(message: str, fields: tuple[str, ...] = ()) -> None:
     fail(message)
 
 
-def tier_settings(service: str, root: type, default_model, default_port: int) -> Settings:
-    """A tier's settings: its config (TierConfig under `tier`, ServerConfig under `server`) and the process."""
+def tier_settings(service: str, root: type, default_model, default_port: int, **defaults) -> Settings:
+    """A tier's settings: its config (TierConfig under `tier`, ServerConfig under `server`) and the process;
+    `defaults` (flag name with _ for -) where the tier's differ from the fields'."""
     return Settings(service, {"config": root, "process": ProcessConfig},
                     defaults={"model": default_model, "address": f"127.0.0.1:{default_port}",
-                              "max-connection-age": TIER_MAX_CONNECTION_AGE_S})
+                              "max-connection-age": TIER_MAX_CONNECTION_AGE_S,
+                              **{k.replace("_", "-"): v for k, v in defaults.items()}})
 
 
 def ready_tier(settings: Settings, config):
