@@ -109,3 +109,35 @@ def test_a_quantized_draft_keeps_the_target_greedy_output_and_most_drafts(tiny_t
         assert drafted > 0 and accepted / drafted > 0.5, (accepted, drafted)  # 0.78 measured; a random draft: < 0.1
     finally:
         cluster.close()
+
+
+@needs_kernel
+def test_an_eagle3_head_quantized_serves_its_q8_0_blocks_bitwise(tiny_head, tiny_target, tiny_target_model):
+    """A feature draft takes the same setting: its fc, layer and LM head in Q8_0 blocks on the kernel give bitwise
+    the logits of a float32 head holding the blocks' values (both on the kernel), and HeadEngine.load applies it."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from specdec.engine.config import TierConfig
+    from specdec.engine.eagle3 import load_head
+    from specdec.engine.head_engine import HeadEngine
+    from specdec.engine.head_weights import pack_linears
+    from tests.helpers import device_model
+
+    embedding = tiny_target_model.get_input_embeddings()
+    head, twin = (load_head(tiny_head, tiny_target_model.config, embedding) for _ in range(2))
+    linears = [name for name, m in twin.named_modules() if type(m) is torch.nn.Linear]
+    for name in linears:
+        w = twin.get_submodule(name).weight
+        raw = quantize_module.quantize_blocks(w).numpy()
+        w.data.copy_(torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType.Q8_0), dtype=np.float32)))
+    assert pack_linears(head, "q8_0") and pack_linears(twin, "none")
+    assert all(isinstance(head.get_submodule(name), QuantLinear) for name in linears) and len(linears) >= 7
+    out = torch.randn(3, head.norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    features = torch.randn(3, head.fc.in_features, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(head.logits(out), twin.logits(out)) and torch.equal(head.fuse(features), twin.fuse(features))
+    engine = HeadEngine.load(TierConfig(device_model(tiny_head), cost_curve_s=0, step=StepConfig(quantize="auto")),
+                             tiny_target)
+    try:
+        assert isinstance(engine.head.lm_head, QuantLinear)
+    finally:
+        engine.close()

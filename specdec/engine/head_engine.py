@@ -75,7 +75,7 @@ class HeadEngine:
         self.vocab_size = head.vocab_size
         self.feature_layers = head.layer_ids(target_config.num_hidden_layers)
         self.feature_width = head.fc.in_features
-        self.skinny = pack_linears(head)  # float32 on an AVX-512 CPU: specdec's batch-invariant kernel
+        self.skinny = pack_linears(head, config.step.quantize)  # float32 on an AVX-512 CPU: the batch-invariant kernel
         self.max_context = min(int(getattr(target_config, "max_position_embeddings", 0) or 1 << 20),
                                config.sessions.max_session_tokens)
         self.eos_token_ids = eos_token_ids
@@ -115,7 +115,8 @@ class HeadEngine:
         engine.start()
         log.info("loaded EAGLE-3 head %s for %s in %.1fs on %s/%s%s: reads target layers %s, draft vocabulary %d",
                  config.model.path, target_path, time.perf_counter() - t0, config.model.device, config.model.dtype,
-                 " (skinny GEMM)" if engine.skinny else "", engine.feature_layers, head.draft_vocab_size)
+                 f" (skinny GEMM, --quantize {config.step.quantize})" if engine.skinny else "", engine.feature_layers,
+                 head.draft_vocab_size)
         return engine
 
     # --- the event loop's side ----------------------------------------------------------------------

@@ -23,19 +23,28 @@ def is_head(path: str) -> bool:
         return False
 
 
-def pack_linears(head: Eagle3Head) -> bool:
+def pack_linears(head: Eagle3Head, quantize: str = "none") -> bool:
     """Every linear of a float32 head on a CPU onto specdec's skinny GEMM kernel (specdec.engine.skinny_gemm), in
     place: a few rows at a time it is several times faster than the library's product, and batch-invariant, so
     the head's logits for a session are bitwise the same whichever sessions share its step (seeded sampling stays
-    reproducible under load). False (nothing changed) where the kernel is unavailable or the head is not float32."""
+    reproducible under load). quantize (StepConfig.quantize; auto = q8_0 here): the linears in Q8_0 blocks on the
+    same kernel instead (specdec.engine.quantize: a draft's weights may change, its q is reported as drawn).
+    False (nothing changed) where the kernel is unavailable or the head is not float32."""
     from specdec.engine import skinny_gemm
+    from specdec.engine.quant_gemm import BLOCK, FORMATS, QuantLinear, pack
+    from specdec.engine.quantize import quantize_blocks
 
     if head.dtype != torch.float32 or head.norm.weight.device.type != "cpu" or skinny_gemm.unavailable() is not None:
         return False
     swaps = [(parent, name, child) for parent in head.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear]
+    q8 = FORMATS["Q8_0"]
     for parent, name, child in swaps:
-        setattr(parent, name, skinny_gemm.SkinnyLinear([child]))
+        if quantize != "none" and child.bias is None and child.in_features % BLOCK == 0:
+            blocks = pack(quantize_blocks(child.weight), q8)
+            setattr(parent, name, QuantLinear(blocks, q8, child.out_features, child.in_features))
+        else:
+            setattr(parent, name, skinny_gemm.SkinnyLinear([child]))
     return True
 
 
