@@ -30,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", default="auto", help="the target's step mode")
     p.add_argument("--tokens", default="1,4,17", help="tokens per step (a decode, a verify of K = 3, of 16)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="the head's draft vocabulary")
+    p.add_argument("--quantize", default="auto", choices=("none", "auto", "q8_0"),
+                   help="the head's weights as the draft tier serves them (--quantize; auto: Q8_0 blocks on the CPU kernel)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--curve-s", type=float, default=10.0, help="time budget of the head's cost curve")
     p.add_argument("--out", default=None, help="markdown file to append to (default: this month's log; '' = none)")
@@ -39,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     import torch
 
-    from specdec.engine.config import TierConfig
+    from specdec.engine.config import StepConfig, TierConfig
     from specdec.engine.eagle3 import default_aux_layers, head_config, random_head
     from specdec.engine.head_engine import HeadEngine
     from specdec.models import ModelConfig, default_target
@@ -65,7 +67,8 @@ def main(argv=None) -> int:
                        dtype=getattr(torch, args.dtype), own_embedding=False).to(device)
     head._shared[0] = embedding  # the target's embedding, as a head shares it
     del runner
-    engine = HeadEngine(TierConfig(ModelConfig(target, device=args.device, dtype=args.dtype)), head, config, [], "")
+    engine = HeadEngine(TierConfig(ModelConfig(target, device=args.device, dtype=args.dtype),
+                                   step=StepConfig(quantize=args.quantize)), head, config, [], "")
     t0 = time.perf_counter()
     curve = engine.measure_cost_curve(args.curve_s)
     curve_s = time.perf_counter() - t0
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
              "| tokens | step | step with the taps | ratio |", "|---|---|---|---|"]
     lines += [f"| {n} | {plain:.2f} | {tapped:.2f} | {tapped / plain:.2f}x |" for n, plain, tapped in taps]
     lines += ["", f"A head of the target's shapes (draft vocabulary {head.draft_vocab_size:,}, random weights; products on "
-              f"{'the skinny GEMM' if engine.skinny else 'the library'}): one draft step of b sessions, each over 32 "
+              f"{f'the skinny GEMM, --quantize {args.quantize}' if engine.skinny else 'the library'}): one draft step of b sessions, each over 32 "
               f"cached entries, then their LM head (best of 3; {curve_s:.1f} s):", "",
               "| sessions | ms | ms per session |", "|---|---|---|"]
     lines += [f"| {b} | {ms:.2f} | {ms / b:.2f} |" for b, _, ms in curve]

@@ -280,7 +280,8 @@ def plot(results: dict, path: Path, title: str) -> bool:
 def propose_cost(path: str, device: str, dtype: str, mode: str, ks: tuple[int, ...], batches: tuple[int, ...],
                  repeats: int) -> dict:
     """ms per Propose of K tokens (B sessions at once, greedy, a PREFIX-token context) through the draft
-    engine in-process, with the draft chain on and off (specdec.engine.draft_chain)."""
+    engine in-process, with the draft chain on and off (specdec.engine.draft_chain); its weights as the draft tier
+    serves them by default (--quantize auto)."""
     import asyncio
 
     from specdec.core.prefix import PrefixHashes
@@ -295,7 +296,7 @@ def propose_cost(path: str, device: str, dtype: str, mode: str, ks: tuple[int, .
     out = {}
     for chain in (False, True):
         engine = Engine.load(TierConfig(ModelConfig(path, device=device, dtype=dtype),
-                                        step=StepConfig(mode=mode, draft_chain=chain)))
+                                        step=StepConfig(mode=mode, draft_chain=chain, quantize="auto")))  # as served
 
         async def propose(b: int, k: int, fresh: bool):
             works = [ProposeWork.create(f"s{i}", 0 if fresh else PREFIX - 1, 0 if fresh else head,
@@ -419,7 +420,7 @@ def main(argv=None) -> int:
         lines.append(f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |")
     if propose:
         lines += ["", f"Draft Propose, {draft_mode} steps: ms per Propose of K greedy tokens for B sessions at once "
-                  f"(in-process engine, {PREFIX}-token context), step by step (`--no-draft-chain`) against the draft "
+                  f"(in-process engine, {PREFIX}-token context, the draft tier's default --quantize auto), step by step (`--no-draft-chain`) against the draft "
                   "chain (the default):", "",
                   "| B | " + " | ".join(f"K={k}: steps / chain" for k in propose_ks) + " |",
                   "|---|" + "---|" * len(propose_ks)]
