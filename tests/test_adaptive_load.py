@@ -42,7 +42,7 @@ def hinge(n: float) -> float:
 
 
 def test_the_step_curve_follows_a_flat_then_steep_step_where_a_line_cannot():
-    curve, line = StepCurve(), LinearCost(0.98, 50.0, 3.0)
+    curve, line = StepCurve(), LinearCost(0.98)
     for _ in range(20):
         for n in (1, 2, 3, 4, 6, 9, 12, 16, 24, 32, 40, 48):  # a batch ramping up and down
             curve.observe(n, hinge(n))

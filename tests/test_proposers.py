@@ -61,7 +61,8 @@ def test_expected_tokens():
 
 
 def test_linear_cost_recovers_a_line():
-    cost = LinearCost(decay=0.95, prior_intercept=100.0, prior_slope=0.0)
+    cost = LinearCost(decay=0.95)
+    assert cost.predict(5) == pytest.approx(0.0, abs=1e-5)  # nothing observed: no cost
     for _ in range(30):
         for k in (1, 3, 6):
             cost.observe(k, 40.0 + 5.0 * k)

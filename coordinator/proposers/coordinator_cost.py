@@ -1,18 +1,9 @@
 """What the coordinator's own time costs a round: its CPU per tier call, in series with every round and,
-under load, a floor under all of them.
+under load, a floor under all of them (docs/DESIGN.md, Choosing the proposer and K).
 
-The coordinator serves every session's rounds on one event loop, and each tier call costs that loop CPU:
-the rpc's send and receive through grpc.aio, the round's bookkeeping, streaming and detokenising what it
-commits, the metrics. c, the loop's CPU per call, is measured as the loop thread's CPU time over the calls
-its tiers answered (an exponentially weighted mean over samples a few times a second; idle time with no
-calls is not charged). A round of m calls (a draft-model round: Propose and Verify, m = 2; K = 0 or a
-local chain: m = 1) spends m c of it in series with the tiers, and with L generations in flight no round
-is shorter than L m c: the loop is busy that long serving one round of each. On a CPU, where a step takes
-tens of milliseconds, both are small beside the tiers' price and change no choice; where a batched step
-costs ~1.5 ms and 32 generations are in flight (a GPU) the floor is the round's time, and a draft-model
-round costs twice a K = 0 one. Measured on an H100 with the real pair before this was priced: the default
-request at 0.40x K = 0 with 32 clients, its policy drafting (mean K 2.37) on the tiers' prices alone
-(docs/performance.md, On a GPU).
+One event loop serves every session's rounds; c, its CPU per tier call, is the loop thread's CPU time over
+the calls its tiers answered (sampled a few times a second). A round of m calls (a draft-model round: m = 2)
+spends m c in series with the tiers, and with L generations in flight none is shorter than L m c.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The draft model as a strategy: the remote draft tier, over the session's stream to it (its TierSession).
 
-It proposes a chain of K tokens or a token tree (coordinator/proposers/draft_tree.py), unseen until asked.
-It predicts, for each K, E(K) = (1 - a^(K+1)) / (1 - a) tokens (a: its measured per-token acceptance) at
-C(K) = verify(K) + propose(K), and its best tree's E and C beside them. propose(K) is priced from the draft
-tier's own cost curve at the current load (a call's overhead plus K steps of the batch: tier_cost.TierCost,
-measured by the tier at start), times the session's measured ratio of its proposals' wall time to that
-price, learnt on its steady rounds only (fed 1-2 committed tokens first): a call that first catches up on
-the prompt or on rounds the draft sat out is a one-off cost, and counting it would make a costly draft look
-dearer the less it is asked, until it is never asked. With the speculation cache on, the draft tier
-pre-drafts the next round while the target verifies this one (ProposeResponse.speculated: ready when asked).
+It proposes a chain of K tokens or a token tree (draft_tree.py) and predicts, for each K, E(K) = (1 -
+a^(K+1)) / (1 - a) at C(K) = verify(K) + propose(K), its best tree beside them. propose(K) is the draft
+tier's price at its load (tier_cost.TierCost: a call's overhead plus K steps) times the session's measured
+ratio of its proposals' wall time to that price, learnt on steady rounds only (docs/DESIGN.md, Choosing the
+proposer and K, says why).
 """
 
 from __future__ import annotations
@@ -18,10 +14,10 @@ from dataclasses import dataclass
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.draft_tree import DraftTrees, TreeAsk
-from coordinator.proposers.estimates import Acceptance, LinearCost, Ratio, SharedPriors, expected_tokens
+from coordinator.proposers.estimates import Acceptance, Ratio, SharedPriors, expected_tokens
 from coordinator.proposers.local import MIN_ATTEMPTS
 from specdec.core.proposer_names import DRAFT_MODEL
-from coordinator.proposers.strategy import Ask, Outcome, Prediction
+from coordinator.proposers.strategy import Ask, Outcome, Prediction, Strategy
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
 from coordinator.tiers.features import SessionFeatures
@@ -50,9 +46,8 @@ class DraftModelConfig:
     prior_step_ms: float = 5.0  # a draft step's cost, likewise
 
 
-class DraftModelStrategy:
-    source = DRAFT_MODEL
-    judged_unchosen = False  # it learns only from the rounds it proposes
+class DraftModelStrategy(Strategy):
+    source = DRAFT_MODEL  # it learns only from the rounds it proposes
 
     def __init__(self, config: DraftModelConfig, session: TierSession, sampling: common_pb2.SamplingParams, seed: int,
                  stats: RoundStats, *, cost: TierCost | None = None, max_context: int = 0, trees: DraftTrees | None = None,
@@ -67,7 +62,6 @@ class DraftModelStrategy:
         self.features = features
         self.config, self.session, self.sampling, self.seed, self.stats = config, session, sampling, seed, stats
         self.cost = cost or TierCost(prior_intercept=config.prior_step_ms, prior_slope=0.0)
-        self.prior = LinearCost(config.decay, config.prior_overhead_ms, config.prior_step_ms)
         self.max_context, self.trees, self.grammar = max_context, trees, grammar
         self.greedy, self.priors = greedy, priors
         start = priors.get(DRAFT_MODEL, greedy, "acceptance", config.prior_acceptance) if priors else config.prior_acceptance
@@ -85,17 +79,16 @@ class DraftModelStrategy:
         """False while the draft tier is left alone after a failure (its TierSession's back-off)."""
         return self.session.available
 
-    async def start(self) -> None:
-        pass
-
     def price(self, k: int) -> float:
         """k draft steps at the draft tier's current load, and the call's overhead."""
         overhead = self.cost.overhead.predict(0) if self.cost.observations else self.config.prior_overhead_ms
         return overhead + k * self.cost.step_ms(1)
 
     def propose_ms(self, k: int, measured: bool = True) -> float:
-        """Its predicted time for k draft steps: the price, times what its proposals measured against it."""
-        return self.time_ratio.value * self.price(k) if measured else self.prior.predict(k, False)
+        """Its predicted time for k draft steps: the price, times what its proposals measured against it (not
+        measured: the config's prior line, which no timing changes)."""
+        c = self.config
+        return self.time_ratio.value * self.price(k) if measured else c.prior_overhead_ms + k * c.prior_step_ms
 
     def predict(self, ask: Ask) -> list[Prediction]:
         c = self.config
@@ -171,9 +164,6 @@ class DraftModelStrategy:
             self.trees.observe(p.parents, outcome.path, 0.0 if p.overlapped else p.wall_ms + outcome.verify_ms)
         else:
             self.acceptance.judge(len(p.tokens), len(outcome.path))
-
-    def commit(self, tokens) -> None:
-        pass
 
     async def while_verifying(self, verifying: Awaitable[Verdict]) -> Verdict:
         """The target's verdict, with the draft's pushes filed as they arrive meanwhile."""

@@ -1,17 +1,11 @@
 """The draft model's token trees: which shape (node budget N, depth D) a round asks for, and what it predicts.
 
-The draft grows a tree by expanding the b likeliest nodes of each level with b children each
-(specdec.engine.propose_tree). A greedy tree (or the candidates scheme's) is dynamic: it grows past the
-budget and keeps the N nodes of highest path probability, so N and D are chosen freely; a sampled tree
-keeps every node it draws: N(D) = min(budget, b + b^2 (D - 1)). A shape commits E = 1 + rho x (the sum
-over its nodes of p_r = c_r (1 - c_1) ... (1 - c_{r-1}) along each node's path), from Sequoia's acceptance
-vector c_r (Chen et al. 2024, section 3.1: the chance that a level's r-th child holds the target's token
-when the children before it did not), measured per session (SiblingAcceptance); rho, the measured ratio
-of accepted nodes to that sum, corrects the vector's independence of levels (replayed on the default
-pair the vector alone predicts 1.54 / 1.65 / 1.73 tokens at 4 / 8 / 16 nodes where the trees commit
-1.68 / 1.86 / 1.95). A round costs (verify(N) + propose(D)) x kappa, the measured ratio of tree rounds'
-wall time to their prediction. A request with a fixed K asks for depth K and N(K) nodes, whatever the
-timings. docs/DESIGN.md, "Token trees", has the whole story.
+The draft expands the b likeliest nodes of each level with b children each (specdec.engine.propose_tree); a
+greedy (or candidates-scheme) tree is dynamic, keeping the N nodes of highest path probability, a sampled
+one keeps every node it draws. A shape commits E = 1 + rho x (the sum over its nodes of the walk's chance to
+reach them, from Sequoia's sibling acceptance vector c_r, measured per session), rho the measured ratio of
+accepted nodes to that sum; a round costs (verify(N) + propose(D)) x kappa, its measured time ratio. A fixed
+K asks for depth K and N(K) nodes, whatever the timings. docs/DESIGN.md, Token trees, has the derivation.
 """
 
 from __future__ import annotations
@@ -56,10 +50,8 @@ class TreeAsk:
 class SiblingAcceptance:
     """c_r of one session's draft trees, r = 0 .. b - 1 (the r-th child in the draft's order): each an
     exponentially weighted ratio of the levels where child r held the target's token to those where it was
-    tried (the children before it had not held it). Until measured: c_0 = the chain's acceptance a (the
-    first child is the chain's token) and c_r = a / 2^r, worth PRIOR_LEVELS levels; replayed on the default
-    pair (bench/tree_replay.py) the draft's top 4 hold the target's token ~50% of the time against its top
-    1's ~30%, which this prior gives (0.47 at a = 0.3). Or the vector earlier sessions learnt (`prior`)."""
+    tried. Until measured: c_0 = the chain's acceptance a and c_r = a / 2^r (the default pair's replayed
+    trees agree: DESIGN.md, Token trees), worth PRIOR_LEVELS levels, or the vector earlier sessions learnt."""
 
     PRIOR_LEVELS = 2.0
 

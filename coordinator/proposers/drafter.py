@@ -1,10 +1,9 @@
 """Drafter: one session's strategies and policy, as the round loop sees them (propose, observe, commit).
 
-propose() prices the round at the target's current load, lets the policy pick among the session's
-strategies (one for a named proposer, all three for the hybrid) and K = 0, and asks the chosen one for its
-proposal. If the draft model is unreachable, the model-free strategies stand in (prompt lookup where the
-session has no other): a fallback round. observe() hands every verified round to every strategy; commit()
-the committed tokens. A finished session's output joins the coordinator's shared suffix tree at close().
+propose() lets the policy pick among the session's strategies (one for a named proposer, all three for the
+hybrid) and K = 0 at the target's current price; if the draft tier is unreachable the model-free strategies
+stand in (a fallback round). observe() and commit() reach every strategy; a finished session's output joins
+the coordinator's shared suffix tree at close().
 """
 
 from __future__ import annotations

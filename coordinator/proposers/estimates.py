@@ -1,12 +1,6 @@
-"""The small online estimates the strategies are made of, and the priors sessions hand on to the next.
-
-With per-token acceptance a, a round of K drafts commits (1 - a^(K+1)) / (1 - a) tokens on average (the
-bonus included): expected_tokens. Acceptance is an exponentially weighted ratio of accepted drafts to
-drafts judged; Ratio scales a strategy's own estimate (the suffix tree's probabilities, a tree's reach, a
-predicted time) by how it has fared; LinearCost is an exponentially weighted least-squares line in K.
-SharedPriors is where a new session's estimates start: what the coordinator's earlier sessions measured,
-per strategy and per greedy or sampled (not for reproducible requests, which no other session may sway).
-"""
+"""The small online estimates the strategies are made of, and the priors sessions hand on to the next:
+expected_tokens (a round of K drafts at per-token acceptance a), Acceptance, Ratio (a strategy's own estimate
+scaled by how it has fared), LinearCost, and SharedPriors (where a new session's estimates start)."""
 
 from __future__ import annotations
 
@@ -55,31 +49,23 @@ class Acceptance(Ratio):
 
 
 class LinearCost:
-    """Exponentially weighted least-squares fit of cost(x) = intercept + slope * x (slope >= 0)."""
+    """Exponentially weighted least-squares fit of cost(x) = intercept + slope * x (slope >= 0); 0 until observed."""
 
-    def __init__(self, decay: float, prior_intercept: float, prior_slope: float, prior_weight: float = 0.5) -> None:
+    def __init__(self, decay: float) -> None:
         self.decay = decay
-        self.prior = (prior_intercept, prior_slope)
         self._s = [0.0] * 5  # sum w, sum wx, sum wy, sum wxx, sum wxy
-        for x in (1.0, 4.0):  # prior pseudo-observations pin the line until real data spreads over x
-            self._add(x, prior_intercept + prior_slope * x, prior_weight)
+        self._line = (0.0, 0.0)  # (intercept, slope), refitted per observation
 
     def observe(self, x: float, cost: float) -> None:
-        self._s = [v * self.decay for v in self._s]
-        self._add(float(x), cost, 1.0)
-
-    def _add(self, x: float, y: float, w: float) -> None:
-        s = self._s
-        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
+        x, s = float(x), [v * self.decay for v in self._s]
+        for i, v in enumerate((1.0, x, cost, x * x, x * cost)):
             s[i] += v
         var = s[0] * s[3] - s[1] * s[1]
         slope = max((s[0] * s[4] - s[1] * s[2]) / var if var > 1e-12 else 0.0, 0.0)
-        self._line = ((s[2] - slope * s[1]) / s[0], slope)  # (intercept, slope), refitted per observation
+        self._s, self._line = s, ((s[2] - slope * s[1]) / s[0], slope)
 
-    def predict(self, x: float, measured: bool = True) -> float:
-        """measured=False: the prior line alone, which no timing changes."""
-        intercept, slope = self._line if measured else self.prior
-        return max(intercept + slope * x, 1e-6)
+    def predict(self, x: float) -> float:
+        return max(self._line[0] + self._line[1] * x, 1e-6)
 
 
 class SharedPriors:

@@ -2,32 +2,29 @@
 priced for every prefix of it, and judged every greedy round whether chosen or not.
 
 Each round the strategy makes its offer (a chain, or a token tree with tree_nodes > 0) and predicts, for
-its first k tokens (k = 1..its length), E(k) = 1 + expected accepted drafts: (1 - a^(k+1)) / (1 - a) - 1
-for its measured per-token acceptance a, or, where the offer carries its own estimate (the suffix tree's
-probs[i] = P(first i+1 drafts right)), the sum of probs[:k] times the measured ratio of accepted to
-estimated drafts (so a tree that is too confident is discounted); and C(k) = verify(k) + its own time (a
-line in k, ~0). In a greedy round the committed tokens are the target's own continuation, so an offer not
-chosen is judged by its common prefix with them: free measurements that keep its estimates current.
+its first k tokens, E(k) = 1 + a + ... + a^k for its measured per-token acceptance a, or, where the offer
+carries its own estimate (the suffix tree's probs[i] = P(first i+1 drafts right)), 1 + the sum of probs[:k]
+times the measured ratio of accepted to estimated drafts; and C(k) = verify(k) (its own time is the
+coordinator's CPU, which the policy charges per call). In a greedy round an offer not chosen is judged by its
+common prefix with the committed tokens, the target's own continuation: free measurements.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Sequence
 from itertools import accumulate
 
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.estimates import Acceptance, LinearCost, Ratio, SharedPriors
-from coordinator.proposers.strategy import Ask, Outcome, Prediction
+from coordinator.proposers.estimates import Acceptance, Ratio, SharedPriors
+from coordinator.proposers.strategy import Ask, Outcome, Prediction, Strategy
 from coordinator.proposers.token_tree import cut, match
-from coordinator.tiers.target import Verdict
 from specdec.core.prefix import PrefixHashes
 
 MIN_ATTEMPTS = 4  # drafts a session must have judged for its estimates to teach the shared priors
 
 
-class LocalStrategy:
-    """A model-free strategy; subclasses set `source` and make offers (offer())."""
+class LocalStrategy(Strategy):
+    """A model-free strategy; subclasses set `source`, make offers (offer()) and follow the tokens (commit())."""
 
     def __init__(self, prior_acceptance: float, decay: float, *, greedy: bool = True, tree_nodes: int = 0,
                  priors: SharedPriors | None = None) -> None:
@@ -37,7 +34,6 @@ class LocalStrategy:
         start = priors.get(self.source, greedy, "acceptance", prior_acceptance) if priors else prior_acceptance
         self.acceptance = Acceptance(decay, start)
         self.ratio = Ratio(decay, priors.get(self.source, greedy, "ratio", 1.0) if priors else 1.0)
-        self.propose_cost = LinearCost(decay, 0.0, 0.0)  # microseconds here: ~0
         self._offer: Proposal | None = None  # this round's offer
         self._depth = 0  # this round's depth budget
 
@@ -47,12 +43,6 @@ class LocalStrategy:
 
     def offer(self, k: int, tree_nodes: int) -> Proposal:
         """Up to k tokens (a chain), or with tree_nodes > 0 a tree of at most that many nodes and depth k."""
-        raise NotImplementedError
-
-    async def start(self) -> None:
-        pass
-
-    def commit(self, tokens: Sequence[int]) -> None:
         raise NotImplementedError
 
     def predict(self, ask: Ask) -> list[Prediction]:
@@ -65,8 +55,7 @@ class LocalStrategy:
             if ask.fixed and k < n_max:
                 continue
             expected = 1.0 + (min(float(k), ratio * cumulative) if offer.probs else cumulative)
-            cost = ask.verify_ms[k] + self.propose_cost.predict(k, ask.measured)
-            out.append(Prediction(self, k, expected, cost))
+            out.append(Prediction(self, k, expected, ask.verify_ms[k]))
         return out
 
     async def propose(self, choice: Prediction, committed: list[int], hashes: PrefixHashes) -> Proposal:
@@ -89,12 +78,8 @@ class LocalStrategy:
             self._judge(offer, min(len(offer.tokens), len(accepted)), n)
         self._offer = None
 
-    async def while_verifying(self, verifying: Awaitable[Verdict]) -> Verdict:
-        return await verifying  # nothing to do meanwhile
-
     def _judge(self, proposal: Proposal, k: int, n: int) -> None:
         self.acceptance.judge(k, n)
-        self.propose_cost.observe(len(proposal.tokens), proposal.wall_ms)
         if proposal.probs:
             self.ratio.observe(n, sum(proposal.probs[:k]))
 

@@ -1,26 +1,12 @@
 """Which strategy proposes a round, and what shape: the most predicted tokens per predicted second.
 
-Every round the policy prices verification at the target's current load (tier_cost.TierCost: the round's
-time when every session of the step scores n drafts, from the curve the tier measured at start and the steps
-it has reported since), asks every strategy of the session for its predictions within that price (each
-shape it could propose: a chain of K, a tree of N nodes and depth D, with the tokens it would commit and the
-round's time), adds K = 0 (the target alone: one token for verify(0)) and picks the largest rate. It knows
-nothing else about the strategies. Each prediction's time also carries the coordinator's own CPU for its
-tier calls (coordinator_cost.py: in series with the round, and under load the floor that one event loop
-serving every generation puts under it), as does K = 0's.
-
-Drafting must beat K = 0 by PolicyConfig.min_gain (5%): the largest of many noisy estimates overstates its
-own value (the optimizer's curse), and where drafting was predicted to gain a few percent (a batch of sessions
-on the steep part of the step's curve, drafts accepted a fifth of the time) it measured a few percent slower.
-When K = 0 wins, the best K = 1 is still probed after probe_every rounds so its estimates can recover, the
-interval doubling after each probe while K = 0 keeps winning (to probe_max_every; back to probe_every once
-drafting wins): a probe costs a draft round trip, and on a tiny pair whose step costs less than the round
-trip (a GPU's regime) probing every 8th round cost the default request ~5% against K = 0 (bench.concurrency),
-unless its strategy judges its unchosen offers for free (a local chain in a greedy session): a probe would
-only spend a row of the step on a draft the policy expects to lose (under load, measured: probing every 8th round cost ~4% of a
-16-session burst's tokens/s). A request's own K (fixed) has no K = 0 option, and a reproducible request
-(measured=False) is priced from priors alone, so no timing sways which strategy proposes.
-Cost: O(strategies x shapes) arithmetic per round, a few microseconds; with draft trees ~0.1 ms more.
+Every round the policy asks each strategy of the session for its predictions at the target's current price
+(tier_cost.TierCost), adds K = 0 (one token for verify(0)), charges each the coordinator's own CPU per tier
+call (coordinator_cost.round_ms) and picks the largest rate. Drafting must beat K = 0 by min_gain (the largest
+of many noisy estimates overstates itself); when K = 0 wins, the best K = 1 is probed after probe_every rounds,
+the interval doubling up to probe_max_every while K = 0 keeps winning, unless its strategy judges unchosen
+offers for free. A request's own K (fixed) has no K = 0 option; a reproducible one (measured=False) is priced
+from priors alone. docs/DESIGN.md, Choosing the proposer and K, has the measurements behind each rule.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""The one interface every proposer implements, and what passes through it.
-
-A strategy proposes (a chain, or a token tree where it can), observes what each round accepted, and
-predicts, for each shape it could propose this round, the tokens the round would commit and its time. The
-policy (coordinator/proposers/policy.py) asks every strategy of the session for its predictions, adds K = 0
-(the target alone) and picks the largest tokens per second; it knows nothing else about any of them. A
-strategy holds its own estimates and its own settings (a config dataclass of its own), and starts its
-estimates from what earlier sessions taught (estimates.SharedPriors).
-"""
+"""The one interface every proposer implements, and what passes through it (docs/DESIGN.md, Choosing the
+proposer and K): a strategy predicts what each shape it could propose would commit and cost, proposes the
+shape the policy picks, and observes every verified round; it holds its own estimates and settings."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from coordinator.proposers.base import Proposal
 from specdec.core.proposer_names import Proposer
@@ -58,27 +51,33 @@ class Outcome:
     verify_ms: float  # the target's round trip
 
 
-class Strategy(Protocol):
+class Strategy:
+    """Subclass it: predict, propose and observe; the rest does nothing unless overridden."""
+
     source: Proposer  # its name (API, stats, metrics)
-    judged_unchosen: bool  # it learns from rounds it did not propose (so the policy never probes it)
+    judged_unchosen = False  # it learns from rounds it did not propose (so the policy never probes it)
 
     async def start(self) -> None:
         """Before the first round (e.g. index the prompt)."""
 
     def predict(self, ask: Ask) -> list[Prediction]:
         """The shapes it could propose this round within `ask`, each priced (none: it has nothing to offer)."""
+        raise NotImplementedError
 
     async def propose(self, choice: Prediction, committed: list[int], hashes: PrefixHashes) -> Proposal:
         """The proposal `choice` predicted (raises TierError if a remote strategy is unreachable)."""
+        raise NotImplementedError
 
     def observe(self, outcome: Outcome) -> None:
         """A verified round, its own or another strategy's."""
+        raise NotImplementedError
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Tokens just committed."""
 
     async def while_verifying(self, verifying: Awaitable[Verdict]) -> Verdict:
         """The verdict on its proposal, awaited (the draft model files its tier's pushes meanwhile)."""
+        return await verifying
 
     async def close(self) -> None:
         """The session ended: teach the shared priors, end any remote session (best effort)."""

@@ -1,13 +1,10 @@
 """What a tier's step costs at its current load: the prices the policy and the strategies quote.
 
-A step's time grows with its tokens, T_step(n), flat while streaming the weights bounds it and steep once
-arithmetic does: StepCurve fits it locally at each size, from the points the tier measured at start
-(StatusResponse.cost_curve, specdec/engine/cost_curve.py) and the steps its replies report since. With B
-sessions per step all sending K, a round takes the call's overhead plus the whole step, overhead +
-T_step(B (K + 1)): each draft token costs B tokens' worth of the step's slope, so K falls as B grows, to
-K = 0 where a draft no longer pays. B is the current load: the sessions the replies say a step holds, and
-no fewer than the sessions this coordinator has open on the tier (up to its batch limit), so a burst of new
-sessions is priced at its batch from its first round. Queueing behind other sessions is not charged.
+StepCurve fits T_step(n), a step's time against its tokens, from the points the tier measured at start
+(StatusResponse.cost_curve) and the steps its replies report since. With B sessions per step all sending K,
+a round takes overhead + T_step(B (K + 1)), so K falls as B grows; B is never fewer than the sessions this
+coordinator has open on the tier, so a burst is priced at its batch from its first round (docs/DESIGN.md,
+Choosing the proposer and K).
 """
 
 from __future__ import annotations
@@ -23,15 +20,11 @@ from coordinator.proposers.estimates import LinearCost
 
 class StepCurve:
     """Step time (ms) against the tokens in the step, n, for steps of about B sessions: at each (n, B) a
-    weighted least-squares line in n through the measured points and the last `window` steps (locally
-    weighted regression), each weighted by how near its tokens and sessions are to n and B (Gaussians in log n
-    and log B, `width` wide: twice or half counts 0.38, four times 0.02), steps also by their age (decay per
-    newer step), measured points by `measured_weight`. The line's value at n is the prediction; where the
-    nearby points all had one size, the prior slope stands in, and with no points at all, the prior line.
-    Sessions matter beside tokens (each brings its own attention and bookkeeping: 16 tokens cost more as 4
-    sessions x 4 than as one verify of 16). Fits are cached per size and redone after `refresh` new steps; the
-    sizes a round asks for are fitted together, one numpy pass over sizes x points (~0.3 ms a round in Python
-    loops before, measured in the coordinator's profile)."""
+    weighted least-squares line in n through the measured points and the last `window` steps, each weighted by
+    how near its tokens and sessions are (Gaussians in log n and log B, `width` wide), steps also by their age,
+    measured points by `measured_weight`; where the nearby points all had one size the prior slope stands in,
+    with no points the prior line. Fits are cached per size, redone after `refresh` steps, all sizes of a
+    round in one numpy pass."""
 
     def __init__(self, window: int = 128, width: float = 0.5, decay: float = 0.99, refresh: int = 16,
                  prior_intercept: float = 50.0, prior_slope: float = 3.0, measured_weight: float = 0.3) -> None:
@@ -111,12 +104,10 @@ class TierCost:
     def __init__(self, decay: float = 0.98, prior_intercept: float = 50.0, prior_slope: float = 3.0) -> None:
         self.decay = decay
         self.step_cost = StepCurve(prior_intercept=prior_intercept, prior_slope=prior_slope)
-        # The round's price where no timing may count: the curve's prior at B = 1, a step of k + 1 tokens.
-        self.prior = LinearCost(decay, prior_intercept + prior_slope, prior_slope)
+        self.prior = (prior_intercept, prior_slope)  # where no timing may count: the curve's prior line, B = 1
         self.sessions = 1.0  # sessions per step, exponentially weighted over the replies
-        # A call's wall time beyond the tier's work for it (network, serialisation), a line in the drafts it
-        # carries; fitted without a prior (a negligible one).
-        self.overhead = LinearCost(decay, 0.0, 0.0, prior_weight=1e-9)
+        # A call's wall time beyond the tier's work for it (network, serialisation), a line in the drafts it carries
+        self.overhead = LinearCost(decay)
         self.observations = 0
         self.live = 0  # sessions this coordinator has open on the tier now (generations in progress)
         self.max_sessions = 0  # the tier's batch limit (ModelInfo.max_batch_sessions; 0 = unknown)
@@ -156,7 +147,7 @@ class TierCost:
     def verify_ms(self, n: int, measured: bool = True) -> list[float]:
         """The predicted time of a round scoring 0..n drafts (never falling); measured=False: the prior line."""
         if not measured:
-            return [self.prior.predict(k, False) for k in range(n + 1)]
+            return [self.prior[0] + self.prior[1] * (k + 1) for k in range(n + 1)]
         b = self.batch
         steps = self.step_cost.predict_many([b * (k + 1) for k in range(n + 1)], b)
         return list(accumulate((max(self.overhead.predict(k) + steps[k], 1e-6) for k in range(n + 1)), max))
