@@ -17,7 +17,7 @@ MAX_NEW = 32
 @pytest.fixture(scope="module")
 def real_cluster(real_pair):
     target, draft = real_pair
-    cluster = Cluster(target, draft)
+    cluster = Cluster(target, draft, draft_quantize="auto")  # the draft as its service serves it by default
     yield cluster
     cluster.close()
 
