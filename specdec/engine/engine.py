@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
 from specdec.engine.cost_curve import measure as measure_cost_curve
+from specdec.engine.engine_thread import EngineThread
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.quantize import quantize
@@ -84,9 +84,10 @@ def _load_model(config: TierConfig):
     return quantize(model, config.step.quantize, config.model, packed)  # a draft's matrices into blocks, if asked
 
 
-class Engine:
+class Engine(EngineThread):
     def __init__(self, config: TierConfig, model, tokenizer) -> None:
         config.batch.validate()
+        super().__init__(config.batch.max_queue)
         need = config.max_draft_tokens + 1
         if config.batch.max_batch_tokens < need:
             raise ValueError(f"max_batch_tokens must be >= max_draft_tokens + 1 = {need}")
@@ -112,20 +113,15 @@ class Engine:
         self.steps = 0
         self.step_tokens = 0
         self.cost_curve: list[tuple[int, int, float]] = []  # (sessions, tokens, ms) timed at start (load())
-        self._lock = threading.Lock()  # guards the session table and the scheduler's queues
-        self._wake = threading.Condition(self._lock)
-        self._inbox: list[Work] = []
         # Answers settled in this pass of the step loop, handed to the event loop together (_hand_back):
         # one wake-up per step and event loop, not one per session. Engine thread only.
         self._answers: list[tuple[Work, object, object]] = []  # (work, result, error | PUSH)
-        self._stopping = False
         self._paused = False
         # Step coalescing: the sessions whose work finished in the last step (and when), and how long
         # sessions take to send their next request (exponentially weighted, seconds; None = not seen yet).
         self._returning: dict[str, float] = {}
         self._return_gap_s: float | None = None
         self._last_step_end = 0.0
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     @classmethod
     def load(cls, config: TierConfig) -> "Engine":
@@ -162,15 +158,6 @@ class Engine:
         finally:
             self.cache.release(slot)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join(timeout=30)
-
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """No new step starts inside this block (the one running finishes); requests keep queueing."""
@@ -185,28 +172,14 @@ class Engine:
 
     # --- the event loop's side ----------------------------------------------------------------------
 
-    async def submit(self, work: Work):
-        """Queue a work and await its result (RequestError on its own failure)."""
-        loop = asyncio.get_running_loop()
-        work.loop, work.future = loop, loop.create_future()
-        work.submitted_at = time.perf_counter()
-        with self._wake:
-            if self._stopping:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
-            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.batch.max_queue:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"{self.config.batch.max_queue} requests already waiting; try again later")
-            self._inbox.append(work)
-            finished_at = self._returning.pop(work.session_id, None)
-            if finished_at is not None:
-                gap = work.submitted_at - finished_at
-                self._return_gap_s = gap if self._return_gap_s is None else 0.9 * self._return_gap_s + 0.1 * gap
-            self._wake.notify()
-        try:
-            return await work.future
-        except asyncio.CancelledError:
-            work.cancelled = True  # the engine drops it at its next look
-            raise
+    def _queued(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    def _submitted(self, work: Work) -> None:
+        finished_at = self._returning.pop(work.session_id, None)  # how soon its session came back (coalescing)
+        if finished_at is not None:
+            gap = work.submitted_at - finished_at
+            self._return_gap_s = gap if self._return_gap_s is None else 0.9 * self._return_gap_s + 0.1 * gap
 
     def end_session(self, session_id: str) -> bool:
         with self._lock:

@@ -30,9 +30,7 @@ whichever sessions share its steps, so seeded sampling stays reproducible under 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -44,6 +42,7 @@ import torch
 from specdec.core.errors import RequestError
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head
+from specdec.engine.engine_thread import EngineThread
 from specdec.engine.head_session import FEATURE_DTYPE, HeadSession
 from specdec.engine.head_weights import pack_linears, target_embedding
 from specdec.engine.engine import EngineStatus, deliver_answers
@@ -62,12 +61,13 @@ class SlotShape:
     slot_tokens: int
 
 
-class HeadEngine:
+class HeadEngine(EngineThread):
     """The engine a draft tier runs for an EAGLE-3 head: submit(ProposeWork) -> ProposeResult, as Engine's."""
 
     def __init__(self, config: TierConfig, head: Eagle3Head, target_config, eos_token_ids: list[int],
                  tokenizer_fingerprint: str) -> None:
         """head: loaded and checked against target_config (the target's transformers config)."""
+        super().__init__(config.batch.max_queue, name="head-engine")
         # The head's proposals are drawn step by step (finish_step feeds each draft back): no draft chain.
         self.config = replace(config, step=replace(config.step, draft_chain=False))
         self.head = head
@@ -87,12 +87,7 @@ class HeadEngine:
         self.cost_curve: list[tuple[int, int, float]] = []
         self.steps = self.step_tokens = self.evictions = 0
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._inbox: list[ProposeWork] = []
         self._running = 0
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="head-engine", daemon=True)
 
     @classmethod
     def load(cls, config: TierConfig, target_path: str) -> "HeadEngine":
@@ -120,33 +115,6 @@ class HeadEngine:
         return engine
 
     # --- the event loop's side ----------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join(timeout=30)
-
-    async def submit(self, work: ProposeWork):
-        loop = asyncio.get_running_loop()
-        work.loop, work.future = loop, loop.create_future()
-        work.submitted_at = time.perf_counter()
-        with self._wake:
-            if self._stopping:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
-            if len(self._inbox) >= self.config.batch.max_queue:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"{self.config.batch.max_queue} requests already waiting; try again later")
-            self._inbox.append(work)
-            self._wake.notify()
-        try:
-            return await work.future
-        except asyncio.CancelledError:
-            work.cancelled = True
-            raise
-
     def end_session(self, session_id: str) -> bool:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
