@@ -56,15 +56,20 @@ class TierCursor:
         self._lost = self._lost or self.base > 0 or bool(self.tail)
         self.base, self.tail = 0, []
 
-    def context(self, session_id: str, sequence: list[int], hashes: PrefixHashes) -> common_pb2.SessionContext:
-        """The context for a request over `sequence` (the committed tokens, or a hypothetical
-        extension of them); `hashes` must cover `sequence`."""
+    def prefix(self, sequence: list[int]) -> int:
+        """How many leading tokens of `sequence` a request need not send: those the tier caches, all but the
+        last at most (the tier needs the last token's logits)."""
         n = self.base
         for tok in self.tail:
             if n >= len(sequence) or sequence[n] != tok:
                 break
             n += 1
-        prefix = min(n, len(sequence) - 1)  # always send >= 1 token: the tier needs the last logits
+        return min(n, len(sequence) - 1)
+
+    def context(self, session_id: str, sequence: list[int], hashes: PrefixHashes) -> common_pb2.SessionContext:
+        """The context for a request over `sequence` (the committed tokens, or a hypothetical
+        extension of them); `hashes` must cover `sequence`."""
+        prefix = self.prefix(sequence)
         return common_pb2.SessionContext(
             session_id=session_id, prefix_len=prefix, prefix_hash=hashes.at(prefix), new_tokens=sequence[prefix:]
         )

@@ -77,7 +77,7 @@ class TargetVerifier:
         whose rows could exceed one response): a longer uncached part (a prompt, a re-prefill) goes first in parts,
         each a verify without drafts over a prefix whose verdict is dropped (only its rows are kept)."""
         part = max(1, FEATURE_PART_BYTES // self.features.row_bytes)
-        while (uncached := len(self.session.context(committed, hashes).new_tokens)) > part:
+        while (uncached := len(committed) - self.session.cursor.prefix(committed)) > part:
             end = len(committed) - uncached + part
             prefix = committed[:end]
             reply = await self.session.call(
