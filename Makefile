@@ -8,7 +8,7 @@ GEN    := specdec/proto/.generated-stamp
 # Torch first, pinned: this machine's local CPU wheel. A looser pin pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup proto kernels run test test-fast settings-doc bench gpu-check clean prometheus eagle-head
+.PHONY: setup proto kernels run test test-fast settings-doc bench gpu-check clean prometheus eagle-head llama-cpp
 
 setup: $(STAMP) $(GEN) kernels
 
@@ -115,6 +115,12 @@ bench: setup
 eagle-head: setup
 	$(PY) -m specdec.training.eagle3 $${TARGET:+--target "$$TARGET"} $${EAGLE_OUT:+--out "$$EAGLE_OUT"} \
 	    --minutes $${EAGLE_MINUTES:-30} $(EAGLE_ARGS)
+
+# The llama.cpp peer of bench.run (the same GGUF and prompts through llama-cpp-python): a source build of
+# llama.cpp with CMake for this CPU, ~12 min on 2 shared cores, so neither setup nor bench does it.
+llama-cpp: setup
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	    $(PY) -m pip install llama-cpp-python==0.3.36 diskcache==5.6.3
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info

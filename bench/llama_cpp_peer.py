@@ -4,8 +4,8 @@ quantises the activations to 8 bits for its dot products), so its tokens are not
 this row is about speed only.
 
 llama-cpp-python ships as a source distribution for this platform (no wheel on the package index this
-project installs from): `pip install llama-cpp-python` builds llama.cpp with CMake, minutes to tens of
-minutes on 2 cores, so `make setup` does not install it. Without it the row says so, plainly.
+project installs from): `make llama-cpp` builds llama.cpp with CMake (~12 minutes on 2 shared cores) and
+installs it, which `make setup` does not. Without it the row says so, plainly.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def measure(target: str, prompt_ids: dict[str, list[int]], max_new_tokens: int, 
     try:
         import llama_cpp
     except ImportError:
-        return {"error": "llama-cpp-python is not installed (a source build: `pip install llama-cpp-python`)"}
+        return {"error": "llama-cpp-python is not installed (a source build: `make llama-cpp`)"}
     longest = max(len(ids) for ids in prompt_ids.values()) + max_new_tokens + 8
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=longest, n_threads=threads, n_threads_batch=threads,
                           verbose=False)
