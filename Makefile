@@ -117,9 +117,13 @@ eagle-head: setup
 	    --minutes $${EAGLE_MINUTES:-30} $(EAGLE_ARGS)
 
 # The llama.cpp peer of bench.run (the same GGUF and prompts through llama-cpp-python): a source build of
-# llama.cpp with CMake for this CPU, ~12 min on 2 shared cores, so neither setup nor bench does it.
+# llama.cpp with CMake, ~12 min on 2 shared cores, so neither setup nor bench does it. AVX-512 with VNNI and
+# BF16, AMX off: a native build's AMX kernels die of SIGILL where the VM does not grant AMX (these machines).
+LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF \
+    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
 llama-cpp: setup
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
 	    $(PY) -m pip install llama-cpp-python==0.3.36 diskcache==5.6.3
 
 clean:
