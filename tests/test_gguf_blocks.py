@@ -39,7 +39,8 @@ def random_draft(tiny_ggufs, tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("gguf-draft"), seed=1, tokenizer=load_tokenizer(tiny_ggufs["Q4_0"]))
 
 
-PROMPTS = [[1, 1690, 198, 683, 359, 253, 1356, 1646, 11], [1, 504, 1458, 282, 1649, 314, 198]]  # ids < 2,048: tokenizer_fields()
+# token ids below 2,048 (tokenizer_fields() keeps the first 2,048 tokens)
+PROMPTS = [[1, 1690, 198, 683, 359, 253, 1356, 1646, 11], [1, 504, 1458, 282, 1649, 314, 198]]
 
 
 def runner(model) -> ModelRunner:
