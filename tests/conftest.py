@@ -10,7 +10,7 @@ from specdec.models import default_draft, default_target, load_model
 from specdec.proto import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
 from coordinator.tiers.routing import RING_HASH_ENV
 from specdec.models import make_tiny_model
-from tests.helpers import Cluster, device_model
+from tests.helpers import TEST_COST_CURVE_S, Cluster, device_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # The service processes the tests start (LocalPipeline, specdec serve, fault tests) inherit this: many
@@ -21,6 +21,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # In-process coordinators route sessions with gRPC's ring hash on a header, as `python -m coordinator`
 # does (it sets this too); subprocesses inherit it.
 os.environ.setdefault(RING_HASH_ENV, "true")
+# Tier processes the tests start measure their start-up cost curve's minimum points only, not for 3 s each
+# (tests.helpers.TEST_COST_CURVE_S, which the in-process tiers use, says why).
+os.environ.setdefault("SPECDEC_TARGET_COST_CURVE", str(TEST_COST_CURVE_S))
+os.environ.setdefault("SPECDEC_DRAFT_COST_CURVE", str(TEST_COST_CURVE_S))
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -13,15 +13,24 @@ from specdec.models import default_target
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2  # 2 layers of width 64, like make_tiny_model's
 
 
-def tokenizer_fields() -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
-    """(key, value, type, element type) of the default target GGUF's tokenizer metadata (~5 s to read)."""
+def tokenizer_fields(vocab: int = 2048) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
+    """(key, value, type, element type) of the default target GGUF's tokenizer metadata (~5 s to read), its
+    vocabulary cut to the first `vocab` tokens (the specials, the bytes and the first merges' results) and
+    its merges to those within them: a working BPE tokenizer whose GGUF arrays transformers and gguf-py
+    read ~20x faster than the full 49,152 tokens (each read of the full arrays takes seconds)."""
     target = next(Path(default_target()).glob("*.gguf"))
-    fields = []
+    fields = {}
     for field in GGUFReader(str(target)).fields.values():
         if field.name.startswith("tokenizer."):
             array = field.types[0] == GGUFValueType.ARRAY
-            fields.append((field.name, field.contents(), field.types[0], field.types[-1] if array else None))
-    return fields
+            fields[field.name] = (field.name, field.contents(), field.types[0], field.types[-1] if array else None)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+        name, value, vtype, sub_type = fields[key]
+        fields[key] = (name, value[:vocab], vtype, sub_type)
+    kept = set(fields["tokenizer.ggml.tokens"][1])
+    name, merges, vtype, sub_type = fields["tokenizer.ggml.merges"]
+    fields[name] = (name, [m for m in merges if set(m.split(" ")) | {m.replace(" ", "")} <= kept], vtype, sub_type)
+    return list(fields.values())
 
 
 def write_tiny_gguf(path: Path, fmt: str, tokenizer: list, seed: int = 0) -> str:

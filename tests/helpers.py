@@ -39,6 +39,11 @@ from target_service.service import build as build_target
 TOKENIZER_DIR = default_draft()  # the real SmolLM2 tokenizer (shared by the real pair)
 TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")  # torch device of the tiers and reference models
 TEST_DTYPE = os.environ.get("SPECDEC_TEST_DTYPE", "float32")  # their dtype (exactness tests assume float32)
+# The in-process tiers' start-up cost curve budget (specdec.engine.cost_curve): its minimum points only (a decode
+# step and a verify of K = 3, alone and in a batch of 16, as a busy machine's budget gives), not the 3 s per tier a
+# service spends by default: no test depends on the curve's detail (speed is never asserted), and a cluster starts
+# ~5 s sooner. tests/test_cost_curve.py measures the whole grid.
+TEST_COST_CURVE_S = 0.01
 
 
 def device_model(path: str, dtype: str | None = None) -> ModelConfig:
@@ -85,9 +90,9 @@ class Cluster:
         batch = batch or BatchConfig()
         step = step or StepConfig()
         self.target_tier = Engine.load(TierConfig(device_model(target_model), sessions, max_draft_tokens, batch,
-                                                  step=step))
+                                                  step=step, cost_curve_s=TEST_COST_CURVE_S))
         draft_config = TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens, batch,
-                                  step=replace(step, quantize=draft_quantize))
+                                  step=replace(step, quantize=draft_quantize), cost_curve_s=TEST_COST_CURVE_S)
         # An EAGLE-3 head's directory as the draft: a feature draft for this target
         self.draft_tier = (None if not draft_model else HeadEngine.load(draft_config, target_model)
                            if is_head(draft_model) else Engine.load(draft_config))

@@ -28,6 +28,7 @@ from target_service.service import SERVICE_NAME as TARGET_SERVICE
 from target_service.service import TargetConfig
 from target_service.service import build as build_target
 from tests.dns_server import FakeDns
+from tests.helpers import TEST_COST_CURVE_S
 
 NAMES = {"target": "target.specdec.test", "draft": "draft.specdec.test"}
 
@@ -95,7 +96,7 @@ class ReplicaCluster:
 
     def add(self, tier: str, address: str, model: str, publish: bool = True) -> Replica:
         """Start a replica of `tier` on address; publish: add it to the tier's DNS name."""
-        engine = Engine.load(TierConfig(ModelConfig(model)))
+        engine = Engine.load(TierConfig(ModelConfig(model), cost_curve_s=TEST_COST_CURVE_S))
         config = dataclasses.replace(self.server_config, address=f"{address}:{self.ports[tier]}")
         build, cfg, service = ((build_target, TargetConfig(engine.config, server=config), TARGET_SERVICE) if tier == "target"
                                else (build_draft, DraftConfig(engine.config, server=config), DRAFT_SERVICE))
