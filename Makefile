@@ -118,13 +118,14 @@ eagle-head: setup
 
 # The llama.cpp peer of bench.run (the same GGUF and prompts through llama-cpp-python): a source build of
 # llama.cpp with CMake, ~12 min on 2 shared cores, so neither setup nor bench does it. AVX-512 with VNNI and
-# BF16, AMX off: a native build's AMX kernels die of SIGILL where the VM does not grant AMX (these machines).
+# BF16, AMX off: a native build's AMX kernels die of SIGILL where the VM does not grant AMX (these machines);
+# --no-cache-dir, so that pip cannot reuse a wheel built with other flags.
 LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
     -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF \
     -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
 llama-cpp: setup
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-	    $(PY) -m pip install llama-cpp-python==0.3.36 diskcache==5.6.3
+	    $(PY) -m pip install --no-cache-dir llama-cpp-python==0.3.36 diskcache==5.6.3
 
 clean:
 	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info
