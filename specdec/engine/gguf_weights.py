@@ -64,7 +64,8 @@ def load_model(cfg: ModelConfig, blocks: bool = True):
     return load_reference(cfg)
 
 
-def _set_module(model, dotted: str, module: torch.nn.Module) -> None:
+def set_module(model, dotted: str, module: torch.nn.Module) -> None:
+    """model's submodule at `dotted` replaced by `module`."""
     parent, _, name = dotted.rpartition(".")
     setattr(model.get_submodule(parent), name, module)
 
@@ -150,12 +151,12 @@ def load_blocks(path: Path):
         linear = QuantLinear(pack(raw, fmt), fmt, rows, shape[0])
         module = hf_name.rpartition(".")[0]
         if hf_name == embed_name:
-            _set_module(model, module, QuantEmbedding(linear, model.get_input_embeddings().padding_idx))
+            set_module(model, module, QuantEmbedding(linear, model.get_input_embeddings().padding_idx))
             if tied:
-                _set_module(model, head_name.rpartition(".")[0], linear)
+                set_module(model, head_name.rpartition(".")[0], linear)
                 loaded.add(head_name)
         else:
-            _set_module(model, module, linear)
+            set_module(model, module, linear)
         loaded.add(hf_name)
     del data
     if tied and head_name not in loaded and embed_name in loaded:  # a float embedding tied to the head
@@ -195,4 +196,4 @@ def _materialise_buffers(model, config) -> None:
         if any(b.is_meta for b in module.buffers(recurse=False)):
             with torch.device("cpu"):
                 fresh = type(module)(config=config)
-            _set_module(model, name, fresh)
+            set_module(model, name, fresh)

@@ -42,10 +42,10 @@ import torch
 from specdec.core.errors import RequestError
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head
+from specdec.engine.engine import EngineStatus, deliver_answers
 from specdec.engine.engine_thread import EngineThread
 from specdec.engine.head_session import FEATURE_DTYPE, HeadSession
 from specdec.engine.head_weights import pack_linears, target_embedding
-from specdec.engine.engine import EngineStatus, deliver_answers
 from specdec.engine.propose import ProposeWork
 from specdec.engine.propose_tree import ProposeTreeWork, tree_dists
 from specdec.engine.tree_growth import Growth

@@ -31,20 +31,15 @@ def pack_linears(head: Eagle3Head, quantize: str = "none") -> bool:
     same kernel instead (specdec.engine.quantize: a draft's weights may change, its q is reported as drawn).
     False (nothing changed) where the kernel is unavailable or the head is not float32."""
     from specdec.engine import skinny_gemm
-    from specdec.engine.quant_gemm import BLOCK, FORMATS, QuantLinear, pack
-    from specdec.engine.quantize import quantize_blocks
+    from specdec.engine.quantize import quantized
 
     if head.dtype != torch.float32 or head.norm.weight.device.type != "cpu" or skinny_gemm.unavailable() is not None:
         return False
     swaps = [(parent, name, child) for parent in head.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear]
-    q8 = FORMATS["Q8_0"]
     for parent, name, child in swaps:
-        if quantize != "none" and child.bias is None and child.in_features % BLOCK == 0:
-            blocks = pack(quantize_blocks(child.weight), q8)
-            setattr(parent, name, QuantLinear(blocks, q8, child.out_features, child.in_features))
-        else:
-            setattr(parent, name, skinny_gemm.SkinnyLinear([child]))
+        blocks = quantized(child) if quantize != "none" else None
+        setattr(parent, name, blocks if blocks is not None else skinny_gemm.SkinnyLinear([child]))
     return True
 
 

@@ -18,6 +18,7 @@ import logging
 import torch
 
 from specdec.engine import skinny_gemm
+from specdec.engine.gguf_weights import set_module
 from specdec.engine.quant_gemm import BLOCK, FORMATS, QuantEmbedding, QuantLinear, pack
 
 log = logging.getLogger(__name__)
@@ -51,28 +52,29 @@ def quantize_blocks(weight: torch.Tensor, fmt: str = "Q8_0") -> torch.Tensor:
     return torch.from_numpy(quantize(weight.detach().contiguous().numpy(), GGMLQuantizationType[fmt]))
 
 
-def quantize_model(model, fmt: str = "Q8_0") -> int:
-    """Every float32 linear of `model` without bias whose in_features is a multiple of 32 replaced by a
-    QuantLinear over its `fmt` blocks; a tied input embedding becomes a QuantEmbedding over the head's
-    blocks, as a GGUF's tied table is served. Returns the matrices quantised."""
+def quantized(linear: torch.nn.Module, fmt: str = "Q8_0") -> QuantLinear | None:
+    """A float32 linear without bias whose in_features is a multiple of 32 as a QuantLinear over its `fmt` blocks;
+    None for any other module."""
+    if type(linear) is not torch.nn.Linear or linear.bias is not None or linear.in_features % BLOCK \
+            or linear.weight.dtype != torch.float32:
+        return None
     block = FORMATS[fmt]
+    return QuantLinear(pack(quantize_blocks(linear.weight, fmt), block), block, linear.out_features, linear.in_features)
+
+
+def quantize_model(model, fmt: str = "Q8_0") -> int:
+    """Every linear of `model` that quantized() takes replaced by its QuantLinear; a tied input embedding becomes a
+    QuantEmbedding over the head's blocks, as a GGUF's tied table is served. Returns the matrices quantised."""
     names = {module: name for name, module in model.named_modules()}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     count = 0
     for module, name in list(names.items()):
-        if type(module) is not torch.nn.Linear or module.bias is not None or module.in_features % BLOCK \
-                or module.weight.dtype != torch.float32:
+        linear = quantized(module, fmt)
+        if linear is None:
             continue
-        linear = QuantLinear(pack(quantize_blocks(module.weight, fmt), block), block, module.out_features,
-                             module.in_features)
-        _replace(model, name, linear)
+        set_module(model, name, linear)
         if module is head and tied:
-            _replace(model, names[embedding], QuantEmbedding(linear, embedding.padding_idx))
+            set_module(model, names[embedding], QuantEmbedding(linear, embedding.padding_idx))
         count += 1
     return count
-
-
-def _replace(model, dotted: str, module: torch.nn.Module) -> None:
-    parent, _, name = dotted.rpartition(".")
-    setattr(model.get_submodule(parent), name, module)
