@@ -18,7 +18,7 @@ bench times, in one process and interleaved (so a noisy machine shifts every mod
 Modes: eager, packed (float32 on an AVX-512 CPU: every linear on specdec's skinny GEMM kernel, a GGUF's
 matrices in their blocks), packed-float32 (the same over the GGUF dequantised once to float32:
 --no-gguf-blocks), packed-q8_0 (the draft only: its matrices quantised into Q8_0 blocks at load, the draft
-tier's default: --quantize q8_0), packed-onednn
+tier's default, --quantize auto, on this kernel), packed-onednn
 (the packed mode without that kernel: the LM head on oneDNN-packed weights, the layers on the library's
 products, as on a CPU without AVX-512), compile (torch.compile, frozen weights) on a CPU; eager and
 cuda-graphs (and cuda-graphs-plain, its graphs without fused ops) on CUDA. Writes a section to the month's log in docs/bench-logs/ and docs/bench_step_cost[_gpu_<dtype>].png.
