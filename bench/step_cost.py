@@ -149,14 +149,19 @@ def make_runner(path: str, device: str, dtype: str, mode: str, slots: int, rando
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner
 
+    import torch
+
+    from specdec.engine.step import resolve_mode
+
     step = step_config(mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32))
-    model = load(path, device, dtype, random_weights, blocks=step.mode == "packed" and step.skinny_gemm and step.gguf_blocks)
+    resolved = resolve_mode(step.mode, torch.device(device))  # `auto` as the tiers resolve it
+    model = load(path, device, dtype, random_weights, blocks=resolved == "packed" and step.skinny_gemm and step.gguf_blocks)
     if step.quantize != "none":  # as the draft tier serves it by default (specdec.engine.quantize)
         from specdec.engine.quantize import quantize_model
 
         quantize_model(model, step.quantize.upper())
     weights = (weight_bytes(model), weight_format(model))  # before a mode packs them (packed weights are no parameters)
-    cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=mode.startswith("cuda-graphs"))
+    cache = SlotKVCache(KVGeometry.of(model), slots, PREFIX + 64, scratch=resolved == "cuda-graphs")
     t0 = time.perf_counter()
     runner = ModelRunner(model, cache, step)
     for s in range(slots):  # every session holds the same 100-token prefix (prefill chunks run eager-sized)
