@@ -1,8 +1,8 @@
-"""Row attention (csrc/row_attention.cpp through specdec.engine.attention): each few-token feed's tokens attend
-to their own slot with a bit mask of the new tokens they see. Exact visibility cases, equality with
-PyTorch's attention over padded groups (chains, trees, a tree grown over several feeds), batch invariance
-(a feed's output is bitwise the same alone or among others), a step through the packed mode, and a bad row
-refused."""
+"""Row attention (csrc/row_attention.cpp through specdec.engine.attention): each chain feed's tokens (prefill
+chunks too) and each few-token tree's attend to their own slot's visible positions. Exact visibility cases,
+equality with PyTorch's attention over padded groups (chains, trees, a tree grown over several feeds), batch
+invariance (a feed's output is bitwise the same alone or among others), a prompt split anyhow giving the same
+bits, a step through the packed mode, and a bad row refused."""
 
 from __future__ import annotations
 
@@ -26,15 +26,16 @@ def test_the_kernel_is_built():
 
 
 def test_visibility_of_chains_and_trees():
-    assert row_visibility(10, 1, None) == (10, [0b1])
-    assert row_visibility(10, 3, None) == (10, [0b1, 0b11, 0b111])  # causal over the new tokens
+    assert row_visibility(10, 1, None) == ([11], [0])  # a chain's token sees every position up to its own
+    assert row_visibility(10, 3, None) == ([11, 12, 13], [0, 0, 0])  # causal over the new tokens
+    assert row_visibility(0, 4 * ROW_SPAN, None) == (list(range(1, 4 * ROW_SPAN + 1)), [0] * 4 * ROW_SPAN)  # any length
     # a tree after one committed token: nodes 1, 2 children of 0 (the new token before the tree)... node 2
     # must not see node 1 (its sibling): pair (2, 1) hidden
-    assert row_visibility(5, 3, [(2, 1)]) == (5, [0b1, 0b11, 0b101])
+    assert row_visibility(5, 3, [(2, 1)]) == ([5] * 3, [0b1, 0b11, 0b101])
     # a tree grown over feeds: cached node at position cached - 1 hidden from new token 0 (j = -1)
-    assert row_visibility(8, 2, [(0, -1)]) == (7, [0b10, 0b111])
-    assert row_visibility(0, ROW_SPAN, None) is not None
-    assert row_visibility(0, ROW_SPAN + 1, None) is None  # wider than the bit mask: the padded path
+    assert row_visibility(8, 2, [(0, -1)]) == ([7] * 2, [0b10, 0b111])
+    assert row_visibility(0, ROW_SPAN, [(1, 0)]) is not None
+    assert row_visibility(0, ROW_SPAN + 1, [(1, 0)]) is None  # a tree wider than the bit mask: the padded path
 
 
 def cache(slots: int = 8, seed: int = 1) -> SlotKVCache:
@@ -146,6 +147,29 @@ def test_a_packed_verify_computes_bitwise_what_decoding_computes(tiny_target):
     verified = r.forward([Feed(2, 4, [8, 9], 2), Feed(1, len(prompt), drafts, len(drafts))])[1]
     for i in range(len(drafts)):
         assert torch.equal(verified[i], decoded[i]), i
+
+
+def test_a_prompt_split_anyhow_gives_the_same_bits(tiny_target):
+    """Every chain feed attends by rows, prefill chunks too (longer than the padded group's 32 tokens): so a
+    prompt prefilled whole, in chunks (--max-batch-tokens) or after a reused prefix leaves bitwise the same
+    logits and cache, and the same greedy continuation: prefix reuse changes no session's output."""
+    r = runner(tiny_target, "packed")
+    prompt = [(7 * i + 3) % 200 for i in range(90)]
+
+    def run(slot: int, splits: list[int]) -> list[torch.Tensor]:
+        cached, logits = 0, None
+        for end in splits + [len(prompt)]:
+            logits = r.forward([Feed(slot, cached, prompt[cached:end], 1)])[0][-1]
+            cached = end
+        rows, token = [logits], int(logits.argmax())
+        for i in range(6):
+            rows.append(r.forward([Feed(slot, len(prompt) + i, [token], 1)])[0][-1])
+            token = int(rows[-1].argmax())
+        return rows
+
+    whole = run(0, [])
+    for slot, splits in ((1, [50]), (2, [10, 45]), (3, [89])):
+        assert all(torch.equal(a, b) for a, b in zip(run(slot, splits), whole)), splits
 
 
 def runner(path: str, mode: str):

@@ -14,13 +14,15 @@ Two shapes of work, two ways to run them, neither copying a cache:
   are handed out lowest-first, so live sessions sit in a dense range;
 * a **long** segment (a prefill chunk) attends alone to its own slot prefix, also a view.
 
-On an AVX-512 CPU in float32 (the packed step mode, `StepConfig.row_attention`), the few-token feeds
-take a third way instead of the group: **row attention** (csrc/row_attention.cpp), a kernel in which
-each new token attends to its own slot's visible positions (its prefix, plus a bit mask over the feed's
-new tokens: causal, or a tree's ancestors), with no padding and no mask tensor. A padded group scores
-every slot's rows against the longest feed's: one 5-token verify among 15 one-token decodes made that
-step's attention 2.6x the decodes' alone (measured on a 2-core CPU). Each row's sums run in one fixed
-order, so a token's attention is bitwise the same whatever else shares its step.
+On an AVX-512 CPU in float32 (the packed step mode, `StepConfig.row_attention`), every chain feed,
+prefill chunks included, and every few-token tree take a third way instead: **row attention**
+(csrc/row_attention.cpp), a kernel in which each new token attends to its own slot's visible positions
+(a chain's token: every position up to its own; a tree node: its prefix plus a bit mask of its
+ancestors), with no padding and no mask tensor. A padded group scores every slot's rows against the
+longest feed's: one 5-token verify among 15 one-token decodes made that step's attention 2.6x the
+decodes' alone (measured on a 2-core CPU). Each row's sums run in one fixed order, so a token's attention
+is bitwise the same whatever else shares its step and however its prompt was split: a prompt prefilled
+in one chunk, in several (--max-batch-tokens) or after a reused prefix gives the same bits.
 
 **Token trees** (issue 17): a feed may end in a tree's nodes (`trees[i]`: their parents, -1 = the
 root, the last committed token). Node j is stored at slot position cached + m + j (m: the feed's new
@@ -99,7 +101,7 @@ class Group:
 
 @dataclass
 class Rows:
-    """Few-token feeds' query rows for row attention: row g is token token_index[g] of the step; it sees
+    """Query rows for row attention: row g is token token_index[g] of the step; it sees
     positions [0, base[g]) of slot slot[g] and base[g] + b for each bit b set in bits[g]."""
 
     token_index: torch.Tensor  # [G] int64, CPU
@@ -108,18 +110,21 @@ class Rows:
     bits: torch.Tensor
 
 
-def row_visibility(cached: int, new: int, hidden: list[tuple[int, int]] | None) -> tuple[int, list[int]] | None:
-    """(base, bits per new token) of a feed for row attention: token i sees positions < cached + i + 1
+def row_visibility(cached: int, new: int, hidden: list[tuple[int, int]] | None) -> tuple[list[int], list[int]] | None:
+    """(base, bits) per new token of a feed for row attention: token i sees positions < cached + i + 1
     except the hidden pairs' (i, j): position cached + j (j < 0: a tree node cached by an earlier feed).
-    None where that does not fit ROW_SPAN bits."""
-    low = min([j for _, j in hidden or ()] + [0])
-    base = cached + low
+    A chain's token i is (cached + i + 1, no bits), whatever the feed's length, so a prefill chunk's rows are
+    computed as decoding computes them; a tree's tokens share a base and mask their span in bits. None where a
+    tree's span does not fit ROW_SPAN bits."""
+    if not hidden:
+        return [cached + i + 1 for i in range(new)], [0] * new
+    low = min([j for _, j in hidden] + [0])
     if new - low > ROW_SPAN:
         return None
     bits = [(1 << (i - low + 1)) - 1 for i in range(new)]
-    for i, j in hidden or ():
+    for i, j in hidden:
         bits[i] &= ~(1 << (j - low))
-    return base, [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # as int64
+    return [cached + low] * new, [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # as int64
 
 
 @dataclass
@@ -131,7 +136,7 @@ class StepLayout:
     group: Group | None
     extra: list[torch.Tensor]  # the caller's own int lists (build_layout's `extra`), on the device
     kv_positions: torch.Tensor | None = None  # [T] int64 where each token's key and value are stored; None = positions
-    rows: Rows | None = None  # the few-token feeds' rows, for row attention (then group is None)
+    rows: Rows | None = None  # the rows that attend by row attention (then group is None)
 
 
 def tree_layout(cached: int, new: int, parents: list[int] | None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -183,8 +188,9 @@ def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: 
                  row_attention: bool = False) -> StepLayout:
     """feeds: (slot, cached, new) per session, in flat-step order. `extra` int lists travel to the device
     in the same copy as the layout's own indices (StepLayout.extra). trees: per feed, the parents of the
-    tree nodes its new tokens end with, or None (tree_layout). row_attention: the few-token feeds attend
-    by row attention (the caller checked row_attention_applies) instead of as a padded group."""
+    tree nodes its new tokens end with, or None (tree_layout). row_attention: every chain feed (prefill
+    chunks too) and the few-token trees attend by row attention (the caller checked row_attention_applies)
+    instead of as a padded group or alone."""
     device = torch.device(device)
     trees = trees if trees is not None and any(trees) else None
     slots, positions, kv_positions = [], [], []
@@ -200,8 +206,8 @@ def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: 
             kv_positions.extend(range(cached, cached + new))
             if pairs:
                 hidden[start] = pairs
-        if new <= GROUP_MAX_NEW:
-            small.append((slot, cached, new, start))
+        if new <= GROUP_MAX_NEW or (row_attention and (trees is None or not trees[f])):
+            small.append((slot, cached, new, start))  # with row attention: every chain, prefill chunks too
         else:
             long_feeds.append((slot, cached, new, start))
         start += new
@@ -247,14 +253,14 @@ def build_layout(cache: SlotKVCache, feeds: list[tuple[int, int, int]], device: 
 
 
 def _rows(feeds) -> Rows | None:
-    """Row attention's rows for few-token feeds: ((slot, cached, new, start in the step), (base, bits))."""
+    """Row attention's rows: ((slot, cached, new, start in the step), (base per token, bits per token)) per feed."""
     if not feeds:
         return None
     token_index, slot_of, base_of, bits_of = [], [], [], []
     for (slot, cached, new, begin), (base, bits) in feeds:
         token_index.extend(range(begin, begin + new))
         slot_of.extend([slot] * new)
-        base_of.extend([base] * new)
+        base_of.extend(base)
         bits_of.extend(bits)
     return Rows(*(torch.tensor(xs, dtype=torch.long) for xs in (token_index, slot_of, base_of, bits_of)))
 

@@ -53,9 +53,10 @@ class StepConfig:
     skinny_gemm: bool = True  # packed steps in float32 on an AVX-512 CPU: every linear on specdec's batch-invariant
     #                           kernel, built once with the host's C++ compiler (off: oneDNN's and the library's
     #                           products; specdec.engine.skinny_gemm)
-    row_attention: bool = True  # packed and compile steps in float32 on an AVX-512 CPU: each decode or verify token
-    #                             attends to its own session's cache on specdec's batch-invariant kernel, with no
-    #                             padding (off: PyTorch's attention over padded groups)
+    row_attention: bool = True  # packed and compile steps in float32 on an AVX-512 CPU: each token (decode, verify,
+    #                             prefill) attends to its own session's cache on specdec's batch-invariant kernel,
+    #                             with no padding, so neither batching nor how a prompt is split changes a bit
+    #                             (off: PyTorch's attention over padded groups and prefill chunks)
     gguf_blocks: bool = True  # packed steps on the skinny GEMM: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices stay in their
     #                           blocks, dequantised exactly inside the kernel (off: a float32 copy, the reference's
     #                           values; specdec.engine.gguf_weights)

@@ -1,10 +1,10 @@
 // Row attention: each new token of a step attends to its own session's slot of the KV cache, in float32
 // (AVX-512), with no padding and no mask tensor.
 //
-// A step's few-token feeds (decoding 1 token, verifying K + 1) have a query row per new token. Row r belongs
-// to the session in slot slots[r] and sees base[r] positions of it whole (its committed prefix) and, of the
-// positions base[r] .. base[r] + 63, those whose bit is set in bits[r] (the new tokens it may see: up to and
-// including itself for a chain, its ancestors and itself for a tree node). Keys and values of the step's
+// A step's chain feeds (decoding 1 token, verifying K + 1, a prefill chunk) and few-token trees have a query
+// row per new token. Row r belongs to the session in slot slots[r] and sees base[r] positions of it whole
+// (a chain's token: every position up to and including its own) and, of the positions base[r] .. base[r] + 63,
+// those whose bit is set in bits[r] (a tree node: its ancestors and itself). Keys and values of the step's
 // tokens are in the cache already.
 //
 // One (row, head) is one task: the scores q.k * scale over the visible positions in position order, their
