@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <utility>
 #include <vector>
 
 #include "avx512_exp.h"
@@ -28,21 +29,53 @@ namespace {
 
 constexpr int64_t V = 16;  // floats per vector
 
-// One (row, head): out[0, D) = softmax(q K^T * scale) V over the positions in `pos` (n of them).
-inline void attend_one(const float* q, const float* keys, const float* values, int64_t stride_pos, int64_t D,
+// Where key j of a block of 16 puts its partial sums so that transpose_reduce16 leaves its score in lane j.
+constexpr int KEY_SLOT[V] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// acc[KEY_SLOT[j]]: key j's 16 partial sums of q.k -> one vector whose lane j is key j's score: halves of the
+// vectors added pairwise (256-bit, 128-bit, then 64- and 32-bit lanes), one fixed order per lane, ~3 instructions
+// a key where a horizontal sum per key takes ~8.
+inline __m512 transpose_reduce16(const __m512 (&acc)[V]) {
+  __m512 r[8], s[4], t[2];
+  for (int j = 0; j < 8; ++j)
+    r[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[j], acc[j + 8], 0x44), _mm512_shuffle_f32x4(acc[j], acc[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    t[j] = _mm512_add_ps(_mm512_shuffle_ps(s[j], s[j + 2], 0x44), _mm512_shuffle_ps(s[j], s[j + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
+}
+
+// One (row, head): out[0, D) = softmax(q K^T * scale) V over the positions in `pos` (n of them), the scores
+// 16 positions at a time (blocks aligned to the start of `pos`, so a position's score is computed the same
+// way in every row that sees it).
+// NV = D / 16 vectors a row, a template parameter so that q and the sums stay in registers.
+template <int NV>
+inline void attend_one(const float* q, const float* keys, const float* values, int64_t stride_pos,
                        const int64_t* pos, int64_t n, float scale, float* scores, float* out) {
-  const int64_t nv = D / V;
-  __m512 qv[16];
-  for (int64_t v = 0; v < nv; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + v * V), _mm512_set1_ps(scale));
-  float top = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    const float* k = keys + pos[i] * stride_pos;
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int64_t v = 1; v < nv; ++v) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + v * V), acc);
-    const float s = _mm512_reduce_add_ps(acc);
-    scores[i] = s;
-    top = s > top ? s : top;
+  constexpr int nv = NV;
+  __m512 qv[NV];
+  for (int v = 0; v < nv; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + v * V), _mm512_set1_ps(scale));
+  __m512 most = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += V) {
+    const int64_t m = n - i < V ? n - i : V;
+    __m512 acc[V];
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) {
+      __m512 a = _mm512_setzero_ps();
+      if (j < m) {
+        const float* k = keys + pos[i + j] * stride_pos;
+        a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int v = 1; v < nv; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + v * V), a);
+      }
+      acc[KEY_SLOT[j]] = a;
+    }
+    const __mmask16 mask = m == V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << m) - 1);
+    const __m512 block = transpose_reduce16(acc);
+    _mm512_mask_storeu_ps(scores + i, mask, block);
+    most = _mm512_mask_max_ps(most, mask, most, block);
   }
+  const float top = _mm512_reduce_max_ps(most);
   const __m512 topv = _mm512_set1_ps(top);
   __m512 sumv = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += V) {
@@ -53,15 +86,35 @@ inline void attend_one(const float* q, const float* keys, const float* values, i
     sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
   }
   const float inv = 1.0f / _mm512_reduce_add_ps(sumv);
-  __m512 acc[16];
-  for (int64_t v = 0; v < nv; ++v) acc[v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* val = values + pos[i] * stride_pos;
-    const __m512 w = _mm512_set1_ps(scores[i]);
-    for (int64_t v = 0; v < nv; ++v) acc[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + v * V), acc[v]);
+  // The weighted sum of the values in two interleaved halves (even and odd positions of `pos`, added at the
+  // end): two independent chains of multiply-adds per vector where one would wait on each add's latency.
+  __m512 even[NV], odd[NV];
+  for (int v = 0; v < nv; ++v) even[v] = odd[v] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 1 < n; i += 2) {
+    const float* a = values + pos[i] * stride_pos;
+    const float* b = values + pos[i + 1] * stride_pos;
+    const __m512 wa = _mm512_set1_ps(scores[i]), wb = _mm512_set1_ps(scores[i + 1]);
+    for (int v = 0; v < nv; ++v) {
+      even[v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[v]);
+      odd[v] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(b + v * V), odd[v]);
+    }
+  }
+  if (i < n) {
+    const float* a = values + pos[i] * stride_pos;
+    const __m512 wa = _mm512_set1_ps(scores[i]);
+    for (int v = 0; v < nv; ++v) even[v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[v]);
   }
   const __m512 invv = _mm512_set1_ps(inv);
-  for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(out + v * V, _mm512_mul_ps(acc[v], invv));
+  for (int v = 0; v < nv; ++v) _mm512_storeu_ps(out + v * V, _mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), invv));
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*, int64_t, float, float*, float*);
+
+template <int... NV>
+constexpr AttendFn attend_for(int64_t nv, std::integer_sequence<int, NV...>) {
+  AttendFn fns[] = {attend_one<NV + 1>...};
+  return fns[nv - 1];
 }
 
 }  // namespace
@@ -96,6 +149,7 @@ void row_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, to
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hkv, q0 = q.stride(0), q1 = q.stride(1), o0 = out.stride(0), o1 = out.stride(1);
   const int64_t slot_stride = Hkv * L * D, head_stride = L * D;
+  const AttendFn attend = attend_for(D / V, std::make_integer_sequence<int, 16>{});
   at::parallel_for(0, G * H, 4, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(most + V);
     std::vector<int64_t> pos(most + 1);
@@ -115,7 +169,7 @@ void row_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, to
         continue;
       }
       const int64_t off = slot[g] * slot_stride + (h / group) * head_stride;
-      attend_one(qp + row[g] * q0 + h * q1, kp + off, vp + off, D, D, pos.data(), n, static_cast<float>(scale),
+      attend(qp + row[g] * q0 + h * q1, kp + off, vp + off, D, pos.data(), n, static_cast<float>(scale),
                  scores.data(), o);
     }
   });
