@@ -70,6 +70,8 @@ prometheus:
 #  bench.exactness    argmax flips between forward shapes and step modes (~6 min; EXACTNESS_ARGS=--help)
 #  bench.prefix_reuse TTFT of turn 2+ vs turn 1, multi-turn chat and agent calls, prefix cache on vs off
 #                     (~8 min; PREFIX_REUSE_ARGS=--help; --quick: a tiny model, ~1.5 min)
+#  bench.prefill_cost a prompt's prefill, every chain on row attention vs its chunks on PyTorch's attention
+#                     (~1 min; PREFILL_COST_ARGS=--help)
 #  bench.structured   grammar engines' mask cost; JSON-schema extraction constrained vs unconstrained vs the
 #                     target alone with the same grammar (~5 min; STRUCTURED_ARGS=--help)
 #  bench.proposer_replay  prompt lookup and suffix decoding's chain limits and trees replayed on the
@@ -95,6 +97,7 @@ bench: setup
 	    --draft-args '--dtype float16' --max-new-tokens 128
 	$(PY) -m bench.replicas $(BENCH_REPLICAS_ARGS)
 	$(PY) -m bench.prefix_reuse $(PREFIX_REUSE_ARGS)
+	$(PY) -m bench.prefill_cost $(PREFILL_COST_ARGS)
 	$(PY) -m bench.structured $(STRUCTURED_ARGS)
 	$(PY) -m bench.proposer_replay $(REPLAY_ARGS)
 	$(PY) -m bench.tree_replay $(TREE_REPLAY_ARGS)

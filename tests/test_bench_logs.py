@@ -40,3 +40,11 @@ def test_head_cost_runs_on_a_tiny_target(tiny_target, capsys):
     assert main(["--target", tiny_target, "--out", "", "--repeats", "1", "--tokens", "1,3", "--curve-s", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "| 3 |" in out and "step with the taps" in out and "| 1 |" in out
+
+
+def test_prefill_cost_runs_on_a_tiny_target(tiny_target, capsys):
+    """bench.prefill_cost end to end on the tiny target, a prompt longer than one chunk (figures not checked)."""
+    from bench.prefill_cost import main
+
+    assert main(["--target", tiny_target, "--out", "", "--repeats", "1", "--lengths", "70", "--chunk-tokens", "40"]) == 0
+    assert "| 70 |" in capsys.readouterr().out
