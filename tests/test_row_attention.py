@@ -151,7 +151,7 @@ def test_a_packed_verify_computes_bitwise_what_decoding_computes(tiny_target):
 
 def test_a_prompt_split_anyhow_gives_the_same_bits(tiny_target):
     """Every chain feed attends by rows, prefill chunks too (longer than the padded group's 32 tokens): so a
-    prompt prefilled whole, in chunks (--max-batch-tokens) or after a reused prefix leaves bitwise the same
+    prompt prefilled whole, in chunks (--prefill-chunk) or after a reused prefix leaves bitwise the same
     logits and cache, and the same greedy continuation: prefix reuse changes no session's output."""
     r = runner(tiny_target, "packed")
     prompt = [(7 * i + 3) % 200 for i in range(90)]

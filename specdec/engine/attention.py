@@ -22,7 +22,7 @@ ancestors), with no padding and no mask tensor. A padded group scores every slot
 longest feed's: one 5-token verify among 15 one-token decodes made that step's attention 2.6x the
 decodes' alone (measured on a 2-core CPU). Each row's sums run in one fixed order, so a token's attention
 is bitwise the same whatever else shares its step and however its prompt was split: a prompt prefilled
-in one chunk, in several (--max-batch-tokens) or after a reused prefix gives the same bits.
+in one chunk, in several (--prefill-chunk) or after a reused prefix gives the same bits.
 
 **Token trees** (issue 17): a feed may end in a tree's nodes (`trees[i]`: their parents, -1 = the
 root, the last committed token). Node j is stored at slot position cached + m + j (m: the feed's new
