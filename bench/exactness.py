@@ -13,14 +13,16 @@ counts such flips for the target on --device in each --dtypes, over the bench's 
    it; a row whose argmax is not S's next token is a position where greedy specdec at K would leave
    the K = 0 output.
 3. **batched**: all prompts decoded together, one token per session per step (the group attention
-   path, every matrix product B rows tall), compared with their solo sequences.
+   path, every matrix product B rows tall), compared with their solo sequences; **split prefill**: each
+   prompt prefilled in two steps (its first whole 16-token blocks, then the rest), as prefix reuse and
+   chunked prefill compute a prompt, then decoded, compared with its solo sequence.
 4. **generate**: transformers' model.generate(do_sample=False) on the same device and dtype, compared
    with S (the services' K = 0 against the target alone).
 
 5. **vs eager**: each step mode (specdec.engine.step: packed / compile on a CPU, cuda-graphs on CUDA)
    runs 1-4 with its own runner, and its solo decode S is compared with the eager mode's.
 
-For 2 the unit is a position (teacher-forced on S); for 3, 4 and 5 a whole sequence (after the first
+For 2 the unit is a position (teacher-forced on S); for 3, split prefill, 4 and 5 a whole sequence (after the first
 difference the sequences go apart). Flipped positions report the reference's top-1 / top-2 logit gap.
 
     python -m bench.exactness --device cuda --dtypes float32,bfloat16 [--modes eager,cuda-graphs] [--tokens 128]
@@ -133,6 +135,18 @@ def main(argv=None) -> int:
             for b, o in enumerate(outs):
                 batched[b].append(int(o[-1].argmax()))
         r["batched"] = _sequence_diffs(batched, solo)
+        # 3b. a split prefill, as prefix reuse or chunked prefill computes a prompt: its first blocks in one step
+        # (a multiple of 16 tokens, the prefix index's block), the rest in the next, then greedy decoding
+        split = []
+        for prompt in prompts:
+            cut = max(16, (len(prompt) - 1) // 16 * 16) if len(prompt) > 16 else len(prompt) // 2
+            runner.forward([Feed(0, 0, prompt[:cut], 1)])
+            logits = runner.forward([Feed(0, cut, prompt[cut:], 1)])[0]
+            seq = [int(logits[-1].argmax())]
+            for i in range(n - 1):
+                seq.append(int(runner.forward([Feed(0, len(prompt) + i, [seq[-1]], 1)])[0][-1].argmax()))
+            split.append(seq)
+        r["split"] = _sequence_diffs(split, solo)
         # 4. transformers' own generate, same device and dtype
         generated = []
         for prompt in prompts:
@@ -148,7 +162,8 @@ def main(argv=None) -> int:
         r["seconds"] = time.time() - t0
         results[(dtype, mode)] = r
         print(f"[exactness] {dtype} {mode}: " + "; ".join(f"verify K={k}: {v['flips']}/{v['total']} flips" for k, v in r["verify"].items())
-              + f"; batched: {r['batched']['differ']}/{len(prompts)} sequences differ; generate: "
+              + f"; batched: {r['batched']['differ']}/{len(prompts)} sequences differ; split prefill: "
+              f"{r['split']['differ']}/{len(prompts)} differ; generate: "
               f"{r['generate']['differ']}/{len(prompts)} differ; vs eager: {r['vs_eager']['differ']} differ "
               f"({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
         del model, hf_model, runner
@@ -164,12 +179,13 @@ def main(argv=None) -> int:
          f"wall {(time.time() - t_start) / 60:.1f} min",
          f"- Target `{target}`, {len(prompts)} open prompts x {n} greedy tokens; float32 matrix products in IEEE float32 "
          "(no TF32). What each column compares: see `bench/exactness.py`'s docstring. A verify flip is a position "
-         "where the (K + 1)-token forward's argmax differs from 1-token decoding's, teacher-forced; batched and "
-         "generate compare whole sequences with the solo 1-token decode.", ""]
+         "where the (K + 1)-token forward's argmax differs from 1-token decoding's, teacher-forced; batched, split "
+         "prefill and generate compare whole sequences with the solo 1-token decode.", ""]
     L.append("| dtype | step mode | " + " | ".join(f"verify K={k}: flipped positions" for k in ks)
-             + " | batched decode: sequences that differ (first difference at) | HF generate: sequences that differ "
+             + " | batched decode: sequences that differ (first difference at) | split prefill: sequences that differ "
+               "(first difference at) | HF generate: sequences that differ "
                "(first difference at) | eager mode's decode: sequences that differ |")
-    L.append("|---|---|" + "---|" * len(ks) + "---|---|---|")
+    L.append("|---|---|" + "---|" * len(ks) + "---|---|---|---|")
     for (dtype, mode), r in results.items():
         cells = []
         for k in ks:
@@ -177,7 +193,7 @@ def main(argv=None) -> int:
             gap = f" (top-2 gap {max(v['gaps']):.2g} at most)" if v["gaps"] else ""
             cells.append(f"{v['flips']}/{v['total']}{gap}")
         seqs = [f"{d['differ']}/{len(prompts)}" + (f" ({', '.join(map(str, d['first']))})" if d["first"] else "")
-                for d in (r["batched"], r["generate"], r["vs_eager"])]
+                for d in (r["batched"], r["split"], r["generate"], r["vs_eager"])]
         L.append(f"| {dtype} | {mode} | " + " | ".join(cells) + " | " + " | ".join(seqs) + " |")
     L.append("")
     text = "\n".join(L) + "\n"
