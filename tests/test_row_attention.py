@@ -114,6 +114,23 @@ def test_a_row_past_the_cache_is_refused():
     with pytest.raises(RuntimeError, match="past the cache"):
         attention.row_kernel().row_attention(q, c.keys[0], c.values[0], one, one, torch.tensor([L]), torch.tensor([1]),
                                              0.125, out)
+    with pytest.raises(RuntimeError, match="past the cache"):  # a chain's token one past the slot
+        attention.row_kernel().row_attention(q, c.keys[0], c.values[0], one, one, torch.tensor([L + 1]), torch.tensor([0]),
+                                             0.125, out)
+    # a chain's token at the slot's last position sees all L positions (no bits): allowed
+    attention.row_kernel().row_attention(q, c.keys[0], c.values[0], one, one, torch.tensor([L]), torch.tensor([0]), 0.125, out)
+    assert torch.isfinite(out).all()
+
+
+def test_a_feed_that_fills_its_slot_to_the_last_position():
+    """A chain whose last token takes the slot's last position (a context at its limit) attends like any other:
+    equal to PyTorch's attention over the padded group."""
+    g = torch.Generator().manual_seed(3)
+    feeds = [(0, L - 5, 5), (1, L - 40, 40)]  # a verify and a prefill chunk, each ending at position L - 1
+    x = {slot: torch.randn(H + 2 * H_KV, new, D, generator=g) for slot, _, new in feeds}
+    rows, padded = step(feeds, None, True, x), step(feeds, None, False, x)
+    for slot in (0, 1):
+        assert torch.allclose(rows[slot], padded[slot], atol=1e-5), slot
 
 
 def test_the_packed_step_uses_it_and_decodes_as_the_eager_step(tiny_target):

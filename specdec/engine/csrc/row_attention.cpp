@@ -139,7 +139,8 @@ void row_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, to
   int64_t most = 0;
   for (int64_t g = 0; g < G; ++g) {
     TORCH_CHECK(slot[g] >= 0 && slot[g] < S && prefix[g] >= 0, "row_attention: row out of range");
-    const int64_t top = 64 - __builtin_clzll(static_cast<uint64_t>(mask[g]) | 1);  // highest set bit + 1
+    const uint64_t bits = static_cast<uint64_t>(mask[g]);
+    const int64_t top = bits ? 64 - __builtin_clzll(bits) : 0;  // highest set bit + 1 (a chain's token: none)
     TORCH_CHECK(prefix[g] + top <= L, "row_attention: visible positions past the cache");
     most = std::max(most, prefix[g] + __builtin_popcountll(static_cast<uint64_t>(mask[g])));
   }
