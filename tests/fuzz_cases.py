@@ -184,6 +184,12 @@ def describe(request) -> str:
     text = str(request)
     return text if len(text) < 3000 else text[:3000] + f"... ({len(text)} chars)"
 
+def q_row(row) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """A DraftDistribution's ids and probs as the wire packs them: little-endian int32, float32 (common.proto)."""
+    n = len(row.token_ids) // 4
+    return struct.unpack(f"<{n}i", row.token_ids[: 4 * n]), struct.unpack(f"<{n}f", row.probs[: 4 * n])
+
+
 def check_q_rows(v: Verdict, rows, k: int) -> None:
     if not rows:
         return
@@ -193,8 +199,7 @@ def check_q_rows(v: Verdict, rows, k: int) -> None:
         if not row.token_ids or len(row.token_ids) != len(row.probs) or len(row.token_ids) % 4:
             v.refuse.append(f"q[{i}] empty, misaligned or torn")
             continue
-        n = len(row.token_ids) // 4  # the wire: little-endian int32 ids, float32 probs (common.proto)
-        ids, probs = struct.unpack(f"<{n}i", row.token_ids), struct.unpack(f"<{n}f", row.probs)
+        ids, probs = q_row(row)
         check_ids(v, ids, f"q[{i}].token_ids")
         if len(set(ids)) != len(ids):
             v.refuse.append(f"q[{i}] duplicate ids")

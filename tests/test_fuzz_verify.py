@@ -14,7 +14,7 @@ from specdec.proto import common_pb2, target_pb2
 from tests.fuzz_cases import (FUZZ_SETTINGS, GREEDY_T, INVALID, MAX_CONTEXT, MAX_K, OK, PRECONDITION, RPC_TIMEOUT, SCALE,
                               VOCAB, Verdict, assert_healthy_and_clean, call_unary, check_context_len, check_ids,
                               check_prefix, check_q_rows, check_sampling, check_session_id, describe, end_session,
-                              forget, greedy_chain, in_top_k, model_logits, near_max)
+                              forget, greedy_chain, in_top_k, model_logits, near_max, q_row)
 from tests.fuzz_strategies import bad_id, draw_context, draw_q, draw_sampling, draw_session_id, pick, seeds, valid_id
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_fuzz_verify(cluster, target_stub, tiny_target_model):
         logits = model_logits(tiny_target_model, committed + drafts, k + 1)  # positions of d_1..d_K and the bonus
         greedy = s.temperature < GREEDY_T
         one_hot_p = greedy or (s.top_k == 1 and s.temperature <= 1e4)  # (a huge T can tie the scaled logits)
-        q_d = [dict(zip(r.token_ids, r.probs)).get(d, 0.0) for r, d in zip(q, drafts)] if q else [1.0] * k
+        q_d = [dict(zip(*q_row(r))).get(d, 0.0) for r, d in zip(q, drafts)] if q else [1.0] * k  # decoded, not bytes
         for i in range(n):
             assert q_d[i] > 0, f"draft {i} accepted although q_{i}(d_{i}) = 0"
             if one_hot_p:
@@ -131,6 +131,10 @@ def test_fuzz_verify(cluster, target_stub, tiny_target_model):
 
     try:
         run()
+    except BaseException:  # a failing example leaves no session behind on the cluster the next tests share
+        for sid in tracked | set(pool):
+            end_session(target_stub, sid)
+        raise
     finally:
         print(f"\nVerify outcomes: {counts}")
     assert_healthy_and_clean(cluster, tiny_target_model, {"target": tracked | set(pool)})
