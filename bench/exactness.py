@@ -97,17 +97,21 @@ def main(argv=None) -> int:
             v = row.float().topk(2).values
             return float(v[0] - v[1])
 
-        # 1. decode, one session at a time, one token per step
-        solo, solo_rows = [], []
-        for prompt in prompts:
-            logits = runner.forward([Feed(0, 0, prompt, 1)])[0]
+        def decode(prompt: list[int], cut: int) -> tuple[list[int], list]:
+            """n greedy tokens, one per step, after the prompt prefilled in steps [0, cut) and [cut, end)
+            (cut 0: one step): the sequence and the row that chose each token."""
+            if cut:
+                runner.forward([Feed(0, 0, prompt[:cut], 1)])
+            logits = runner.forward([Feed(0, cut, prompt[cut:], 1)])[0]
             seq, rows = [int(logits[-1].argmax())], [logits[-1]]
             for i in range(n - 1):
                 logits = runner.forward([Feed(0, len(prompt) + i, [seq[-1]], 1)])[0]
                 seq.append(int(logits[-1].argmax()))
                 rows.append(logits[-1])
-            solo.append(seq)
-            solo_rows.append(rows)
+            return seq, rows
+
+        # 1. decode, one session at a time, one token per step
+        solo, solo_rows = map(list, zip(*(decode(prompt, 0) for prompt in prompts)))
         r = {"positions": 0, "verify": {}, "batched": None, "generate": None}
         # 2. verify-shaped re-scoring: S in (K + 1)-token steps after the same prefill
         for k in ks:
@@ -137,15 +141,7 @@ def main(argv=None) -> int:
         r["batched"] = _sequence_diffs(batched, solo)
         # 3b. a split prefill, as prefix reuse or chunked prefill computes a prompt: its first blocks in one step
         # (a multiple of 16 tokens, the prefix index's block), the rest in the next, then greedy decoding
-        split = []
-        for prompt in prompts:
-            cut = max(16, (len(prompt) - 1) // 16 * 16) if len(prompt) > 16 else len(prompt) // 2
-            runner.forward([Feed(0, 0, prompt[:cut], 1)])
-            logits = runner.forward([Feed(0, cut, prompt[cut:], 1)])[0]
-            seq = [int(logits[-1].argmax())]
-            for i in range(n - 1):
-                seq.append(int(runner.forward([Feed(0, len(prompt) + i, [seq[-1]], 1)])[0][-1].argmax()))
-            split.append(seq)
+        split = [decode(p, max(16, (len(p) - 1) // 16 * 16) if len(p) > 16 else len(p) // 2)[0] for p in prompts]
         r["split"] = _sequence_diffs(split, solo)
         # 4. transformers' own generate, same device and dtype
         generated = []

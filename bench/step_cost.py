@@ -146,11 +146,10 @@ def load(path: str, device: str, dtype: str, random_weights: bool = False, block
 
 
 def make_runner(path: str, device: str, dtype: str, mode: str, slots: int, random_weights: bool = False):
-    from specdec.engine.kv_cache import KVGeometry, SlotKVCache
-    from specdec.engine.runner import Feed, ModelRunner
-
     import torch
 
+    from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+    from specdec.engine.runner import Feed, ModelRunner
     from specdec.engine.step import resolve_mode
 
     step = step_config(mode, capture_sessions=BATCHES, capture_tokens=(1, 2, 4, 8, 16, 32))

@@ -7,10 +7,10 @@
 // those whose bit is set in bits[r] (a tree node: its ancestors and itself). Keys and values of the step's
 // tokens are in the cache already.
 //
-// One (row, head) is one task: the scores q.k * scale over the visible positions in position order, their
+// One (row, head) is one task: the scores q.k * scale over the visible positions, 16 at a time, their
 // maximum, exp(score - max) (a vectorised exp: range reduction by ln 2 and a degree-6 polynomial, ~1 ulp),
-// the sum of those in a fixed lane order, then the weighted sum of the values in position order and one
-// division. Nothing in a task depends on the other rows of the step, so a row's output is bitwise the same
+// the sum of those in a fixed lane order, then the weighted sum of the values (even and odd positions in two
+// chains, added at the end) and one division: every sum in an order fixed by the visible positions alone. Nothing in a task depends on the other rows of the step, so a row's output is bitwise the same
 // alone or among any others (batch invariance), and no row pays for another's length: padded attention
 // scores every session's rows against the longest feed's (measured on a 2-core CPU: one 5-token verify
 // among 15 one-token decodes made the step's attention 2.6x the decodes' alone). Tasks are split among
@@ -53,9 +53,8 @@ inline __m512 transpose_reduce16(const __m512 (&acc)[V]) {
 template <int NV>
 inline void attend_one(const float* q, const float* keys, const float* values, int64_t stride_pos,
                        const int64_t* pos, int64_t n, float scale, float* scores, float* out) {
-  constexpr int nv = NV;
   __m512 qv[NV];
-  for (int v = 0; v < nv; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + v * V), _mm512_set1_ps(scale));
+  for (int v = 0; v < NV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + v * V), _mm512_set1_ps(scale));
   __m512 most = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n; i += V) {
     const int64_t m = n - i < V ? n - i : V;
@@ -66,7 +65,7 @@ inline void attend_one(const float* q, const float* keys, const float* values, i
       if (j < m) {
         const float* k = keys + pos[i + j] * stride_pos;
         a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int v = 1; v < nv; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + v * V), a);
+        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + v * V), a);
       }
       acc[KEY_SLOT[j]] = a;
     }
@@ -89,13 +88,13 @@ inline void attend_one(const float* q, const float* keys, const float* values, i
   // The weighted sum of the values in two interleaved halves (even and odd positions of `pos`, added at the
   // end): two independent chains of multiply-adds per vector where one would wait on each add's latency.
   __m512 even[NV], odd[NV];
-  for (int v = 0; v < nv; ++v) even[v] = odd[v] = _mm512_setzero_ps();
+  for (int v = 0; v < NV; ++v) even[v] = odd[v] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 1 < n; i += 2) {
     const float* a = values + pos[i] * stride_pos;
     const float* b = values + pos[i + 1] * stride_pos;
     const __m512 wa = _mm512_set1_ps(scores[i]), wb = _mm512_set1_ps(scores[i + 1]);
-    for (int v = 0; v < nv; ++v) {
+    for (int v = 0; v < NV; ++v) {
       even[v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[v]);
       odd[v] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(b + v * V), odd[v]);
     }
@@ -103,10 +102,10 @@ inline void attend_one(const float* q, const float* keys, const float* values, i
   if (i < n) {
     const float* a = values + pos[i] * stride_pos;
     const __m512 wa = _mm512_set1_ps(scores[i]);
-    for (int v = 0; v < nv; ++v) even[v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[v]);
+    for (int v = 0; v < NV; ++v) even[v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[v]);
   }
   const __m512 invv = _mm512_set1_ps(inv);
-  for (int v = 0; v < nv; ++v) _mm512_storeu_ps(out + v * V, _mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), invv));
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + v * V, _mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), invv));
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*, int64_t, float, float*, float*);
@@ -142,7 +141,7 @@ void row_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, to
     const uint64_t bits = static_cast<uint64_t>(mask[g]);
     const int64_t top = bits ? 64 - __builtin_clzll(bits) : 0;  // highest set bit + 1 (a chain's token: none)
     TORCH_CHECK(prefix[g] + top <= L, "row_attention: visible positions past the cache");
-    most = std::max(most, prefix[g] + __builtin_popcountll(static_cast<uint64_t>(mask[g])));
+    most = std::max(most, prefix[g] + __builtin_popcountll(bits));
   }
   const float* qp = q.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
