@@ -3,21 +3,23 @@
 A GGUF stores each weight row in blocks of 32 values: Q4_0 a float16 scale d and 4-bit q (value d (q - 8)),
 Q4_1 d and a float16 minimum m (value (d q) + m), Q8_0 d and 8-bit q (value q d). The reference model
 (transformers' float32 load of the file) holds exactly those values computed in float32 by gguf-py's numpy:
-float16 -> float32 is exact, the integers are exact, each product and sum rounded once. The kernel computes
-the same values, the same way (each product and sum rounded on its own: rounding-mode intrinsics, or an
-empty asm between them, so that the compiler cannot contract them into one multiply-add), so a dequantised weight is bitwise the
-reference's, and the product then runs the float32 skinny GEMM's sums term for term: quant_linear gives
+float16 -> float32 is exact, the integers are exact, each product and sum rounded once. Every product d q
+is exact in float32 (an 11-bit significand times at most 8 bits), so Q4_1's (d q) + m has one rounding
+whether it is computed as two operations or one multiply-add, and the kernel uses the one; a dequantised
+weight is bitwise the reference's, and the product then runs the float32 skinny GEMM's sums term for term: quant_linear gives
 bitwise what skinny_linear gives over the dequantised weights. The batch invariance and the contract against
 transformers' forward are the skinny GEMM's (specdec.engine.skinny_gemm).
 
 The blocks are repacked once at load into the skinny GEMM's panels of 16 output columns (same bytes, same
-values; `pack`): per panel and block one tile of the 16 columns' scales then their quants. A step reads
+values; `pack`): per panel and block one tile of the 16 columns' scales then their quants, a 4-bit format's
+as one 32-bit word of 8 nibbles per column and 8 k, so one vector load holds 8 weight vectors. A step reads
 each tile once and dequantises each weight vector in registers as the k loop reaches it, multiplying it
 into every row of the step (a verify of K + 1 rows dequantises once); a product of more than 9 rows
 dequantises each group of panels once into a buffer that all its row blocks read. A step streams the
-quantised bytes (the default target: 92 MiB for 513 MiB of float32). On a CPU with two AVX-512 ports the
-kernel is bound by those ports, not by memory: ~5 vector instructions dequantise 16 weights against one
-multiply-add per row (docs/performance.md has the figures).
+quantised bytes (the default target: 92 MiB for 513 MiB of float32). Dequantising 16 weights of a 4-bit
+format takes 2-3 vector instructions (a shift, a 16-entry table lookup that reads the nibble as its index
+and gives the float, the scale's multiply-add) against one multiply-add per row (docs/performance.md has
+the figures).
 
 Formats whose values cannot be computed like this (the K-quants' nested scales are products of two rounded
 float32 factors in gguf-py; not measured worth it yet) are refused at load: FORMATS lists what is served.
@@ -69,7 +71,14 @@ def pack(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     out = torch.empty(count, nb, fmt.tile_bytes, dtype=torch.uint8)
     out[..., :s * PANEL].view(count, nb, fmt.scales, PANEL, 2).copy_(
         blocks[..., :s].view(count, PANEL, nb, fmt.scales, 2).permute(0, 2, 3, 1, 4))  # [P, nb, S, 16, 2]
-    out[..., s * PANEL:].view(count, nb, -1, PANEL).copy_(blocks[..., s:].permute(0, 2, 3, 1))  # [P, nb, bytes, 16]
+    quants = blocks[..., s:]
+    if fmt.bits == 8:
+        out[..., s * PANEL:].view(count, nb, -1, PANEL).copy_(quants.permute(0, 2, 3, 1))  # [P, nb, k, 16]
+        return out
+    q = torch.cat([quants & 15, quants >> 4], dim=-1)  # [P, 16, nb, 32]: GGUF's byte j holds k = j and j + 16
+    words = q.view(count, PANEL, nb, 4, 4, 2)  # k = 8 g + 2 b + h: group g, byte b of the word, nibble h
+    words = words[..., 0] | (words[..., 1] << 4)  # [P, 16, nb, g, b]
+    out[..., s * PANEL:].view(count, nb, 4, PANEL, 4).copy_(words.permute(0, 2, 3, 1, 4))  # [P, nb, g, 16, b]
     return out
 
 
@@ -80,11 +89,12 @@ def dequantize_rows(packed: torch.Tensor, fmt: BlockFormat, rows: torch.Tensor) 
     t, nb, lane, at = rows.shape[0], packed.shape[1], rows % PANEL, torch.arange(rows.shape[0])
     s = 2 * fmt.scales
     scales = tiles[..., :s * PANEL].contiguous().view(torch.float16).view(t, nb, fmt.scales, PANEL)[at, :, :, lane].float()
-    quants = tiles[..., s * PANEL:].reshape(t, nb, -1, PANEL)[at, :, :, lane]  # [T, nb, bytes]
     d = scales[..., :1]
     if fmt.bits == 8:
+        quants = tiles[..., s * PANEL:].reshape(t, nb, -1, PANEL)[at, :, :, lane]  # [T, nb, 32]
         return (quants.view(torch.int8).float() * d).reshape(t, -1)
-    q = torch.cat([quants & 15, quants >> 4], dim=-1).float()  # [T, nb, 32]
+    words = tiles[..., s * PANEL:].reshape(t, nb, 4, PANEL, 4)[at, :, :, lane]  # [T, nb, g, b]
+    q = torch.stack([words & 15, words >> 4], dim=-1).reshape(t, nb, 32).float()  # k = 8 g + 2 b + h
     if fmt.name == "Q4_0":
         return (d * (q - 8)).reshape(t, -1)
     return ((d * q) + scales[..., 1:2]).reshape(t, -1)

@@ -12,9 +12,11 @@
 // Blocking. The rows of x go in blocks of at most 9, as even as they come (17 = 9 + 8). A block of MB rows
 // against NV panels at a time is the micro-kernel: MB x NV accumulators, NV weight vectors and one
 // broadcast value of x in the 32 vector registers (NV = the most that fit: 8 for 1-2 rows, 3 for 7-9). Per
-// k it loads NV weight vectors and broadcasts MB values, then does MB x NV multiply-adds. The row blocks
-// take each group of NV panels in turn (from L2 after the first: W streams from memory once per product);
-// the groups are split among torch's OpenMP threads.
+// k it loads NV weight vectors and broadcasts MB values, then does MB x NV multiply-adds. One row block
+// (M <= 9, a decode or verify step): each of torch's OpenMP threads takes an even share of the panels, NV at
+// a time and the rest in one micro-kernel of its width. More rows: the row blocks take each group of NV
+// panels in turn (from L2 after the first: W streams from memory once per product), the groups split among
+// the threads.
 //
 // Quantised weights (quant_linear): a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, packed into the same panels, are
 // dequantised inside the micro-kernel to bitwise gguf-py's float32 values, and summed exactly as above.
@@ -25,6 +27,7 @@
 
 #include <cstdlib>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -64,79 +67,76 @@ inline void kernel(const float* __restrict x, int64_t ldx, const float* __restri
 
 // Quantised weights: GGUF's blocks of 32 along k, kept as loaded and dequantised inside the product.
 // Packed (specdec.engine.quant_gemm.pack) in the same panels of 16 columns: panel p, block b is one tile,
-// the 16 columns' float16 scales (d; then m for Q4_1), then their quants: Q4 16 bytes per k = j, j + 16
-// (byte c: column c's two nibbles, low for k = j, high for k = j + 16, as GGUF stores them in a block),
-// Q8 16 bytes per k. A tile dequantises to float32 [32][16] exactly as gguf-py's numpy does (what the
-// reference model holds): float16 -> float32 is exact, the integers are exact, and each product and sum
-// is rounded once (_round_ intrinsics: never contracted into a fused multiply-add).
+// the 16 columns' float16 scales (d; then m for Q4_1), then their quants. Q4: four groups of 64 bytes, group g
+// one 32-bit word per column c holding its 8 nibbles for k = 8g .. 8g + 7 (nibble i, bits 4i .. 4i + 3: k =
+// 8g + i), so one vector load serves 8 weight vectors; Q8: 16 bytes per k. A tile dequantises to float32
+// [32][16] exactly as gguf-py's numpy does (what the reference model holds): float16 -> float32 is exact, the
+// integers are exact, and so is every product d q (an 11-bit significand times at most 8 bits fits float32's
+// 24), so Q4_1's (d q) + m is rounded once whether or not it is fused into one multiply-add, as gguf-py rounds
+// it once.
 constexpr int64_t QK = 32;  // k per block
-constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 enum Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
 
 inline int64_t tile_bytes(int64_t fmt) { return fmt == Q4_1 ? 64 + 256 : fmt == Q4_0 ? 32 + 256 : 32 + 512; }
 
-inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict out) {  // tile -> [32][16]
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
-  if (fmt == Q8_0) {  // d * q, q int8
-    for (int k = 0; k < QK; ++k) {
-      const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * k)));
-      _mm512_store_ps(out + PANEL * k, _mm512_mul_round_ps(_mm512_cvtepi32_ps(q), d, ROUND));
-    }
-    return;
-  }
-  const uint8_t* qs = t + (fmt == Q4_1 ? 64 : 32);
-  const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(fmt == Q4_0 ? 8 : 0);
-  const __m512 m = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)))
-                               : _mm512_setzero_ps();
-  for (int j = 0; j < QK / 2; ++j) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j)));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, low), eight));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
-    if (fmt == Q4_1) {  // (d * q) + m
-      _mm512_store_ps(out + PANEL * j, _mm512_add_round_ps(_mm512_mul_round_ps(d, lo, ROUND), m, ROUND));
-      _mm512_store_ps(out + PANEL * (j + 16), _mm512_add_round_ps(_mm512_mul_round_ps(d, hi, ROUND), m, ROUND));
-    } else {  // d * (q - 8)
-      _mm512_store_ps(out + PANEL * j, _mm512_mul_round_ps(d, lo, ROUND));
-      _mm512_store_ps(out + PANEL * (j + 16), _mm512_mul_round_ps(d, hi, ROUND));
-    }
-  }
+// A 4-bit quant q as the float the format multiplies by d: a table lookup on each lane's low 4 bits
+// (vpermps ignores the rest, so the nibble needs no mask and no conversion): q for Q4_1, q - 8 for Q4_0.
+template <int64_t FMT>
+inline __m512 nibble_table() {
+  return FMT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-// One weight vector (16 columns at k) of a tile, dequantised in registers: gguf-py's operations, each rounded
-// once (the empty asm keeps Q4_1's product and sum from being contracted into one multiply-add). s: the
-// tile's scales as float32, d then m.
-template <int64_t FMT, bool HIGH>
-inline __m512 weight(const uint8_t* __restrict t, const float* __restrict s, int k) {
+// One weight vector (16 columns at k) of a tile, dequantised in registers as gguf-py computes it. s: the
+// tile's scales as float32, d then m; table: nibble_table<FMT>().
+template <int64_t FMT, int K>
+inline __m512 weight(const uint8_t* __restrict t, const float* __restrict s, __m512 table) {
   if constexpr (FMT == Q8_0) {  // q * d
-    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * k)));
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * K)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_load_ps(s));
   } else {
-    const uint8_t* qs = t + (FMT == Q4_1 ? 64 : 32);
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * k)));
-    b = HIGH ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15));
-    if constexpr (FMT == Q4_0) b = _mm512_sub_epi32(b, _mm512_set1_epi32(8));  // d * (q - 8)
-    __m512 p = _mm512_mul_ps(_mm512_load_ps(s), _mm512_cvtepi32_ps(b));
-    if constexpr (FMT == Q4_1) {  // (d * q) + m
-      asm("" : "+v"(p));
-      p = _mm512_add_ps(p, _mm512_load_ps(s + PANEL));
-    }
-    return p;
+    const __m512i words = _mm512_loadu_si512(t + (FMT == Q4_1 ? 64 : 32) + 64 * (K / 8));
+    const __m512 q = _mm512_permutexvar_ps(K % 8 ? _mm512_srli_epi32(words, 4 * (K % 8)) : words, table);
+    if constexpr (FMT == Q4_1) return _mm512_fmadd_ps(_mm512_load_ps(s), q, _mm512_load_ps(s + PANEL));  // (d q) + m
+    return _mm512_mul_ps(_mm512_load_ps(s), q);  // d (q - 8)
   }
 }
 
 // The float kernel's sums, term for term, over the tiles' weights dequantised in registers as the k loop
 // reaches them: each weight vector is dequantised once and used by all MB rows.
-template <int MB, int NV, int64_t FMT, bool HIGH>
-inline void qsteps(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
-                   const float (&scale)[NV][2 * PANEL], int k0) {
-  for (int k = 0; k < QK / 2; ++k) {
-    __m512 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = weight<FMT, HIGH>(t[v], scale[v], FMT == Q8_0 ? k0 + k : k);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 xb = _mm512_set1_ps(x[i * ldx + k0 + k]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
-    }
+template <int MB, int NV, int64_t FMT, int K>
+inline void qstep(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
+                  const float (&scale)[NV][2 * PANEL], __m512 table) {
+  __m512 wv[NV];
+  for (int v = 0; v < NV; ++v) wv[v] = weight<FMT, K>(t[v], scale[v], table);
+  for (int i = 0; i < MB; ++i) {
+    const __m512 xb = _mm512_set1_ps(x[i * ldx + K]);
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
   }
+}
+
+template <int MB, int NV, int64_t FMT, int... K>
+inline void qsteps(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
+                   const float (&scale)[NV][2 * PANEL], std::integer_sequence<int, K...>) {
+  const __m512 table = nibble_table<FMT>();
+  (qstep<MB, NV, FMT, K>(acc, x, ldx, t, scale, table), ...);  // k = 0 .. 31 in order
+}
+
+template <int64_t FMT, int... K>
+inline void dequant_tile(const uint8_t* __restrict t, const float* __restrict s, float* __restrict out,
+                         std::integer_sequence<int, K...>) {
+  const __m512 table = nibble_table<FMT>();
+  (_mm512_store_ps(out + PANEL * K, weight<FMT, K>(t, s, table)), ...);
+}
+
+inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict out) {  // tile -> [32][16]
+  alignas(64) float s[2 * PANEL];
+  _mm512_store_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t))));
+  if (fmt == Q4_1) _mm512_store_ps(s + PANEL, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32))));
+  constexpr auto ks = std::make_integer_sequence<int, QK>{};
+  if (fmt == Q4_0) dequant_tile<Q4_0>(t, s, out, ks);
+  else if (fmt == Q4_1) dequant_tile<Q4_1>(t, s, out, ks);
+  else dequant_tile<Q8_0>(t, s, out, ks);
 }
 
 template <int MB, int NV, int64_t FMT>
@@ -155,8 +155,7 @@ inline void qkernel(const float* __restrict x, int64_t ldx, const uint8_t* __res
       if (FMT == Q4_1)
         _mm512_store_ps(scale[v] + PANEL, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + 32))));
     }
-    qsteps<MB, NV, FMT, false>(acc, x + blk * QK, ldx, t, scale, 0);   // k = 0 .. 15 (Q4: the low nibbles)
-    qsteps<MB, NV, FMT, true>(acc, x + blk * QK, ldx, t, scale, 16);   // k = 16 .. 31 (Q4: the high nibbles)
+    qsteps<MB, NV, FMT>(acc, x + blk * QK, ldx, t, scale, std::make_integer_sequence<int, QK>{});
   }
   store<MB, NV>(acc, bias, y, ldy, cols);
 }
@@ -184,7 +183,17 @@ struct Blocks {  // packed quantised tiles [count, nb, tile]
   }
 };
 
-// Rows [0, MB) of x against panels [p0, p1): NV at a time, then one at a time.
+// The last `rest` (< NV) panels from p as one micro-kernel of that many.
+template <int MB, int NV, class W>
+inline void rest_of(const W& w, const float* x, int64_t ldx, const float* bias, float* y, int64_t ldy, int64_t N,
+                    int64_t p, int64_t rest) {
+  if constexpr (NV > 0) {
+    if (rest < NV) return rest_of<MB, NV - 1>(w, x, ldx, bias, y, ldy, N, p, rest);
+    w.template run<MB, NV>(x, ldx, p, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
+  }
+}
+
+// Rows [0, MB) of x against panels [p0, p1): NV at a time, the rest in one micro-kernel of its width.
 template <int MB, class W>
 inline void panels(const W& w, const float* x, int64_t ldx, const float* bias, float* y, int64_t ldy, int64_t N,
                    int64_t p0, int64_t p1) {
@@ -192,8 +201,7 @@ inline void panels(const W& w, const float* x, int64_t ldx, const float* bias, f
   int64_t p = p0;
   for (; p + NV <= p1; p += NV)
     w.template run<MB, NV>(x, ldx, p, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
-  for (; p < p1; ++p)
-    w.template run<MB, 1>(x, ldx, p, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
+  rest_of<MB, NV - 1>(w, x, ldx, bias, y, ldy, N, p, p1 - p);
 }
 
 template <class W>
@@ -219,6 +227,10 @@ template <class W>
 void product(const W& w, const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, int64_t count,
              const float* bias, float* y) {
   const int64_t blocks = (M + MAX_MB - 1) / MAX_MB;
+  if (blocks == 1) {  // one row block: each thread an even share of the panels (a matrix of few panels stays balanced)
+    at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) { block(M, w, x, ldx, bias, y, N, N, p0, p1); });
+    return;
+  }
   const int64_t group = NV_FOR[(M + blocks - 1) / blocks];  // panels per group: the first (largest) block's NV
   const int64_t groups = (count + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
