@@ -122,6 +122,28 @@ def test_a_row_past_the_cache_is_refused():
     assert torch.isfinite(out).all()
 
 
+def test_the_kernel_stores_a_steps_keys_and_values_as_the_indexed_copy_does():
+    """store_rows (the step's keys and values into their slots, from strided views of the fused product, as the
+    decoder hands them) leaves bitwise the cache SlotKVCache.write leaves; a slot or position out of range is
+    refused and writes nothing."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(4, (H + 2 * H_KV) * D, generator=g)  # four tokens of three sessions, as one product
+    key = qkv[:, H * D:(H + H_KV) * D].view(4, H_KV, D).transpose(0, 1)  # [H_kv, T, D], strided
+    value = qkv[:, (H + H_KV) * D:].view(4, H_KV, D).transpose(0, 1)
+    slots, positions = torch.tensor([0, 2, 2, 1]), torch.tensor([7, 0, 1, L - 1])
+    indexed, kernel = cache(), cache()
+    indexed.write(0, slots, positions, key, value)
+    attention.row_kernel().store_rows(kernel.keys[0], kernel.values[0], slots, positions, key, value)
+    assert torch.equal(kernel.keys[0], indexed.keys[0]) and torch.equal(kernel.values[0], indexed.values[0])
+    assert kernel.keys[0].abs().sum() > 0
+    for bad_slots, bad_positions in (([0, 2, 2, 8], [7, 0, 1, 2]), ([0, 2, 2, 1], [7, 0, 1, L])):
+        before = kernel.keys[0].clone()
+        with pytest.raises(RuntimeError, match="store_rows: slot or position out of range"):
+            attention.row_kernel().store_rows(kernel.keys[0], kernel.values[0], torch.tensor(bad_slots),
+                                              torch.tensor(bad_positions), key, value)
+        assert torch.equal(kernel.keys[0], before)
+
+
 def test_a_feed_that_fills_its_slot_to_the_last_position():
     """A chain whose last token takes the slot's last position (a context at its limit) attends like any other:
     equal to PyTorch's attention over the padded group."""

@@ -150,7 +150,7 @@ def fused_product(linears: Sequence[QuantLinear]):
     first = linears[0]
     if len(linears) == 1 or any(lin.fmt != first.fmt or lin.in_features != first.in_features for lin in linears) \
             or any(lin.out_features % PANEL for lin in linears[:-1]):
-        return lambda x: [lin(x) for lin in linears]
+        return lambda x: [lin.forward(x) for lin in linears]  # forward: no module call around a decode's ~120 products
     packed = torch.cat([lin.packed for lin in linears])
     start = 0
     for lin in linears:
@@ -158,4 +158,4 @@ def fused_product(linears: Sequence[QuantLinear]):
         lin.packed, start = packed[start:start + count], start + count
     fused = QuantLinear(packed, first.fmt, sum(lin.out_features for lin in linears), first.in_features)
     sizes = [lin.out_features for lin in linears]
-    return lambda x: torch.split(fused(x), sizes, dim=-1)
+    return lambda x: fused.forward(x).split_with_sizes(sizes, dim=-1)
