@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
 
+from specdec.engine.threads import spin_briefly  # torch-free
+
+spin_briefly()  # before torch loads libgomp (specdec/engine/threads.py says why)
+
 from draft_service.service import SERVICE_NAME, DraftConfig, build
 from specdec.core.settings import Settings, fail
 from specdec.engine.eagle3_checks import CheckpointError

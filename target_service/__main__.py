@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
 
+from specdec.engine.threads import spin_briefly  # torch-free
+
+spin_briefly()  # before torch loads libgomp (specdec/engine/threads.py says why)
+
 from target_service.service import SERVICE_NAME, TargetConfig, build
 from specdec.core.settings import Settings
 from specdec.serving.flags import parse_service, ready_tier, tier_settings

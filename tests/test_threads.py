@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from specdec.engine.threads import _libgomp
+from specdec.engine.threads import SPIN_COUNT, _libgomp
 
 
 # PyTorch's Linux wheels ship GNU OpenMP; elsewhere release_thread_pool is a no-op by design.
@@ -76,3 +76,32 @@ def test_an_engine_leaves_no_pool_on_the_thread_that_loaded_it(tiny_target):
         engine.close()
     """)
     assert out == "0"
+
+
+@pytest.mark.parametrize("tier", ["target_service", "draft_service"])
+def test_a_tier_shortens_the_spin_before_torch_loads_and_an_operators_value_wins(tier):
+    """A tier's entry point sets GOMP_SPINCOUNT (libgomp reads it once, when torch loads it) before anything
+    imports torch; a value already in the environment is kept."""
+    out = run(f"""
+        import os, sys
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        seen = []
+
+        class Watch:  # notes the setting at the moment torch is first imported
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" and not seen:
+                    seen.append(os.environ.get("GOMP_SPINCOUNT"))
+                return None
+
+        sys.meta_path.insert(0, Watch())
+        import {tier}.__main__
+        print(seen, os.environ["GOMP_SPINCOUNT"])
+    """)
+    assert out == f"['{SPIN_COUNT}'] {SPIN_COUNT}"
+    kept = run(f"""
+        import os
+        os.environ["GOMP_SPINCOUNT"] = "123"
+        import {tier}.__main__
+        print(os.environ["GOMP_SPINCOUNT"])
+    """)
+    assert kept == "123"
