@@ -20,9 +20,9 @@ With another OpenMP runtime (LLVM's libomp on macOS, Intel's) this is a no-op: t
 every team's threads, not just the caller's.
 
 How long the team spins: libgomp's workers spin GOMP_SPINCOUNT times after a parallel region before they
-sleep, 300,000 by default (~15 ms here), so after each step a tier's workers hold their cores through the
+sleep, 300,000 by default (milliseconds: a pause instruction each), so after each step a tier's workers hold their cores through the
 whole round trip, where the coordinator and the gRPC threads of every process need them on a shared CPU.
-A tier sets SPIN_COUNT (~0.5 ms: longer than the gaps between a step's regions, shorter than a round's wait)
+A tier sets SPIN_COUNT (a fraction of a millisecond: longer than the gaps between a step's regions, shorter than a round's wait)
 unless GOMP_SPINCOUNT is set (`spin_briefly`, at its entry point, before torch loads libgomp). Measured on
 the 2-core Xeon, the default target at K = 0 through `run-local`, 8 interleaved pairs of 256-token runs: the
 coordinator's time per round -11% (7 of 8 pairs lower), network + gRPC -6%, tokens/s +3%
@@ -39,7 +39,7 @@ import threading
 log = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: omp_pause_soft
-SPIN_COUNT = "10000"  # a tier's libgomp workers spin this many times (~0.5 ms) after a region, then sleep
+SPIN_COUNT = "10000"  # a tier's libgomp workers spin this many times (well under 1 ms) after a region, then sleep
 
 
 def spin_briefly() -> None:
