@@ -81,10 +81,12 @@ def test_an_engine_leaves_no_pool_on_the_thread_that_loaded_it(tiny_target):
 @pytest.mark.parametrize("tier", ["target_service", "draft_service"])
 def test_a_tier_shortens_the_spin_before_torch_loads_and_an_operators_value_wins(tier):
     """A tier's entry point sets GOMP_SPINCOUNT (libgomp reads it once, when torch loads it) before anything
-    imports torch; a value already in the environment is kept."""
+    imports torch; an operator's GOMP_SPINCOUNT is kept, and so is an OMP_WAIT_POLICY (which GOMP_SPINCOUNT
+    would override)."""
     out = run(f"""
         import os, sys
         os.environ.pop("GOMP_SPINCOUNT", None)
+        os.environ.pop("OMP_WAIT_POLICY", None)
         seen = []
 
         class Watch:  # notes the setting at the moment torch is first imported
@@ -105,3 +107,11 @@ def test_a_tier_shortens_the_spin_before_torch_loads_and_an_operators_value_wins
         print(os.environ["GOMP_SPINCOUNT"])
     """)
     assert kept == "123"
+    passive = run(f"""
+        import os
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        import {tier}.__main__
+        print(os.environ.get("GOMP_SPINCOUNT"))
+    """)
+    assert passive == "None"

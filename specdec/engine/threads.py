@@ -20,13 +20,13 @@ With another OpenMP runtime (LLVM's libomp on macOS, Intel's) this is a no-op: t
 every team's threads, not just the caller's.
 
 How long the team spins: libgomp's workers spin GOMP_SPINCOUNT times after a parallel region before they
-sleep, 300,000 by default (milliseconds: a pause instruction each), so after each step a tier's workers hold their cores through the
-whole round trip, where the coordinator and the gRPC threads of every process need them on a shared CPU.
-A tier sets SPIN_COUNT (a fraction of a millisecond: longer than the gaps between a step's regions, shorter than a round's wait)
-unless GOMP_SPINCOUNT is set (`spin_briefly`, at its entry point, before torch loads libgomp). Measured on
-the 2-core Xeon, the default target at K = 0 through `run-local`, 8 interleaved pairs of 256-token runs: the
-coordinator's time per round -11% (7 of 8 pairs lower), network + gRPC -6%, tokens/s +3%
-(docs/performance.md, The split's cost on a CPU).
+sleep, 300,000 by default (milliseconds: a pause instruction each), so after each step a tier's workers
+held their cores through the whole round trip, where the coordinator and every process's gRPC threads need
+them on a shared CPU. A tier sets SPIN_COUNT (a fraction of a millisecond: longer than the gaps between a
+step's regions, shorter than a round's wait) unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set
+(`spin_briefly`, at its entry point, before torch loads libgomp). Measured on the 2-core Xeon, the default
+target at K = 0 through `run-local`, 8 interleaved pairs of 256-token runs: the coordinator's time per round
+-11% (7 of 8 pairs lower), network + gRPC -6%, tokens/s +3% (docs/performance.md, Per-round overhead).
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ SPIN_COUNT = "10000"  # a tier's libgomp workers spin this many times (well unde
 
 def spin_briefly() -> None:
     """A tier's entry point, before torch loads: its OpenMP workers spin SPIN_COUNT times, not libgomp's
-    300,000, unless GOMP_SPINCOUNT is set (an operator's value wins; OMP_WAIT_POLICY=PASSIVE still means none)."""
-    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+    300,000, unless the operator chose: GOMP_SPINCOUNT or OMP_WAIT_POLICY set (libgomp lets GOMP_SPINCOUNT
+    override the policy, so setting it beside PASSIVE would undo the operator's choice)."""
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
 
 
 def _libgomp() -> ctypes.CDLL | None:
