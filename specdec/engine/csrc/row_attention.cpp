@@ -11,8 +11,9 @@
 // One (row, head) is one task: the scores q.k * scale over the visible positions, 16 at a time, their
 // maximum, exp(score - max) (a vectorised exp: range reduction by ln 2 and a degree-6 polynomial, ~1 ulp),
 // the sum of those in a fixed lane order, then the weighted sum of the values (even and odd positions in two
-// chains, added at the end) and one division: every sum in an order fixed by the visible positions alone. Nothing in a task depends on the other rows of the step, so a row's output is bitwise the same
-// alone or among any others (batch invariance), and no row pays for another's length: padded attention
+// chains, added at the end) and one division: every sum in an order fixed by the visible positions alone.
+// Nothing in a task depends on the other rows of the step, so a row's output is bitwise the same alone or
+// among any others (batch invariance), and no row pays for another's length: padded attention
 // scores every session's rows against the longest feed's (measured on a 2-core CPU: one 5-token verify
 // among 15 one-token decodes made the step's attention 2.6x the decodes' alone). Tasks are split among
 // torch's OpenMP threads.

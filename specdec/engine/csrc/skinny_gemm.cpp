@@ -129,10 +129,15 @@ inline void dequant_tile(const uint8_t* __restrict t, const float* __restrict s,
   (_mm512_store_ps(out + PANEL * K, weight<FMT, K>(t, s, table)), ...);
 }
 
-inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict out) {  // tile -> [32][16]
-  alignas(64) float s[2 * PANEL];
+// A tile's float16 scales as float32 into s: d, then m where the format has one (Q4_1).
+inline void tile_scales(int64_t fmt, const uint8_t* __restrict t, float* __restrict s) {
   _mm512_store_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t))));
   if (fmt == Q4_1) _mm512_store_ps(s + PANEL, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32))));
+}
+
+inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict out) {  // tile -> [32][16]
+  alignas(64) float s[2 * PANEL];
+  tile_scales(fmt, t, s);
   constexpr auto ks = std::make_integer_sequence<int, QK>{};
   if (fmt == Q4_0) dequant_tile<Q4_0>(t, s, out, ks);
   else if (fmt == Q4_1) dequant_tile<Q4_1>(t, s, out, ks);
@@ -151,9 +156,7 @@ inline void qkernel(const float* __restrict x, int64_t ldx, const uint8_t* __res
     const uint8_t* t[NV];
     for (int v = 0; v < NV; ++v) {
       t[v] = w + (v * nb + blk) * tb;
-      _mm512_store_ps(scale[v], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v]))));
-      if (FMT == Q4_1)
-        _mm512_store_ps(scale[v] + PANEL, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v] + 32))));
+      tile_scales(FMT, t[v], scale[v]);
     }
     qsteps<MB, NV, FMT>(acc, x + blk * QK, ldx, t, scale, std::make_integer_sequence<int, QK>{});
   }
@@ -220,9 +223,9 @@ inline void block(int64_t mb, const W& w, const float* x, int64_t ldx, const flo
   }
 }
 
-// y [M, N] = x [M, K] W^T + bias over `count` panels: the row blocks take each group of panels in turn,
-// the groups split among the threads. Quantised weights with more than one row block: each group's panels
-// are dequantised once into a float buffer (L2) that all the row blocks then read.
+// y [M, N] = x [M, K] W^T + bias over `count` panels. One row block: the panels split evenly among the
+// threads. More: the row blocks take each group of panels in turn, the groups split among the threads, and
+// quantised weights are dequantised a group at a time into a float buffer (L2) that all the row blocks read.
 template <class W>
 void product(const W& w, const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, int64_t count,
              const float* bias, float* y) {
@@ -234,27 +237,22 @@ void product(const W& w, const float* x, int64_t ldx, int64_t M, int64_t K, int6
   const int64_t group = NV_FOR[(M + blocks - 1) / blocks];  // panels per group: the first (largest) block's NV
   const int64_t groups = (count + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    float* buffer = nullptr;
-    if constexpr (std::is_same_v<W, Blocks>)
-      if (blocks > 1) buffer = static_cast<float*>(std::aligned_alloc(64, group * K * PANEL * sizeof(float)));
+    constexpr bool quantised = std::is_same_v<W, Blocks>;
+    float* buffer = quantised ? static_cast<float*>(std::aligned_alloc(64, group * K * PANEL * sizeof(float))) : nullptr;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * group, p1 = std::min(count, p0 + group);
+      if constexpr (quantised)  // the group's panels dequantised once, for every row block
+        for (int64_t p = p0; p < p1; ++p)
+          for (int64_t blk = 0; blk < w.nb; ++blk)
+            dequant(w.fmt, w.w + (p * w.nb + blk) * tile_bytes(w.fmt), buffer + ((p - p0) * K + blk * QK) * PANEL);
       int64_t m = 0;
       for (int64_t i = 0; i < blocks; ++i) {
         const int64_t mb = (M - m + (blocks - i) - 1) / (blocks - i);  // the remaining rows, shared out evenly
-        if constexpr (std::is_same_v<W, Blocks>) {
-          if (buffer != nullptr) {
-            if (i == 0)
-              for (int64_t p = p0; p < p1; ++p)
-                for (int64_t blk = 0; blk < w.nb; ++blk)
-                  dequant(w.fmt, w.w + (p * w.nb + blk) * tile_bytes(w.fmt), buffer + ((p - p0) * K + blk * QK) * PANEL);
-            block(mb, Floats{buffer, K}, x + m * ldx, ldx, bias ? bias + p0 * PANEL : nullptr, y + m * N + p0 * PANEL,
-                  N, N - p0 * PANEL, 0, p1 - p0);
-            m += mb;
-            continue;
-          }
-        }
-        block(mb, w, x + m * ldx, ldx, bias, y + m * N, N, N, p0, p1);
+        if constexpr (quantised)
+          block(mb, Floats{buffer, K}, x + m * ldx, ldx, bias ? bias + p0 * PANEL : nullptr, y + m * N + p0 * PANEL,
+                N, N - p0 * PANEL, 0, p1 - p0);
+        else
+          block(mb, w, x + m * ldx, ldx, bias, y + m * N, N, N, p0, p1);
         m += mb;
       }
     }
