@@ -338,18 +338,18 @@ def attend(step: StepLayout, layer: int, query: torch.Tensor, key: torch.Tensor,
     """query [1, H, T, D], key / value [1, H_kv, T, D] (the step's new tokens, rotary applied) ->
     [T, H, D]. Stores the step's keys and values in the sessions' slots, then attends."""
     kv_positions = step.positions if step.kv_positions is None else step.kv_positions
-    kernel = row_kernel() if step.rows is not None else None
-    if kernel is not None:  # a float32 CPU cache: the same copy in one kernel call
+    kernel = row_kernel() if step.rows is not None else None  # a float32 CPU step on the row kernel
+    if kernel is not None:  # the cache's indexed copy, in one kernel call
         kernel.store_rows(step.cache.keys[layer], step.cache.values[layer], step.slots, kv_positions, key[0], value[0])
     else:
         step.cache.write(layer, step.slots, kv_positions, key[0], value[0])
     heads, dim = query.shape[1], query.shape[3]
     out = query.new_empty(query.shape[2], heads, dim)  # [T, H, D]
     tokens = query[0].transpose(0, 1)  # [T, H, D]
-    if step.rows is not None:
+    if kernel is not None:
         r = step.rows
         kernel.row_attention(tokens, step.cache.keys[layer], step.cache.values[layer], r.token_index, r.slot,
-                                   r.base, r.bits, scaling if scaling is not None else dim ** -0.5, out)
+                             r.base, r.bits, scaling if scaling is not None else dim ** -0.5, out)
     g = step.group
     if g is not None:
         padded = query.new_zeros(g.count, g.n_max, heads, dim)

@@ -6,8 +6,8 @@ Q4_1 d and a float16 minimum m (value (d q) + m), Q8_0 d and 8-bit q (value q d)
 float16 -> float32 is exact, the integers are exact, each product and sum rounded once. Every product d q
 is exact in float32 (an 11-bit significand times at most 8 bits), so Q4_1's (d q) + m has one rounding
 whether it is computed as two operations or one multiply-add, and the kernel uses the one; a dequantised
-weight is bitwise the reference's, and the product then runs the float32 skinny GEMM's sums term for term: quant_linear gives
-bitwise what skinny_linear gives over the dequantised weights. The batch invariance and the contract against
+weight is bitwise the reference's, and the product then runs the float32 skinny GEMM's sums term for term:
+quant_linear gives bitwise what skinny_linear gives over the dequantised weights. The batch invariance and the contract against
 transformers' forward are the skinny GEMM's (specdec.engine.skinny_gemm).
 
 The blocks are repacked once at load into the skinny GEMM's panels of 16 output columns (same bytes, same
@@ -116,13 +116,11 @@ class QuantLinear(torch.nn.Module):
         self._linear = ops.quant_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.dim() == 2 and x.stride(-1) == 1:  # the decoder's rows as they come: the kernel call alone
-            return self._linear(x, self.packed, self.fmt.ggml_type, self.out_features, None)
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the decoder's rows: as they come
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = self._linear(rows, self.packed, self.fmt.ggml_type, self.out_features, None)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """W [out, in] float32: the reference model's weight, bitwise (tests, and a fallback's copy)."""
