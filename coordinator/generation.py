@@ -32,7 +32,7 @@ class Target(Protocol):
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
                      q: list[common_pb2.DraftDistribution], parents: list[int] = (), masks: list[bytes] = (),
-                     tree_scheme: int = 0) -> Verdict: ...
+                     tree_scheme: int = 0, run_on: int = 0) -> Verdict: ...
 
     async def close(self) -> None: ...
 
@@ -77,10 +77,11 @@ class Generation:
             proposal = await self.drafter.propose(committed, hashes, limit)  # propose
             proposal, masks = self.constraint.check(proposal, p.sampling.greedy)  # (the grammar's masks)
             verdict = await self.drafter.verify(self.target.verify(  # verify (the draft tier may push meanwhile)
-                committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks, proposal.tree_scheme), proposal)
+                committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks, proposal.tree_scheme,
+                proposal.run_on), proposal)
             n = verdict.num_accepted  # accept
             path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
-            accepted = [proposal.tokens[i] for i in path] + [verdict.next_token]
+            accepted = [proposal.tokens[i] for i in path] + [verdict.next_token] + list(verdict.run_on)
             self.drafter.observe(proposal, verdict, accepted)
             chunk = out.take(accepted)  # commit, cut at EOS, the budget or a stop string
             self.constraint.commit(chunk)

@@ -36,6 +36,7 @@ class TargetConfig:
                              "reference, and the output would no longer be the target's: only a draft tier takes it")
 
 
+MAX_RUN_ON = 64  # tokens a target-only request may decode on after its verdict (VerifyRequest.run_on_seeds)
 RESPONSE_HEADROOM = 64 * 1024  # bytes of a VerifyResponse besides its features (17 tokens' top-20 logprobs: ~3 KiB)
 
 
@@ -76,10 +77,16 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
             raise invalid_argument("draft_parents: token trees take no presence, frequency or repetition penalty "
                                    "(send the drafts as a chain)")
         layers = feature_layers(request, engine, self.max_feature_bytes)
+        if request.run_on_seeds and (k or request.token_masks or layers):
+            raise invalid_argument("run_on_seeds: only for a target-only round (no draft_tokens, token_masks or "
+                                   "feature_layers): the target decodes on by itself")
+        if len(request.run_on_seeds) > MAX_RUN_ON:
+            raise invalid_argument(f"run_on_seeds: at most {MAX_RUN_ON} tokens a request, got {len(request.run_on_seeds)}")
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
                                  list(request.draft_tokens), q, params, request.seed, prompt_len=prompt_len,
                                  logprobs=request.top_logprobs if request.logprobs else -1, parents=parents,
-                                 scheme=scheme, allowed=allowed, feature_layers=layers)
+                                 scheme=scheme, allowed=allowed, feature_layers=layers,
+                                 run_on_seeds=list(request.run_on_seeds))
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
@@ -88,7 +95,7 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                          batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms,
                                          prefix_reused=r.reused, accepted_path=r.path if r.tree else (),
                                          features=to_bytes(r.features) if r.features is not None else b"",
-                                         features_start=r.features_start,
+                                         features_start=r.features_start, run_on_tokens=r.run_on,
                                          logprobs=[target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
                                                                             top_token_ids=t.top_ids, top_logprobs=t.top_logprobs)
                                                    for t in r.logprobs])

@@ -66,12 +66,14 @@ class FakeTarget:
     def __init__(self, continuation: list[int], fail_on_call: int | None = None) -> None:
         self.continuation = continuation
         self.calls: list[list[int]] = []  # the drafts of each verify
+        self.run_ons: list[int] = []  # the run-on each verify allowed
         self.masks: list[list[bytes]] = []  # the structured-output masks of each verify
         self.fail_on_call = fail_on_call
         self.closed = False
 
-    async def verify(self, committed, hashes, drafts, q, parents=(), masks=(), tree_scheme=0) -> Verdict:
+    async def verify(self, committed, hashes, drafts, q, parents=(), masks=(), tree_scheme=0, run_on=0) -> Verdict:
         self.calls.append(list(drafts))
+        self.run_ons.append(run_on)
         self.masks.append(list(masks))
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise TierError("target", grpc.StatusCode.UNAVAILABLE, "connection refused")
@@ -80,7 +82,9 @@ class FakeTarget:
         n = 0
         while n < len(drafts) and drafts[n] == self.continuation[at + n]:
             n += 1
-        return Verdict(n, self.continuation[at + n], wall_ms=1.0)
+        assert not (run_on and drafts), "run-on is for target-only rounds"
+        return Verdict(n, self.continuation[at + n], wall_ms=1.0,
+                       run_on=tuple(self.continuation[at + 1: at + 1 + run_on]))  # (the real target stops at EOS too)
 
     async def close(self) -> None:
         self.closed = True
@@ -315,3 +319,32 @@ def test_structured_output_forced_tokens_skip_the_tiers_and_the_masks_reach_the_
     assert all(len(d) <= 1 for d in target.calls) and all(len(m) == len(d) + 1 for d, m in zip(target.calls, target.masks))
     assert constraint.checked[0] == t[2:5]  # the draft's proposal, before the grammar cut it
     assert result.finish_reason == FR.FINISH_REASON_LENGTH
+
+
+def test_target_only_rounds_let_the_target_run_on_more_as_they_follow_one_another():
+    cont = truth()
+    target = FakeTarget(cont)
+    chunks, result = run(generation(target, k=0, max_new=30))
+    assert tokens(chunks) == cont[:30] and result.finish_reason == FR.FINISH_REASON_LENGTH
+    assert target.run_ons == [0, 1, 3, 7, 8, 5]  # never on the first token; doubling to the cap; the last cut to the budget
+    assert [len(c.token_ids) for c in chunks] == [1, 2, 4, 8, 9, 6] and result.stats.rounds == 6
+
+    cont[9] = EOS  # inside the fourth round's run-on
+    target = FakeTarget(cont)
+    chunks, result = run(generation(target, k=0, max_new=30, eos={EOS}))
+    assert tokens(chunks) == cont[:10] and result.finish_reason == FR.FINISH_REASON_EOS
+
+    text = Tokenizer().decode(cont)
+    target = FakeTarget(truth())
+    chunks, result = run(generation(target, k=0, max_new=30, stop=[text[5:7]]))  # a stop string inside a run-on
+    assert tokens(chunks) == cont[:7] and result.finish_reason == FR.FINISH_REASON_STOP
+
+
+def test_a_round_with_drafts_starts_the_run_on_over():
+    cont = list(range(5, 25)) + list(range(5, 17)) + list(range(100, 160))  # a repeat prompt lookup finds, then none
+    target = FakeTarget(cont)
+    chunks, _ = run(generation(target, k=3, max_new=70, proposer=PROMPT_LOOKUP))
+    assert tokens(chunks) == cont[:70]
+    drafted = [i for i, d in enumerate(target.calls) if d]
+    assert drafted and target.run_ons[drafted[-1] + 1: drafted[-1] + 4] == [0, 1, 3]
+    assert all(target.run_ons[i] == 0 for i in drafted)

@@ -39,6 +39,7 @@ class Drafter:
         self.every = self.strategies + [fallback] * (fallback not in self.strategies)  # all that learn and commit
         self.suffix_cache, self.cache_context = suffix_cache, cache_context
         self._output: list[int] | None = None  # the finished session's tokens, for the shared suffix tree
+        self._alone = 0  # target-only rounds in a row, up to this one (the run-on grows with them)
 
     async def start(self) -> None:
         if self.never_drafts:
@@ -59,7 +60,7 @@ class Drafter:
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         if k <= 0:  # nothing to draft: no prices, no strategy asked
-            return self._target_only(strategies, draft_down)
+            return self._target_only(strategies, draft_down, limit - 1)
         measured = not self.params.reproducible
         call_ms = self.coordinator.call_ms if self.coordinator is not None and measured else 0.0
         ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, measured,
@@ -73,14 +74,18 @@ class Drafter:
             choice = self.policy.choose(strategies, ask)
             proposal = await choice.by.propose(choice, committed, hashes) if choice is not None else None
         if proposal is None:
-            return self._target_only(strategies, draft_down)
+            return self._target_only(strategies, draft_down, limit - 1)
         proposal.fallback = draft_down and proposal.source != DRAFT_MODEL
+        self._alone = 0
         return proposal
 
-    @staticmethod
-    def _target_only(strategies: Sequence[Strategy], draft_down: bool) -> Proposal:
-        """A K = 0 round, charged to the first strategy."""
-        return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down)
+    def _target_only(self, strategies: Sequence[Strategy], draft_down: bool, budget: int) -> Proposal:
+        """A K = 0 round, charged to the first strategy. The target runs on by itself for 0, 1, 3, 7, ... tokens
+        (up to PolicyConfig.run_on and the round's budget) as such rounds follow one another: a session's first
+        token is never held back, and the run-on grows only while nothing is worth drafting."""
+        run_on = min(self.policy.config.run_on, 2 ** min(self._alone, 16) - 1, budget)
+        self._alone += 1
+        return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down, run_on=run_on)
 
     async def verify(self, verifying: Awaitable[Verdict], proposal: Proposal) -> Verdict:
         """The target's verdict on `proposal`; the strategy that proposed it may use the wait (the draft model

@@ -24,7 +24,8 @@ class Verdict:
     next_token: int  # the recovered token (n < K) or the bonus token (n == K)
     wall_ms: float  # the Verify's round trip
     path: tuple[int, ...] = ()  # a token tree: the accepted nodes, root-down; () for a chain (its first n drafts)
-    logprobs: tuple[target_pb2.TokenLogprobs, ...] = ()  # per committed token (d_1..d_n, next_token), when asked
+    logprobs: tuple[target_pb2.TokenLogprobs, ...] = ()  # per committed token (d_1..d_n, next_token, run_on), when asked
+    run_on: tuple[int, ...] = ()  # the tokens the target decoded by itself after next_token (a target-only round's run-on)
 
 
 class TargetVerifier:
@@ -47,21 +48,28 @@ class TargetVerifier:
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
                      q: list[common_pb2.DraftDistribution], parents: list[int] = (), masks: list[bytes] = (),
-                     tree_scheme: int = 0) -> Verdict:
+                     tree_scheme: int = 0, run_on: int = 0) -> Verdict:
         """Verify drafts (with their q rows; none = one-hot) after the committed tokens; with parents, the
         drafts are a token tree's nodes, drawn as tree_scheme says (0: candidates without q, IID with q); masks:
-        structured output's allowed tokens at each of the K + 1 positions. Raises TierError."""
+        structured output's allowed tokens at each of the K + 1 positions; run_on: with no drafts, the target may
+        decode up to this many more tokens, each with the seed its own target-only round would have (none with
+        a feature draft, whose head needs every position's features). Raises TierError."""
         if self.features is not None:
             await self._prefill_in_parts(committed, hashes)
+            run_on = 0
         seed = derive_seed(self.seed, len(committed), TARGET_STREAM)
+        run_on_seeds = [derive_seed(self.seed, len(committed) + i, TARGET_STREAM) for i in range(1, run_on + 1)] \
+            if not drafts else []
         reply = await self.session.call(
             committed, hashes,
             lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
                                                  logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0),
                                                  draft_parents=parents, token_masks=masks,
                                                  tree_scheme=tree_scheme if parents else 0,
-                                                 feature_layers=self.features.layers if self.features else ()),
-            extra=lambda response: [drafts[i] for i in response.accepted_path] if parents else drafts)
+                                                 feature_layers=self.features.layers if self.features else (),
+                                                 run_on_seeds=run_on_seeds),
+            extra=lambda response: ([drafts[i] for i in response.accepted_path] if parents else drafts) + (
+                [response.next_token, *response.run_on_tokens[:-1]] if response.run_on_tokens else []))
         response = reply.message
         if self.features is not None:
             self.features.absorb(response.features_start, response.features, on_gap=self.session.cursor.reset)
@@ -70,7 +78,7 @@ class TargetVerifier:
             self.load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
                               response.compute_ms, response.queue_ms, drafts=len(drafts))
         return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.accepted_path),
-                       tuple(response.logprobs))
+                       tuple(response.logprobs), tuple(response.run_on_tokens))
 
     async def _prefill_in_parts(self, committed: list[int], hashes: PrefixHashes) -> None:
         """With features asked, a request feeds at most FEATURE_PART_BYTES of rows (the target refuses a request

@@ -28,6 +28,11 @@ A work may ask for the outputs of some decoder layers (feature_layers: an EAGLE-
 tap them (Work.taps, specdec.engine.runner.Feed.taps) at every token it feeds, prefill chunks included, and the
 result carries the rows of the positions the verdict keeps: the committed tokens it fed, then the accepted
 drafts (a tree's accepted path), positions prefix_len .. cached_len - 1.
+
+A target-only work may run on (run_on_seeds): after its verdict it feeds next_token and is verified again in
+the next step as the next target-only round would be (its seed, its penalties and logprobs), up to one token
+per seed, ending early after an EOS token or at the context's end; the result carries the later tokens in
+`run_on`. Each of those steps is an ordinary step of the batch, so run-on sessions batch with every other.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class VerifyResult:
     # tokens the request fed, then of the accepted drafts (a tree's: its accepted path's nodes, root-down)
     features: torch.Tensor | None = None
     features_start: int = 0  # the position of the first of them: the session's cached length before the request
+    run_on: tuple[int, ...] = ()  # run-on: the tokens decoded after next_token, each a target-only round's
 
 
 @dataclass(eq=False)
@@ -98,6 +104,8 @@ class VerifyWork(Work):
     parents: list[int] | None = None  # a token tree: each draft's parent (-1 = the root); None = a chain
     scheme: str = ""  # a tree's scheme: CANDIDATES (no q), IID or WITHOUT_REPLACEMENT (with q); greedy ignores it
     allowed: torch.Tensor | None = None  # structured output: [K + 1, V] bool, the tokens allowed at each position
+    run_on_seeds: list[int] = field(default_factory=list)  # run-on: the seeds of the target-only rounds still to run
+    verdicts: list[tuple[list[int], int, list[TokenLogprobs]]] = field(default_factory=list)  # run-on: the rounds so far
 
     kind: ClassVar[str] = "verify"
 
@@ -105,14 +113,27 @@ class VerifyWork(Work):
     def create(cls, session_id: str, prefix_len: int, prefix_hash: int, new_tokens: list[int], drafts: list[int],
                q: DraftProbs | None, params: SamplingParams, seed: int, prompt_len: int = 0,
                logprobs: int = -1, parents: list[int] | None = None, scheme: str = "",
-               allowed: torch.Tensor | None = None, feature_layers: list[int] = ()) -> "VerifyWork":
+               allowed: torch.Tensor | None = None, feature_layers: list[int] = (),
+               run_on_seeds: list[int] = ()) -> "VerifyWork":
         """feature_layers: decoder layers whose outputs (EAGLE-3 features) the result carries at every position
-        the request adds to the session (VerifyResult.features); empty: none."""
+        the request adds to the session (VerifyResult.features); empty: none. run_on_seeds: a target-only
+        round (no drafts, masks or features) decodes up to this many more tokens, one target-only round each,
+        the i-th with run_on_seeds[i] as its seed (VerifyResult.run_on)."""
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
                    params=params, seed=seed, committed_len=prefix_len + len(new_tokens), prompt_len=prompt_len,
                    logprobs=logprobs, parents=list(parents) if parents else None, scheme=scheme, allowed=allowed,
-                   taps=tuple(feature_layers) or None)
+                   taps=tuple(feature_layers) or None, run_on_seeds=list(run_on_seeds))
+
+    def runs_on(self, next_token: int, kept: int, engine) -> bool:
+        """After a target-only verdict (the session holds `kept` tokens), whether the work runs on: it has a seed
+        left, next_token is no EOS and the context has room. If so it becomes the next target-only round:
+        next_token fed, its logits scored with the next seed."""
+        if not self.run_on_seeds or next_token in engine.eos_token_ids or kept + 1 >= engine.max_context:
+            return False
+        self.pending, self.num_logits, self.committed_len = [next_token], 1, kept + 1
+        self.seed = self.run_on_seeds.pop(0)
+        return True
 
     def feed_tree(self) -> list[int] | None:
         return self.parents
@@ -161,6 +182,9 @@ class VerifyWork(Work):
             keep = w.committed_len + len(path)
             if w.parents is None:
                 engine.sessions.crop(w.session, keep)  # the committed prefix plus the accepted drafts
+                if w.runs_on(nxt, keep, engine):  # the next target-only round, in the next step
+                    w.verdicts.append((path, nxt, logprobs.get(i, [])))
+                    continue
             else:  # the accepted path's entries moved into place, then the same crop
                 engine.cache.move(w.session.slot, [w.committed_len + j for j in path],
                                   list(range(w.committed_len, keep)))
@@ -169,8 +193,10 @@ class VerifyWork(Work):
             features, start = w.committed_features(path, keep) if w.taps else (None, 0)
             sessions, tokens, _ = w.last_step
             step_ms, compute_ms, queue_ms = w.finished_step()  # the verification counted in the step
+            (path, nxt, reported), *later = w.verdicts + [(path, nxt, logprobs.get(i, []))]  # run-on: the first round's
             w.result = VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, w.reused,
-                                    logprobs.get(i, []), tuple(path), w.parents is not None, features, start)
+                                    reported + [x for _, _, lp in later for x in lp], tuple(path), w.parents is not None,
+                                    features, start, tuple(t for _, t, _ in later))
 
 
 def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[SamplingParams], TokenCounts | None]:
