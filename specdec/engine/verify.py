@@ -214,7 +214,7 @@ def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[Sampli
 
 
 def _verify_greedy(works, logits, vocab_size):
-    rows = torch.cat(logits)  # [N + B, V]
+    rows = torch.cat(logits) if len(logits) > 1 else logits[0]  # [N + B, V]
     meta = SpecDecodeMetadata.build([w.drafts for w in works], rows.device)
     if any(w.params.adjusts_logits for w in works):  # the argmax of the biased, penalised logits
         rows = adjust_logits_rows(rows, *_row_params_and_counts(works, meta, vocab_size, rows.device))

@@ -171,6 +171,8 @@ def verify_greedy_batched(
     device = target_logits.device
     num_drafts = draft_token_ids.shape[0]
     batch = cu_num_draft_tokens.shape[0] - 1
+    if num_drafts == 0:  # target-only rows (K = 0 for all): nothing to accept; each row's argmax is its next token
+        return torch.zeros(batch, dtype=torch.long, device=device), target_logits.argmax(dim=-1)
     k = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]
     session = torch.repeat_interleave(torch.arange(batch, device=device), k)
     flat = torch.arange(num_drafts, device=device)
