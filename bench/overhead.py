@@ -53,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", default="64,2", metavar="HIDDEN,LAYERS",
                    help="the random model's hidden size and layers (default: the tests' tiny model); a larger one makes "
                         "rounds longer, so each process sleeps longer between its messages")
+    p.add_argument("--byte-vocab", action="store_true",
+                   help="the random model with a byte-level tokenizer (259 tokens) instead of the real one (49,152): its LM "
+                        "head, most of the tiny model's forward on a CPU, then costs next to nothing, so a round is the "
+                        "pipeline and a ~0.1 ms forward")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="sample the three processes with py-spy during the timed generations; folded stacks go here")
     p.add_argument("--out", default=str(bench_log()), help="markdown file to append to ('' = none)")
@@ -67,15 +71,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def random_model(out_dir: Path, hidden: int, layers: int) -> str:
-    """A random-init Llama with the real tokenizer: the test suite's tiny model at 64,2; larger ones with
-    an MLP 3x the width and 8 heads (4 KV heads), only to make the forward take longer."""
+def random_model(out_dir: Path, hidden: int, layers: int, byte_vocab: bool = False) -> str:
+    """A random-init Llama with the real tokenizer (or a byte-level one): the test suite's tiny model at 64,2;
+    larger ones with an MLP 3x the width and 8 heads (4 KV heads), only to make the forward take longer."""
     from specdec.models import make_tiny_model
 
+    tokenizer = byte_tokenizer() if byte_vocab else None
     if (hidden, layers) == (64, 2):
-        return make_tiny_model(out_dir, seed=0)
-    return make_tiny_model(out_dir, seed=0, hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
-                           num_heads=8, num_kv_heads=4)
+        return make_tiny_model(out_dir, seed=0, tokenizer=tokenizer)
+    return make_tiny_model(out_dir, seed=0, tokenizer=tokenizer, hidden_size=hidden, intermediate_size=3 * hidden,
+                           num_layers=layers, num_heads=8, num_kv_heads=4)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer with no merges: the 256 bytes after SmolLM2's three special tokens (the same ids for
+    end of text, BOS and EOS), 259 tokens in all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+
+
+def byte_prompt() -> list[int]:
+    """PROMPT's text in the byte-level tokenizer's ids."""
+    encode = byte_tokenizer().encode
+    return [1, *encode("user\nWhat is the capital of France?"), 2, *encode("\n"), 1, *encode("assistant\n")]
 
 
 def head_for(model: str, out_dir: Path) -> str:
@@ -87,14 +114,14 @@ def head_for(model: str, out_dir: Path) -> str:
     return str(out_dir)
 
 
-def measure(address: str, k: int, n: int, generations: int, temperature: float = 0.0) -> list[dict]:
+def measure(address: str, k: int, n: int, generations: int, temperature: float = 0.0, prompt=PROMPT) -> list[dict]:
     rows = []
     with Client(address) as c:
-        c.generate(token_ids=PROMPT, max_new_tokens=8, num_speculative_tokens=k, ignore_eos=True, proposer="draft",
+        c.generate(token_ids=prompt, max_new_tokens=8, num_speculative_tokens=k, ignore_eos=True, proposer="draft",
                    temperature=temperature, seed=1)
         for _ in range(generations):
             t0 = time.perf_counter()
-            out = c.generate(token_ids=PROMPT, max_new_tokens=n, num_speculative_tokens=k, ignore_eos=True,
+            out = c.generate(token_ids=prompt, max_new_tokens=n, num_speculative_tokens=k, ignore_eos=True,
                              proposer="draft", temperature=temperature, seed=1)
             s = out.stats
             rounds = max(1, int(s.get("rounds", 0)))
@@ -154,7 +181,7 @@ def main(argv=None) -> int:
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
     work = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
     hidden, layers = (int(x) for x in args.size.split(","))
-    model = random_model(work / "model", hidden, layers)
+    model = random_model(work / "model", hidden, layers, args.byte_vocab)
     draft = head_for(model, work / "head") if args.head else model
     spies: list[subprocess.Popen] = []
     results: dict[int, list[dict]] = {}
@@ -174,7 +201,8 @@ def main(argv=None) -> int:
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                              for name, proc in pipe.procs.items()]
                     time.sleep(1.0)
-                results[k] = measure(pipe.address, k, args.max_new_tokens, args.generations, args.temperature)
+                results[k] = measure(pipe.address, k, args.max_new_tokens, args.generations, args.temperature,
+                                     byte_prompt() if args.byte_vocab else PROMPT)
                 for spy in spies:
                     spy.send_signal(2)
                 for spy in spies:
@@ -188,7 +216,9 @@ def main(argv=None) -> int:
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: per-round overhead", "",
              f"Command: `{shlex.join(['python', '-m', 'bench.overhead', *(argv if argv is not None else sys.argv[1:])])}`",
              "",
-             f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2) as target and " + (
+             f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2; " + (
+                 "a byte-level tokenizer of 259 tokens" if args.byte_vocab else "the real tokenizer, 49,152 tokens") +
+             ") as target and " + (
                  "an EAGLE-3 head for it as the draft (specdec.engine.eagle3.echo_head: the target's rows of 3 x "
                  f"{hidden} bfloat16 numbers, {6 * hidden} bytes, cross the wire for each committed position), "
                  if args.head else "as its own draft (every draft accepted), ") + "three processes on "

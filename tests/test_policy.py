@@ -54,6 +54,17 @@ def test_drafting_must_beat_k0_by_the_margin():
     assert chosen(Policy(PolicyConfig(min_gain=1.0)).choose([Fixed(SUFFIX, [(1, 1.04 * k0 * 50, 50.0)])], ask())) == (SUFFIX, 1)
 
 
+def test_k0_is_priced_with_the_tokens_its_target_would_run_on_for():
+    """verify(0) = 53 ms, a step 10 ms: K = 0 running on for 7 tokens yields 8 / (53 + 70) = 0.065 tokens a ms,
+    more than a proposal of 2.6 tokens in 80 ms (0.0325), which beats K = 0 without a run-on (1 / 53 = 0.0189)."""
+    from dataclasses import replace
+
+    b = Fixed(DRAFT_MODEL, [(3, 2.6, 80.0)])
+    assert chosen(Policy(PolicyConfig()).choose([b], replace(ask(), run_on=0, step_ms=10.0))) == (DRAFT_MODEL, 3)
+    assert Policy(PolicyConfig()).choose([b], replace(ask(), run_on=7, step_ms=10.0)) is None
+    assert chosen(Policy(PolicyConfig()).choose([b], replace(ask(), run_on=7, step_ms=60.0))) == (DRAFT_MODEL, 3)  # 8/473
+
+
 def test_k0_rounds_probe_a_k1_unless_its_strategy_judges_itself_for_free():
     losing = [(1, 1.1, 100.0)]
     policy = Policy(PolicyConfig(probe_every=4))

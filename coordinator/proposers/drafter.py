@@ -59,13 +59,15 @@ class Drafter:
         local = [s for s in self.strategies if s.source != DRAFT_MODEL]
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
+        run_on = min(self.policy.config.run_on, 2 ** min(self._alone, 16) - 1, max(limit - 1, 0))  # if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
-            return self._target_only(strategies, draft_down, limit - 1)
+            return self._target_only(strategies, draft_down, run_on)
         measured = not self.params.reproducible
         call_ms = self.coordinator.call_ms if self.coordinator is not None and measured else 0.0
-        ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, measured,
-                  self.target.verify_ms(max(k, self.max_k), measured), self.target.batch, len(committed),
-                  call_ms, max(self.target.live, 1))
+        verify_ms = self.target.verify_ms(max(k, self.max_k), measured)
+        ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, measured, verify_ms, self.target.batch,
+                  len(committed), call_ms, max(self.target.live, 1), run_on,
+                  self.target.step_ms(1) if measured else verify_ms[0])  # (unmeasured: a step priced as a round)
         choice = self.policy.choose(strategies, ask)
         try:
             proposal = await choice.by.propose(choice, committed, hashes) if choice is not None else None
@@ -74,16 +76,15 @@ class Drafter:
             choice = self.policy.choose(strategies, ask)
             proposal = await choice.by.propose(choice, committed, hashes) if choice is not None else None
         if proposal is None:
-            return self._target_only(strategies, draft_down, limit - 1)
+            return self._target_only(strategies, draft_down, run_on)
         proposal.fallback = draft_down and proposal.source != DRAFT_MODEL
         self._alone = 0
         return proposal
 
-    def _target_only(self, strategies: Sequence[Strategy], draft_down: bool, budget: int) -> Proposal:
+    def _target_only(self, strategies: Sequence[Strategy], draft_down: bool, run_on: int) -> Proposal:
         """A K = 0 round, charged to the first strategy. The target runs on by itself for 0, 1, 3, 7, ... tokens
-        (up to PolicyConfig.run_on and the round's budget) as such rounds follow one another: a session's first
-        token is never held back, and the run-on grows only while nothing is worth drafting."""
-        run_on = min(self.policy.config.run_on, 2 ** min(self._alone, 16) - 1, budget)
+        (up to PolicyConfig.run_on and the round's budget: propose()) as such rounds follow one another: a
+        session's first token is never held back, and the run-on grows only while nothing is worth drafting."""
         self._alone += 1
         return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down, run_on=run_on)
 

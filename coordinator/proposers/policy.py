@@ -1,7 +1,8 @@
 """Which strategy proposes a round, and what shape: the most predicted tokens per predicted second.
 
 Every round the policy asks each strategy of the session for its predictions at the target's current price
-(tier_cost.TierCost), adds K = 0 (one token for verify(0)), charges each the coordinator's own CPU per tier
+(tier_cost.TierCost), adds K = 0 (one token for verify(0), and each token the target would run on for one
+step more), charges each the coordinator's own CPU per tier
 call (coordinator_cost.round_ms) and picks the largest rate. Drafting must beat K = 0 by min_gain (the largest
 of many noisy estimates overstates itself); when K = 0 wins, the best K = 1 is probed after probe_every rounds,
 the interval doubling up to probe_max_every while K = 0 keeps winning, unless its strategy judges unchosen
@@ -50,7 +51,8 @@ class Policy:
         best = max(predictions, key=rate, default=None)
         if ask.fixed or best is None:
             return best
-        if rate(best) > self.config.min_gain / round_ms(ask.verify_ms[0], 1, ask.call_ms, ask.in_flight):
+        alone = round_ms(ask.verify_ms[0], 1, ask.call_ms, ask.in_flight) + ask.run_on * ask.step_ms  # K = 0, run on
+        if rate(best) > self.config.min_gain * (1 + ask.run_on) / alone:
             self._probe_every = self.config.probe_every
             return best
         self._since_probe += 1
