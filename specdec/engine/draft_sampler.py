@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.math.argmax import argmax
 from specdec.math.keyed_draws import draw_top_n, split_seeds
 from specdec.math.params import SamplingParams
 from specdec.math.sampling import shape_rows
@@ -54,7 +55,7 @@ class DraftSampler:
         row's token goes) -> (tokens [B] int64, q ids [S, n], q probs [S, n]) for the S sampled rows in row
         order (None when every row is greedy; probs 0 past a row's truncation)."""
         if self.all_greedy:
-            return logits.argmax(dim=-1), None, None
+            return argmax(logits), None, None
         x = logits if self.all_sampled else logits.index_select(0, self.sampled_index)  # [S, V]
         if len(self.groups) == 1:
             probs = shape_rows(x, [self.groups[0][0]] * x.shape[0])
@@ -66,6 +67,6 @@ class DraftSampler:
         drawn, q_ids, q_probs = draw_top_n(probs, self.top_n, self.n_max, self.seeds, where)
         if self.all_sampled:
             return drawn, q_ids, q_probs
-        tokens = logits.argmax(dim=-1)  # the greedy rows' answer; the sampled rows' overwritten
+        tokens = argmax(logits)  # the greedy rows' answer; the sampled rows' overwritten
         tokens.index_copy_(0, self.sampled_index, drawn)
         return tokens, q_ids, q_probs

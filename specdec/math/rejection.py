@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.math.argmax import argmax
+
 
 def rejection_sample(
     p: torch.Tensor,  # [K+1, V] target probabilities at the K draft positions plus the bonus position
@@ -56,7 +58,7 @@ def verify_greedy(
     """rejection_sample's temperature-0 limit without materialising one-hot p and q: accept d_i while
     it equals argmax p_i; the next token is argmax p at the stop position (the recovered token, or the
     bonus). tests/test_rejection.py pins it to rejection_sample on one-hot inputs."""
-    target_argmax = target_logits.argmax(dim=-1)  # [K+1]
+    target_argmax = argmax(target_logits)  # [K+1]
     k = draft_tokens.shape[0]
     mismatch = (target_argmax[:k] != draft_tokens).nonzero()
     n_accepted = int(mismatch[0, 0]) if mismatch.numel() > 0 else k
@@ -158,7 +160,7 @@ def rejection_sample_batched(
     residual = (p_stop - q_stop).clamp_min(0)  # max(0, p_j - q_j); equals p_{K+1} for the bonus
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     dist = torch.where(empty, p_stop, residual)  # [B, V]
-    next_token = (dist / noise).argmax(dim=-1)  # one multinomial draw per row
+    next_token = argmax(dist / noise)  # one multinomial draw per row
     return num_accepted, next_token
 
 
@@ -172,11 +174,11 @@ def verify_greedy_batched(
     num_drafts = draft_token_ids.shape[0]
     batch = cu_num_draft_tokens.shape[0] - 1
     if num_drafts == 0:  # target-only rows (K = 0 for all): nothing to accept; each row's argmax is its next token
-        return torch.zeros(batch, dtype=torch.long, device=device), target_logits.argmax(dim=-1)
+        return torch.zeros(batch, dtype=torch.long, device=device), argmax(target_logits)
     k = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]
     session = torch.repeat_interleave(torch.arange(batch, device=device), k)
     flat = torch.arange(num_drafts, device=device)
-    target_argmax = target_logits.argmax(dim=-1)  # [N + B]
+    target_argmax = argmax(target_logits)  # [N + B]
     match = target_argmax[flat + session] == draft_token_ids
     first_mismatch = torch.where(match, k[session], flat - cu_num_draft_tokens[session])
     num_accepted = k.clone().scatter_reduce_(0, session, first_mismatch, reduce="amin")

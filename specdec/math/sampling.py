@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from specdec.math.argmax import argmax
 from specdec.math.params import SamplingParams
 from specdec.math.penalties import TokenCounts, apply_penalties
 
@@ -65,7 +66,7 @@ def adjust_logits_rows(logits: torch.Tensor, row_params: list[SamplingParams],
 def _shape(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Adjusted logits [N, V] float32 -> probabilities: greedy one-hot, or temperature, min_p, top-k, top-p."""
     if params.greedy:
-        return torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(x), x.shape[-1]).float()
     x = x / params.temperature
     vocab = x.shape[-1]
     if params.min_p > 0:  # vLLM: after temperature, before top-k / top-p

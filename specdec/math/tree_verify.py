@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from specdec.math.argmax import argmax
 from specdec.math.tree import path_from_accepted, session_of_nodes, sibling_links, tree_depth
 
 
@@ -59,12 +60,12 @@ def tree_greedy(
     """Walk from the root along the target's argmax: at each node, move to the first child whose token
     is argmax p there; stop where none is. Returns (accepted path, next token = argmax p at the stop
     node: the bonus at a leaf, else the correction). Equal to the target's own greedy continuation."""
-    argmax = target_logits.argmax(dim=-1).tolist()  # [N + 1]
+    best = argmax(target_logits).tolist()  # [N + 1]
     toks = tokens.tolist()
     children = _children(parents.tolist())
     node, path = -1, []
     while True:
-        x = argmax[node + 1]
+        x = best[node + 1]
         node = next((c for c in children[node] if toks[c] == x), None)
         if node is None:
             return path, x
@@ -112,7 +113,7 @@ def verify_tree_greedy_batched(
     cu_num_nodes: torch.Tensor,  # [B + 1] int64
 ) -> TreeVerdict:
     """tree_greedy for B sessions at once; a chain gives verify_greedy_batched's result."""
-    return _walk_matching(target_logits.argmax(dim=-1), tokens, parents, cu_num_nodes)
+    return _walk_matching(argmax(target_logits), tokens, parents, cu_num_nodes)
 
 
 # --- Deterministic candidates --------------------------------------------------------------------
@@ -195,7 +196,7 @@ def verify_tree_candidates_batched(
     row_session[root_row], row_level[root_row] = b, 0
     row_session[node_row], row_level[node_row] = session, tree_depth(parents, cu_num_nodes) + 1
     level_rows = noise.reshape(-1, noise.shape[-1]).index_select(0, row_session * noise.shape[1] + row_level)  # [N + B, V]
-    x_rows = (p / level_rows).argmax(dim=-1)  # [N + B] one draw per row
+    x_rows = argmax(p / level_rows)  # [N + B] one draw per row
     return _walk_matching(x_rows, tokens, parents, cu_num_nodes)
 
 
@@ -336,6 +337,6 @@ def verify_tree_sampled_batched(
         mass = torch.where(acc, torch.ones_like(mass), mass)
         taken &= ~acc[:, None]
         child = torch.where(acc, first_child.index_select(0, c), torch.where(rej, next_sibling.index_select(0, c), child))
-    next_token = (r / noise).argmax(dim=-1)  # one multinomial draw per session
+    next_token = argmax(r / noise)  # one multinomial draw per session
     path, num_accepted = path_from_accepted(accepted[:n], tree_depth(parents, cu_num_nodes), cu_num_nodes)
     return TreeVerdict(path, num_accepted, next_token, accept_prob[:n], r)
