@@ -101,7 +101,9 @@ def aggregate(row: dict) -> dict:
         agg["rounds"] = rounds
         agg["draft_tokens"] = drafted
         agg["accept"] = sum(_num(t.get("accepted_tokens")) for t in st) / drafted if drafted else None
-        agg["tok_fwd"] = sum(_num(t.get("mean_tokens_per_forward")) * _num(t.get("rounds")) for t in st) / rounds if rounds else None
+        forwards = sum(_num(t.get("target_forwards", t.get("rounds"))) for t in st)  # (older logs: a forward a round)
+        agg["tok_fwd"] = sum(_num(t.get("mean_tokens_per_forward")) * _num(t.get("target_forwards", t.get("rounds")))
+                             for t in st) / forwards if forwards else None
         agg["mean_k"] = drafted / rounds if rounds else None
         for f in ("draft_ms", "verify_ms", "tier_ms", "network_ms", "coordinator_ms"):
             agg[f + "_sum"] = sum(_num(t.get(f)) for t in st)

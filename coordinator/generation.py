@@ -90,7 +90,7 @@ class Generation:
             self.drafter.commit(chunk)
             if first_token_at is None:
                 first_token_at = self.clock()
-            stats.end_round(proposal, len(proposal.tokens), n, len(accepted))
+            stats.end_round(proposal, len(proposal.tokens), n, len(accepted), forwards=1 + len(verdict.run_on))
             yield out.event(chunk, verdict.logprobs[: len(chunk)])  # emit
         self.drafter.finish(committed)
         if (tail := out.tail()) is not None:

@@ -118,7 +118,7 @@ class CoordinatorMetrics:
                           ROUND_PART_BUCKETS, ("part",))
         self.round_parts = {p: parts.labels(*v, p) for p in ROUND_PARTS}
         self._by_proposer: dict[str, tuple] = {}  # proposer -> (rounds, k) children, looked up once
-        self.rounds = counter("specdec_rounds", "Rounds (target forwards), by the proposer of their drafts.", ("proposer",))
+        self.rounds = counter("specdec_rounds", "Rounds (one target verify each; a target-only round that runs on spans a forward per token), by the proposer of their drafts.", ("proposer",))
         self.k = histogram("specdec_num_speculative_tokens", "K asked of the proposer per round (after clamping to the "
                            "token budget; 0 = target-only round).", K_BUCKETS, ("proposer",))
         self.reprefills = counter("specdec_reprefills", "Committed sequences resent in full because a tier had lost the "

@@ -40,6 +40,7 @@ class RoundStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     committed_before_truncation: int = 0
+    forwards: int = 0  # the target's: one a round, and one per token a target-only round ran on for
     overlapped_rounds: int = 0
     overlap_saved_ms: float = 0.0  # draft latency the speculation cache's hits saved (estimated)
     pushed_rounds: int = 0  # draft-model rounds whose proposal the draft had pushed before the verdict
@@ -92,9 +93,11 @@ class RoundStats:
         """error: a coordinator.tiers.client.TierError (its tier, rpc and status code)."""
         self.tier_errors[(error.tier, error.rpc, error.code.name)] += 1
 
-    def end_round(self, proposal: Proposal, drafts: int, accepted: int, committed: int) -> RoundRecord:
+    def end_round(self, proposal: Proposal, drafts: int, accepted: int, committed: int, forwards: int = 1) -> RoundRecord:
+        """forwards: the target's in this round (1 + the tokens its target ran on for)."""
         r = self._round_ms
         self.rounds += 1
+        self.forwards += forwards
         self.draft_tokens += drafts
         self.accepted_tokens += accepted
         self.committed_before_truncation += committed
@@ -120,7 +123,8 @@ class RoundStats:
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
             acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
-            mean_tokens_per_forward=self.committed_before_truncation / self.rounds if self.rounds else 0.0,
+            mean_tokens_per_forward=self.committed_before_truncation / self.forwards if self.forwards else 0.0,
+            target_forwards=self.forwards,
             elapsed_s=elapsed_s,
             tokens_per_s=generated / elapsed_s if elapsed_s > 0 else 0.0,
             time_to_first_token_s=first_token_s or 0.0,

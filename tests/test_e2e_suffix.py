@@ -67,7 +67,9 @@ def test_greedy_equals_target_generate_with_the_shared_tree_warm(suffix_cluster,
             warm = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=8)
             assert warm.token_ids == expected
             assert warm.stats["accepted_tokens"] >= 0.75 * len(expected) > cold[i]["accepted_tokens"]
-            assert warm.stats["rounds"] < cold[i]["rounds"] / 2
+            # Whole blocks a forward: under half a forward a token (cold rounds without a match are target-only,
+            # one forward a token, however many tokens their run-on commits a round).
+            assert warm.stats["rounds"] < len(expected) / 2
             for kw in (dict(), dict(proposer="hybrid"), dict(proposer="hybrid", num_speculative_tokens=3)):
                 assert client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, **kw).token_ids == expected
         # Other prompts with the tree warm with unrelated outputs: proposals are mostly wrong, output exact.

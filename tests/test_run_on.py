@@ -177,6 +177,7 @@ def test_through_the_servers_run_on_changes_no_token_only_the_rounds(self_draft_
     (greedy_on, sampled_on), (greedy_off, sampled_off) = outs["on"], outs["off"]
     assert greedy_on.token_ids == greedy_off.token_ids == reference_greedy(tiny_target_model, ids, 40, None)
     assert sampled_on.token_ids == sampled_off.token_ids
-    assert greedy_off.stats["rounds"] == 40
+    assert greedy_off.stats["rounds"] == greedy_off.stats["target_forwards"] == 40
+    assert greedy_on.stats["target_forwards"] == 40 and greedy_on.stats["mean_tokens_per_forward"] == 1.0
     assert greedy_on.stats["rounds"] == sampled_on.stats["rounds"] == 7  # 1 + 2 + 4 + 8 + 9 + 9 + 7 tokens: the run-on
     #                                     grows 0, 1, 3, 7 up to the default cap, 8, and the last round is cut to the budget
