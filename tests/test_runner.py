@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine.runner import Feed
+from specdec.engine.runner import Feed, _finite_rows
 from specdec.models import load_model
 from tests.helpers import device_model
 from tests.step_modes import MODES, assert_close, make_runner
@@ -118,3 +118,16 @@ def test_ragged_batches_equal_the_eager_forward(eager, runner, seed):
         for s, r in pairs:
             r.cache.initialized[s] = 0
             r.cache.release(s)
+
+
+def test_the_steps_finiteness_check_is_torchs():
+    """The one check of a step's logits (forward_checked), through numpy on a CPU: the same verdict per row as
+    torch.isfinite(x).all(dim=-1) with NaN, +inf and -inf anywhere, on contiguous rows and a strided view."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 49152, generator=g)
+    x[1, 3], x[2, -1], x[3, 100], x[4] = float("nan"), float("inf"), float("-inf"), float("-inf")
+    for rows in (x, x[:, ::2], x[5:6], x.double()):
+        with torch.inference_mode():
+            assert _finite_rows(rows) == torch.isfinite(rows).all(dim=-1).tolist()
+    assert _finite_rows(x) == [True, False, False, False, False, True, True]
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.engine import triton_attention
@@ -97,7 +98,7 @@ class ModelRunner:
         so the step's wall time is its real compute time and no later check needs a sync of its own."""
         logits = self._forward(feeds)
         sizes = [f.num_logits for f in feeds]
-        finite_rows = torch.isfinite(logits).all(dim=-1).tolist()
+        finite_rows = _finite_rows(logits)
         finite, start = [], 0
         for n in sizes:
             finite.append(all(finite_rows[start : start + n]))
@@ -141,6 +142,14 @@ class ModelRunner:
             start += len(f.tokens)
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.head(hidden[index]).float()
+
+
+def _finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Whether each row of logits is all finite. On a CPU through numpy: PyTorch's isfinite(x).all(dim=-1) takes
+    ~170 us for one 49,152-wide row on this project's CPU and ~700 us for six, numpy ~14 and ~75 us."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return np.isfinite(logits.numpy()).all(axis=-1).tolist()
+    return torch.isfinite(logits).all(dim=-1).tolist()
 
 
 def _hand_features(feeds: list[Feed], taps: dict[int, torch.Tensor]) -> None:
