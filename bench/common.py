@@ -66,6 +66,13 @@ def append_section(section: str, path: str | Path | None = None, header: str | N
     path.write_text(existing.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n")
 
 
+def publish(section: str, out: str | None) -> None:
+    """Print a run's section and append it to `out` (None: this month's log; "": nowhere)."""
+    print(section)
+    if out != "":
+        append_section(section, out)
+
+
 def machine_info() -> dict:
     cpu = "?"
     try:

@@ -17,7 +17,7 @@ import shlex
 import sys
 import time
 
-from bench.common import append_section, gpu_name, machine_info
+from bench.common import gpu_name, machine_info, publish
 from bench.step_cost import PREFIX, make_runner, median_ms
 
 
@@ -89,9 +89,7 @@ def main(argv=None) -> int:
               "| sessions | ms | ms per session |", "|---|---|---|"]
     lines += [f"| {b} | {ms:.2f} | {ms / b:.2f} |" for b, _, ms in curve]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out != "":
-        append_section(text, args.out)
+    publish(text, args.out)
     return 0
 
 

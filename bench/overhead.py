@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import append_section, bench_log, md_table
+from bench.common import bench_log, md_table, publish
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig
@@ -249,9 +249,7 @@ def main(argv=None) -> int:
                                                                        for part in TRACE_PARTS), "proposal held at the verdict (pushed)"], trace)
     lines += ["", goals(results)]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        append_section(text, args.out)
+    publish(text, args.out)
     return 0
 
 

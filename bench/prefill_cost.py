@@ -15,7 +15,7 @@ import shlex
 import sys
 import time
 
-from bench.common import append_section, bench_log, git_commit, machine_info, md_table
+from bench.common import bench_log, git_commit, machine_info, md_table, publish
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,9 +80,7 @@ def main(argv=None) -> int:
                f"chunks, best of {args.repeats} interleaved runs.", "",
                *md_table(["prompt tokens", "row attention (s)", "chunks on PyTorch's attention (s)", "rows / PyTorch's"], rows)]
     text = "\n".join(section)
-    print(text)
-    if args.out:
-        append_section(text, args.out)
+    publish(text, args.out)
     return 0
 
 

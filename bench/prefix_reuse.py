@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import append_section, bench_log, log, machine_info, md_table
+from bench.common import bench_log, log, machine_info, md_table, publish
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig
@@ -160,9 +160,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = section(args, argv, target, draft, results)
-    print(text)
-    if args.out:
-        append_section(text, args.out)
+    publish(text, args.out)
     return 0
 
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import append_section, bench_log, md_table
+from bench.common import bench_log, md_table, publish
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig
@@ -87,9 +87,7 @@ def main(argv=None) -> int:
     lines += md_table(["row", "tokens/s", "rounds", "forward ms a token", "outside the forwards", "the tiers' own",
                        "network", "coordinator"], table)
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        append_section(text, args.out)
+    publish(text, args.out)
     return 0
 
 

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import append_section, bench_log, plot_dir, git_commit, gpu_name, machine_info
+from bench.common import bench_log, git_commit, gpu_name, machine_info, plot_dir, publish
 TOKENS = (1, 2, 3, 5, 9, 17, 33)
 BATCHES = (1, 4, 16, 64)
 PREFIX = 100
@@ -437,9 +437,7 @@ def main(argv=None) -> int:
     if png is not None and plot(results, png, f"step cost, {args.device} {args.dtype}"):
         lines += ["", f"![step cost]({os.path.relpath(png, Path(args.out).resolve().parent)})"]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        append_section(text, args.out)
+    publish(text, args.out)
     return 0
 
 

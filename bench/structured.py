@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from bench.common import append_section, bench_log, log, machine_info
+from bench.common import bench_log, log, machine_info, publish
 from coordinator.constraint import grammar_text
 from bench.pipeline import BenchPipeline
 from specdec.client import Client
@@ -220,9 +220,7 @@ def main(argv=None) -> int:
     lines += ["", f"Constrained specdec output equal to the target alone's, token for token: {same}/{len(prompts)} "
               f"(with token trees: {same_trees}/{len(prompts)})."]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        append_section(text, args.out)
+    publish(text, args.out)
     return 0
 
 
