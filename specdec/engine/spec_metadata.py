@@ -23,9 +23,6 @@ class SpecDecodeMetadata:
     def build(cls, drafts: Sequence[Sequence[int]], device: torch.device | str) -> "SpecDecodeMetadata":
         """From each session's drafts, with one host-to-device copy."""
         ks = [len(d) for d in drafts]
-        if not any(ks):  # target-only rounds: no copy at all
-            zeros = torch.zeros(len(ks) + 1, dtype=torch.long, device=device)
-            return cls(zeros[:0], zeros, ks)
         cu = [0]
         for k in ks:
             cu.append(cu[-1] + k)
