@@ -58,8 +58,7 @@ class TargetVerifier:
             await self._prefill_in_parts(committed, hashes)
             run_on = 0
         seed = derive_seed(self.seed, len(committed), TARGET_STREAM)
-        run_on_seeds = [derive_seed(self.seed, len(committed) + i, TARGET_STREAM) for i in range(1, run_on + 1)] \
-            if not drafts else []
+        run_on_seeds = [derive_seed(self.seed, len(committed) + i, TARGET_STREAM) for i in range(1, run_on + 1)]
         reply = await self.session.call(
             committed, hashes,
             lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
