@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from specdec.engine import skinny_gemm
-from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, dequantize_rows, fused_product, pack
-from specdec.engine.skinny_gemm import SkinnyLinear
+from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, dequantize_rows, pack
+from specdec.engine.skinny_gemm import SkinnyLinear, fused_product
 from tests.helpers import TEST_DEVICE
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),

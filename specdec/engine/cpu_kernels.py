@@ -1,12 +1,15 @@
 """specdec's CPU kernels (csrc/): compiled once with the host's C++ compiler, then imported with none.
 
-Three float32 AVX-512 kernels serve the packed step mode on a CPU: the skinny GEMM (every linear,
-specdec.engine.skinny_gemm), row attention (each few-token feed's attention over its own slot,
-specdec.engine.attention) and the row ops (a Llama layer's small operators, specdec.engine.llama). Each is a torch C++ extension built on first use (torch.utils.cpp_extension
-with ninja, ~25 s) into $SPECDEC_KERNELS_DIR (default $SPECDEC_CACHE_DIR/kernels), in a folder named after
-the torch version and a hash of its source and flags; a process that finds the build there imports it
-with no compiler at all (`make setup` builds them; the container image ships them). Without AVX-512 or a
-compiler, load() returns None and the reason, and the step keeps the libraries' operators.
+Four float32 AVX-512 kernels serve the packed step mode on a CPU: the skinny GEMM (every linear,
+specdec.engine.skinny_gemm; a GGUF's blocks too, specdec.engine.quant_gemm), row attention (each few-token
+feed's attention over its own slot, specdec.engine.attention), the row ops (a Llama layer's small operators)
+and the decoder (the Llama decoder's layers in one call over the other three; specdec.engine.llama). They are
+one torch C++ extension (csrc/kernels.cpp exports them; each file compiled on its own, in parallel), built on
+first use (torch.utils.cpp_extension with ninja, ~1 min on 2 cores) into $SPECDEC_KERNELS_DIR (default $SPECDEC_CACHE_DIR/kernels),
+in a folder named after the torch version and a hash of the sources and flags; a process that finds the
+build there imports it with no compiler at all (`make setup` builds it; the container image ships it).
+Without AVX-512 or a compiler, load() returns None and the reason, and the step keeps the libraries'
+operators.
 """
 
 from __future__ import annotations
@@ -29,16 +32,18 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # -fopenmp: the kernels run on torch's OpenMP threads
 STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died (a build takes ~25 s to 2 min)
+SOURCES = ["kernels.cpp", "skinny_gemm.cpp", "row_attention.cpp", "row_ops.cpp", "decoder.cpp"]  # one module
 KERNELS = {"skinny_gemm": "the skinny GEMM", "row_attention": "row attention",  # csrc/<name>.cpp: what it is
-           "row_ops": "the row ops (RMSNorm with its residual, rotary, SiLU gate)"}
+           "row_ops": "the row ops (RMSNorm with its residual, rotary, SiLU gate)",
+           "decoder": "the Llama decoder's layers in one call"}
 
 
-def build_dir(name: str) -> Path:
-    """Where this source (with the headers of csrc/ it may include), these flags and this torch build kernel `name`."""
-    sources = [CSRC / f"{name}.cpp", *sorted(CSRC.glob("*.h"))]
+def build_dir() -> Path:
+    """Where these sources (every file of csrc/), these flags and this torch build the kernels."""
+    sources = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(CFLAGS).encode()).hexdigest()[:12]
     root = Path(os.environ.get("SPECDEC_KERNELS_DIR", cache_dir() / "kernels"))
-    return root / f"{name}-torch{torch.__version__}-{digest}"
+    return root / f"kernels-torch{torch.__version__}-{digest}"
 
 
 def clear_stale_lock(where: Path, now: float | None = None) -> bool:
@@ -56,12 +61,12 @@ def clear_stale_lock(where: Path, now: float | None = None) -> bool:
     return True
 
 
-def _build(name: str):
-    """The compiled extension module of csrc/<name>.cpp, or the reason there is none."""
+def _build():
+    """The compiled extension module of csrc/kernels.cpp, or the reason there is none."""
     capability = torch.backends.cpu.get_cpu_capability()
     if not capability.startswith("AVX512"):
         return None, f"this CPU has no AVX-512 (torch reports {capability})"
-    module_name, source, where = f"specdec_{name}", CSRC / f"{name}.cpp", build_dir(name)
+    module_name, where = "specdec_kernels", build_dir()
     built = where / f"{module_name}.so"
     if built.exists():  # built before (by make setup, an earlier process, the image): no compiler needed
         loader = importlib.machinery.ExtensionFileLoader(module_name, str(built))
@@ -73,17 +78,25 @@ def _build(name: str):
     try:  # the directory too: a read-only or missing cache path (a container's root filesystem) is a reason, not a crash
         where.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(where)
-        return compile_and_load(module_name, [str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        return compile_and_load(module_name, [str(CSRC / name) for name in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                 build_directory=str(where), verbose=False), None
     except Exception as e:  # no writable directory, no compiler, no ninja, a failed build: say why, and run without it
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        return None, f"building {source.name} failed: {lines[-1] if lines else type(e).__name__}"
+        return None, f"building csrc/ failed: {lines[-1] if lines else type(e).__name__}"
+
+
+@functools.cache
+def _module():
+    return _build()
 
 
 @functools.cache
 def load(name: str):
-    """(module, None) for kernel `name` (a KERNELS key), built on first call; (None, why) where unavailable."""
-    module, reason = _build(name)
+    """(module, None) for kernel `name` (a KERNELS key: the one module holds them all), built on first call;
+    (None, why) where unavailable."""
+    if name not in KERNELS:
+        raise KeyError(f"no CPU kernel {name!r}")
+    module, reason = _module()
     if module is None:
         log.warning("%s kernel unavailable (%s): CPU steps use the libraries' operators there", KERNELS[name], reason)
     return module, reason

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.engine.attention import step_attention
+from specdec.engine.attention import StepLayout, current_layout, step_attention
 
 DYNAMIC_ROPE = ("dynamic", "longrope")  # frequencies recomputed from the sequence length: not supported
 
@@ -89,8 +89,10 @@ class LlamaDecoder:
             return "pretraining_tp > 1"
         return None
 
-    def __init__(self, model, product: Product = separate_product, ops=None) -> None:
-        """ops: the row ops kernel's module (float32 CPU models), or None for PyTorch's (TorchRowOps)."""
+    def __init__(self, model, product: Product = separate_product, ops=None, native=None) -> None:
+        """ops: the row ops kernel's module (float32 CPU models), or None for PyTorch's (TorchRowOps). native: the
+        decoder kernel's module (csrc/decoder.cpp), which runs the layers in one call where every product is one
+        kernel product (specdec.engine.skinny_gemm.FusedProduct) and the step attends by row attention alone."""
         reason = self.unsupported(model)
         if reason is not None:
             raise ValueError(f"LlamaDecoder cannot run this model: {reason}")
@@ -109,6 +111,25 @@ class LlamaDecoder:
         self.norm = base.norm
         self.rotary = base.rotary_emb
         self.ops = ops or TorchRowOps
+        self.native = self._native(native, config.hidden_size) if native is not None else None
+
+    def _native(self, module, hidden: int):
+        """The decoder kernel's Decoder over this model's weights (the same tensors), or None where a product is
+        not one kernel product of the expected shape."""
+        h, kv, d = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
+        for _, qkv, o, _, gate_up, down in self.layers:
+            if not all(hasattr(p, "linear") for p in (qkv, o, gate_up, down)) or qkv.sizes != [h, kv, kv] \
+                    or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1] \
+                    or gate_up.linear.bias is not None or down.linear.bias is not None:
+                return None
+        scaling = self.scaling if self.scaling is not None else d ** -0.5
+        decoder = module.Decoder(self.heads, self.kv_heads, d, scaling, self.norm.weight, self.norm.variance_epsilon)
+        for norm1, qkv, o, norm2, gate_up, down in self.layers:
+            decoder.add_layer(norm1.weight, norm1.variance_epsilon, qkv.linear.packed, qkv.format, qkv.linear.bias,
+                              o.linear.packed, o.format, o.linear.bias, norm2.weight, norm2.variance_epsilon,
+                              gate_up.linear.packed, gate_up.format, gate_up.sizes[0], down.linear.packed, down.format,
+                              hidden)
+        return decoder
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -119,6 +140,13 @@ class LlamaDecoder:
         ops, t, d = self.ops, input_ids.shape[0], self.head_dim
         x = self.embed(input_ids)  # [T, hidden], a fresh tensor: the residual stream, updated in place
         cos, sin = self._rotary(positions, x.dtype)  # [T, D]
+        if self.native is not None and taps is None:
+            step = current_layout()
+            if isinstance(step, StepLayout) and step.rows is not None and step.rows.token_index.shape[0] == t:
+                r, cache = step.rows, step.cache  # every token a row-attention row: the layers in one call
+                stored = step.positions if step.kv_positions is None else step.kv_positions
+                return self.native.forward(x, cos, sin, cache.keys, cache.values, step.slots, stored, r.token_index,
+                                           r.slot, r.base, r.bits)
         down = None
         for i, (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = ops.add_rms_norm(x, down, norm1.weight, norm1.variance_epsilon)

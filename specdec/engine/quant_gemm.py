@@ -143,19 +143,19 @@ class QuantEmbedding(torch.nn.Module):
         return dequantize_rows(self.table.packed, self.table.fmt, flat).view(*ids.shape, self.embedding_dim)
 
 
-def fused_product(linears: Sequence[QuantLinear]):
-    """Quantised linears sharing an input as one product where they can be (one format, every one but the
+def fused(linears: Sequence[QuantLinear]) -> QuantLinear | None:
+    """Quantised linears sharing an input as one QuantLinear where they can be (one format, every one but the
     last a whole number of panels): their tiles concatenated once, each linear's tiles then a view of them
-    (nothing held twice); else each its own product. x -> each linear's output."""
+    (nothing held twice); the linear itself if it is one; None where they cannot."""
     first = linears[0]
-    if len(linears) == 1 or any(lin.fmt != first.fmt or lin.in_features != first.in_features for lin in linears) \
+    if len(linears) == 1:
+        return first
+    if any(lin.fmt != first.fmt or lin.in_features != first.in_features for lin in linears) \
             or any(lin.out_features % PANEL for lin in linears[:-1]):
-        return lambda x: [lin.forward(x) for lin in linears]  # forward: no module call around a decode's ~120 products
+        return None
     packed = torch.cat([lin.packed for lin in linears])
     start = 0
     for lin in linears:
         count = lin.packed.shape[0]
         lin.packed, start = packed[start:start + count], start + count
-    fused = QuantLinear(packed, first.fmt, sum(lin.out_features for lin in linears), first.in_features)
-    sizes = [lin.out_features for lin in linears]
-    return lambda x: fused.forward(x).split_with_sizes(sizes, dim=-1)
+    return QuantLinear(packed, first.fmt, sum(lin.out_features for lin in linears), first.in_features)

@@ -75,13 +75,33 @@ class SkinnyLinear(torch.nn.Module):
         return y.split_with_sizes(self.sizes, dim=-1)
 
 
+class FusedProduct:
+    """Linears sharing an input as one product on the kernel: x -> each one's output (views of one result).
+    `linear` is the product (a SkinnyLinear, or a QuantLinear in a GGUF's blocks), `sizes` each linear's
+    out_features in order: what specdec.engine.llama's native decoder reads to run the same product."""
+
+    def __init__(self, linear: torch.nn.Module, sizes: Sequence[int]) -> None:
+        self.linear, self.sizes = linear, list(sizes)
+
+    def __call__(self, x: torch.Tensor) -> Sequence[torch.Tensor]:
+        return self.linear.forward(x).split_with_sizes(self.sizes, dim=-1)  # forward: no module call per product
+
+    @property
+    def format(self) -> int:
+        """The native decoder's format id: 0 for float32 panels, else the GGUF block format's ggml type."""
+        return self.linear.fmt.ggml_type if isinstance(self.linear, quant_gemm.QuantLinear) else 0
+
+
 def fused_product(linears: Sequence[torch.nn.Module]):
-    """A decoder's product over several linears as one skinny GEMM: x -> each linear's output. Linears kept
-    in a GGUF's blocks (specdec.engine.quant_gemm.QuantLinear) fuse as blocks."""
+    """A decoder's product over several linears as one skinny GEMM (a FusedProduct), or each its own where they
+    cannot be one: x -> each linear's output. Linears kept in a GGUF's blocks
+    (specdec.engine.quant_gemm.QuantLinear) fuse as blocks."""
+    sizes = [lin.out_features for lin in linears]
     if all(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):
-        return quant_gemm.fused_product(linears)
-    if any(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):  # some in blocks, some not: each its own
+        fused = quant_gemm.fused(linears)
+        if fused is not None:
+            return FusedProduct(fused, sizes)
+    if any(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):  # some in blocks, or blocks that do not fuse
         singles = [fused_product([lin]) for lin in linears]
         return lambda x: [y for single in singles for y in single(x)]
-    fused = SkinnyLinear(linears)
-    return lambda x: fused.split(fused.forward(x))  # forward: no module call around a decode's ~120 products
+    return FusedProduct(SkinnyLinear(linears), sizes)

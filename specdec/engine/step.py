@@ -164,7 +164,8 @@ def packed_decoder(model, skinny: bool):
     if type(model.get_output_embeddings()) is torch.nn.Linear:  # a QuantLinear head is on the kernel already
         model.set_output_embeddings(skinny_gemm.SkinnyLinear([model.get_output_embeddings()]))
     if LlamaDecoder.unsupported(model) is None:
-        decoder = LlamaDecoder(model, product=skinny_gemm.fused_product, ops=cpu_kernels.load("row_ops")[0])
+        decoder = LlamaDecoder(model, product=skinny_gemm.fused_product, ops=cpu_kernels.load("row_ops")[0],
+                               native=cpu_kernels.load("decoder")[0])
         replace_linears(model, MovedLinear)
     else:
         replace_linears(model, lambda linear: skinny_gemm.SkinnyLinear([linear]))

@@ -18,9 +18,11 @@
 // among 15 one-token decodes made the step's attention 2.6x the decodes' alone). Tasks are split among
 // torch's OpenMP threads.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "kernels.h"
 
 #include <algorithm>
 #include <utility>
@@ -124,10 +126,10 @@ constexpr AttendFn attend_for(int64_t nv, std::integer_sequence<int, NV...>) {
 // q [T, H, D] (any strides but a contiguous last dim), keys / values [S, H_kv, L, D] (one layer of the
 // cache, contiguous), rows / slots / base / bits [G] int64 on the CPU: the query rows to compute and their
 // slot, prefix and visibility bits. Writes out[rows[g], h, :] for every g and head h.
-void row_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor rows, torch::Tensor slots,
-                   torch::Tensor base, torch::Tensor bits, double scale, torch::Tensor out) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32 &&
-              out.dtype() == torch::kFloat32, "row_attention: float32 tensors");
+void row_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor rows, at::Tensor slots,
+                   at::Tensor base, at::Tensor bits, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dtype() == at::kFloat && keys.dtype() == at::kFloat && values.dtype() == at::kFloat &&
+              out.dtype() == at::kFloat, "row_attention: float32 tensors");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes(), "row_attention: shapes");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "row_attention: contiguous cache");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "row_attention: contiguous head dim");
@@ -181,15 +183,15 @@ void row_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, to
 // A step's new keys and values into their slots: key / value [H_kv, T, D] (any strides but a contiguous last
 // dim) -> keys / values [slots[t], :, positions[t], :] (the cache's layer, contiguous), what
 // SlotKVCache.write's indexed copy does, in one call instead of two indexing operators.
-void store_rows(torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor positions,
-                torch::Tensor key, torch::Tensor value) {
-  TORCH_CHECK(keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32 && key.dtype() == torch::kFloat32 &&
-              value.dtype() == torch::kFloat32, "store_rows: float32 tensors");
+void store_rows(at::Tensor keys, at::Tensor values, at::Tensor slots, at::Tensor positions,
+                at::Tensor key, at::Tensor value) {
+  TORCH_CHECK(keys.dtype() == at::kFloat && values.dtype() == at::kFloat && key.dtype() == at::kFloat &&
+              value.dtype() == at::kFloat, "store_rows: float32 tensors");
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous(),
               "store_rows: a contiguous cache layer [S, H_kv, L, D]");
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(0) == keys.size(1) && key.size(2) == keys.size(3) &&
               key.stride(2) == 1 && value.stride(2) == 1, "store_rows: key / value [H_kv, T, D] with contiguous rows");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong && slots.is_contiguous() &&
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.is_contiguous() &&
               positions.is_contiguous() && slots.numel() == key.size(1) && positions.numel() == key.size(1),
               "store_rows: slots / positions [T] int64");
   const int64_t S = keys.size(0), Hkv = keys.size(1), L = keys.size(2), D = keys.size(3), T = key.size(1);
@@ -207,9 +209,4 @@ void store_rows(torch::Tensor keys, torch::Tensor values, torch::Tensor slots, t
       std::copy_n(ks + h * key.stride(0) + t * key.stride(1), D, kp + at);
       std::copy_n(vs + h * value.stride(0) + t * value.stride(1), D, vp + at);
     }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("row_attention", &row_attention, "attention of each query row over its own slot (float32, AVX-512)");
-  m.def("store_rows", &store_rows, "a step's new keys and values into their slots (float32)");
 }

@@ -14,9 +14,11 @@
 // gives bitwise the same result alone or among any others (batch invariance). Rows are split among
 // torch's OpenMP threads when there are enough of them to pay for it.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "kernels.h"
 
 #include "avx512_exp.h"
 
@@ -28,8 +30,8 @@ inline __mmask16 tail(int64_t left) {
   return left >= V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-void check_rows(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1,
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1,
               what, ": a float32 CPU tensor [rows, n] with contiguous rows");
 }
 
@@ -44,7 +46,7 @@ void rows(int64_t T, int64_t n, const F& f) {
 
 }  // namespace
 
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
   check_rows(x, "add_rms_norm: x");
   const int64_t T = x.size(0), N = x.size(1);
   const float* d = nullptr;
@@ -55,8 +57,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
     d = delta->data_ptr<float>();
     ldd = delta->stride(0);
   }
-  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == N, "add_rms_norm: weight [n]");
-  auto h = torch::empty({T, N}, x.options());
+  TORCH_CHECK(weight.dtype() == at::kFloat && weight.is_contiguous() && weight.numel() == N, "add_rms_norm: weight [n]");
+  auto h = at::empty({T, N}, x.options());
   float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
@@ -84,7 +86,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
   return h;
 }
 
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t head_dim) {
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t head_dim) {
   check_rows(x, "rotary_: x");
   check_rows(cos, "rotary_: cos");
   check_rows(sin, "rotary_: sin");
@@ -117,12 +119,12 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t head
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   check_rows(gate, "silu_mul: gate");
   check_rows(up, "silu_mul: up");
   TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up of one shape");
   const int64_t T = gate.size(0), I = gate.size(1);
-  auto out = torch::empty({T, I}, gate.options());
+  auto out = at::empty({T, I}, gate.options());
   const float* gp = gate.data_ptr<float>();
   const float* upp = up.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -139,10 +141,4 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, row by row (float32, AVX-512)");
-  m.def("rotary_", &rotary_, "rotary embedding in place on each head of each row (float32, AVX-512)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32, AVX-512)");
 }

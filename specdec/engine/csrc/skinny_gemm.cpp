@@ -21,9 +21,11 @@
 // Quantised weights (quant_linear): a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, packed into the same panels, are
 // dequantised inside the micro-kernel to bitwise gguf-py's float32 values, and summed exactly as above.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "kernels.h"
 
 #include <cstdlib>
 #include <type_traits>
@@ -260,7 +262,7 @@ void product(const W& w, const float* x, int64_t ldx, int64_t M, int64_t K, int6
   });
 }
 
-const float* checked_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
+const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "skinny_linear: bias [N]");
   return bias->data_ptr<float>();
@@ -269,17 +271,17 @@ const float* checked_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
 }  // namespace
 
 // W [N, K] float32 -> its packed panels [ceil(N / 16), K, 16] (zero-padded).
-torch::Tensor skinny_pack(const torch::Tensor& w) {
+at::Tensor skinny_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "skinny_pack: float32 CPU W [N, K]");
   const int64_t N = w.size(0), K = w.size(1), count = (N + PANEL - 1) / PANEL;
-  auto padded = torch::zeros({count * PANEL, K}, w.options());
+  auto padded = at::zeros({count * PANEL, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({count, PANEL, K}).transpose(1, 2).contiguous();  // [panels, K, 16]
 }
 
 // y [M, N] = x [M, K] W^T + bias [N], W given packed (skinny_pack) with its N.
-torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
               "skinny_linear: x [M, K] float32 with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous() &&
@@ -287,7 +289,7 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 64 == 0, "skinny_linear: packed W not 64-byte aligned");
   const float* b = checked_bias(bias, N);
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
   product(Floats{packed.data_ptr<float>(), K}, x.data_ptr<float>(), x.stride(0), M, K, N, packed.size(0), b,
           y.data_ptr<float>());
@@ -296,8 +298,8 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // y [M, N] = x [M, K] W^T + bias [N], W given as packed quantised tiles [ceil(N / 16), K / 32, tile] of ggml
 // type `fmt` (Q4_0, Q4_1, Q8_0), with its N: bitwise skinny_linear over W dequantised.
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t fmt, int64_t N,
-                           const c10::optional<torch::Tensor>& bias) {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t N,
+                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0, "quant_linear: format must be Q4_0, Q4_1 or Q8_0 (ggml type 2, 3, 8)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
               "quant_linear: x [M, K] float32 with contiguous rows");
@@ -307,7 +309,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
               "quant_linear: packed W does not fit x / N / the format");
   const float* b = checked_bias(bias, N);
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
   product(Blocks{packed.data_ptr<uint8_t>(), packed.size(1), fmt}, x.data_ptr<float>(), x.stride(0), M, K, N,
           packed.size(0), b, y.data_ptr<float>());
@@ -315,23 +317,16 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
 }
 
 // The packed tiles of quant_linear dequantised: [ceil(N / 16), K, 16] float32, skinny_linear's layout.
-torch::Tensor quant_dequant(const torch::Tensor& packed, int64_t fmt) {
+at::Tensor quant_dequant(const at::Tensor& packed, int64_t fmt) {
   TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0, "quant_dequant: format must be Q4_0, Q4_1 or Q8_0");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(2) == tile_bytes(fmt), "quant_dequant: packed tiles of this format");
   const int64_t count = packed.size(0), nb = packed.size(1);
-  auto out = torch::empty({count, nb * QK, PANEL}, packed.options().dtype(at::kFloat));
+  auto out = at::empty({count, nb * QK, PANEL}, packed.options().dtype(at::kFloat));
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, count * nb, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) dequant(fmt, w + t * tile_bytes(fmt), o + t * QK * PANEL);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_pack", &skinny_pack, "pack W [N, K] float32 for skinny_linear");
-  m.def("skinny_linear", &skinny_linear, "y = x W^T + b in float32, batch-invariant (AVX-512)");
-  m.def("quant_linear", &quant_linear, "y = x W^T + b, W in GGUF blocks dequantised in the product (AVX-512)");
-  m.def("quant_dequant", &quant_dequant, "packed GGUF tiles -> float32 panels");
 }
