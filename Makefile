@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 proto: $(GEN)
 
-# specdec's CPU kernels (specdec/engine/cpu_kernels.py: the skinny GEMM, row attention), compiled once with the
+# specdec's CPU kernels (specdec/engine/cpu_kernels.py: the skinny GEMM, row attention, the row ops, the decoder), compiled once with the
 # host's C++ compiler and cached; prints why not where they cannot be (no AVX-512, no compiler), and the tiers
 # then run without them.
 kernels: $(STAMP)

@@ -49,8 +49,10 @@ def test_dequantised_values_are_gguf_pys_bitwise(fmt):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     rows = torch.tensor([0, 5, 16, 69, 33, 5])
     assert torch.equal(dequantize_rows(packed, FORMATS[fmt], rows).view(torch.int32), want[rows].view(torch.int32))
-    emb = QuantEmbedding(quant_linear(fmt, raw, n, k))
-    assert torch.equal(emb(rows[None])[0], want[rows])
+    emb = QuantEmbedding(quant_linear(fmt, raw, n, k))  # the kernel's lookup
+    assert torch.equal(emb(rows[None])[0].view(torch.int32), want[rows].view(torch.int32))
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(torch.tensor([n]))  # in the last panel's padding, still refused
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

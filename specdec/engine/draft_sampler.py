@@ -30,22 +30,26 @@ class DraftSampler:
         self.sampled = [i for i, p in enumerate(params) if not p.greedy]
         self.all_greedy, self.all_sampled = not self.sampled, not self.greedy
         index = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)
-        self.greedy_index, self.sampled_index = index(self.greedy), index(self.sampled)
         groups: dict[SamplingParams, list[int]] = {}  # sampled rows sharing parameters, as positions in `sampled`
         for j, i in enumerate(self.sampled):
             groups.setdefault(params[i], []).append(j)
-        self.groups = [(p, index(rows) if len(groups) > 1 else None) for p, rows in groups.items()]
         # What a captured graph of this sampler depends on (the rest, seeds and truncations, it reads from tensors)
         self.signature = (self.num_rows, tuple(self.greedy), tuple((p, tuple(r)) for p, r in groups.items()))
         self.n_max = min(max((top_n[i] for i in self.sampled), default=1), vocab_size)
         self.signature += (self.n_max,)
+        self.capturable = all(p.greedy or p.top_p >= 1.0 for p in params)
+        if self.all_greedy:  # an argmax: no tensors to build (a draft step's chain builds one sampler a token)
+            return
+        self.sampled_index = index(self.sampled)
+        self.groups = [(p, index(rows) if len(groups) > 1 else None) for p, rows in groups.items()]
         self.top_n = index([top_n[i] for i in self.sampled])
         self.seeds = split_seeds([seeds[i] for i in self.sampled], device)  # [S, 2]
-        self.capturable = all(p.greedy or p.top_p >= 1.0 for p in params)
 
     def load(self, other: "DraftSampler") -> None:
         """Take another sampler's seeds and truncations (same signature) into this one's tensors, which a
         captured graph reads."""
+        if self.all_greedy:
+            return
         self.seeds.copy_(other.seeds)
         self.top_n.copy_(other.top_n)
 

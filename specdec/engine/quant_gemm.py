@@ -137,10 +137,13 @@ class QuantEmbedding(torch.nn.Module):
         super().__init__()
         self.table, self.padding_idx = table, padding_idx
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self._rows = cpu_kernels.load("skinny_gemm")[0].quant_rows  # QuantLinear's kernel: there is one
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        return dequantize_rows(self.table.packed, self.table.fmt, flat).view(*ids.shape, self.embedding_dim)
+        """The kernel's lookup (one call; dequantize_rows's values bitwise, ~20 tensor operators fewer)."""
+        flat = ids.reshape(-1).contiguous()
+        rows = self._rows(self.table.packed, self.table.fmt.ggml_type, flat, self.num_embeddings)
+        return rows.view(*ids.shape, self.embedding_dim)
 
 
 def fused(linears: Sequence[QuantLinear]) -> QuantLinear | None:

@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y = x W^T + b in float32, batch-invariant (AVX-512)");
   m.def("quant_linear", &quant_linear, "y = x W^T + b, W in GGUF blocks dequantised in the product (AVX-512)");
   m.def("quant_dequant", &quant_dequant, "packed GGUF tiles -> float32 panels");
+  m.def("quant_rows", &quant_rows, "rows of packed GGUF tiles dequantised (an embedding lookup)");
   m.def("row_attention", &row_attention, "attention of each query row over its own slot (float32, AVX-512)");
   m.def("store_rows", &store_rows, "a step's new keys and values into their slots (float32)");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, row by row (float32, AVX-512)");

@@ -10,6 +10,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t N,
                            const c10::optional<at::Tensor>& bias);
 at::Tensor quant_dequant(const at::Tensor& packed, int64_t fmt);
+at::Tensor quant_rows(const at::Tensor& packed, int64_t fmt, const at::Tensor& rows, int64_t N);
 
 // row_attention.cpp: each new token's attention over its own slot, and the step's keys and values stored
 void row_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor rows, at::Tensor slots,

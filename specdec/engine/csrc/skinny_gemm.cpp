@@ -316,6 +316,32 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
   return y;
 }
 
+// Rows `rows` [T] (int64, each < N) of a packed quantised matrix, dequantised: [T, K] float32, bitwise gguf-py's
+// values (the embedding lookup of a table kept in blocks: each row's tiles dequantised whole, its lane kept).
+at::Tensor quant_rows(const at::Tensor& packed, int64_t fmt, const at::Tensor& rows, int64_t N) {
+  TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0, "quant_rows: format must be Q4_0, Q4_1 or Q8_0");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(2) == tile_bytes(fmt) && packed.size(0) * PANEL >= N, "quant_rows: packed tiles of this format");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "quant_rows: rows [T] int64");
+  const int64_t T = rows.numel(), nb = packed.size(1), K = nb * QK;
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(r[t] >= 0 && r[t] < N, "quant_rows: row ", r[t], " out of range [0, ", N, ")");
+  auto out = at::empty({T, K}, packed.options().dtype(at::kFloat));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    alignas(64) float tile[QK * PANEL];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t panel = r[t] / PANEL, lane = r[t] % PANEL;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        dequant(fmt, w + (panel * nb + blk) * tile_bytes(fmt), tile);
+        for (int64_t k = 0; k < QK; ++k) o[t * K + blk * QK + k] = tile[k * PANEL + lane];
+      }
+    }
+  });
+  return out;
+}
+
 // The packed tiles of quant_linear dequantised: [ceil(N / 16), K, 16] float32, skinny_linear's layout.
 at::Tensor quant_dequant(const at::Tensor& packed, int64_t fmt) {
   TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0, "quant_dequant: format must be Q4_0, Q4_1 or Q8_0");
