@@ -107,3 +107,15 @@ def test_bad_inputs_are_refused(tiny_target):
         kernel.native.forward(x, cs, cs, cache.keys, cache.values, rows[1], torch.arange(2), *(r[:1] for r in rows))
     with pytest.raises(RuntimeError, match="out of range"):
         kernel.native.forward(x, cs, cs, cache.keys, cache.values, rows[1], torch.tensor([0, 99]), *rows)
+
+
+def test_the_rotary_table_holds_the_bits_computed_per_step(tiny_target):
+    """The kernels' decoder looks cos / sin up in a table of every position (grown past its end on demand): the
+    same bits as computing them for the step's positions, which the Python decoder does."""
+    model = load_model(ModelConfig(tiny_target))
+    python, kernel = decoders(model)
+    for positions in ([5], [0, 1, 2, 3, 4], [1023, 1024, 3000, 7], [40, 41, 41, 42]):
+        at = torch.tensor(positions)
+        for want, got in zip(python._rotary(at, torch.float32), kernel._rotary(at, torch.float32), strict=True):
+            assert torch.equal(got, want), positions
+    assert kernel._rotary_table[0].shape[0] == 3001 and python._rotary_table is None

@@ -112,6 +112,10 @@ class LlamaDecoder:
         self.rotary = base.rotary_emb
         self.ops = ops or TorchRowOps
         self.native = self._native(native, config.hidden_size) if native is not None else None
+        # cos / sin of positions 0 .. n - 1 [n, D] each, computed once and looked up (the CPU kernels' decoder: on
+        # a GPU the lookup would sit in captured graphs); None: computed every step
+        self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._table_lookup = native is not None
 
     def _native(self, module, hidden: int):
         """The decoder kernel's Decoder over this model's weights (the same tensors), or None where a product is
@@ -167,7 +171,22 @@ class LlamaDecoder:
         return h
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] of each token's position, as transformers' LlamaRotaryEmbedding computes them."""
+        """cos, sin [T, D] of each token's position, as transformers' LlamaRotaryEmbedding computes them. Every
+        operator is elementwise, so a table of every position's rows holds those very bits: where the decoder keeps
+        one, a step looks its rows up (two operators for nine), growing the table when a position passes its end."""
+        if not self._table_lookup:
+            return self._rotary_rows(positions, dtype)
+        table = self._rotary_table
+        if table is not None:
+            try:
+                return table[0].index_select(0, positions), table[1].index_select(0, positions)
+            except IndexError:  # a position past the table
+                pass
+        n = max(1024, int(positions.max()) + 1, 2 * (table[0].shape[0] if table is not None else 0))
+        self._rotary_table = self._rotary_rows(torch.arange(n, device=positions.device), dtype)
+        return self._rotary_table[0].index_select(0, positions), self._rotary_table[1].index_select(0, positions)
+
+    def _rotary_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.rotary.inv_freq.float()[None, :]  # [T, D / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = self.rotary.attention_scaling
