@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -135,6 +136,7 @@ class Engine(EngineThread):
                                                config.cost_curve_s)
         log.info("step cost measured at %d batch sizes in %.1fs", len(engine.cost_curve), time.perf_counter() - t1)
         release_thread_pool()  # this thread is done computing: the engine thread's team is the only one
+        _return_free_heap()
         engine.start()
         m, cache = config.model, engine.cache
         log.info("loaded %s in %.1fs on %s/%s, %s steps (compiling / capturing took %.1fs); KV pool: %d slots x %d "
@@ -421,3 +423,15 @@ def deliver_answers(answers: list[tuple[Work, object, Exception | None]]) -> Non
             work.future.set_exception(error)
         else:
             work.future.set_result(result)
+
+
+def _return_free_heap() -> bool:
+    """Hand the memory that loading freed back to the system (glibc's malloc_trim): the load's and the warm-up's
+    temporaries (a GGUF's raw blocks before packing, the cost curve's largest batches) leave their pages in the
+    heap otherwise: the default target tier's resident memory 637 -> 560 MiB. False where the C library has none."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
