@@ -6,7 +6,7 @@
 // same order from C++, so the hidden states are bitwise the Python decoder's (a test compares them), and the
 // interpreter's lock is released for the whole decoder, so the tier's gRPC threads run beside its step.
 //
-//   for each layer:  h = add_rms_norm(x, down, w1);  q, k, v = h Wqkv;  rotary_(q), rotary_(k)
+//   for each layer:  h = add_rms_norm(x, down, w1);  q, k, v = h Wqkv;  rotary_(q and k)
 //                    store_rows(k, v);  o = row_attention(q)
 //                    h = add_rms_norm(x, o Wo, w2);  g, u = h Wgu;  down = silu_mul(g, u) Wd
 //   return add_rms_norm(x, down, w_final)
@@ -53,8 +53,7 @@ at::Tensor Decoder::forward(at::Tensor x, at::Tensor cos, at::Tensor sin, const 
     auto h = add_rms_norm(x, residual(), layer.norm1, layer.eps1);
     auto qkv = layer.qkv(h);
     auto qs = qkv.narrow(1, 0, q), ks = qkv.narrow(1, q, kv), vs = qkv.narrow(1, q + kv, kv);
-    rotary_(qs, cos, sin, D);
-    rotary_(ks, cos, sin, D);
+    rotary_(qkv.narrow(1, 0, q + kv), cos, sin, D);  // q's heads and k's, side by side: one call, each head as alone
     store_rows(keys[i], values[i], slots, kv_positions, ks.view({T, kv_heads_, D}).transpose(0, 1),
                vs.view({T, kv_heads_, D}).transpose(0, 1));
     auto out = at::empty({T, heads_, D}, x.options());
