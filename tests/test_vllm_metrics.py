@@ -44,16 +44,18 @@ def test_request_phase_and_token_histograms(cluster):
     before = scrape(cluster.http_url + "/metrics")
     tiers_before = {t: cluster.status(t) for t in ("target", "draft")}
     usages = []
+    # the draft model asked for K = 2, so both tiers step whatever the policy would pick (K = 0 on a fast step)
+    extra = {"ignore_eos": True, "proposer": "draft", "num_speculative_tokens": 2}
     with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as oai:
         for max_tokens, stream in ((7, False), (12, True)):
             if stream:
                 chunks = list(oai.completions.create(model=model, prompt="Once upon a time", max_tokens=max_tokens,
                                                      stream=True, stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True}))
+                                                     extra_body=extra))
                 usages.append(chunks[-1].usage)
             else:
                 usages.append(oai.completions.create(model=model, prompt="Hello there", max_tokens=max_tokens,
-                                                     extra_body={"ignore_eos": True}).usage)
+                                                     extra_body=extra).usage)
     after = scrape(cluster.http_url + "/metrics")
 
     def delta(name, **labels):
