@@ -5,7 +5,7 @@ specdec.engine.skinny_gemm; a GGUF's blocks too, specdec.engine.quant_gemm), row
 feed's attention over its own slot, specdec.engine.attention), the row ops (a Llama layer's small operators)
 and the decoder (the Llama decoder's layers in one call over the other three; specdec.engine.llama). They are
 one torch C++ extension (csrc/kernels.cpp exports them; each file compiled on its own, in parallel), built on
-first use (torch.utils.cpp_extension with ninja, ~1 min on 2 cores) into $SPECDEC_KERNELS_DIR (default $SPECDEC_CACHE_DIR/kernels),
+first use (torch.utils.cpp_extension with ninja, ~2 min on 2 cores) into $SPECDEC_KERNELS_DIR (default $SPECDEC_CACHE_DIR/kernels),
 in a folder named after the torch version and a hash of the sources and flags; a process that finds the
 build there imports it with no compiler at all (`make setup` builds it; the container image ships it).
 Without AVX-512 or a compiler, load() returns None and the reason, and the step keeps the libraries'

@@ -112,10 +112,9 @@ class LlamaDecoder:
         self.rotary = base.rotary_emb
         self.ops = ops or TorchRowOps
         self.native = self._native(native, config.hidden_size) if native is not None else None
-        # cos / sin of positions 0 .. n - 1 [n, D] each, computed once and looked up (the CPU kernels' decoder: on
-        # a GPU the lookup would sit in captured graphs); None: computed every step
+        # with the CPU kernels' decoder, cos / sin of positions 0 .. n - 1 [n, D] each, computed once and looked up
+        # (on a GPU the lookup would sit in captured graphs); without it, computed every step
         self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._table_lookup = native is not None
 
     def _native(self, module, hidden: int):
         """The decoder kernel's Decoder over this model's weights (the same tensors), or None where a product is
@@ -174,7 +173,7 @@ class LlamaDecoder:
         """cos, sin [T, D] of each token's position, as transformers' LlamaRotaryEmbedding computes them. Every
         operator is elementwise, so a table of every position's rows holds those very bits: where the decoder keeps
         one, a step looks its rows up (two operators for nine), growing the table when a position passes its end."""
-        if not self._table_lookup:
+        if self.native is None:
             return self._rotary_rows(positions, dtype)
         table = self._rotary_table
         if table is not None:
