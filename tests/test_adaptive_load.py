@@ -32,8 +32,8 @@ def test_tier_load_learns_the_step_cost_line_and_the_batch():
     assert load.step_cost.predict(1) == pytest.approx(43.0, rel=0.02)
     assert load.step_cost.predict(100) == pytest.approx(340.0, rel=0.02)
     # A round with K drafts when all 8 sessions send K: the call's overhead and a step of 8 * (K + 1) tokens.
-    assert load.round_ms(3) == pytest.approx(2.0 + 40.0 + 3.0 * 32, rel=0.02)
-    assert load.round_ms(0) == pytest.approx(2.0 + 40.0 + 3.0 * 8, rel=0.02)
+    assert load.verify_ms(3)[3] == pytest.approx(2.0 + 40.0 + 3.0 * 32, rel=0.02)
+    assert load.verify_ms(3)[0] == pytest.approx(2.0 + 40.0 + 3.0 * 8, rel=0.02)
 
 
 def hinge(n: float) -> float:
@@ -117,7 +117,7 @@ def test_a_calls_overhead_grows_with_the_drafts_it_carries():
         load.observe(4, 4 * (k + 1), 30.0, 30.0 + 2.0 + 0.5 * k + 7.0, compute_ms=30.0, queue_ms=7.0, drafts=k)
     assert load.overhead.predict(0) == pytest.approx(2.0, rel=1e-3)
     assert load.overhead.predict(1) - load.overhead.predict(0) == pytest.approx(0.5, rel=1e-3)
-    assert load.round_ms(3) - load.round_ms(0) == pytest.approx(1.5 + load.step_cost.predict(16, 4) - load.step_cost.predict(4, 4),
+    assert load.verify_ms(3)[3] - load.verify_ms(3)[0] == pytest.approx(1.5 + load.step_cost.predict(16, 4) - load.step_cost.predict(4, 4),
                                                                 rel=1e-3)
 
 

@@ -99,9 +99,9 @@ def measured(live: int) -> TierCost:
 def test_a_measured_curve_prices_the_batch_the_tier_runs_now():
     one, burst = measured(1), measured(16)
     assert one.batch == 1 and burst.batch == 16
-    assert one.round_ms(0) == pytest.approx(22.0, rel=0.05) and one.round_ms(3) == pytest.approx(22.0, rel=0.1)  # the fit rounds the corner
-    assert burst.round_ms(0) == pytest.approx(hinge(16, 16), rel=0.05)
-    assert burst.round_ms(3) == pytest.approx(hinge(64, 16), rel=0.05)  # every session of the step sends 3
+    assert one.verify_ms(3)[0] == pytest.approx(22.0, rel=0.05) and one.verify_ms(3)[3] == pytest.approx(22.0, rel=0.1)  # the fit rounds the corner
+    assert burst.verify_ms(3)[0] == pytest.approx(hinge(16, 16), rel=0.05)
+    assert burst.verify_ms(3)[3] == pytest.approx(hinge(64, 16), rel=0.05)  # every session of the step sends 3
     capped = measured(100)
     assert capped.batch == 64  # no more than the tier batches
 

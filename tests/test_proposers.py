@@ -6,7 +6,8 @@ import pytest
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.estimates import LinearCost, SharedPriors, expected_tokens
-from coordinator.proposers.lookup import LookupConfig, NgramIndex
+from coordinator.proposers.lookup import LookupConfig
+from coordinator.proposers.ngram_index import NgramIndex
 from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from coordinator.proposers.policy import Policy, PolicyConfig
 from coordinator.proposers.strategy import Outcome

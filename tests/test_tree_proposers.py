@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from array import array
 
-from coordinator.proposers.lookup import LookupConfig, LookupStrategy, NgramIndex
+from coordinator.proposers.lookup import LookupConfig, LookupStrategy
+from coordinator.proposers.ngram_index import NgramIndex
 from coordinator.proposers.suffix import SuffixStrategy
 from coordinator.proposers.suffix_tree import SuffixConfig, SuffixTree, speculate
 from coordinator.proposers.token_tree import TreeBuilder, cut, depths, match

@@ -1,6 +1,4 @@
-"""What every proposer returns: tokens plus their q rows (empty = one-hot, for deterministic proposals);
-the target verifies them all the same way, losslessly. With `parents` the tokens are a token tree's nodes
-(coordinator.proposers.token_tree), several candidate continuations scored in one forward."""
+"""What every proposer returns: tokens plus their q rows, which the target verifies the same way, losslessly."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The draft model as a strategy: the remote draft tier, over the session's stream to it (its TierSession).
-
-It proposes a chain of K tokens or a token tree (draft_tree.py) and predicts, for each K, E(K) = (1 -
-a^(K+1)) / (1 - a) at C(K) = verify(K) + propose(K), its best tree beside them. propose(K) is the draft
-tier's price at its load (tier_cost.TierCost: a call's overhead plus K steps) times the session's measured
-ratio of its proposals' wall time to that price, learnt on steady rounds only (docs/DESIGN.md, Choosing the
-proposer and K, says why).
+"""The draft model as a strategy: the remote draft tier, over the session's stream to it (its TierSession). It
+proposes a chain of K tokens, E(K) = (1 - a^(K+1)) / (1 - a) at C(K) = verify(K) + propose(K), or its best
+token tree (draft_tree.py); propose(K) is the draft tier's price at its load times the session's measured
+ratio of its proposals' wall time to it, learnt on steady rounds (docs/DESIGN.md, Choosing the proposer and K).
 """
 
 from __future__ import annotations
@@ -53,12 +50,10 @@ class DraftModelStrategy(Strategy):
                  stats: RoundStats, *, cost: TierCost | None = None, max_context: int = 0, trees: DraftTrees | None = None,
                  grammar: str = "", greedy: bool = True, priors: SharedPriors | None = None,
                  push: bool = False, features: SessionFeatures | None = None) -> None:
-        """session: the draft's TierSession (its cursor, routing and back-off). cost: the draft tier's prices
-        (None: the config's prior line). max_context: the draft's (beyond it, nothing is offered). trees: how trees
-        and the speculation cache are asked for (None: chains only). grammar: structured output's, which the
-        draft masks its q with. push: ask for pushed proposals (with the speculation cache; DESIGN.md,
-        The split's cost). features: where the draft tier serves an EAGLE-3 head, the target's rows it drafts from
-        (sent with each request; nothing is offered until they cover the committed sequence)."""
+        """session: the draft's TierSession (cursor, routing, back-off). cost: the draft tier's prices (None: the
+        config's prior line). max_context: the draft's. trees: trees and the speculation cache (None: chains
+        only). grammar: structured output's, which masks q. push: ask for pushed proposals (DESIGN.md, The
+        split's cost). features: an EAGLE-3 head's target rows (nothing is offered until they cover the context)."""
         self.features = features
         self.config, self.session, self.sampling, self.seed, self.stats = config, session, sampling, seed, stats
         self.cost = cost or TierCost(prior_intercept=config.prior_step_ms, prior_slope=0.0)
@@ -85,8 +80,7 @@ class DraftModelStrategy(Strategy):
         return overhead + k * self.cost.step_ms(1)
 
     def propose_ms(self, k: int, measured: bool = True) -> float:
-        """Its predicted time for k draft steps: the price, times what its proposals measured against it (not
-        measured: the config's prior line, which no timing changes)."""
+        """Its predicted time for k draft steps: the price times its measured ratio (not measured: the prior line)."""
         c = self.config
         return self.time_ratio.value * self.price(k) if measured else c.prior_overhead_ms + k * c.prior_step_ms
 
@@ -99,9 +93,8 @@ class DraftModelStrategy(Strategy):
             return []
         a, out = self.acceptance.value, []
         if ask.fixed and self.trees is not None and (tree := self.trees.fixed(ask.k, a, ask.nodes)) is not None:
-            e = self.trees.expected(a, tree.nodes, tree.depth)  # the request's K: the tree of that depth, whatever the timings
-            return [Prediction(self, ask.k, e, ask.verify_ms[tree.nodes] + self.propose_ms(ask.k, ask.measured), tree.nodes,
-                               tree.branching, calls=2)]
+            e, cost = self.trees.expected(a, tree.nodes, tree.depth), ask.verify_ms[tree.nodes] + self.propose_ms(ask.k, ask.measured)
+            return [Prediction(self, ask.k, e, cost, tree.nodes, tree.branching, calls=2)]  # the request's K, as a tree
         for k in range(ask.k if ask.fixed else 1, ask.k + 1):
             out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + self.propose_ms(k, ask.measured), calls=2))
         if self.trees is not None and not ask.fixed and ask.measured:
@@ -135,8 +128,7 @@ class DraftModelStrategy(Strategy):
             self.stats.pushed_rounds += 1
             return Proposal(DRAFT_MODEL, list(pushed.tokens), list(pushed.q), k=k,
                             parents=list(pushed.parents), tree_scheme=pushed.tree_scheme, overlapped=True)
-        # A tree request's cached_len is the committed length: its nodes are not in the cursor's tail (the draft
-        # moves the accepted path's entries into place when the next request's tokens show it).
+        # A tree's nodes are not in the cursor's tail (the draft moves the accepted path's entries into place).
         reply = await self.session.call(committed, hashes, request,
                                         extra=lambda response: [] if response.parents else list(response.tokens))
         r = reply.message
@@ -146,11 +138,11 @@ class DraftModelStrategy(Strategy):
                             queue_ms=r.queue_ms, k=k, catch_up=reply.fed, parents=list(r.parents),
                             tree_scheme=r.tree_scheme, overlapped=r.speculated)
         self.stats.observe_rpc(proposal.wall_ms, proposal.compute_ms, proposal.queue_ms, is_draft=True)
-        if not proposal.overlapped:  # a draft step holds about one token per session
-            self.cost.observe(r.batch_sessions, r.batch_sessions, r.step_ms, reply.wall_ms, r.compute_ms, r.queue_ms)
         if proposal.overlapped:  # the speculation cache had it ready: a draft call's time saved
             self.stats.observe_overlapped(0.0, saved_ms=max(0.0, self._draft_ms - proposal.wall_ms))
-        elif proposal.tokens:
+            return proposal
+        self.cost.observe(r.batch_sessions, r.batch_sessions, r.step_ms, reply.wall_ms, r.compute_ms, r.queue_ms)  # a token a session
+        if proposal.tokens:
             self._draft_ms = 0.8 * self._draft_ms + 0.2 * proposal.wall_ms if self._draft_ms else proposal.wall_ms
         return proposal
 

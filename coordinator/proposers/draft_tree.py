@@ -1,12 +1,6 @@
-"""The draft model's token trees: which shape (node budget N, depth D) a round asks for, and what it predicts.
-
-The draft expands the b likeliest nodes of each level with b children each (specdec.engine.propose_tree); a
-greedy (or candidates-scheme) tree is dynamic, keeping the N nodes of highest path probability, a sampled
-one keeps every node it draws. A shape commits E = 1 + rho x (the sum over its nodes of the walk's chance to
-reach them, from Sequoia's sibling acceptance vector c_r, measured per session), rho the measured ratio of
-accepted nodes to that sum; a round costs (verify(N) + propose(D)) x kappa, its measured time ratio. A fixed
-K asks for depth K and N(K) nodes, whatever the timings. docs/DESIGN.md, Token trees, has the derivation.
-"""
+"""The draft model's token trees: which shape (node budget N, depth D) a round asks for, and what it predicts:
+E = 1 + rho x (the walk's chances of reaching the shape's nodes, from the sibling acceptance vector c_r) at
+(verify(N) + propose(D)) x kappa (docs/DESIGN.md, Token trees, has the derivation)."""
 
 from __future__ import annotations
 
@@ -48,10 +42,9 @@ class TreeAsk:
 
 
 class SiblingAcceptance:
-    """c_r of one session's draft trees, r = 0 .. b - 1 (the r-th child in the draft's order): each an
-    exponentially weighted ratio of the levels where child r held the target's token to those where it was
-    tried. Until measured: c_0 = the chain's acceptance a and c_r = a / 2^r (the default pair's replayed
-    trees agree: DESIGN.md, Token trees), worth PRIOR_LEVELS levels, or the vector earlier sessions learnt."""
+    """c_r, r = 0 .. b - 1: per session, the levels where the r-th child (the draft's order) held the target's
+    token over those where it was tried, exponentially weighted. Prior (worth PRIOR_LEVELS levels): the vector
+    earlier sessions learnt, else c_0 = the chain's acceptance a and c_r = a / 2^r."""
 
     PRIOR_LEVELS = 2.0
 
@@ -77,9 +70,8 @@ class SiblingAcceptance:
         return out
 
     def observe(self, parents: Sequence[int], path: Sequence[int]) -> None:
-        """A verified tree (parents: -1 = the root) and its accepted path, root-down: at each level of the walk
-        the children of the node reached before the one accepted were tried and missed, that one held; where
-        the walk stopped every child was tried and missed."""
+        """A verified tree and its accepted path, root-down: at each level the children before the one that
+        held were tried and missed; where the walk stopped, every child missed."""
         below = children(parents)
         self.hits = [h * self.decay for h in self.hits]
         self.tries = [t * self.decay for t in self.tries]
@@ -100,8 +92,8 @@ class SiblingAcceptance:
 
 
 def best_first(p: Sequence[float], nodes: int, depth: int) -> list[float]:
-    """The walk's chance of reaching each node of the N = `nodes` likeliest within `depth` levels, best first,
-    where child r of a node is reached with its parent's chance times p[r] (a dynamic tree's shape)."""
+    """A dynamic tree's nodes' chances of being reached, best first: the N likeliest within `depth` levels,
+    child r reached with its parent's chance times p[r]."""
     heap = [(-pr, 1) for pr in p if pr > 0]
     heapq.heapify(heap)
     out = []
@@ -116,9 +108,8 @@ def best_first(p: Sequence[float], nodes: int, depth: int) -> list[float]:
 
 
 def level_growth(p: Sequence[float], nodes: int, depth: int) -> list[float]:
-    """The same chances for a sampled tree's fixed shape (specdec.engine.tree_growth.Growth within its budget):
-    the root's b children, then per level the likeliest ceil(left / b) (at most b) nodes each with b children,
-    until N nodes or D levels."""
+    """The same for a sampled tree's shape (specdec.engine.tree_growth.Growth): the root's b children, then per
+    level the likeliest ceil(left / b) (at most b) nodes' b children each, until N nodes or D levels."""
     b, out, level = len(p), [], [1.0]
     for _ in range(depth):
         left = nodes - len(out)
@@ -138,8 +129,8 @@ class DraftTrees:
 
     def __init__(self, config: DraftTreeConfig, decay: float, greedy: bool = True,
                  priors: SharedPriors | None = None) -> None:
-        """greedy: the session's trees are dynamic (so are the candidates scheme's), their N chosen freely.
-        priors: where the estimates start, what the coordinator's earlier sessions learnt (None: the defaults)."""
+        """greedy (or the candidates scheme): the trees are dynamic, their N chosen freely. priors: where the
+        estimates start (None: the defaults)."""
         self.config, self.greedy, self.priors = config, greedy, priors
         self.dynamic = greedy or config.scheme == "candidates"
         learnt = (lambda name, default: priors.get(DRAFT_MODEL, greedy, name, default)) if priors else (lambda n, d: d)
@@ -163,8 +154,8 @@ class DraftTrees:
         return 1.0 + self.ratio.value * self.reach(a, nodes, depth)
 
     def fixed(self, k: int, a: float, max_nodes: int) -> TreeAsk | None:
-        """A request's fixed K as a tree: depth K, N(K) nodes (None: a chain, where N(K) <= K or over max_nodes).
-        No timing involved, so a seeded sampled run proposes the same trees. a: the chain's acceptance."""
+        """A request's fixed K as a tree, whatever the timings: depth K, N(K) nodes (None: a chain, where N(K)
+        <= K or over max_nodes)."""
         n = self.nodes(k)
         if self.config.branching <= 1 or not k < n <= max_nodes:
             return None
@@ -172,9 +163,8 @@ class DraftTrees:
 
     def best(self, a: float, propose: Callable[[int], float], verify: Sequence[float], max_k: int,
              max_nodes: int) -> tuple[float, float, TreeAsk] | None:
-        """The tree of most expected tokens per ms, at most max_k deep and max_nodes large: (E, its round's time
-        in ms, the tree), or None (no tree, e.g. a budget under 2). a: the chain's acceptance; propose(D): the
-        draft's time for D levels; verify[n]: the target's for a round scoring n drafts (n = 0..max_nodes)."""
+        """(E, its round's ms, the tree) of most expected tokens per ms, at most max_k deep and max_nodes large
+        (None: no tree). propose(D): the draft's ms for D levels; verify[n]: the target's for n drafts."""
         c = self.config
         limit = min(c.max_nodes, max_nodes, len(verify) - 1)
         if limit <= 1 or c.branching <= 1:
@@ -197,13 +187,11 @@ class DraftTrees:
         return 1.0 + rho * best[1], best[2], best[3]
 
     def asked(self, tree: TreeAsk, a: float, cost_ms: float) -> None:
-        """The tree a round asks for, with chain acceptance a and its predicted time (0: none, a fixed K's):
-        what its outcome is judged against."""
+        """The tree a round asks for and its predicted time (0: a fixed K's): what its outcome is judged by."""
         self._asked = (self.reach(a, tree.nodes, tree.depth), cost_ms / max(self.cost_ratio.value, 1e-9))
 
     def observe(self, parents: Sequence[int], path: Sequence[int], round_ms: float = 0.0) -> None:
-        """A tree round: its nodes' parents, the accepted path (node indices, root-down) and the round's time
-        (the proposal's and the verification's wall time; 0: not timed, e.g. pre-drafted)."""
+        """A tree round: its parents, the accepted path (node indices) and its wall time (0: not timed)."""
         reach, predicted_ms = self._asked
         if reach > 0:
             self.ratio.observe(len(path), reach)
@@ -212,15 +200,14 @@ class DraftTrees:
         self.siblings.observe(parents, path)
 
     def teach(self, a: float) -> None:
-        """At the session's end: hand what its trees measured to the shared priors (a: the chain's acceptance,
-        the vector's prior scale), once they were judged on MIN_LEVELS levels."""
+        """At the session's end: what its trees measured, to the shared priors (after MIN_LEVELS levels)."""
         if self.priors is not None and self.siblings.levels >= MIN_LEVELS:
             self.priors.learn(DRAFT_MODEL, self.greedy, siblings=self.siblings.conditional(a), rho=self.ratio.value,
                               kappa=self.cost_ratio.value)
 
     def request_fields(self, request: draft_pb2.ProposeRequest, tree: TreeAsk | None, k: int) -> None:
-        """Fill a ProposeRequest's tree and speculation fields: the tree, or with the speculation cache on a
-        chain of k asked as a tree of branching 1 (a chain request has no cache)."""
+        """A ProposeRequest's tree and speculation fields: the tree, or with the speculation cache on a chain
+        asked as a tree of branching 1 (a chain request has no cache)."""
         if tree is None and self.config.speculate <= 0:
             return
         tree = tree or TreeAsk(k, k, 1)

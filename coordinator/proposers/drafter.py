@@ -1,10 +1,5 @@
-"""Drafter: one session's strategies and policy, as the round loop sees them (propose, observe, commit).
-
-propose() lets the policy pick among the session's strategies (one for a named proposer, all three for the
-hybrid) and K = 0 at the target's current price; if the draft tier is unreachable the model-free strategies
-stand in (a fallback round). observe() and commit() reach every strategy; a finished session's output joins
-the coordinator's shared suffix tree at close().
-"""
+"""Drafter: one session's strategies and policy, as the round loop sees them (propose, verify, observe, commit,
+finish, close). If the draft tier is unreachable the model-free strategies stand in (a fallback round)."""
 
 from __future__ import annotations
 
@@ -27,10 +22,9 @@ class Drafter:
     def __init__(self, params: GenerationParams, policy: Policy, strategies: Sequence[Strategy], fallback: Strategy,
                  target: TierCost, *, max_k: int, suffix_cache: SuffixCache | None = None, cache_context: int = 0,
                  coordinator: CoordinatorCost | None = None) -> None:
-        """strategies: the session's, model-free ones first; fallback: prompt lookup, there whenever the draft tier
-        is unreachable. target: the target's prices. max_k: the server's and tiers' cap on K (and on a tree's
-        nodes). suffix_cache: the coordinator's tree of recent outputs, which this session's output joins at
-        close(), after cache_context prompt tokens. coordinator: the coordinator's own CPU per tier call (None or
+        """strategies: model-free ones first; fallback: prompt lookup, for an unreachable draft tier. target: its
+        prices. max_k: the server's and tiers' cap on K and a tree's nodes. suffix_cache: the shared tree that the
+        output joins at close(), after cache_context prompt tokens. coordinator: its CPU per tier call (None or
         PolicyConfig.price_coordinator off: not charged)."""
         self.params, self.policy, self.target, self.max_k = params, policy, target, max_k
         self.coordinator = coordinator if policy.config.price_coordinator else None
@@ -47,13 +41,9 @@ class Drafter:
         for s in self.every:
             await s.start()
 
-    def budget(self, limit: int) -> int:
-        """K for a round that may commit at most `limit` tokens: it yields one token of its own."""
-        return min(self.max_k, limit - 1)
-
     async def propose(self, committed: list[int], hashes: PrefixHashes, limit: int) -> Proposal:
-        """The round's drafts (at most budget(limit) deep, at most max_k nodes) with their q rows."""
-        budget, k = max(self.budget(limit), 0), self.params.num_speculative_tokens
+        """The round's drafts with their q rows, for a round that may commit at most `limit` tokens."""
+        budget, k = max(min(self.max_k, limit - 1), 0), self.params.num_speculative_tokens  # a round adds one of its own
         k = min(budget, self.policy.config.max_k if k is None else k)
         draft_down = any(s.source == DRAFT_MODEL and not s.available for s in self.strategies)
         local = [s for s in self.strategies if s.source != DRAFT_MODEL]
@@ -82,15 +72,13 @@ class Drafter:
         return proposal
 
     def _target_only(self, strategies: Sequence[Strategy], draft_down: bool, run_on: int) -> Proposal:
-        """A K = 0 round, charged to the first strategy. The target runs on by itself for 0, 1, 3, 7, ... tokens
-        (up to PolicyConfig.run_on and the round's budget: propose()) as such rounds follow one another: a
-        session's first token is never held back, and the run-on grows only while nothing is worth drafting."""
+        """A K = 0 round, charged to the first strategy; the target runs on by itself for 0, 1, 3, 7, ... tokens
+        (up to PolicyConfig.run_on and the budget) as such rounds follow one another."""
         self._alone += 1
         return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down, run_on=run_on)
 
     async def verify(self, verifying: Awaitable[Verdict], proposal: Proposal) -> Verdict:
-        """The target's verdict on `proposal`; the strategy that proposed it may use the wait (the draft model
-        files the proposals its tier pushes meanwhile: DESIGN.md, The split's cost)."""
+        """The target's verdict on `proposal`; its strategy may use the wait (the draft model files its pushes)."""
         by = next((s for s in self.every if s.source == proposal.source), None)
         return await (by.while_verifying(verifying) if by is not None and proposal.tokens else verifying)
 
@@ -116,14 +104,12 @@ class Drafter:
             s.commit(tokens)
 
     def finish(self, committed: list[int]) -> None:
-        """The generation finished with these tokens: its output (after a few prompt tokens) may join the
-        shared suffix tree at close()."""
+        """The generation finished with these tokens: its output joins the shared suffix tree at close()."""
         prompt_len = len(self.params.prompt_ids)
         self._output = committed[prompt_len - min(self.cache_context, prompt_len):]
 
     async def close(self) -> None:
-        """Each strategy teaches the shared priors and ends its remote session (best effort); a finished
-        generation's output joins the shared suffix tree."""
+        """Each strategy teaches the shared priors and ends its remote session (best effort)."""
         for s in self.every:
             await s.close()
         if self.suffix_cache is not None and self._output is not None:

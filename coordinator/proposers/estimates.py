@@ -1,15 +1,11 @@
-"""The small online estimates the strategies are made of, and the priors sessions hand on to the next:
-expected_tokens (a round of K drafts at per-token acceptance a), Acceptance, Ratio (a strategy's own estimate
-scaled by how it has fared), LinearCost, and SharedPriors (where a new session's estimates start)."""
+"""The small online estimates strategies are made of, and the priors sessions hand on to the next."""
 
 from __future__ import annotations
 
 
 def expected_tokens(a: float, k: int) -> float:
-    """Expected tokens per round, bonus included, for per-token acceptance a and K drafts."""
-    if a >= 1.0 - 1e-9:
-        return k + 1.0
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+    """E(K): tokens a round of K drafts commits, the bonus included, at per-token acceptance a."""
+    return k + 1.0 if a >= 1.0 - 1e-9 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 class Ratio:
@@ -57,9 +53,8 @@ class LinearCost:
         self._line = (0.0, 0.0)  # (intercept, slope), refitted per observation
 
     def observe(self, x: float, cost: float) -> None:
-        x, s = float(x), [v * self.decay for v in self._s]
-        for i, v in enumerate((1.0, x, cost, x * x, x * cost)):
-            s[i] += v
+        x = float(x)
+        s = [v * self.decay + new for v, new in zip(self._s, (1.0, x, cost, x * x, x * cost))]
         var = s[0] * s[3] - s[1] * s[1]
         slope = max((s[0] * s[4] - s[1] * s[2]) / var if var > 1e-12 else 0.0, 0.0)
         self._s, self._line = s, ((s[2] - slope * s[1]) / s[0], slope)
@@ -69,13 +64,12 @@ class LinearCost:
 
 
 class SharedPriors:
-    """What earlier sessions measured, per (strategy, greedy): named values (numbers or vectors), each an
-    exponentially weighted mean over the sessions that taught it. Shared by the coordinator's sessions: a chat
-    service's sessions stop opening with chains its earlier sessions saw fail, a template service's start
-    trusting the suffix tree at once; a session's own rounds outweigh the prior within a few rounds."""
+    """Where a new session's estimates start: what the coordinator's earlier sessions measured, per (strategy,
+    greedy), each named value (a number or a vector) an exponentially weighted mean over the sessions that
+    taught it (decay: the earlier sessions' weight against the newest)."""
 
     def __init__(self, decay: float = 0.7) -> None:
-        self.decay = decay  # weight of the earlier sessions against the newest
+        self.decay = decay
         self._values: dict[tuple[str, bool], dict[str, float | list[float]]] = {}
 
     def get(self, strategy: str, greedy: bool, name: str, default=None):
@@ -83,16 +77,13 @@ class SharedPriors:
 
     def learn(self, strategy: str, greedy: bool, **values: float | list[float] | None) -> None:
         """A finished session's estimates (None: it did not measure that one)."""
-        table = self._values.setdefault((strategy, greedy), {})
+        table, d = self._values.setdefault((strategy, greedy), {}), self.decay
         for name, new in values.items():
             old = table.get(name)
             if new is None:
                 continue
             if isinstance(new, list):
-                table[name] = list(new) if not isinstance(old, list) or len(old) != len(new) else [
-                    self._blend(a, b) for a, b in zip(old, new)]
+                same = isinstance(old, list) and len(old) == len(new)
+                table[name] = [d * a + (1 - d) * b for a, b in zip(old, new)] if same else list(new)
             else:
-                table[name] = new if old is None else self._blend(old, new)
-
-    def _blend(self, old: float, new: float) -> float:
-        return self.decay * old + (1 - self.decay) * new
+                table[name] = new if old is None else d * old + (1 - d) * new

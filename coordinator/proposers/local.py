@@ -1,13 +1,6 @@
 """What the model-free strategies (prompt lookup, suffix decoding) share: an offer made here in microseconds,
-priced for every prefix of it, and judged every greedy round whether chosen or not.
-
-Each round the strategy makes its offer (a chain, or a token tree with tree_nodes > 0) and predicts, for
-its first k tokens, E(k) = 1 + a + ... + a^k for its measured per-token acceptance a, or, where the offer
-carries its own estimate (the suffix tree's probs[i] = P(first i+1 drafts right)), 1 + the sum of probs[:k]
-times the measured ratio of accepted to estimated drafts; and C(k) = verify(k) (its own time is the
-coordinator's CPU, which the policy charges per call). In a greedy round an offer not chosen is judged by its
-common prefix with the committed tokens, the target's own continuation: free measurements.
-"""
+priced for each prefix of it at verify(k) alone (its CPU is charged by the policy), and in greedy rounds judged
+whether chosen or not, against the target's own continuation (docs/DESIGN.md, Choosing the proposer and K)."""
 
 from __future__ import annotations
 
@@ -28,8 +21,8 @@ class LocalStrategy(Strategy):
 
     def __init__(self, prior_acceptance: float, decay: float, *, greedy: bool = True, tree_nodes: int = 0,
                  priors: SharedPriors | None = None) -> None:
-        """tree_nodes > 0: offer token trees of at most that many nodes. priors: where the estimates start, and
-        what they teach at the session's end (None: the config's prior, nothing taught)."""
+        """tree_nodes > 0: offer token trees of at most that many nodes. priors: where the estimates start and
+        what they teach at the end (None: the config's prior, nothing taught)."""
         self.greedy, self.tree_nodes, self.priors = greedy, tree_nodes, priors
         start = priors.get(self.source, greedy, "acceptance", prior_acceptance) if priors else prior_acceptance
         self.acceptance = Acceptance(decay, start)
@@ -46,6 +39,8 @@ class LocalStrategy(Strategy):
         raise NotImplementedError
 
     def predict(self, ask: Ask) -> list[Prediction]:
+        """E(k) for the offer's first k tokens: 1 + a + ... + a^k, or where the offer estimates its own chances
+        (probs[i] = P(the first i + 1 drafts right)) 1 + their sum times the measured ratio, at most k."""
         self._offer, self._depth = self.offer(ask.k, min(self.tree_nodes, len(ask.verify_ms) - 1)), ask.k
         offer = self._offer
         n_max = min(len(offer.tokens), len(ask.verify_ms) - 1)

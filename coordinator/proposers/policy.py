@@ -1,14 +1,6 @@
-"""Which strategy proposes a round, and what shape: the most predicted tokens per predicted second.
-
-Every round the policy asks each strategy of the session for its predictions at the target's current price
-(tier_cost.TierCost), adds K = 0 (one token for verify(0), and each token the target would run on for one
-step more), charges each the coordinator's own CPU per tier
-call (coordinator_cost.round_ms) and picks the largest rate. Drafting must beat K = 0 by min_gain (the largest
-of many noisy estimates overstates itself); when K = 0 wins, the best K = 1 is probed after probe_every rounds,
-the interval doubling up to probe_max_every while K = 0 keeps winning, unless its strategy judges unchosen
-offers for free. A request's own K (fixed) has no K = 0 option; a reproducible one (measured=False) is priced
-from priors alone. docs/DESIGN.md, Choosing the proposer and K, has the measurements behind each rule.
-"""
+"""Which strategy proposes a round, and what shape: the most predicted tokens per predicted second, K = 0
+included at the target's current price, the coordinator's own CPU charged per tier call (docs/DESIGN.md,
+Choosing the proposer and K, has the measurements behind each rule)."""
 
 from __future__ import annotations
 
@@ -40,7 +32,10 @@ class Policy:
         self._probe_every = config.probe_every  # doubles after each probe while K = 0 keeps winning
 
     def choose(self, strategies: Sequence[Strategy], ask: Ask) -> Prediction | None:
-        """The best prediction of any strategy, or None for K = 0 (the target alone)."""
+        """The best prediction of any strategy, or None for K = 0 (the target alone, running on for ask.run_on
+        tokens). Drafting must beat K = 0 by min_gain; while K = 0 wins, the best K = 1 is probed every
+        probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free. A
+        request's own K (ask.fixed) has no K = 0 option."""
         if ask.k <= 0:
             return None
         predictions = [p for s in strategies for p in s.predict(ask)]

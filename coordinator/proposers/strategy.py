@@ -1,6 +1,5 @@
 """The one interface every proposer implements, and what passes through it (docs/DESIGN.md, Choosing the
-proposer and K): a strategy predicts what each shape it could propose would commit and cost, proposes the
-shape the policy picks, and observes every verified round; it holds its own estimates and settings."""
+proposer and K)."""
 
 from __future__ import annotations
 
@@ -54,7 +53,9 @@ class Outcome:
 
 
 class Strategy:
-    """Subclass it: predict, propose and observe; the rest does nothing unless overridden."""
+    """A proposer: it predicts what each shape it could propose would commit and cost, proposes the shape the
+    policy picks, and observes every verified round, holding its own estimates and settings. Subclass it:
+    predict, propose and observe; the rest does nothing unless overridden."""
 
     source: Proposer  # its name (API, stats, metrics)
     judged_unchosen = False  # it learns from rounds it did not propose (so the policy never probes it)

@@ -1,7 +1,6 @@
-"""Suffix decoding as a strategy: chains (or token trees) from the session's own suffix tree (prompt + output)
-and the coordinator's shared tree of recent finished outputs (coordinator/proposers/suffix_cache.py), priced
-and judged as every model-free strategy is (coordinator/proposers/local.py), with the tree's own estimate of
-each draft's chance."""
+"""Suffix decoding as a strategy: chains (or token trees) from the session's own suffix tree and the shared one
+of recent outputs (suffix_cache.py), each draft with the tree's estimate of its chance (docs/DESIGN.md,
+Proposers)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from coordinator.proposers.estimates import SharedPriors
 from coordinator.proposers.local import LocalStrategy
 from specdec.core.proposer_names import SUFFIX
 from coordinator.proposers.suffix_cache import SuffixCache
-from coordinator.proposers.suffix_tree import SuffixConfig, SuffixDraft, SuffixTree, speculate
-from coordinator.proposers.token_tree import TreeBuilder
+from coordinator.proposers.suffix_tree import SuffixConfig, SuffixTree, speculate, token_tree
 
 __all__ = ["SuffixCache", "SuffixConfig", "SuffixStrategy", "SuffixTree", "speculate"]
 
@@ -59,23 +57,6 @@ class SuffixStrategy(LocalStrategy):
             if shared.score > best.score:
                 best, matches = shared, others
         if tree_nodes > 0 and best.spot is not None:
-            tokens, parents, probs = self._tree(best, matches, tree_nodes)
+            tokens, parents, probs = token_tree(best, matches, tree_nodes, self.config.min_token_prob)
             return Proposal(SUFFIX, tokens, probs=probs, parents=parents, wall_ms=(time.perf_counter() - t0) * 1e3)
         return Proposal(SUFFIX, best.tokens, probs=best.probs, wall_ms=(time.perf_counter() - t0) * 1e3)
-
-    def _tree(self, best: SuffixDraft, matches: list, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
-        """The best match expanded best-first, then (budget left) the other match lengths' expansions merged
-        in, longest first: a long match often has one continuation where a shorter one has several."""
-        builder = TreeBuilder(max_nodes)
-        probs: list[float] = []
-        for spot, limit in [(best.spot, best.limit)] + [m for m in matches if m[0] is not best.spot]:
-            tokens, parents, node_probs = SuffixTree.expand(*spot, max_nodes, limit, self.config.min_token_prob)
-            paths: list[list[int]] = []
-            for t, parent, prob in zip(tokens, parents, node_probs):
-                paths.append((paths[parent] if parent >= 0 else []) + [t])
-                before = len(builder.tokens)
-                builder.add_branch(paths[-1])
-                probs.extend([prob] * (len(builder.tokens) - before))
-                if builder.full:
-                    return builder.tokens, builder.parents, probs
-        return builder.tokens, builder.parents, probs

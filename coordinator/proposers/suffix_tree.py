@@ -23,6 +23,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
+from coordinator.proposers.token_tree import TreeBuilder
 from specdec.core.settings import setting
 
 
@@ -378,3 +379,22 @@ def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, 
         if score > best_score + 1e-9:
             best, best_score = SuffixDraft(tokens, probs, m, (node, j), limit), score
     return best
+
+
+def token_tree(best: SuffixDraft, matches: list, max_nodes: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+    """(tokens, parents, probs): a speculate() result's match expanded best-first into a token tree, then (budget
+    left) the other match lengths' expansions (its `matches`) merged in, longest first: a long match often has
+    one continuation where a shorter one has several."""
+    builder = TreeBuilder(max_nodes)
+    probs: list[float] = []
+    for spot, limit in [(best.spot, best.limit)] + [m for m in matches if m[0] is not best.spot]:
+        tokens, parents, node_probs = SuffixTree.expand(*spot, max_nodes, limit, min_prob)
+        paths: list[list[int]] = []
+        for t, parent, prob in zip(tokens, parents, node_probs):
+            paths.append((paths[parent] if parent >= 0 else []) + [t])
+            before = len(builder.tokens)
+            builder.add_branch(paths[-1])
+            probs.extend([prob] * (len(builder.tokens) - before))
+            if builder.full:
+                return builder.tokens, builder.parents, probs
+    return builder.tokens, builder.parents, probs

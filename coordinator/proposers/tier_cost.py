@@ -1,11 +1,7 @@
-"""What a tier's step costs at its current load: the prices the policy and the strategies quote.
-
-StepCurve fits T_step(n), a step's time against its tokens, from the points the tier measured at start
-(StatusResponse.cost_curve) and the steps its replies report since. With B sessions per step all sending K,
-a round takes overhead + T_step(B (K + 1)), so K falls as B grows; B is never fewer than the sessions this
+"""What a tier's step costs at its current load: the prices the policy and the strategies quote. With B sessions
+per step all sending K, a round takes overhead(K) + T_step(B (K + 1)); B is never fewer than the sessions this
 coordinator has open on the tier, so a burst is priced at its batch from its first round (docs/DESIGN.md,
-Choosing the proposer and K).
-"""
+Choosing the proposer and K)."""
 
 from __future__ import annotations
 
@@ -19,35 +15,30 @@ from coordinator.proposers.estimates import LinearCost
 
 
 class StepCurve:
-    """Step time (ms) against the tokens in the step, n, for steps of about B sessions: at each (n, B) a
-    weighted least-squares line in n through the measured points and the last `window` steps, each weighted by
-    how near its tokens and sessions are (Gaussians in log n and log B, `width` wide), steps also by their age,
-    measured points by `measured_weight`; where the nearby points all had one size the prior slope stands in,
-    with no points the prior line. Fits are cached per size, redone after `refresh` steps, all sizes of a
-    round in one numpy pass."""
+    """T_step(n, B): a step's time (ms) against its tokens n, for steps of about B sessions. At each (n, B), a
+    weighted least-squares line in n through the tier's measured points (weight `measured_weight`) and the last
+    `window` reported steps (weight decay^age), each also weighted by Gaussians in log n and log B `width` wide;
+    where the nearby points had one size the prior slope stands in, with none the prior line. Fits are cached
+    per (n, B) and redone after `refresh` new steps, all of a round's sizes in one numpy pass."""
 
     def __init__(self, window: int = 128, width: float = 0.5, decay: float = 0.99, refresh: int = 16,
                  prior_intercept: float = 50.0, prior_slope: float = 3.0, measured_weight: float = 0.3) -> None:
         self.width, self.decay, self.refresh, self.measured_weight = width, decay, refresh, measured_weight
         self.prior = (prior_intercept, prior_slope)
-        self._measured: list[tuple[float, float, float]] = []  # (log n, log B, ms) timed by the tier at start
+        self._measured: list[tuple[float, float, float]] = []  # (log n, log B, ms) the tier timed at start
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # reported steps, oldest first
         self._cache: dict[tuple[int, int], float] = {}
         self._since = 0  # steps since the cache was cleared
-        self._points = None  # the points as arrays for the fits (_arrays)
-
-    @staticmethod
-    def _point(n: float, ms: float, sessions: float) -> tuple[float, float, float]:
-        return math.log(max(n, 1)), math.log(max(sessions, 1)), ms
+        self._points = None  # (weight, log n, log B, ms, n) arrays, rebuilt after a new step
 
     def seed(self, points) -> None:
         """The tier's measured (sessions, tokens, ms) points."""
-        self._measured = [self._point(n, ms, b) for b, n, ms in points]
+        self._measured = [(math.log(max(n, 1)), math.log(max(b, 1)), ms) for b, n, ms in points]
         self._cache.clear()
         self._points = None
 
     def observe(self, n: int, ms: float, sessions: int = 1) -> None:
-        self._steps.append(self._point(n, ms, sessions))
+        self._steps.append((math.log(max(n, 1)), math.log(max(sessions, 1)), ms))
         self._points = None
         self._since += 1
         if self._since >= min(self.refresh, len(self._steps)):
@@ -58,7 +49,7 @@ class StepCurve:
         return self.predict_many([n], sessions)[0]
 
     def predict_many(self, ns, sessions: float = 1.0) -> list[float]:
-        """predict(n, sessions) for each n, the sizes not cached fitted in one pass."""
+        """predict(n, sessions) for each n, the sizes not cached fitted at once."""
         b = max(int(round(sessions)), 1)
         keys = [(max(int(round(n)), 1), b) for n in ns]
         missing = [k for k in dict.fromkeys(keys) if k not in self._cache]
@@ -66,23 +57,17 @@ class StepCurve:
             self._fit(missing)
         return [self._cache[k] for k in keys]
 
-    def _arrays(self):
-        """The points as arrays (weight, log n, log B, ms, n), rebuilt after a new step."""
+    def _fit(self, keys: list[tuple[int, int]]) -> None:
         if self._points is None:
             last = len(self._steps) - 1
-            weighted = [(self.measured_weight, *p) for p in self._measured]
-            weighted += [(self.decay ** (last - i), *p) for i, p in enumerate(self._steps)]
-            a = np.array(weighted, dtype=np.float64).reshape(-1, 4)
+            rows = [(self.measured_weight, *p) for p in self._measured]
+            rows += [(self.decay ** (last - i), *p) for i, p in enumerate(self._steps)]
+            a = np.array(rows, dtype=np.float64).reshape(-1, 4)
             self._points = (a[:, 0], a[:, 1], a[:, 2], a[:, 3], np.exp(a[:, 1]))
-        return self._points
-
-    def _fit(self, keys: list[tuple[int, int]]) -> None:
-        """Fit every (n, B) in keys at once (a keys x points matrix of weights) into the cache."""
-        age, log_m, log_b, ms, x = self._arrays()
-        n = np.array([k[0] for k in keys], dtype=np.float64)
-        d = (log_m[None, :] - np.log(n)[:, None]) / self.width
+        age, log_n, log_b, ms, x = self._points
+        d = (log_n[None, :] - np.log([float(k[0]) for k in keys])[:, None]) / self.width
         e = (log_b[None, :] - np.log([float(k[1]) for k in keys])[:, None]) / self.width
-        w = age[None, :] * np.exp(-0.5 * (d * d + e * e))
+        w = age[None, :] * np.exp(-0.5 * (d * d + e * e))  # keys x points
         sw, swx, swy, swxx, swxy = w.sum(1), w @ x, w @ ms, w @ (x * x), w @ (x * ms)
         for i, key in enumerate(keys):
             if sw[i] < 1e-300:  # no points, or all thousands of times larger or smaller
@@ -90,23 +75,20 @@ class StepCurve:
                 continue
             mean_x, mean_y = swx[i] / sw[i], swy[i] / sw[i]
             var = swxx[i] / sw[i] - mean_x * mean_x
-            if var <= (0.05 * mean_x) ** 2:  # the nearby points had one size: no slope to read from them
-                slope = self.prior[1]
-            else:
-                slope = max((swxy[i] / sw[i] - mean_x * mean_y) / var, 0.0)
+            slope = self.prior[1] if var <= (0.05 * mean_x) ** 2 else max((swxy[i] / sw[i] - mean_x * mean_y) / var, 0.0)
             self._cache[key] = max(float(mean_y + slope * (key[0] - mean_x)), 1e-6)
 
 
 class TierCost:
-    """A tier as the coordinator prices it: its step curve, sessions per step, a call's overhead, and the
-    sessions open on it now. Shared by all of a coordinator's sessions."""
+    """A tier as the coordinator prices it, shared by all of a coordinator's sessions: its step curve, sessions
+    per step, a call's overhead beyond the step (network, serialisation: a line in the drafts it carries), and
+    the sessions open on it now."""
 
     def __init__(self, decay: float = 0.98, prior_intercept: float = 50.0, prior_slope: float = 3.0) -> None:
         self.decay = decay
         self.step_cost = StepCurve(prior_intercept=prior_intercept, prior_slope=prior_slope)
         self.prior = (prior_intercept, prior_slope)  # where no timing may count: the curve's prior line, B = 1
         self.sessions = 1.0  # sessions per step, exponentially weighted over the replies
-        # A call's wall time beyond the tier's work for it (network, serialisation), a line in the drafts it carries
         self.overhead = LinearCost(decay)
         self.observations = 0
         self.live = 0  # sessions this coordinator has open on the tier now (generations in progress)
@@ -137,15 +119,11 @@ class TierCost:
 
     def step_ms(self, tokens_each: float) -> float:
         """One step at the current batch with `tokens_each` new tokens per session."""
-        b = self.batch
-        return self.step_cost.predict(b * tokens_each, b)
-
-    def round_ms(self, k: int) -> float:
-        """A round with k drafts when the step's B sessions all send k: the call's overhead and the whole step."""
-        return self.overhead.predict(k) + self.step_ms(k + 1)
+        return self.step_cost.predict(self.batch * tokens_each, self.batch)
 
     def verify_ms(self, n: int, measured: bool = True) -> list[float]:
-        """The predicted time of a round scoring 0..n drafts (never falling); measured=False: the prior line."""
+        """A round scoring k = 0..n drafts when the step's B sessions all send k, never falling: the call's
+        overhead and the whole step (measured=False: the prior line)."""
         if not measured:
             return [self.prior[0] + self.prior[1] * (k + 1) for k in range(n + 1)]
         b = self.batch
