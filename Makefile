@@ -35,9 +35,12 @@ $(GEN): $(PROTOS) $(STAMP)
 run: setup
 	$(PY) -m specdec.client.cli run-local --max-new-tokens $${MAX_NEW_TOKENS:-128}
 
-# Everything (what CI runs); --durations shows where the time goes.
+# Everything (what CI runs), on TEST_WORKERS pytest-xdist workers (a file's tests stay on one: --dist loadfile;
+# the suite mostly waits on processes and sockets, so two workers on two cores halve it); --durations shows
+# where the time goes. TEST_WORKERS=0: one process, the files in name order.
+TEST_WORKERS ?= 2
 test: setup prometheus
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=20 tests
 
 # The fast tier while changing code: the unit tests (no services, in this process or as processes, no real
 # model pair, no long statistical, load or torch.compile tests; the marks are in pyproject.toml).

@@ -1,3 +1,4 @@
+import logging
 import os
 from pathlib import Path
 
@@ -34,6 +35,37 @@ def pytest_collection_modifyitems(items) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "compile" in params.values():
             item.add_marker(pytest.mark.slow)
+
+
+try:  # `make test` runs the files on two workers (pytest-xdist, --dist loadfile): a file's tests stay together
+    from xdist.scheduler import LoadFileScheduling
+
+    class _FileScheduling(LoadFileScheduling):
+        """loadfile, with the bad-input files as one unit: tests/test_bad_input_zz_healthy.py checks the servers
+        after the others' bad input, so it runs last on the same worker (the same session-scoped cluster)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "tests/test_bad_input_*" if "/test_bad_input_" in scope else scope
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _FileScheduling(config, log) if config.getoption("dist") == "loadfile" else None
+except ImportError:  # no pytest-xdist: one process, files in name order
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """A test that runs a service's entry point in this process (its flags configure logging) leaves the root
+    logger writing to that test's captured stderr, which pytest then closes: later records from background
+    tasks would fail to print ("--- Logging error ---"). Each test gets the root logger back as it was."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for h in root.handlers[:]:  # pytest's own capture handlers come and go with each phase: left to it
+        if h not in handlers and type(h) is logging.StreamHandler:
+            root.removeHandler(h)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
