@@ -145,24 +145,43 @@ def _ensure_converted(src: _Source) -> Path:
     return out
 
 
-def _local_source(cfg: ModelConfig) -> str:
+def local_source(cfg: ModelConfig) -> str:
+    """What from_pretrained loads for cfg: its directory, a GGUF's float32 copy (converted once), or a hub id."""
     src = _resolve(cfg.path)
     return str(_ensure_converted(src)) if src.gguf_file else src.location
+
+
+# tokenizer classes that are tokenizer.json and nothing else: read without AutoTokenizer, which imports
+# transformers' configuration and modeling stack (~2 s and ~130 MiB a tier process)
+PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _from_pretrained(directory):
+    """AutoTokenizer's tokenizer for a local directory, through PreTrainedTokenizerFast where its class is plain."""
+    config = Path(directory) / "tokenizer_config.json"
+    if config.exists() and (Path(directory) / "tokenizer.json").exists() \
+            and json.loads(config.read_text()).get("tokenizer_class") in PLAIN_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def load_tokenizer(path: str):
     """The tokenizer alone. For a GGUF source this reuses the converted copy if one exists, and
     otherwise caches just the tokenizer (the coordinator needs no weights)."""
-    from transformers import AutoTokenizer
-
     src = _resolve(path)
     if src.gguf_file is None:
-        return AutoTokenizer.from_pretrained(src.location)
+        return _from_pretrained(src.location)  # a directory, or a hub id (AutoTokenizer)
     converted = _converted_dir(src)
     if (converted / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(converted)
+        return _from_pretrained(converted)
     tok_dir = converted.with_name(converted.name + "-tokenizer")
     if not (tok_dir / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file)
         tmp = tok_dir.with_name(tok_dir.name + f".tmp{os.getpid()}")
         tokenizer.save_pretrained(tmp)
@@ -170,14 +189,14 @@ def load_tokenizer(path: str):
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.rename(tok_dir)
-    return AutoTokenizer.from_pretrained(tok_dir)
+    return _from_pretrained(tok_dir)
 
 
 def load_model(cfg: ModelConfig):
     """The causal LM in eval mode on cfg.device / cfg.dtype."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(_local_source(cfg), dtype=cfg.torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(local_source(cfg), dtype=cfg.torch_dtype)
     return model.to(cfg.device).eval()
 
 

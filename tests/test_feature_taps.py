@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine.attention import ATTENTION, active, build_layout
+from specdec.engine.attention import active, build_layout, use_step_attention
 from specdec.engine.eagle3_features import captured, target_features
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.llama import LlamaDecoder
@@ -58,7 +58,7 @@ def test_llama_decoder_taps_are_the_layer_outputs(tiny_target, kind):
     reference = load_model(ModelConfig(tiny_target))
     modules, model = load_model(ModelConfig(tiny_target)), load_model(ModelConfig(tiny_target))
     for m in (modules, model):
-        m.set_attn_implementation(ATTENTION)  # as the runner does: transformers' layers attend over the slots
+        use_step_attention(m)  # as the runner does: transformers' layers attend over the slots
     decoder = LlamaDecoder(model) if kind == "eager" else StepProgram(model, "packed").decoder
     assert isinstance(decoder, LlamaDecoder)
     ids = tokens(40)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specdec.engine.attention import ATTENTION, active, build_layout
+from specdec.engine.attention import active, build_layout, use_step_attention
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.llama import LlamaDecoder
 from specdec.engine.step import TransformersDecoder, decoder_for
@@ -35,7 +35,7 @@ def hidden_states(decoder, cache: SlotKVCache, steps) -> list[torch.Tensor]:
 
 def test_bitwise_equal_to_transformers_modules(tiny_target):
     model = load_model(ModelConfig(tiny_target))
-    model.set_attn_implementation(ATTENTION)  # as the runner does: transformers' layers attend over the slots
+    use_step_attention(model)  # as the runner does: transformers' layers attend over the slots
     assert LlamaDecoder.unsupported(model) is None
     g = torch.Generator().manual_seed(3)
     a, b, c = (torch.randint(3, 5000, (n,), generator=g).tolist() for n in (40, 7, 60))
@@ -76,7 +76,7 @@ def test_bfloat16_with_packed_linears_stays_close_to_transformers_modules(tiny_t
     reference = load_model(ModelConfig(tiny_target, dtype="bfloat16"))
     model = load_model(ModelConfig(tiny_target, dtype="bfloat16"))
     for m in (reference, model):
-        m.set_attn_implementation(ATTENTION)
+        use_step_attention(m)
     packed = pack_layers(model)
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX-512 BF16 / AMX (else: plain linears, compared all the same)
         assert packed == 7 * len(model.model.layers)

@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from specdec.engine import cpu_kernels
 from specdec.engine.kv_cache import SlotKVCache
@@ -396,4 +395,13 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     return step_attention(module.layer_idx, query, key, value, scaling)[None], None
 
 
-AttentionInterface.register(ATTENTION, ragged_attention)
+def use_step_attention(model) -> None:
+    """A transformers model's attention layers attend through the active step (ragged_attention, registered
+    with transformers' AttentionInterface here: importing it loads transformers' modeling code, which a model
+    in specdec.engine.llama_weights' container, run by LlamaDecoder alone, does without)."""
+    if not hasattr(model, "set_attn_implementation"):
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, ragged_attention)
+    model.set_attn_implementation(ATTENTION)

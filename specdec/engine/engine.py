@@ -81,7 +81,7 @@ def _load_model(config: TierConfig):
     if mode == "compile" and config.model not in _compiled_models:
         _compiled_models[config.model] = load_model(config.model)
     model = _compiled_models[config.model] if mode == "compile" else \
-        gguf_weights.load_model(config.model, blocks=packed and config.step.gguf_blocks)
+        gguf_weights.load_model(config.model, blocks=packed and config.step.gguf_blocks, light=packed)
     return quantize(model, config.step.quantize, config.model, packed)  # a draft's matrices into blocks, if asked
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.engine import skinny_gemm
+from specdec.engine import llama_weights, skinny_gemm
 from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, pack
-from specdec.models import ModelConfig, cache_dir, load_model as load_reference
+from specdec.models import ModelConfig, cache_dir, load_model as load_reference, local_source
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,20 @@ def unavailable(cfg: ModelConfig) -> str | None:
     return skinny_gemm.unavailable()
 
 
-def load_model(cfg: ModelConfig, blocks: bool = True):
+def load_model(cfg: ModelConfig, blocks: bool = True, light: bool = False):
     """The causal LM for cfg: from its GGUF blocks where `blocks` and they can be served (unavailable()),
-    else specdec.models' float32 load (the same values, dequantised once)."""
+    else specdec.models' float32 load (the same values, dequantised once). light: the step runs the model by
+    LlamaDecoder alone (the packed mode, float32 on a CPU), so a Llama directory loads into specdec's own
+    container (specdec.engine.llama_weights: the same parameters, no transformers modeling code)."""
     reason = unavailable(cfg) if blocks else "turned off (--no-gguf-blocks)"
     if reason is None:
         return load_blocks(gguf_file(cfg.path))
     if gguf_file(cfg.path) is not None:
         log.info("GGUF %s dequantised to %s once: %s", cfg.path, cfg.dtype, reason)
+    if light and torch.device(cfg.device).type == "cpu" and cfg.dtype == "float32":
+        source = Path(local_source(cfg))
+        if llama_weights.read_config(source) is not None:
+            return llama_weights.load(source)
     return load_reference(cfg)
 
 
@@ -86,23 +92,21 @@ def _index(path: Path):
     {GGUF tensor name: model parameter name}) of GGUF `path`. Reading a GGUF's metadata with gguf-py takes ~5 s
     per pass for the default target (its tokenizer arrays) and transformers' name map ~5 s more, so the first
     load keeps them in the cache directory (a few kB) and later loads read that."""
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
-
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
     where = cache_dir() / f"gguf-blocks-{path.stem}-{key}"
     if not (where / "index.json").exists():
         from gguf import GGUFReader
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        from transformers import CONFIG_MAPPING
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map, load_gguf_checkpoint)
 
         tensors = [(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), int(t.n_bytes))
                    for t in GGUFReader(str(path)).tensors]
         parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
         config = CONFIG_MAPPING[parsed["model_type"]].from_dict(dict(parsed))  # as AutoConfig reads a GGUF
-        with torch.device("meta"):
-            names = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(config),
-                                            TENSOR_PROCESSORS.get(parsed.get("model_type"), TensorProcessor)(config=parsed))
+        names = get_gguf_hf_weights_map(_skeleton(config),
+                                        TENSOR_PROCESSORS.get(parsed.get("model_type"), TensorProcessor)(config=parsed))
         tmp = where.with_name(where.name + f".tmp{os.getpid()}")
         config.save_pretrained(tmp)
         (tmp / "index.json").write_text(json.dumps({"config": parsed, "tensors": tensors, "names": names}, default=str))
@@ -111,18 +115,32 @@ def _index(path: Path):
         else:
             tmp.rename(where)
     index = json.loads((where / "index.json").read_text())
-    return AutoConfig.from_pretrained(str(where)), index["config"], index["tensors"], index["names"]
+    config = llama_weights.read_config(where)  # ours: transformers' configuration classes not imported
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(where))
+    return config, index["config"], index["tensors"], index["names"]
+
+
+def _skeleton(config):
+    """The model of `config` on the meta device: specdec's Llama container where it holds it (no transformers
+    modeling code imported: specdec.engine.llama_weights), else transformers' own class."""
+    if llama_weights.unsupported(config) is None:
+        return llama_weights.build(config, "meta")
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def load_blocks(path: Path):
     """The model of GGUF `path` with its quantised matrices in their blocks, eval mode, on the CPU."""
-    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     config, parsed_config, tensors, names = _index(path)
     parsed = {"config": parsed_config}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _skeleton(config)
     processor = TENSOR_PROCESSORS.get(parsed_config.get("model_type"), TensorProcessor)(config=parsed_config)
     modules = {module: name for name, module in model.named_modules()}
     embed_name = modules[model.get_input_embeddings()] + ".weight"

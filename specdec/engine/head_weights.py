@@ -44,9 +44,9 @@ def pack_linears(head: Eagle3Head, quantize: str = "none") -> bool:
 
 
 def _config_dir(target_path: str) -> str:
-    from specdec.models import ModelConfig, _local_source
+    from specdec.models import ModelConfig, local_source
 
-    return _local_source(ModelConfig(target_path))
+    return local_source(ModelConfig(target_path))
 
 
 def target_embedding(target_path: str) -> tuple[torch.nn.Embedding, object]:

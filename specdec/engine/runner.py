@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specdec.engine import triton_attention
-from specdec.engine.attention import ATTENTION, active, build_layout, row_attention_applies
+from specdec.engine.attention import active, build_layout, row_attention_applies, use_step_attention
 from specdec.engine.config import StepConfig
 from specdec.engine.kv_cache import SlotKVCache
 from specdec.engine.step import StepProgram, resolve_mode
@@ -61,7 +61,7 @@ def use_exact_float32_matmuls() -> None:
 class ModelRunner:
     def __init__(self, model, cache: SlotKVCache, step: StepConfig = StepConfig()) -> None:
         check_supported(model)
-        model.set_attn_implementation(ATTENTION)
+        use_step_attention(model)
         self.model = model
         self.cache = cache
         self.device = cache.geometry.device

@@ -39,8 +39,6 @@ import logging
 import time
 
 import torch
-import torch._dynamo.config
-import torch._inductor.config
 
 from specdec.engine import cpu_kernels, skinny_gemm, triton_row_ops
 from specdec.engine.config import STEP_MODES
@@ -69,9 +67,12 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
 def _raise_recompile_limits() -> None:
     """Frozen constants make each model its own graph of the same code: a process holding several models
-    (tests, a self-draft beside its target) needs more than dynamo's default of 8 graphs per code object."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    (tests, a self-draft beside its target) needs more than dynamo's default of 8 graphs per code object.
+    (torch's compiler stack is imported here, by the compile mode alone: ~1 s and ~60 MiB a process.)"""
+    from torch._dynamo import config
+
+    config.recompile_limit = max(config.recompile_limit, 64)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 512)
 
 
 class TransformersDecoder:
@@ -200,7 +201,9 @@ class StepProgram:
             # Frozen weights are constants of the graph, so inductor packs each linear's weight once for
             # oneDNN. (Set process-wide: passed as a torch.compile option it does not reach the passes
             # that pack; a tier process compiles nothing else.)
-            torch._inductor.config.freezing = True
+            from torch._inductor import config as inductor_config
+
+            inductor_config.freezing = True
             _raise_recompile_limits()
         self._fn = torch.compile(self._decode, dynamic=True, fullgraph=True) if compiled else self._decode_eager
         self._seen: set[bool] = set()  # which graphs (T == 1, T >= 2) have been compiled
