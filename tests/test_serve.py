@@ -160,7 +160,10 @@ def test_serve_answers_restarts_and_stops_cleanly(serve_factory, tiny_target):
     wait_output("the draft was killed by SIGKILL; restarting it")
     assert not (failure := answers()), failure
     assert health().status_code == 200
-    until(lambda: health().json().get("draft") is None, START_TIMEOUT_S)  # back: no longer reported missing
+    # back: serving again (a request the suffix tree answered alone may not have noticed it gone), and no longer
+    # reported missing
+    until(lambda: s.output().count("draft_service: draft service for") >= 2, START_TIMEOUT_S)
+    until(lambda: health().json().get("draft") is None, START_TIMEOUT_S)
 
     # The target dies in the middle of a stream: the stream gets its error, /health turns 503 and new
     # requests are refused at once with 503, all within seconds; serve restarts the target and the
