@@ -36,6 +36,28 @@ def test_a_spent_budget_still_measures_the_minimum_and_zero_measures_nothing(eng
     assert cost_curve.measure(engine.runner, engine.cache, 64, 512, budget_s=0.0) == []
 
 
+def test_the_first_points_are_timed_again_last(engine, monkeypatch):
+    """They run first, while tiers started beside this one may still be importing on the same cores."""
+    calls = []
+    forward = engine.runner.forward_checked
+    monkeypatch.setattr(engine.runner, "forward_checked", lambda feeds: calls.append(len(feeds)) or forward(feeds))
+    points = cost_curve.measure(engine.runner, engine.cache, 16, 64, budget_s=60.0)
+    firsts = [b for b, _, _ in points[: cost_curve.MIN_POINTS]]
+    per_point = [b for b, _, _ in points for _ in range(cost_curve.REPEATS)]
+    assert calls == [16, *per_point, *[b for b in firsts for _ in range(cost_curve.REPEATS)]]  # context, grid, again
+
+
+def test_a_point_slower_than_a_larger_one_takes_its_time():
+    """A step with more tokens is never faster: measured beside a starting tier, a one-token step timed at 85 ms
+    where two tokens took 7.3."""
+    timed = [(1, 1, 84.8), (16, 16, 134.4), (1, 4, 94.3), (16, 64, 99.0), (1, 2, 7.3), (16, 32, 56.2), (1, 8, 16.8),
+             (4, 4, 11.2)]
+    assert cost_curve.monotone(timed) == [(1, 1, 7.3), (16, 16, 56.2), (1, 4, 16.8), (16, 64, 99.0), (1, 2, 7.3),
+                                          (16, 32, 56.2), (1, 8, 16.8), (4, 4, 11.2)]
+    clean = [(1, 1, 6.1), (1, 2, 6.7), (1, 4, 10.3), (16, 16, 30.7), (16, 64, 97.6)]
+    assert cost_curve.monotone(clean) == clean
+
+
 def test_both_tiers_report_their_curve(self_draft_cluster):
     for tier in ("target", "draft"):
         curve = self_draft_cluster.status(tier).cost_curve

@@ -8,6 +8,13 @@ each replica times a few forwards before serving, at the batch sizes and tokens 
 reports them in its status (StatusResponse.cost_curve). Each forward runs B scratch sessions over a short
 cached context. The points are taken coarse grid first (one session and a full batch, a decode step and a
 verify of K = 3), so that a busy machine's budget still spans the batch sizes; the first MIN_POINTS always.
+
+A tier often starts beside others on the same cores (`make run`, `specdec serve`: all three processes start
+at once), and the first points then time the others' imports as much as this step: measured with the default
+pair, a one-token step timed at 85 ms that takes 6, which priced every verify ~10x too dear and made drafting
+look free (the default request at 0.56x K = 0). So the first MIN_POINTS are timed again last, keeping each
+point's fastest, and the curve is made non-decreasing in tokens at each batch size (a step with more tokens
+is never faster: a point slower than a larger one was timed on a busy machine and takes the larger's time).
 """
 
 from __future__ import annotations
@@ -29,6 +36,16 @@ def measure(runner, cache, max_sessions: int, max_tokens: int, budget_s: float) 
     sessions and max_tokens tokens each, stopping once budget_s seconds are spent (0: none at all)."""
     if budget_s <= 0:
         return []
+
+    def _time(feeds: list[Feed]) -> float:
+        """The fastest of REPEATS forwards of `feeds`, ms."""
+        best = float("inf")
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            runner.forward_checked(feeds)
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3
+
     slots: list[int] = []
     while len(slots) < min(max(b for b, _ in GRID), max_sessions) and (slot := cache.allocate()) is not None:
         slots.append(slot)
@@ -37,16 +54,21 @@ def measure(runner, cache, max_sessions: int, max_tokens: int, budget_s: float) 
         deadline = time.perf_counter() + budget_s
         runner.forward_checked([Feed(slot, 0, [0] * CONTEXT, 1) for slot in slots])  # the scratch sessions' context
         for b, t in ((b, t) for b, t in GRID if b <= len(slots) and b * t <= max_tokens):
-            feeds = [Feed(slot, CONTEXT, [0] * t, t) for slot in slots[:b]]
-            best = float("inf")
-            for _ in range(REPEATS):
-                t0 = time.perf_counter()
-                runner.forward_checked(feeds)
-                best = min(best, time.perf_counter() - t0)
-            points.append((b, b * t, best * 1e3))
+            points.append((b, b * t, _time([Feed(slot, CONTEXT, [0] * t, t) for slot in slots[:b]])))
             if len(points) >= MIN_POINTS and time.perf_counter() > deadline:
                 break
-        return points
+        for i, (b, n, ms) in enumerate(points[:MIN_POINTS]):  # again, now that the tiers beside it have started
+            points[i] = (b, n, min(ms, _time([Feed(slot, CONTEXT, [0] * (n // b), n // b) for slot in slots[:b]])))
+        return monotone(points)
     finally:
         for slot in slots:
             cache.release(slot)
+
+
+def monotone(points: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+    """The points in their order, each no slower than any point of the same sessions with more tokens."""
+    out = []
+    for b, n, ms in points:
+        larger = [m for b2, n2, m in points if b2 == b and n2 > n]
+        out.append((b, n, min([ms, *larger])))
+    return out
