@@ -25,7 +25,7 @@ class Ask:
     context: int = 0  # the committed length
     call_ms: float = 0.0  # the coordinator's CPU per tier call (coordinator_cost.py; 0: not charged)
     in_flight: float = 1.0  # generations running on this coordinator now
-    run_on: int = 0  # the tokens a target-only round would now run on for (PolicyConfig.run_on)
+    run_on: int = 0  # K = 0's price: the tokens target-only rounds run on for once they follow one another (the cap)
     step_ms: float = 0.0  # each of them: one target step of one token a session at the current batch
 
 
