@@ -58,8 +58,8 @@ class Drafter:
         ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, measured, verify_ms, self.target.batch,
                   len(committed), call_ms, max(self.target.live, 1),
                   # K = 0 priced at the run-on a streak of target-only rounds reaches, not at the ramp's step now:
-                  # after a drafting round the ramp starts over, and a round priced one token a round trip made
-                  # drafting look better than it is (the default request 0.92x K = 0 cold at one client, 0.98x)
+                  # after a drafting round the ramp starts over, and K = 0 priced at one token a round trip made
+                  # the next draft look better than it is (docs/performance.md, Cold burst)
                   min(self.policy.config.run_on, max(limit - 1, 0)),
                   self.target.step_ms(1) if measured else verify_ms[0])  # (unmeasured: a step priced as a round)
         choice = self.policy.choose(strategies, ask)
