@@ -68,6 +68,20 @@ def test_a_missing_or_extra_tensor_is_refused(tiny_target, tmp_path):
         llama_weights.load(tmp_path)
 
 
+def test_a_checkpoint_without_safetensors_loads_through_transformers(tiny_target, tmp_path):
+    """A pytorch_model.bin checkpoint: the container reads safetensors only, so the packed step's loader hands
+    it to transformers."""
+    reference = load_model(ModelConfig(tiny_target))
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / name).write_text((Path(tiny_target) / name).read_text())
+    torch.save({k: v.clone() for k, v in reference.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    model = gguf_weights.load_model(ModelConfig(str(tmp_path)), blocks=True, light=True)
+    assert type(model).__module__.startswith("transformers.")
+    assert all(torch.equal(p, dict(reference.named_parameters())[n]) for n, p in model.named_parameters())
+    light = gguf_weights.load_model(ModelConfig(tiny_target), blocks=True, light=True)
+    assert type(light) is llama_weights.LlamaForCausalLM
+
+
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the container serves the CPU's packed step")
 def test_the_packed_step_over_it_is_the_step_over_transformers_model(tiny_target):
     logits = []

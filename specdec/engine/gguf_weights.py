@@ -65,7 +65,7 @@ def load_model(cfg: ModelConfig, blocks: bool = True, light: bool = False):
         log.info("GGUF %s dequantised to %s once: %s", cfg.path, cfg.dtype, reason)
     if light and torch.device(cfg.device).type == "cpu" and cfg.dtype == "float32":
         source = Path(local_source(cfg))
-        if llama_weights.read_config(source) is not None:
+        if llama_weights.read_config(source) is not None and any(source.glob("*.safetensors")):  # (not .bin)
             return llama_weights.load(source)
     return load_reference(cfg)
 
