@@ -43,6 +43,23 @@ def test_a_checkpoint_loads_as_transformers_loads_it(tiny_target, real_pair):
         assert {f: getattr(config, f) for f in FIELDS} == {f: getattr(hf, f) for f in FIELDS}, path
 
 
+@pytest.mark.real_pair
+def test_a_plain_tokenizer_loads_as_autotokenizer_loads_it(tiny_target, real_pair):
+    """load_tokenizer reads a tokenizer.json-only class through PreTrainedTokenizerFast: the same vocabulary,
+    special tokens, ids and chat template as AutoTokenizer (a tier and the coordinator compare fingerprints)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from specdec.models import tokenizer_fingerprint
+
+    text = "Hello <|im_start|> world, \u00fcn\u00efcode 123\n\tdef f(x): return x"
+    for path in (tiny_target, real_pair[1]):
+        ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+        assert isinstance(ours, PreTrainedTokenizerFast)
+        assert tokenizer_fingerprint(ours) == tokenizer_fingerprint(theirs)
+        assert ours(text).input_ids == theirs(text).input_ids and ours.decode(ours(text).input_ids) == theirs.decode(theirs(text).input_ids)
+        assert ours.chat_template == theirs.chat_template and ours.eos_token_id == theirs.eos_token_id
+
+
 def test_configs_it_does_not_hold_are_left_to_transformers(tiny_target, tmp_path):
     raw = json.loads((Path(tiny_target) / "config.json").read_text())
     for change in ({"model_type": "mistral"}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
