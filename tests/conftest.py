@@ -2,6 +2,10 @@ import logging
 import os
 from pathlib import Path
 
+# gRPC core's own log lines (a TLS handshake a test refuses, say) kept to errors in this process, before gRPC
+# loads, as each service's entry point does (specdec/serving/logs.py); tests/test_logs.py sets its own.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import grpc
 import openai
 import pytest
