@@ -49,7 +49,8 @@ class Drafter:
         local = [s for s in self.strategies if s.source != DRAFT_MODEL]
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
-        run_on = min(self.policy.config.run_on, 2 ** min(self._alone, 16) - 1, max(limit - 1, 0))  # if K = 0
+        cap = min(self.policy.config.run_on, max(limit - 1, 0))  # the run-on of target-only rounds in a streak
+        run_on = min(cap, 2 ** min(self._alone, 16) - 1)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
             return self._target_only(strategies, draft_down, run_on)
         measured = not self.params.reproducible
@@ -60,7 +61,7 @@ class Drafter:
                   # K = 0 priced at the run-on a streak of target-only rounds reaches, not at the ramp's step now:
                   # after a drafting round the ramp starts over, and K = 0 priced at one token a round trip made
                   # the next draft look better than it is (docs/performance.md, Cold burst)
-                  min(self.policy.config.run_on, max(limit - 1, 0)),
+                  cap,
                   self.target.step_ms(1) if measured else verify_ms[0])  # (unmeasured: a step priced as a round)
         choice = self.policy.choose(strategies, ask)
         try:

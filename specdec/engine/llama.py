@@ -70,6 +70,20 @@ def concatenated_product(linears: Sequence[torch.nn.Module]) -> Callable[[torch.
     return lambda x: F.linear(x, weight).split(sizes, dim=-1)
 
 
+def unsupported_config(config, rope_type: str | None) -> str | None:
+    """Why LlamaDecoder cannot run a model of `config` whose rotary embedding is of `rope_type` (None: it has
+    none), or None if it can."""
+    if getattr(config, "model_type", None) != "llama":
+        return f"model type {getattr(config, 'model_type', None)!r} is not llama"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if rope_type is None or rope_type in DYNAMIC_ROPE:
+        return f"rotary embedding {rope_type!r}"
+    if getattr(config, "pretraining_tp", 1) > 1:
+        return "pretraining_tp > 1"
+    return None
+
+
 class LlamaDecoder:
     """decoder(input_ids [T], positions [T]) -> hidden states [T, hidden] (after the final norm), over
     the active step layout."""
@@ -77,17 +91,8 @@ class LlamaDecoder:
     @staticmethod
     def unsupported(model) -> str | None:
         """Why this decoder cannot run `model` exactly, or None if it can."""
-        config = model.config
-        if getattr(config, "model_type", None) != "llama":
-            return f"model type {getattr(config, 'model_type', None)!r} is not llama"
-        if getattr(config, "hidden_act", "silu") != "silu":
-            return f"activation {config.hidden_act!r}"
         rope = getattr(model.base_model, "rotary_emb", None)
-        if rope is None or getattr(rope, "rope_type", "default") in DYNAMIC_ROPE:
-            return f"rotary embedding {getattr(rope, 'rope_type', None)!r}"
-        if getattr(config, "pretraining_tp", 1) > 1:
-            return "pretraining_tp > 1"
-        return None
+        return unsupported_config(model.config, None if rope is None else getattr(rope, "rope_type", "default"))
 
     def __init__(self, model, product: Product = separate_product, ops=None, native=None) -> None:
         """ops: the row ops kernel's module (float32 CPU models), or None for PyTorch's (TorchRowOps). native: the

@@ -19,22 +19,14 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-DYNAMIC_ROPE = ("dynamic", "longrope")  # frequencies that depend on the sequence length (LlamaDecoder's rule)
+from specdec.engine.llama import unsupported_config
 
 
 def unsupported(config) -> str | None:
     """Why this container cannot hold a model of `config` for LlamaDecoder, or None if it can."""
-    if getattr(config, "model_type", None) != "llama":
-        return f"model type {getattr(config, 'model_type', None)!r} is not llama"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
-    if _rope(config).get("rope_type", "default") in DYNAMIC_ROPE:
-        return f"rotary embedding {_rope(config).get('rope_type')!r}"
-    if getattr(config, "pretraining_tp", 1) > 1:
-        return "pretraining_tp > 1"
     if getattr(config, "quantization_config", None):
         return "a quantisation config"
-    return None
+    return unsupported_config(config, _rope(config).get("rope_type", "default"))
 
 
 # LlamaConfig's defaults, for the fields a config.json may leave out (transformers' configuration_llama.py)
@@ -54,7 +46,7 @@ def read_config(directory: str | Path) -> SimpleNamespace | None:
         return None
     raw = json.loads(path.read_text())
     rope = raw.get("rope_parameters") or {}
-    if raw.get("model_type") != "llama" or raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+    if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":  # (the rest: unsupported())
         return None
     c = SimpleNamespace(**{**DEFAULTS, **raw})
     c.num_key_value_heads = c.num_key_value_heads or c.num_attention_heads
@@ -165,10 +157,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = module
 
 
-def build(config, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def build(config, device: str | torch.device = "cpu", generation_config=None) -> LlamaForCausalLM:
     """The container for `config`, float32, its parameters on `device` ("meta": none allocated; passed to each
     module, not as a default-device mode, under which their initialisers import torch's compiler)."""
-    return LlamaForCausalLM(config, device=device)
+    return LlamaForCausalLM(config, generation_config, device)
 
 
 def load(directory: str | Path) -> LlamaForCausalLM:
@@ -182,17 +174,17 @@ def load(directory: str | Path) -> LlamaForCausalLM:
         raise ValueError(f"{directory}: not a plain Llama checkpoint (specdec.engine.llama_weights.read_config)")
     generation = directory / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-    model = build(config, "meta")
-    model.generation_config = SimpleNamespace(eos_token_id=eos if eos is not None else getattr(config, "eos_token_id", None))
+    model = build(config, "meta", SimpleNamespace(eos_token_id=config.eos_token_id if eos is None else eos))
     state: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
         state.update(load_file(file))
-    if getattr(config, "tie_word_embeddings", False):
+    tied = config.tie_word_embeddings
+    if tied:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
-    missing = [m for m in missing if not (m == "lm_head.weight" and getattr(config, "tie_word_embeddings", False))]
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"{directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if getattr(config, "tie_word_embeddings", False):
+    if tied:  # the embedding's parameter was replaced by the loaded one
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
