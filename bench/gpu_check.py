@@ -89,7 +89,10 @@ NEEDED = (("grpc", "grpcio"), ("grpc_health", "grpcio-health-checking"), ("grpc_
           ("google.protobuf", "protobuf"), ("transformers", "transformers"), ("gguf", "gguf"),
           ("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("llguidance", "llguidance"), ("openai", "openai"),
           ("opentelemetry.sdk", "opentelemetry-sdk"), ("prometheus_client", "prometheus-client"),
-          ("uvloop", "uvloop"), ("pytest", "pytest"), ("matplotlib", "matplotlib"))
+          ("uvloop", "uvloop"), ("pytest", "pytest"), ("matplotlib", "matplotlib"), ("asyncio_throttle", "asyncio-throttle"))
+# The services' entry points, imported whole: a package none of the names above covers (a dependency's own
+# dependency, say) stops the check here rather than in a part (the second H100 run met two such).
+ENTRY_POINTS = ("target_service.__main__", "draft_service.__main__", "coordinator.__main__")
 
 
 def preflight(device: str, needed=NEEDED) -> list[str]:
@@ -107,6 +110,12 @@ def preflight(device: str, needed=NEEDED) -> list[str]:
         importlib.import_module("specdec.proto.generate_pb2_grpc")
     except Exception as e:
         problems.append(f"the generated gRPC modules (make proto): {type(e).__name__}: {e}")
+    else:
+        for module in ENTRY_POINTS if not problems else ():
+            try:
+                importlib.import_module(module)
+            except Exception as e:
+                problems.append(f"{module}: {type(e).__name__}: {e}")
     from specdec.models import models_dir
 
     if not models_dir().is_dir():

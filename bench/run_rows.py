@@ -113,7 +113,8 @@ def run_specdec(plan: dict, placement: str, prompts: dict, models: dict) -> dict
         target_args=[*cfg["target_args"], *dev["target"], *extra["target"]],
         draft_args=[*cfg["draft_args"], *dev["draft"], *extra["draft"]],
         coordinator_args=["--log-level", "warning", *extra["coordinator"], *MAIN_COORDINATOR_FLAGS],
-        env=dict(cfg["env"]), shared_cores=placement == "shared"),
+        env=dict(cfg["env"]), shared_cores=placement == "shared",
+        shared_gpu=placement == "gpu"),
         affinity=cfg["affinity"])
     try:
         t = time.perf_counter()

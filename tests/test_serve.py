@@ -275,3 +275,19 @@ def test_serve_finds_a_port_clash_before_loading_any_model(tmp_path):
     assert out.returncode == 1
     assert f"cannot start: port {port} on 127.0.0.1 is not free" in out.stderr  # not a word about the model
     assert "starting target" not in out.stderr
+
+
+@pytest.mark.parametrize("device, draft_flags, coordinator_flags", [
+    ("cpu", ["--threads", "1"], ["--draft-max-sessions", "1"]),  # shared cores: one draft thread, the draft alone only
+    ("cuda", [], ["--draft-max-sessions", "1"]),  # one GPU: its kernels take turns with the target's
+])
+def test_serve_asks_the_draft_alone_only_where_the_tiers_share_a_device(device, draft_flags, coordinator_flags):
+    """specdec serve runs both tiers on one device: the coordinator offers the draft model only while one
+    generation runs, on a CPU (shared cores) and on a GPU (measured on an H100: 0.48x K = 0 at 32 clients
+    otherwise, docs/performance.md); only a CPU gets the one-thread draft. A user's own flags come after."""
+    from specdec.client.serve import ServeConfig, pipeline_config
+
+    config = pipeline_config(ServeConfig(target_model="t", draft_model="d", device=device,
+                                         coordinator_args="--draft-max-sessions 4"))
+    assert config.colocation_args() == (draft_flags, coordinator_flags)
+    assert config.coordinator_args[-2:] == ["--draft-max-sessions", "4"]  # the user's, after (argparse: last wins)

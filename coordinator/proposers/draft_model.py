@@ -36,8 +36,8 @@ class DraftModelConfig:
     prior_acceptance: float = 0.5  # per-token acceptance before any round (and before any session taught one)
     decay: float = 0.9  # weight of the past per round in its estimates (~10-round memory)
     # Offer nothing while the target batches more than this many sessions (0 = any number): where the tiers
-    # share a machine's cores, a draft step under load runs beside the busy target's and both slow down more
-    # than any price shows. vLLM's speculative_disable_by_batch_size (specdec serve / run-local on a CPU set 1).
+    # share a machine's cores or one GPU, a draft step under load runs beside the busy target's and both slow
+    # down more than any price shows. vLLM's speculative_disable_by_batch_size (specdec serve / run-local set 1).
     max_sessions: int = setting(0, flag="draft-max-sessions")
     prior_overhead_ms: float = 1.0  # a call's cost beside its steps, where no timing may count (or no curve)
     prior_step_ms: float = 5.0  # a draft step's cost, likewise

@@ -177,6 +177,7 @@ def cmd_run_local(args: argparse.Namespace) -> int:
         target_model=args.target_model, draft_model=draft_model,
         target_args=["--device", args.device, *threads],
         draft_args=["--device", args.device, "--dtype", draft_dtype, *threads], shared_cores=args.device == "cpu",
+        shared_gpu=args.device != "cpu",
     )
     print(f"starting target ({config.target_model}), draft ({config.draft_model}) and coordinator on loopback...", file=sys.stderr)
     t0 = time.perf_counter()

@@ -41,6 +41,17 @@ class LocalPipelineConfig:
     # (measured: a verify of 3 tokens beside it 1.20x a step, 1.04x with one draft thread). Flags in
     # coordinator_args / draft_args override both.
     shared_cores: bool = True
+    # Both tiers on one GPU: their processes' kernels take turns on it, so under load a draft step beside the
+    # target's slows every session's round more than any price shows, as on shared cores: the coordinator asks
+    # the draft model only while one generation runs (--draft-max-sessions 1; docs/performance.md, On a GPU).
+    shared_gpu: bool = False
+
+    def colocation_args(self) -> tuple[list[str], list[str]]:
+        """(draft flags, coordinator flags) that the tiers' sharing of a device calls for; flags given in
+        draft_args / coordinator_args come after them, and win."""
+        draft = ["--threads", "1"] if self.shared_cores else []
+        coordinator = ["--draft-max-sessions", "1"] if self.shared_cores or self.shared_gpu else []
+        return draft, coordinator
 
 
 class LocalPipeline:
@@ -101,15 +112,14 @@ class LocalPipeline:
             draft = ""
             if c.draft_model:
                 draft_port = free_port()
-                one_thread = ["--threads", "1"] if c.shared_cores else []
                 # --head-target: where the draft is an EAGLE-3 head, the target it drafts for (a draft model ignores it)
                 self._spawn("draft", "draft_service", ["--model", c.draft_model, "--head-target", c.target_model,
-                                                       *one_thread, *c.draft_args],
+                                                       *c.colocation_args()[0], *c.draft_args],
                             f"127.0.0.1:{draft_port}")
                 draft = f"127.0.0.1:{draft_port}"
             self._spawn("coordinator", "coordinator", [
                 "--target", f"127.0.0.1:{target_port}", "--draft", draft, "--tokenizer", c.target_model,
-                *(["--draft-max-sessions", "1"] if c.shared_cores else []), *c.coordinator_args],
+                *c.colocation_args()[1], *c.coordinator_args],
                 c.coordinator_address)
             for name in self.procs:
                 self._wait_port(name, deadline)

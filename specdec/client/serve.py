@@ -99,6 +99,7 @@ def pipeline_config(args: ServeConfig) -> LocalPipelineConfig:
         draft_args=["--device", args.device, "--dtype", args.draft_dtype, *threads, *shlex.split(args.draft_args)],
         coordinator_args=[*coordinator, *shlex.split(args.coordinator_args)],
         coordinator_address=f"{args.host}:{args.port}", start_timeout_s=args.start_timeout_s, shared_cores=args.device == "cpu",
+        shared_gpu=args.device != "cpu",
         inherit_output=True, die_with_parent=True)
 
 
