@@ -13,11 +13,13 @@ weights are loaded, so the coordinator and clients run without it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,7 +214,52 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
 
 
+# Files of a local model directory that make its tokenizer (their paths, sizes and times key the cached facts).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """What a tier needs of its model's tokenizer: the fingerprint its requests are checked against, its EOS id,
+    and a way to load it (a grammar's llguidance tokenizer is built from it). A tier holds these, not the
+    tokenizer (~45 MiB, and transformers imported for it)."""
+
+    fingerprint: str
+    eos_token_id: int | None
+    load: Callable[[], object]
+
+    @classmethod
+    def of(cls, tokenizer) -> "TokenizerSource":
+        """A tokenizer already loaded (kept for load())."""
+        return cls(tokenizer_fingerprint(tokenizer), tokenizer.eos_token_id, lambda: tokenizer)
+
+    @classmethod
+    def at(cls, path: str) -> "TokenizerSource":
+        """The tokenizer of the model at `path`: for a local model its facts come from the cache directory
+        after the first load (keyed by the tokenizer files' paths, sizes and times), so later loads read
+        none of it; a hub id is loaded each time."""
+        load = functools.partial(load_tokenizer, path)
+        src = _resolve(path)
+        if not Path(src.location).is_dir():
+            return cls.of(load())
+        files = [Path(src.location) / src.gguf_file] if src.gguf_file else \
+            [Path(src.location) / name for name in TOKENIZER_FILES if (Path(src.location) / name).exists()]
+        stamp = "|".join(f"{f.resolve()}|{f.stat().st_size}|{int(f.stat().st_mtime)}" for f in files)
+        where = cache_dir() / f"tokenizer-facts-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
+        if where.exists():
+            facts = json.loads(where.read_text())
+            return cls(facts["fingerprint"], facts["eos_token_id"], load)
+        tokenizer = load()
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"fingerprint": tokenizer_fingerprint(tokenizer), "eos_token_id": tokenizer.eos_token_id}))
+        tmp.replace(where)
+        return cls(tokenizer_fingerprint(tokenizer), tokenizer.eos_token_id, load)
+
+
 def eos_token_ids(model, tokenizer) -> list[int]:
+    """The model's EOS ids: its generation config's and the tokenizer's (a TokenizerSource will do)."""
     ids: set[int] = set()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(eos, int):

@@ -25,7 +25,7 @@ from specdec.engine.config import BatchConfig, TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.verify import VerifyWork
 from specdec.math.params import SamplingParams
-from specdec.models import ModelConfig, load_model, load_tokenizer
+from specdec.models import ModelConfig, TokenizerSource, load_model, load_tokenizer
 from specdec.proto import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving import draft_probs
 from specdec.core.prefix import PrefixHashes
@@ -126,7 +126,7 @@ def engine_parts(tiny_target):
 
 def fresh_engine(parts, **batch) -> Engine:
     model, tokenizer = parts
-    return Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig(**batch)), model, tokenizer)
+    return Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig(**batch)), model, TokenizerSource.of(tokenizer))
 
 
 def verify_work(session_id: str, new_tokens: list[int], drafts: list[int], *, prefix: list[int] = (), seed: int = 0,

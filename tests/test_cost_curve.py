@@ -9,14 +9,14 @@ import pytest
 from specdec.engine import cost_curve
 from specdec.engine.config import BatchConfig, TierConfig
 from specdec.engine.engine import Engine
-from specdec.models import ModelConfig, load_model, load_tokenizer
+from specdec.models import ModelConfig, TokenizerSource, load_model, load_tokenizer
 from tests.helpers import device_model
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_target):
     e = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig(max_batch_tokens=64)), load_model(device_model(tiny_target)),
-               load_tokenizer(tiny_target))
+               TokenizerSource.of(load_tokenizer(tiny_target)))
     yield e
 
 

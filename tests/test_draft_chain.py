@@ -26,7 +26,7 @@ from specdec.engine.propose import ProposeWork
 from specdec.engine.runner import Feed
 from specdec.math.keyed_draws import draw_top_n, keyed_exponential, split_seeds
 from specdec.math.params import SamplingParams
-from specdec.models import ModelConfig, load_model, load_tokenizer
+from specdec.models import ModelConfig, TokenizerSource, load_model, load_tokenizer
 from tests.helpers import TEST_DEVICE, device_model
 from tests.step_modes import MODES, assert_close, make_runner
 from tests.test_batching import prompt
@@ -127,7 +127,7 @@ def parts(tiny_target):
 def _engine(parts, chain: bool) -> Engine:
     model, tokenizer = parts
     engine = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig(), step=StepConfig(draft_chain=chain)),
-                    model, tokenizer)
+                    model, TokenizerSource.of(tokenizer))
     engine.start()
     return engine
 

@@ -20,7 +20,7 @@ from specdec.engine.tree_growth import GREEDY, TreeShape
 from specdec.engine.runner import Feed
 from specdec.engine.verify import CANDIDATES, IID, WITHOUT_REPLACEMENT
 from specdec.math.params import SamplingParams
-from specdec.models import load_model, load_tokenizer
+from specdec.models import TokenizerSource, load_model, load_tokenizer
 from tests.helpers import device_model, reference_greedy
 from tests.step_modes import assert_close, make_runner
 from tests.test_tree_engine import full_logits, path_to
@@ -67,7 +67,7 @@ def parts(tiny_target):
 @pytest.fixture()
 def engine(parts):
     model, tokenizer = parts
-    e = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig()), model, tokenizer)
+    e = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig()), model, TokenizerSource.of(tokenizer))
     e.start()
     yield e
     e.close()
@@ -167,8 +167,8 @@ def test_the_speculation_cache_answers_as_a_fresh_proposal(parts, params):
     ids = prompt(4, 11)
     hits = 0
     for probe in range(3):
-        cached = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig()), model, tokenizer)
-        fresh = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig()), model, tokenizer)
+        cached = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig()), model, TokenizerSource.of(tokenizer))
+        fresh = Engine(TierConfig(ModelConfig("tiny"), batch=BatchConfig()), model, TokenizerSource.of(tokenizer))
         cached.start(), fresh.start()
         try:
             (r,) = run(cached, [tree_work("s", ids, 0, shape, params, speculate=4)])

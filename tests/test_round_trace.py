@@ -16,7 +16,7 @@ from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.verify import VerifyWork
 from specdec.math.params import SamplingParams
-from specdec.models import ModelConfig, load_model, load_tokenizer
+from specdec.models import ModelConfig, TokenizerSource, load_model, load_tokenizer
 from specdec.proto import common_pb2
 from tests.helpers import Cluster, device_model
 
@@ -73,7 +73,7 @@ class CountingLoop(asyncio.SelectorEventLoop):
 
 
 def test_one_step_wakes_the_event_loop_once(tiny_target):
-    engine = Engine(TierConfig(ModelConfig("tiny")), load_model(device_model(tiny_target)), load_tokenizer(tiny_target))
+    engine = Engine(TierConfig(ModelConfig("tiny")), load_model(device_model(tiny_target)), TokenizerSource.of(load_tokenizer(tiny_target)))
     engine.start()
     works = [VerifyWork.create(f"s{i}", 0, PrefixHashes([]).at(0), [1, 100 + i, 200 + i], [7], None, SamplingParams(), i)
              for i in range(6)]

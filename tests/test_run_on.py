@@ -26,7 +26,7 @@ from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.verify import VerifyWork
 from specdec.math.params import SamplingParams
 from specdec.math.seeds import TARGET_STREAM, derive_seed
-from specdec.models import ModelConfig, load_model, load_tokenizer
+from specdec.models import ModelConfig, TokenizerSource, load_model, load_tokenizer
 from tests.helpers import Cluster, device_model, reference_greedy
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
@@ -45,7 +45,7 @@ def parts(tiny_target):
 
 def engine_of(parts, **sessions) -> Engine:
     model, tokenizer = parts
-    engine = Engine(TierConfig(ModelConfig("tiny"), sessions=SessionStoreConfig(**sessions)), model, tokenizer)
+    engine = Engine(TierConfig(ModelConfig("tiny"), sessions=SessionStoreConfig(**sessions)), model, TokenizerSource.of(tokenizer))
     engine.start()
     return engine
 

@@ -28,7 +28,7 @@ from coordinator.constraint import grammar_text
 from specdec.client import Client
 from specdec.engine.verify import CANDIDATES, VerifyWork, _verify_sampled, _verify_trees
 from specdec.math.params import SamplingParams
-from specdec.models import load_tokenizer
+from specdec.models import TokenizerSource, load_tokenizer
 from specdec.proto import common_pb2, generate_pb2, target_pb2, target_pb2_grpc
 from specdec.serving import token_masks
 from tests.test_batching import prompt
@@ -305,7 +305,7 @@ def test_the_drafts_q_is_masked_by_the_grammar(tiny_target, tokenizer, params):
     from tests.helpers import device_model
 
     grammar = grammar_text(generate_pb2.ResponseFormat(json_schema=json.dumps(SCHEMA)))
-    engine = Engine(TierConfig(ModelConfig("tiny")), load_model(device_model(tiny_target)), tokenizer)
+    engine = Engine(TierConfig(ModelConfig("tiny")), load_model(device_model(tiny_target)), TokenizerSource.of(tokenizer))
     engine.start()
     ids = prompt(990, 8)
     output = tokenizer.encode('{"name": "Ada", "age": ', add_special_tokens=False)  # digits must follow

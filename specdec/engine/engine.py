@@ -40,7 +40,7 @@ from specdec.engine.sessions import PrefixMismatch, SessionTable
 from specdec.engine.step import resolve_mode
 from specdec.engine.threads import release_thread_pool
 from specdec.engine.work import Work
-from specdec.models import eos_token_ids, load_model, load_tokenizer, max_context, tokenizer_fingerprint
+from specdec.models import TokenizerSource, eos_token_ids, load_model, max_context
 from specdec.core.errors import RequestError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def _load_model(config: TierConfig):
 
 
 class Engine(EngineThread):
-    def __init__(self, config: TierConfig, model, tokenizer) -> None:
+    def __init__(self, config: TierConfig, model, tokenizer: TokenizerSource) -> None:
         config.batch.validate()
         super().__init__(config.batch.max_queue)
         need = config.max_draft_tokens + 1
@@ -106,8 +106,8 @@ class Engine(EngineThread):
         # Feature taps (Feed.taps): layer ids below num_layers, hidden_size numbers per layer and position
         self.num_layers, self.hidden_size = int(model.config.num_hidden_layers), int(model.config.hidden_size)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
-        self.grammars = GrammarCache(tokenizer, self.vocab_size, list(self.eos_token_ids))  # the draft's masked q
+        self.tokenizer_fingerprint = tokenizer.fingerprint
+        self.grammars = GrammarCache(tokenizer.load, self.vocab_size, list(self.eos_token_ids))  # the draft's masked q
         self.sessions = SessionTable(config.sessions, self.cache)
         self.scheduler = Scheduler(config.batch)
         self.observers: list[StepObserver] = []
@@ -129,7 +129,7 @@ class Engine(EngineThread):
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         t0 = time.perf_counter()
-        engine = cls(config, _load_model(config), load_tokenizer(config.model.path))
+        engine = cls(config, _load_model(config), TokenizerSource.at(config.model.path))
         engine.warm_up()
         b, t1 = config.batch, time.perf_counter()
         engine.cost_curve = measure_cost_curve(engine.runner, engine.cache, b.max_batch_sessions, b.max_batch_tokens,

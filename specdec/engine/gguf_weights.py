@@ -87,13 +87,34 @@ def _row_order(processor, name: str, rows: int, names: dict, parsed: dict) -> np
     return order
 
 
+# A tensor's row order in the index: the rows as they are, or transformers' processor does more than reorder
+# whole rows (then it runs at load, as transformers loads that tensor).
+SAME_ROWS, PROCESSED = "same", "processed"
+INDEX_VERSION = 2  # 2: each tensor's row order cached (no transformers import at load)
+
+
+def _orders(processor, tensors, names: dict, parsed: dict) -> dict[str, object]:
+    """{GGUF tensor name: SAME_ROWS, PROCESSED or the row order (a list)} for the mapped tensors: what
+    transformers' tensor processor does to each, found once (at indexing) on the row indices."""
+    out: dict[str, object] = {}
+    for name, _, shape, _, _ in tensors:
+        if name not in names:
+            continue
+        rows = shape[-1] if len(shape) == 2 else shape[0] if len(shape) == 1 else 0
+        order = _row_order(processor, name, rows, names, parsed) if rows else None
+        out[name] = PROCESSED if order is None else SAME_ROWS if np.array_equal(order, np.arange(rows)) \
+            else [int(i) for i in order]
+    return out
+
+
 def _index(path: Path):
     """(transformers' config, its parsed GGUF config dict, [(name, type, shape, offset, bytes)] of the tensors,
-    {GGUF tensor name: model parameter name}) of GGUF `path`. Reading a GGUF's metadata with gguf-py takes ~5 s
-    per pass for the default target (its tokenizer arrays) and transformers' name map ~5 s more, so the first
-    load keeps them in the cache directory (a few kB) and later loads read that."""
+    {GGUF tensor name: model parameter name}, {GGUF tensor name: its row order (_orders)}) of GGUF `path`.
+    Reading a GGUF's metadata with gguf-py takes ~5 s per pass for the default target (its tokenizer arrays)
+    and transformers' name map ~5 s more, so the first load keeps them in the cache directory (a few kB) and
+    later loads read that, with no transformers import (~20 MiB of a tier's memory)."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|v{INDEX_VERSION}".encode()).hexdigest()[:16]
     where = cache_dir() / f"gguf-blocks-{path.stem}-{key}"
     if not (where / "index.json").exists():
         from gguf import GGUFReader
@@ -105,11 +126,13 @@ def _index(path: Path):
                    for t in GGUFReader(str(path)).tensors]
         parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
         config = CONFIG_MAPPING[parsed["model_type"]].from_dict(dict(parsed))  # as AutoConfig reads a GGUF
-        names = get_gguf_hf_weights_map(_skeleton(config),
-                                        TENSOR_PROCESSORS.get(parsed.get("model_type"), TensorProcessor)(config=parsed))
+        processor = TENSOR_PROCESSORS.get(parsed.get("model_type"), TensorProcessor)(config=parsed)
+        names = get_gguf_hf_weights_map(_skeleton(config), processor)
+        orders = _orders(processor, tensors, names, {"config": parsed})
         tmp = where.with_name(where.name + f".tmp{os.getpid()}")
         config.save_pretrained(tmp)
-        (tmp / "index.json").write_text(json.dumps({"config": parsed, "tensors": tensors, "names": names}, default=str))
+        (tmp / "index.json").write_text(json.dumps({"config": parsed, "tensors": tensors, "names": names,
+                                                    "orders": orders}, default=str))
         if where.exists():  # another process indexed it meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
         else:
@@ -120,7 +143,7 @@ def _index(path: Path):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(where))
-    return config, index["config"], index["tensors"], index["names"]
+    return config, index["config"], index["tensors"], index["names"], index["orders"]
 
 
 def _skeleton(config):
@@ -136,12 +159,9 @@ def _skeleton(config):
 
 def load_blocks(path: Path):
     """The model of GGUF `path` with its quantised matrices in their blocks, eval mode, on the CPU."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    config, parsed_config, tensors, names = _index(path)
+    config, parsed_config, tensors, names, orders = _index(path)
     parsed = {"config": parsed_config}
     model = _skeleton(config)
-    processor = TENSOR_PROCESSORS.get(parsed_config.get("model_type"), TensorProcessor)(config=parsed_config)
     modules = {module: name for name, module in model.named_modules()}
     embed_name = modules[model.get_input_embeddings()] + ".weight"
     head_name = modules[model.get_output_embeddings()] + ".weight"
@@ -152,20 +172,27 @@ def load_blocks(path: Path):
         hf_name = names.get(name)
         if hf_name is None:
             continue
-        fmt = FORMATS.get(type_name)
+        fmt, order = FORMATS.get(type_name), orders[name]
         rows = shape[-1] if len(shape) == 2 else 0
-        order = _row_order(processor, name, rows, names, parsed) if fmt is not None and rows else None
         block = data[offset:offset + nbytes]
-        if fmt is None or order is None:  # a float tensor, or blocks the kernel does not compute: the reference's values
+        if fmt is None or not rows or order == PROCESSED:  # a float tensor, or blocks the kernel does not compute: the reference's values
             if type_name not in ("F32", "F16", "BF16"):
                 floats.append(f"{name} ({type_name})")
-            values = _dequantize(block, type_name, shape)
-            out = processor.process(weights=values, name=name,
-                                    tensor_key_mapping=names, parsed_parameters=parsed)
-            _set_parameter(model, hf_name, torch.from_numpy(np.array(out.weights, dtype=np.float32)))
+            values = _dequantize(block, type_name, shape)  # [rows, ...]
+            if order == PROCESSED:  # transformers' processor, as it loads this tensor
+                from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+                processor = TENSOR_PROCESSORS.get(parsed_config.get("model_type"), TensorProcessor)(config=parsed_config)
+                values = processor.process(weights=values, name=name, tensor_key_mapping=names,
+                                           parsed_parameters=parsed).weights
+            elif order != SAME_ROWS:
+                values = values[np.asarray(order)]
+            _set_parameter(model, hf_name, torch.from_numpy(np.array(values, dtype=np.float32)))
             loaded.add(hf_name)
             continue
-        raw = torch.from_numpy(np.array(block).reshape(rows, -1))[torch.from_numpy(order)]  # [rows, blocks' bytes]
+        raw = torch.from_numpy(np.array(block).reshape(rows, -1))  # [rows, blocks' bytes]
+        if order != SAME_ROWS:
+            raw = raw[torch.from_numpy(np.asarray(order))]
         linear = QuantLinear(pack(raw, fmt), fmt, rows, shape[0])
         module = hf_name.rpartition(".")[0]
         if hf_name == embed_name:

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
 
 class GrammarCache:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], size: int = 64) -> None:
-        self._hf, self.vocab_size, self._eos, self.size = tokenizer, vocab_size, eos_token_ids, size
+    def __init__(self, tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: list[int], size: int = 64) -> None:
+        """tokenizer: loads the model's (Hugging Face) tokenizer, called at the first grammar only and let go
+        once llguidance has its own (a tier that never sees a grammar holds none: ~45 MiB)."""
+        self._load, self.vocab_size, self._eos, self.size = tokenizer, vocab_size, eos_token_ids, size
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -30,7 +32,9 @@ class GrammarCache:
     def _fresh(self, grammar: str) -> llguidance.LLMatcher:
         with self._lock:
             if self._tokenizer is None:  # ~0.5 s, once per tier
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                from llguidance.hf import from_tokenizer  # imports transformers (~20 MiB): only where a grammar arrives
+
+                self._tokenizer = from_tokenizer(self._load(), n_vocab=self.vocab_size,
                                                                eos_token=self._eos[0] if self._eos else None)
             matcher = self._compiled.get(grammar)
             if matcher is None:

@@ -93,7 +93,7 @@ class HeadEngine(EngineThread):
     def load(cls, config: TierConfig, target_path: str) -> "HeadEngine":
         """The head at config.model.path, checked against the target at target_path (whose config, tokenizer and
         input embedding it reads: the head shares the target's embedding unless it carries its own)."""
-        from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
+        from specdec.models import TokenizerSource, eos_token_ids
 
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
@@ -101,9 +101,9 @@ class HeadEngine(EngineThread):
         embedding, target_config = target_embedding(target_path)
         head = load_head(config.model.path, target_config, embedding, dtype=config.model.torch_dtype,
                          device=config.model.device)
-        tokenizer = load_tokenizer(target_path)
+        tokenizer = TokenizerSource.at(target_path)  # its facts only (the head proposes unconstrained)
         eos = eos_token_ids(SimpleNamespace(generation_config=target_config), tokenizer)
-        engine = cls(config, head, target_config, eos, tokenizer_fingerprint(tokenizer))
+        engine = cls(config, head, target_config, eos, tokenizer.fingerprint)
         if config.cost_curve_s > 0:
             engine.cost_curve = engine.measure_cost_curve(config.cost_curve_s)
         release_thread_pool()  # this thread is done computing: the engine thread's team is the only one

@@ -82,14 +82,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # light: no modeling code
-
         self.rope_type = _rope(config).get("rope_type", "default")
-        if self.rope_type == "default":
+        if self.rope_type == "default":  # (transformers not imported: ~20 MiB of a tier's memory)
             dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             inv_freq = 1.0 / (_rope(config)["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.attention_scaling = 1.0
         else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # light: no modeling code
+
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
