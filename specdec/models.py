@@ -245,7 +245,8 @@ class TokenizerSource:
             return cls.of(load())
         files = [Path(src.location) / src.gguf_file] if src.gguf_file else \
             [Path(src.location) / name for name in TOKENIZER_FILES if (Path(src.location) / name).exists()]
-        stamp = "|".join(f"{f.resolve()}|{f.stat().st_size}|{int(f.stat().st_mtime)}" for f in files)
+        stamp = "|".join([str(Path(src.location).resolve()),
+                          *(f"{f.resolve()}|{f.stat().st_size}|{int(f.stat().st_mtime)}" for f in files)])
         where = cache_dir() / f"tokenizer-facts-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
         if where.exists():
             facts = json.loads(where.read_text())
