@@ -127,14 +127,15 @@ def build_section(*, plan: dict, models: dict, prompts: dict, info: dict, starte
 
     L.append("### Memory")
     L.append("")
-    L.append("| placement | process | peak RSS (VmHWM) MiB | threads |")
-    L.append("|---|---|---|---|")
+    L.append("| placement | process | peak RSS (VmHWM) MiB | resident after the rows (VmRSS) MiB | threads |")
+    L.append("|---|---|---|---|---|")
     for pl in plan["placements"]:
         for name, mem in (per_placement[pl].get("memory") or {}).items():
-            L.append(f"| {pl} | {name} | {mem['peak_rss_kib'] / 1024:.0f} | {mem.get('threads', '?')} |")
+            now = f"{mem['rss_kib'] / 1024:.0f}" if mem.get("rss_kib") else "–"
+            L.append(f"| {pl} | {name} | {mem['peak_rss_kib'] / 1024:.0f} | {now} | {mem.get('threads', '?')} |")
         bm = baseline_meta.get(pl, {})
         if bm.get("peak_rss_kib"):
-            L.append(f"| {pl} | in-process baselines (target + draft + HF generate) | {bm['peak_rss_kib'] / 1024:.0f} | – |")
+            L.append(f"| {pl} | in-process baselines (target + draft + HF generate) | {bm['peak_rss_kib'] / 1024:.0f} | – | – |")
     L.append("")
     if meta.get("models"):
         mean_prompt = {}
