@@ -252,11 +252,15 @@ class TokenizerSource:
             facts = json.loads(where.read_text())
             return cls(facts["fingerprint"], facts["eos_token_id"], load)
         tokenizer = load()
-        where.parent.mkdir(parents=True, exist_ok=True)
-        tmp = where.with_name(where.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"fingerprint": tokenizer_fingerprint(tokenizer), "eos_token_id": tokenizer.eos_token_id}))
-        tmp.replace(where)
-        return cls(tokenizer_fingerprint(tokenizer), tokenizer.eos_token_id, load)
+        facts = cls(tokenizer_fingerprint(tokenizer), tokenizer.eos_token_id, load)
+        try:  # best effort: a read-only cache directory costs the next start a tokenizer load, nothing else
+            where.parent.mkdir(parents=True, exist_ok=True)
+            tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"fingerprint": facts.fingerprint, "eos_token_id": facts.eos_token_id}))
+            tmp.replace(where)
+        except OSError as e:
+            log.info("tokenizer facts not cached in %s: %s", where.parent, e)
+        return facts
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -65,3 +65,11 @@ def test_a_tier_loads_the_tokenizer_only_for_its_first_grammar(tiny_target):
     assert engine.grammars.check(llguidance.LLMatcher.grammar_from_regex("yes|no")) == "" and loads == [1]
     assert engine.grammars.check(llguidance.LLMatcher.grammar_from_regex("[0-9]+")) == "" and loads == [1]  # llguidance's own, kept
     assert engine.grammars.matcher(llguidance.LLMatcher.grammar_from_regex("yes|no"), []) is not None
+
+
+def test_an_unwritable_cache_costs_a_load_not_the_start(tiny_target, tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache directory should be: mkdir fails
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocked / "cache"))
+    source = TokenizerSource.at(tiny_target)
+    assert source.fingerprint == TokenizerSource.of(load_tokenizer(tiny_target)).fingerprint
