@@ -12,7 +12,8 @@ The parts run one after another as the benches' own commands (python -m bench.X)
 bench appends its section to --out as it always does, and this appends a dated summary (each part's
 status and time) after them. A part over its budget is stopped and reported, and the next one runs.
 --cpu-smoke runs the same plan on the CPU with tiny settings, to check the plan itself anywhere;
---dry-run prints the plan. Run it wherever a GPU is available, first (its first run, on an H100 on 2026-11-26, is in
+--dry-run prints the plan. `--only head-cost-8b` runs a part outside the plan: a feature draft's costs at an 8B
+target's shapes (random weights). Run it wherever a GPU is available, first (its first run, on an H100 on 2026-11-26, is in
 docs/bench-logs/2026-11.md).
 """
 
@@ -84,6 +85,15 @@ def plan(device: str, dtype: str, out: str, smoke: bool = False) -> list[Part]:
     ]
 
 
+def extras(device: str, dtype: str, out: str) -> list[Part]:
+    """Parts outside the 8-minute plan, run when --only names them: a feature draft's costs at an 8B target's
+    shapes (random weights: the head's draft step at 1-64 sessions, the target's step with and without the
+    taps; docs/DESIGN.md, Feature drafts), the figure the EAGLE-3 issue asks of a GPU."""
+    return [Part("head-cost-8b", "bench.head_cost", ("--random-weights", "--target", str(REPO / "bench/shapes/llama-3-8b"),
+                                                     "--device", device, "--dtype", dtype, "--repeats", "10",
+                                                     "--curve-s", "5", "--out", out), 150)]
+
+
 # What the parts import beyond torch (module, the distribution pip installs it from): a machine's image may lack
 # any of them (the first H100 run failed at import twice), so the check names them all before it starts.
 NEEDED = (("grpc", "grpcio"), ("grpc_health", "grpcio-health-checking"), ("grpc_reflection", "grpcio-reflection"),
@@ -149,14 +159,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(bench_log()), help="markdown file every part appends to (the month's run log)")
     p.add_argument("--cpu-smoke", action="store_true", help="the same plan on the CPU with tiny settings (checks the plan)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    p.add_argument("--only", default="", help="comma list of parts to run (default: all)")
+    p.add_argument("--only", default="", help="comma list of parts to run (default: the plan's; head-cost-8b only so)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     device, dtype = ("cpu", "float32") if args.cpu_smoke else (args.device, args.dtype)
-    parts = [p for p in plan(device, dtype, args.out, smoke=args.cpu_smoke) if not args.only or p.name in args.only.split(",")]
+    only = [name for name in args.only.split(",") if name]
+    parts = [p for p in plan(device, dtype, args.out, smoke=args.cpu_smoke) if not only or p.name in only]
+    parts += [p for p in extras(device, dtype, args.out) if p.name in only]
     if args.dry_run:
         for part in parts:
             print(f"{part.name} ({part.budget_s:.0f}s): {' '.join(part.command()[1:])}")

@@ -29,6 +29,18 @@ def test_every_part_is_a_valid_bench_command(tmp_path, smoke):
         assert set(gpu_check.CUDA_TESTS) >= {"tests/test_triton_row_ops.py", "tests/test_triton_fallback.py"}
 
 
+def test_the_parts_outside_the_plan_are_valid_and_run_only_when_named(capsys, tmp_path):
+    out = str(tmp_path / "BENCHMARKS.md")
+    (part,) = gpu_check.extras("cuda", "bfloat16", out)
+    args = importlib.import_module(part.module).parse_args(list(part.args))
+    assert args.out == out and args.device == "cuda" and args.random_weights
+    assert (gpu_check.REPO / "bench/shapes/llama-3-8b/config.json").is_file()
+    assert gpu_check.main(["--dry-run", "--out", out]) == 0
+    assert "head-cost-8b" not in capsys.readouterr().out
+    assert gpu_check.main(["--dry-run", "--only", "head-cost-8b,exactness", "--out", out]) == 0
+    assert [line.split(" ")[0] for line in capsys.readouterr().out.splitlines()] == ["exactness", "head-cost-8b"]
+
+
 def test_dry_run_prints_the_plan(capsys, tmp_path):
     assert gpu_check.main(["--cpu-smoke", "--dry-run", "--out", str(tmp_path / "b.md")]) == 0
     lines = capsys.readouterr().out.splitlines()
