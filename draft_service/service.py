@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdec.core.errors import invalid_argument
 from specdec.core.settings import setting
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3_features import from_bytes
 from specdec.engine.engine import Engine
-from specdec.engine.head_engine import HeadEngine
 from specdec.engine.head_weights import is_head
 from specdec.engine.propose import ProposeResult, ProposeWork
 from specdec.engine.propose_tree import ProposeTreeWork, TreeProposeResult
@@ -24,6 +24,9 @@ from specdec.serving.server import Service, ServerConfig, handle_errors
 from specdec.serving.tier_trace import traced
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
 from specdec.serving.tier_checks import check_context, check_num_tokens
+
+if TYPE_CHECKING:
+    from specdec.engine.head_engine import HeadEngine
 
 SERVICE_NAME = "specdec.v1.DraftService"
 
@@ -43,6 +46,7 @@ class DraftConfig:
 def load_engine(config: DraftConfig) -> Engine | HeadEngine:
     """The tier's engine: a HeadEngine when --model is an EAGLE-3 head's checkpoint, else a draft model's Engine."""
     if is_head(config.tier.model.path):
+        from specdec.engine.head_engine import HeadEngine  # imports transformers' Llama modules: for a head only
         from specdec.models import default_target
 
         return HeadEngine.load(config.tier, config.head_target or default_target())
@@ -106,7 +110,7 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
     def to_work(self, request: draft_pb2.ProposeRequest) -> ProposeWork | ProposeTreeWork:
         """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""
         engine = self.engine
-        head = isinstance(engine, HeadEngine)
+        head = engine.feature_draft
         if head and request.tree_nodes and (request.speculate or request.push):
             raise invalid_argument("speculate: this replica serves an EAGLE-3 head, which has no speculation cache")
         if request.tree_nodes:

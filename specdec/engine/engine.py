@@ -86,6 +86,8 @@ def _load_model(config: TierConfig):
 
 
 class Engine(EngineThread):
+    feature_draft = False  # a model's own engine (specdec.engine.head_engine.HeadEngine drafts from features)
+
     def __init__(self, config: TierConfig, model, tokenizer: TokenizerSource) -> None:
         config.batch.validate()
         super().__init__(config.batch.max_queue)

@@ -64,6 +64,8 @@ class SlotShape:
 class HeadEngine(EngineThread):
     """The engine a draft tier runs for an EAGLE-3 head: submit(ProposeWork) -> ProposeResult, as Engine's."""
 
+    feature_draft = True  # it drafts from the target's features (Engine: False)
+
     def __init__(self, config: TierConfig, head: Eagle3Head, target_config, eos_token_ids: list[int],
                  tokenizer_fingerprint: str) -> None:
         """head: loaded and checked against target_config (the target's transformers config)."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.engine.eagle3 import Eagle3Head
 from specdec.engine.eagle3_checks import ARCHITECTURES
+
+if TYPE_CHECKING:  # (its module imports transformers' Llama modules: a draft model's tier never needs them)
+    from specdec.engine.eagle3 import Eagle3Head
 
 
 def is_head(path: str) -> bool:
