@@ -118,7 +118,8 @@ def test_a_tier_loads_without_transformers(tiny_target, real_pair):
     """A fresh interpreter (the tests' own has imported everything): a tier's imports and the engine's load of a
     checkpoint directory and of a GGUF in its blocks (its index and its tokenizer's facts cached by an earlier
     load) import no transformers at all (~20 MiB of a tier), nor torch's compiler stack (the draft tier's entry
-    point neither: an EAGLE-3 head's modules load only for a head), and keep no checkpoint file mapped."""
+    point neither: an EAGLE-3 head's modules load only for a head), and, with their matrices in blocks (as the
+    draft tier's --quantize auto), keep no checkpoint file mapped."""
     gguf_weights.load_blocks(gguf_weights.gguf_file(real_pair[0]))  # indexes it once, if no earlier load did
     for path in (tiny_target, real_pair[0]):
         TokenizerSource.at(path)
@@ -126,10 +127,10 @@ def test_a_tier_loads_without_transformers(tiny_target, real_pair):
         "import sys\n"
         "import target_service.__main__, draft_service.__main__\n"
         "from specdec.engine.engine import Engine\n"
-        "from specdec.engine.config import TierConfig\n"
+        "from specdec.engine.config import StepConfig, TierConfig\n"
         "from specdec.models import ModelConfig\n"
         f"for path in ({tiny_target!r}, {real_pair[0]!r}):\n"
-        "    engine = Engine.load(TierConfig(model=ModelConfig(path), cost_curve_s=0.0))\n"
+        "    engine = Engine.load(TierConfig(model=ModelConfig(path), step=StepConfig(quantize='auto'), cost_curve_s=0.0))\n"
         "    print(type(engine.runner.model).__module__)\n"
         "    engine.close()\n"
         "print(sorted(m for m in ('transformers', 'tokenizers', 'torch._dynamo', 'sympy') if m in sys.modules))\n"

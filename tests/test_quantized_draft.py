@@ -12,6 +12,7 @@ drafting for it keeps most of its drafts (the quantisation moves few argmaxes).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,6 +61,23 @@ def test_matrices_become_q8_0_blocks_that_the_step_serves_bitwise(tiny_target):
         twin.get_submodule(name).weight.data.copy_(want)
     ids = PROMPTS[1]
     assert torch.equal(packed_logits(model, ids), packed_logits(twin, ids))
+
+
+@needs_kernel
+def test_a_gguf_in_its_blocks_needs_nothing_quantised_and_keeps_no_file_mapped(tiny_target, real_pair):
+    """A GGUF served from its blocks as the draft (the draft tier's --quantize auto): nothing is left to quantise
+    (this crashed on its tied head in blocks); a checkpoint quantised at load lets its file's memory map go (a
+    norm's few bytes had kept all of it resident)."""
+    from specdec.engine import gguf_weights, llama_weights
+
+    model = gguf_weights.load_blocks(gguf_weights.gguf_file(real_pair[0]))
+    assert quantize_model(model) == 0
+    checkpoint = llama_weights.load(tiny_target)  # as a CPU draft tier loads it: zero-copy from the file's map
+    mapped = [tuple(int(a, 16) for a in line.split()[0].split("-")) for line in open("/proc/self/maps")
+              if str(Path(tiny_target).resolve() / "model.safetensors") in line]
+    assert mapped and any(lo <= p.data_ptr() < hi for p in checkpoint.parameters() for lo, hi in mapped)
+    assert quantize_model(checkpoint) > 0
+    assert not any(lo <= p.data_ptr() < hi for p in checkpoint.parameters() for lo, hi in mapped)
 
 
 def test_off_the_block_kernel_the_weights_stay_float32_and_a_log_line_says_why(tiny_target, caplog):

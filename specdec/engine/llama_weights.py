@@ -181,10 +181,7 @@ def load(directory: str | Path) -> LlamaForCausalLM:
     tied = config.tie_word_embeddings
     if tied:
         state.pop("lm_head.weight", None)
-    # Copies: load_file's tensors share the file's memory map, which a norm's few bytes kept mapped (the whole
-    # file resident) after the tier had quantised its matrices into blocks of their own.
-    missing, unexpected = model.load_state_dict({k: v.to(torch.float32, copy=True) for k, v in state.items()},
-                                                strict=False, assign=True)
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"{directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -67,7 +67,8 @@ def quantize_model(model, fmt: str = "Q8_0") -> int:
     QuantEmbedding over the head's blocks, as a GGUF's tied table is served. Returns the matrices quantised."""
     names = {module: name for name, module in model.named_modules()}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight is embedding.weight
+    weight = getattr(head, "weight", None)  # None: no head, or one already in blocks (a GGUF's)
+    tied = weight is not None and weight is getattr(embedding, "weight", None)
     count = 0
     for module, name in list(names.items()):
         linear = quantized(module, fmt)
@@ -77,4 +78,7 @@ def quantize_model(model, fmt: str = "Q8_0") -> int:
         if module is head and tied:
             set_module(model, names[embedding], QuantEmbedding(linear, embedding.padding_idx))
         count += 1
+    if count:  # the float tensors left (norms): copied, or their few bytes keep the checkpoint's whole memory map
+        for p in model.parameters():  # resident (safetensors loads zero-copy; unquantised weights stay shared)
+            p.data = p.data.clone()
     return count
