@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+ROW_K = {"specdec": None, "k0": 0}  # each specdec row's num_speculative_tokens (None: the default request's adaptive K)
+
+
 def chat_prompts(n: int) -> list[list[dict]]:
     """n distinct user messages: the bench's open and grounded prompts, then variants of them."""
     from bench.prompts import prompts_for
@@ -202,7 +205,7 @@ def summarise(results: list[dict]) -> dict:
 
 
 def pipeline_config(args, models: dict):
-    from specdec.client.local import LocalPipelineConfig
+    from specdec.client.local import LocalPipelineConfig, sharing
 
     return LocalPipelineConfig(
         target_model=models["target"], draft_model=models["draft"],
@@ -211,8 +214,7 @@ def pipeline_config(args, models: dict):
         target_args=["--device", args.device, "--dtype", args.dtype, "--no-prefix-cache", *shlex.split(args.target_args)],
         draft_args=["--device", args.device, "--dtype", args.draft_dtype or args.dtype, "--no-prefix-cache",
                     *shlex.split(args.draft_args)],
-        coordinator_args=["--log-level", "warning", *shlex.split(args.coordinator_args)], shared_cores=args.device == "cpu",
-        shared_gpu=args.device != "cpu")
+        coordinator_args=["--log-level", "warning", *shlex.split(args.coordinator_args)], **sharing(args.device))
 
 
 def cold_bursts(args, levels: list[int], rows: list[str], models: dict) -> dict:
@@ -224,7 +226,7 @@ def cold_bursts(args, levels: list[int], rows: list[str], models: dict) -> dict:
         for _ in range(max(args.repeats, 1)):
             for row in rows:
                 with LocalPipeline(pipeline_config(args, models)) as pipeline:
-                    res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, {"specdec": None, "k0": 0}[row])
+                    res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, ROW_K[row])
                 runs[row][c].append(res)
                 log(f"{row} C={c} cold: {res['aggregate_tok_s']:.1f} tok/s aggregate, mean K {res['mean_k']:.2f}")
     return runs
@@ -244,10 +246,10 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
         runs: dict = {row: {c: [] for c in levels} for row in rows}
         for c in levels:  # at each level the rows alternate, so a slow spell of the machine hits both
             for row in rows:  # untimed: what the level's first burst meets once (lazily captured graphs) hits no row
-                burst(pipeline.address, chat_prompts(c), args.max_new_tokens, {"specdec": None, "k0": 0}[row])
+                burst(pipeline.address, chat_prompts(c), args.max_new_tokens, ROW_K[row])
             for _ in range(max(args.repeats, 1)):
                 for row in rows:
-                    k = {"specdec": None, "k0": 0}[row]
+                    k = ROW_K[row]
                     res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, k)
                     runs[row][c].append(res)
                     log(f"{row} C={c}: {res['aggregate_tok_s']:.1f} tok/s aggregate, {res['per_client_tok_s']:.2f} per "
@@ -258,7 +260,7 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
                 windows: dict = {row: [] for row in rows}
                 for _ in range(max(args.repeats, 1)):
                     for row in rows:
-                        k = {"specdec": None, "k0": 0}[row]
+                        k = ROW_K[row]
                         w = steady(pipeline.address, chat_prompts(2 * c), c, args.max_new_tokens, k, args.steady,
                                    args.steady_warmup)
                         windows[row].append(w)

@@ -115,11 +115,16 @@ def _resolve(path: str) -> _Source:
     return _Source(path, None)  # hub id
 
 
+def files_key(files, *extra: str) -> str:
+    """A cache key for `files` as they are now (each one's resolved path, size and modification time), and
+    `extra`: a cached result derived from them is found again until one of them changes."""
+    parts = [f"{Path(f).resolve()}|{Path(f).stat().st_size}|{int(Path(f).stat().st_mtime)}" for f in files]
+    return hashlib.sha256("|".join([*parts, *extra]).encode()).hexdigest()[:16]
+
+
 def _converted_dir(src: _Source) -> Path:
     f = Path(src.location) / src.gguf_file
-    st = f.stat()
-    key = hashlib.sha256(f"{f.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_dir() / f"gguf-{f.stem}-{key}"
+    return cache_dir() / f"gguf-{f.stem}-{files_key([f])}"
 
 
 def _ensure_converted(src: _Source) -> Path:
@@ -245,9 +250,7 @@ class TokenizerSource:
             return cls.of(load())
         files = [Path(src.location) / src.gguf_file] if src.gguf_file else \
             [Path(src.location) / name for name in TOKENIZER_FILES if (Path(src.location) / name).exists()]
-        stamp = "|".join([str(Path(src.location).resolve()),
-                          *(f"{f.resolve()}|{f.stat().st_size}|{int(f.stat().st_mtime)}" for f in files)])
-        where = cache_dir() / f"tokenizer-facts-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
+        where = cache_dir() / f"tokenizer-facts-{files_key(files, str(Path(src.location).resolve()))}.json"
         if where.exists():
             facts = json.loads(where.read_text())
             return cls(facts["fingerprint"], facts["eos_token_id"], load)

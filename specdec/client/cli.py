@@ -166,7 +166,7 @@ def cmd_bench_client(args: argparse.Namespace) -> int:
 
 
 def cmd_run_local(args: argparse.Namespace) -> int:
-    from specdec.client.local import LocalPipeline, LocalPipelineConfig
+    from specdec.client.local import LocalPipeline, LocalPipelineConfig, sharing
 
     threads = ["--threads", str(args.threads)] if args.threads else []
     draft_model = args.draft_model or None
@@ -176,8 +176,7 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     config = LocalPipelineConfig(
         target_model=args.target_model, draft_model=draft_model,
         target_args=["--device", args.device, *threads],
-        draft_args=["--device", args.device, "--dtype", draft_dtype, *threads], shared_cores=args.device == "cpu",
-        shared_gpu=args.device != "cpu",
+        draft_args=["--device", args.device, "--dtype", draft_dtype, *threads], **sharing(args.device),
     )
     print(f"starting target ({config.target_model}), draft ({config.draft_model}) and coordinator on loopback...", file=sys.stderr)
     t0 = time.perf_counter()

@@ -54,6 +54,11 @@ class LocalPipelineConfig:
         return draft, coordinator
 
 
+def sharing(device: str) -> dict[str, bool]:
+    """LocalPipelineConfig's shared_cores / shared_gpu for both tiers on `device` (cpu, cuda, cuda:1, ...)."""
+    return {"shared_cores": device == "cpu", "shared_gpu": device != "cpu"}
+
+
 class LocalPipeline:
     def __init__(self, config: LocalPipelineConfig) -> None:
         self.config = config
@@ -109,17 +114,17 @@ class LocalPipeline:
             # coordinator waits for the tiers to answer.
             target_port = free_port()
             self._spawn("target", "target_service", ["--model", c.target_model, *c.target_args], f"127.0.0.1:{target_port}")
-            draft = ""
+            draft, (draft_colocation, coordinator_colocation) = "", c.colocation_args()
             if c.draft_model:
                 draft_port = free_port()
                 # --head-target: where the draft is an EAGLE-3 head, the target it drafts for (a draft model ignores it)
                 self._spawn("draft", "draft_service", ["--model", c.draft_model, "--head-target", c.target_model,
-                                                       *c.colocation_args()[0], *c.draft_args],
+                                                       *draft_colocation, *c.draft_args],
                             f"127.0.0.1:{draft_port}")
                 draft = f"127.0.0.1:{draft_port}"
             self._spawn("coordinator", "coordinator", [
                 "--target", f"127.0.0.1:{target_port}", "--draft", draft, "--tokenizer", c.target_model,
-                *c.colocation_args()[1], *c.coordinator_args],
+                *coordinator_colocation, *c.coordinator_args],
                 c.coordinator_address)
             for name in self.procs:
                 self._wait_port(name, deadline)

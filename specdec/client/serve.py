@@ -34,7 +34,7 @@ import time
 
 from dataclasses import dataclass
 
-from specdec.client.local import LocalPipeline, LocalPipelineConfig
+from specdec.client.local import LocalPipeline, LocalPipelineConfig, sharing
 from specdec.core.settings import Settings, setting
 from specdec.models import DTYPES, default_draft, default_target, served_model_name
 
@@ -98,8 +98,7 @@ def pipeline_config(args: ServeConfig) -> LocalPipelineConfig:
         target_args=["--device", args.device, "--dtype", args.dtype, *threads, *shlex.split(args.target_args)],
         draft_args=["--device", args.device, "--dtype", args.draft_dtype, *threads, *shlex.split(args.draft_args)],
         coordinator_args=[*coordinator, *shlex.split(args.coordinator_args)],
-        coordinator_address=f"{args.host}:{args.port}", start_timeout_s=args.start_timeout_s, shared_cores=args.device == "cpu",
-        shared_gpu=args.device != "cpu",
+        coordinator_address=f"{args.host}:{args.port}", start_timeout_s=args.start_timeout_s, **sharing(args.device),
         inherit_output=True, die_with_parent=True)
 
 

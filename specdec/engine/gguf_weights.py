@@ -16,7 +16,6 @@ of weights instead of 513 MiB, loads without the conversion, and each step strea
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ import torch
 
 from specdec.engine import llama_weights, skinny_gemm
 from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, pack
-from specdec.models import ModelConfig, cache_dir, load_model as load_reference, local_source
+from specdec.models import ModelConfig, cache_dir, files_key, load_model as load_reference, local_source
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +112,7 @@ def _index(path: Path):
     Reading a GGUF's metadata with gguf-py takes ~5 s per pass for the default target (its tokenizer arrays)
     and transformers' name map ~5 s more, so the first load keeps them in the cache directory (a few kB) and
     later loads read that, with no transformers import (~20 MiB of a tier's memory)."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|v{INDEX_VERSION}".encode()).hexdigest()[:16]
-    where = cache_dir() / f"gguf-blocks-{path.stem}-{key}"
+    where = cache_dir() / f"gguf-blocks-{path.stem}-{files_key([path], f'v{INDEX_VERSION}')}"
     if not (where / "index.json").exists():
         from gguf import GGUFReader
         from transformers import CONFIG_MAPPING
