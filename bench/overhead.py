@@ -14,6 +14,7 @@ overhead the < 1 ms goal is about; the tiers' part is shown beside it.
     python -m bench.overhead --event-loop uvloop  # all three processes on uvloop
     python -m bench.overhead --coordinator-args="--overlap --draft-push"   # the draft pushes its next proposals
     python -m bench.overhead --head --size 576,2  # an EAGLE-3 head as the draft (its rows at the default target's width)
+    python -m bench.overhead --placement separate # the target on CPU 0, the draft (and the coordinator) on CPU 1
 
 Then the round trace (coordinator.trace; docs/performance.md), per round: client <-> coordinator (the client's
 wall time less the coordinator's), the coordinator's own time, and for each tier's rpcs the wire (both gRPC
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from bench.common import bench_log, md_table, publish
 from bench.pipeline import BenchPipeline
+from bench.run_rows import PLACEMENTS
 from specdec.client import Client
 from specdec.client.local import LocalPipelineConfig
 
@@ -66,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head", action="store_true",
                    help="the draft tier serves an EAGLE-3 head (specdec.engine.eagle3.echo_head) for the model instead of "
                         "the model itself: the target's features cross the wire every round")
+    p.add_argument("--placement", default="shared", choices=["shared", "separate"],
+                   help="shared: every process on every core (as `make run`); separate: each tier on a core of its own, "
+                        "one thread each, the coordinator beside the draft (bench.run's placements)")
     p.add_argument("--event-loop", default="", choices=["", "asyncio", "uvloop"],
                    help="the event loop of all three processes ('' = their default)")
     return p.parse_args(argv)
@@ -186,11 +191,14 @@ def main(argv=None) -> int:
     spies: list[subprocess.Popen] = []
     results: dict[int, list[dict]] = {}
     loop = ["--event-loop", args.event_loop] if args.event_loop else []
-    config = LocalPipelineConfig(target_model=model, draft_model=draft, target_args=args.target_args.split() + loop,
-                                 draft_args=args.draft_args.split() + loop,
-                                 coordinator_args=args.coordinator_args.split() + loop)
+    place = PLACEMENTS[args.placement]
+    config = LocalPipelineConfig(target_model=model, draft_model=draft,
+                                 target_args=place["target_args"] + args.target_args.split() + loop,
+                                 draft_args=place["draft_args"] + args.draft_args.split() + loop,
+                                 coordinator_args=args.coordinator_args.split() + loop,
+                                 shared_cores=args.placement == "shared")
     try:
-        with BenchPipeline(config) as pipe:
+        with BenchPipeline(config, place["affinity"]) as pipe:
             for k in ks:
                 if args.profile:
                     out_dir = Path(args.profile)
@@ -222,7 +230,8 @@ def main(argv=None) -> int:
                  "an EAGLE-3 head for it as the draft (specdec.engine.eagle3.echo_head: the target's rows of 3 x "
                  f"{hidden} bfloat16 numbers, {6 * hidden} bytes, cross the wire for each committed position), "
                  if args.head else "as its own draft (every draft accepted), ") + "three processes on "
-             f"loopback, temperature {args.temperature:g}, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
+             f"loopback" + (" (the target on CPU 0, the draft and the coordinator on CPU 1, one thread a tier)"
+                            if args.placement == "separate" else "") + f", temperature {args.temperature:g}, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
              "generations (ms):", ""]
     table = []
     for k, rows in results.items():

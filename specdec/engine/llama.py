@@ -106,6 +106,7 @@ class LlamaDecoder:
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, first.head_dim
         self.scaling = first.scaling
         self.embed = base.embed_tokens
+        self._embed = self.embed.forward  # called directly: nn.Module's call path (hooks, ~8 us) once a step for nothing
         self.layers = [(layer.input_layernorm,
                         product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                         product([layer.self_attn.o_proj]),
@@ -146,7 +147,7 @@ class LlamaDecoder:
         product is added into x by the next add_rms_norm), so layer i - 1's output is x right after
         iteration i's first add, and the last layer's is x after the final one: copies, as x changes on."""
         ops, t, d = self.ops, input_ids.shape[0], self.head_dim
-        x = self.embed(input_ids)  # [T, hidden], a fresh tensor: the residual stream, updated in place
+        x = self._embed(input_ids)  # [T, hidden], a fresh tensor: the residual stream, updated in place
         cos, sin = self._rotary(positions, x.dtype)  # [T, D]
         if self.native is not None and taps is None:
             step = current_layout()

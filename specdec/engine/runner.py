@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specdec.engine import triton_attention
-from specdec.engine.attention import active, build_layout, row_attention_applies, use_step_attention
+from specdec.engine.attention import active, build_layout, row_attention_applies, split_flat, use_step_attention
 from specdec.engine.config import StepConfig
 from specdec.engine.kv_cache import SlotKVCache
 from specdec.engine.step import StepProgram, resolve_mode
@@ -90,7 +90,7 @@ class ModelRunner:
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """One forward over every feed; returns each feed's logits [num_logits, V] in float32. On a GPU
         this returns before the kernels have run; forward_checked synchronises."""
-        return list(torch.split(self._forward(feeds), [f.num_logits for f in feeds]))
+        return split_flat(self._forward(feeds), [f.num_logits for f in feeds])
 
     def forward_checked(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], list[bool]]:
         """forward(), and for each feed whether all its logits are finite: one check for the whole step,
@@ -103,7 +103,7 @@ class ModelRunner:
         for n in sizes:
             finite.append(all(finite_rows[start : start + n]))
             start += n
-        return list(torch.split(logits, sizes)), finite
+        return split_flat(logits, sizes), finite
 
     @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.engine.attention import split_flat
 from specdec.engine.kv_cache import SlotKVCache
 from specdec.engine.triton_attention import static_attention
 
@@ -62,7 +63,7 @@ class StaticBuffers:
         device = self.input_ids.device
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
-        parts = torch.split(flat, [len(xs) for xs in host])
+        parts = split_flat(flat, [len(xs) for xs in host])
         for buf, part in zip(self.all(), parts):
             buf[: part.shape[0]].copy_(part, non_blocking=True)
 

@@ -215,6 +215,9 @@ def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[Sampli
 
 def _verify_greedy(works, logits, vocab_size):
     rows = torch.cat(logits) if len(logits) > 1 else logits[0]  # [N + B, V]
+    if not any(w.drafts or w.params.adjusts_logits for w in works):  # target-only rows: no drafts to lay out
+        none = torch.zeros(len(works) + 1, dtype=torch.long, device=rows.device)
+        return verify_greedy_batched(rows, none[:0], none)
     meta = SpecDecodeMetadata.build([w.drafts for w in works], rows.device)
     if any(w.params.adjusts_logits for w in works):  # the argmax of the biased, penalised logits
         rows = adjust_logits_rows(rows, *_row_params_and_counts(works, meta, vocab_size, rows.device))
