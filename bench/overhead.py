@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import grpc_floor
 from bench.common import bench_log, md_table, publish
 from bench.pipeline import BenchPipeline
 from bench.run_rows import PLACEMENTS
@@ -256,7 +257,12 @@ def main(argv=None) -> int:
                       f"{statistics.mean(r['ready'] for r in rows):.0%}" if k else "-"])
     lines += md_table(["K", "client <-> coordinator", "coordinator", *(f"{tier} {part}" for tier in ("draft", "target")
                                                                        for part in TRACE_PARTS), "proposal held at the verdict (pushed)"], trace)
-    lines += ["", goals(results)]
+    floor = grpc_floor.measure()  # after the pipeline is gone: the same cores, nothing beside it
+    lines += ["", goals(results), "", f"gRPC's own floor on this machine (`python -m bench.grpc_floor`, measured after the "
+              f"rows): a write and a read on an open stream between two processes take {floor['stream_us']:.0f} us "
+              f"(a unary call {floor['unary_us']:.0f} us). A K = 0 round makes one such round trip (coordinator and target) "
+              f"and sends the client its chunk (about half of one), a draft round one round trip more (the draft): at "
+              f"least {1.5 * floor['stream_us'] / 1e3:.2f} / {2.5 * floor['stream_us'] / 1e3:.2f} ms before any work is done."]
     text = "\n".join(lines) + "\n"
     publish(text, args.out)
     return 0
