@@ -48,3 +48,12 @@ def test_prefill_cost_runs_on_a_tiny_target(tiny_target, capsys):
 
     assert main(["--target", tiny_target, "--out", "", "--repeats", "1", "--lengths", "70", "--chunk-tokens", "40"]) == 0
     assert "| 70 |" in capsys.readouterr().out
+
+
+def test_grpc_floor_runs_against_a_server_process(capsys):
+    """bench.grpc_floor end to end: an echo server in a child process, both round trips measured (not checked)."""
+    from bench.grpc_floor import main
+
+    assert main(["--n", "20", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"unary call \d+ us, a write and a read on an open stream \d+ us", out), out
