@@ -1,5 +1,7 @@
 """Tiny Llama GGUFs written by the tests with gguf-py's own writer and quantiser, in any block format it can
-quantise: the default target's tokenizer (its GGUF metadata, copied), random weights, a tied embedding."""
+quantise, and in the K-quants Q4_K and Q6_K (which gguf-py reads but cannot write: random super-blocks, every
+byte a valid value): the default target's tokenizer (its GGUF metadata, copied), random weights, a tied
+embedding."""
 
 from __future__ import annotations
 
@@ -11,6 +13,39 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, qu
 from specdec.models import default_target
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2  # 2 layers of width 64, like make_tiny_model's
+K_QUANTS = ("Q4_K", "Q6_K")  # rows of whole 256-weight super-blocks: such a model is 256 wide (FFN 512)
+# llama.cpp's Q4_K_M mix, as its quantiser assigns it to a small model: Q6_K for the value and down projections
+# and the (here tied) embedding table, Q4_K for the rest
+Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
+
+
+def k_quant_blocks(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.1, integers: bool = False) -> np.ndarray:
+    """Random Q4_K / Q6_K bytes [n, k / 256 * super-block bytes] of weights about +-scale: random quants, 6-bit
+    scales and minima (Q6_K: int8 scales), float16 factors set so that the values stay in range. integers: every
+    weight a small integer (Q4_K: d = dmin = 1, sc = 1, m = 8: q - 8 in [-8, 7]; Q6_K: d = 1, scales 1: [-32, 31])."""
+    g = np.random.default_rng(seed)
+    ns = k // 256
+
+    def f16(values) -> np.ndarray:
+        return np.asarray(values, dtype=np.float16).view(np.uint8).reshape(n, ns, 2)
+
+    if fmt == "Q4_K":
+        b = g.integers(0, 256, (n, ns, 144), dtype=np.uint8)
+        if integers:
+            b[..., 0:2], b[..., 2:4] = f16(np.ones((n, ns, 1))), f16(np.ones((n, ns, 1)))
+            b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, 8, 0x81  # sc = 1, m = 8 in all 8 sub-blocks (get_scale_min)
+        else:
+            b[..., 0:2] = f16(scale / (63 * 15) * g.uniform(0.5, 1.5, (n, ns, 1)))
+            b[..., 2:4] = f16(scale / 63 * g.uniform(0.0, 1.0, (n, ns, 1)))
+    elif fmt == "Q6_K":
+        b = g.integers(0, 256, (n, ns, 210), dtype=np.uint8)
+        if integers:
+            b[..., 192:208], b[..., 208:210] = 1, f16(np.ones((n, ns, 1)))
+        else:
+            b[..., 208:210] = f16(scale / (127 * 32) * g.uniform(0.5, 1.5, (n, ns, 1)))
+    else:
+        raise ValueError(f"not a K-quant: {fmt}")
+    return b.reshape(n, -1)
 
 
 def tokenizer_fields(vocab: int = 2048) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
@@ -34,43 +69,52 @@ def tokenizer_fields(vocab: int = 2048) -> list[tuple[str, object, GGUFValueType
 
 
 def write_tiny_gguf(path: Path, fmt: str, tokenizer: list, seed: int = 0) -> str:
-    """A 2-layer Llama with every matrix (the tied embedding too) in block format `fmt`; returns its path."""
+    """A 2-layer Llama with every matrix (the tied embedding too) in block format `fmt` (or "Q4_K_M": Q4_K and Q6_K
+    mixed as llama.cpp mixes them); returns its path. A K-quant's model is 256 wide with an FFN of 512 (whole
+    super-blocks), 4 heads of 64."""
     vocab = len(next(value for key, value, _, _ in tokenizer if key == "tokenizer.ggml.tokens"))
     g = np.random.default_rng(seed)
+    k_quant = fmt in K_QUANTS or fmt == "Q4_K_M"
+    hidden, ffn = (256, 512) if k_quant else (HIDDEN, FFN)
     writer = GGUFWriter(str(path), "llama")
     writer.add_name("tiny")
     writer.add_context_length(1024)
-    writer.add_embedding_length(HIDDEN)
+    writer.add_embedding_length(hidden)
     writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FFN)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_dimension_count(hidden // HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
-    qtype = GGMLQuantizationType[fmt]
+    qtype = GGMLQuantizationType[fmt] if fmt != "Q4_K_M" else None
 
     def matrix(name: str, rows: int, cols: int, scale: float = 0.3) -> None:
+        if k_quant:
+            kind = fmt if fmt != "Q4_K_M" else next((f for part, f in Q4_K_M.items() if part in name), "Q4_K")
+            writer.add_tensor(name, k_quant_blocks(kind, rows, cols, int(g.integers(1 << 30)), scale),
+                              raw_dtype=GGMLQuantizationType[kind])
+            return
         w = (g.standard_normal((rows, cols)) * scale).astype(np.float32)
         writer.add_tensor(name, quants.quantize(w, qtype), raw_dtype=qtype)
 
     def norm(name: str) -> None:
-        writer.add_tensor(name, (1 + 0.1 * g.standard_normal(HIDDEN)).astype(np.float32))
+        writer.add_tensor(name, (1 + 0.1 * g.standard_normal(hidden)).astype(np.float32))
 
-    matrix("token_embd.weight", vocab, HIDDEN, 1.0)
+    matrix("token_embd.weight", vocab, hidden, 1.0)
     for i in range(LAYERS):
         norm(f"blk.{i}.attn_norm.weight")
-        matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
-        matrix(f"blk.{i}.attn_k.weight", HIDDEN // HEADS * KV_HEADS, HIDDEN)
-        matrix(f"blk.{i}.attn_v.weight", HIDDEN // HEADS * KV_HEADS, HIDDEN)
-        matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
+        matrix(f"blk.{i}.attn_q.weight", hidden, hidden)
+        matrix(f"blk.{i}.attn_k.weight", hidden // HEADS * KV_HEADS, hidden)
+        matrix(f"blk.{i}.attn_v.weight", hidden // HEADS * KV_HEADS, hidden)
+        matrix(f"blk.{i}.attn_output.weight", hidden, hidden)
         norm(f"blk.{i}.ffn_norm.weight")
-        matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
-        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
-        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+        matrix(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, ffn)
     norm("output_norm.weight")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

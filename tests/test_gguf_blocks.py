@@ -1,5 +1,6 @@
 """A GGUF served from its blocks (specdec.engine.gguf_weights): tiny Llama GGUFs written here in each block
-format the kernel computes (Q4_0, Q4_1, Q8_0) and one it does not (Q5_0, held in float32). Exact cases: the
+format the kernel computes (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), llama.cpp's Q4_K_M mix of the last two, and one
+format it does not (Q5_0, held in float32). Exact cases: the
 loaded weights are transformers' float32 load of the same file bitwise, with no float32 copy of a block
 matrix, and the packed step's logits are bitwise those of the same step over that float32 load. End to end:
 greedy output through real servers equals transformers' generate() on the float32 load, token for token."""
@@ -30,7 +31,7 @@ def tiny_ggufs(tmp_path_factory) -> dict[str, str]:
     """{format: path} of a tiny GGUF in each format (one tokenizer read for all; its first 2,048 tokens)."""
     where, tokenizer = tmp_path_factory.mktemp("ggufs"), tokenizer_fields()
     return {fmt: write_tiny_gguf(where / f"tiny-{fmt}.gguf", fmt, tokenizer, seed=i)
-            for i, fmt in enumerate([*sorted(FORMATS), "Q5_0"])}
+            for i, fmt in enumerate([*sorted(FORMATS), "Q5_0", "Q4_K_M"])}
 
 
 @pytest.fixture(scope="module")
@@ -99,5 +100,31 @@ def test_greedy_through_real_servers_equals_the_float32_reference(tiny_ggufs, ra
                 for k in (0, 3):
                     out = c.generate(token_ids=prompt, max_new_tokens=24, num_speculative_tokens=k, proposer="draft")
                     assert out.token_ids == expected, (fmt, k, prompt)
+    finally:
+        cluster.close()
+
+
+def test_a_q4_k_m_mix_is_served_from_its_blocks_bitwise(tiny_ggufs, random_draft):
+    """Q4_K_M (Q4_K, with Q6_K for the value and down projections and the tied table): every matrix in its own
+    format's blocks, the weights and the packed step's logits bitwise the float32 load's, and greedy output through
+    real servers transformers' own, with and without drafts."""
+    path = tiny_ggufs["Q4_K_M"]
+    model, reference = gguf_weights.load_blocks(gguf_weights.gguf_file(path)), load_model(ModelConfig(path))
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert {m.fmt.name for m in blocks.values()} == {"Q4_K", "Q6_K"} and len(blocks) == 1 + 7 * 2
+    assert all(m.fmt.name == "Q6_K" for name, m in blocks.items() if "v_proj" in name or "down_proj" in name)
+    for name, linear in blocks.items():
+        want = reference.get_input_embeddings().weight if name.endswith(".table") else reference.get_submodule(name).weight
+        assert torch.equal(linear.dequantized(), want), name
+    expected = reference_greedy(reference, PROMPTS[1], 24, [2])
+    step = [Feed(0, 0, PROMPTS[0] * 2, 1)]  # (a runner takes its model's linears into its products: last)
+    for got, want in zip(runner(model).forward(step), runner(reference).forward(step), strict=True):
+        assert torch.equal(got, want)
+    cluster = Cluster(path, random_draft)
+    try:
+        with Client(cluster.address) as c:
+            for k in (0, 3):
+                assert c.generate(token_ids=PROMPTS[1], max_new_tokens=24, num_speculative_tokens=k,
+                                  proposer="draft").token_ids == expected, k
     finally:
         cluster.close()

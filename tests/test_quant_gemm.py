@@ -1,6 +1,7 @@
-"""The quantised skinny GEMM (specdec.engine.quant_gemm): GGUF blocks made by gguf-py's own quantiser,
-dequantised inside the kernel to bitwise gguf-py's values, and the product bitwise the float32 skinny GEMM's
-over them (so exact on small integers and batch-invariant as that is); bad inputs refused."""
+"""The quantised skinny GEMM (specdec.engine.quant_gemm): GGUF blocks made by gguf-py's own quantiser (the
+K-quants, which it cannot write: random super-blocks, tests.gguf_models), dequantised inside the kernel to bitwise
+gguf-py's values, and the product bitwise the float32 skinny GEMM's over them (so exact on small integers and
+batch-invariant as that is); bad inputs refused."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gguf import GGMLQuantizationType, quants
 from specdec.engine import skinny_gemm
 from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, dequantize_rows, pack
 from specdec.engine.skinny_gemm import SkinnyLinear, fused_product
+from tests.gguf_models import K_QUANTS, k_quant_blocks
 from tests.helpers import TEST_DEVICE
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
@@ -19,9 +21,13 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.g
 
 
 def gguf_matrix(fmt: str, n: int, k: int, seed: int = 0, values: np.ndarray | None = None):
-    """(raw GGUF bytes [n, k / 32 * block], gguf-py's dequantisation [n, k] float32) of a random matrix."""
-    w = values if values is not None else np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    """(raw GGUF bytes [n, k / 32 * block], gguf-py's dequantisation [n, k] float32) of a random matrix (a
+    K-quant's: random super-blocks, k a multiple of 256)."""
     qtype = GGMLQuantizationType[fmt]
+    if fmt in K_QUANTS:
+        raw = k_quant_blocks(fmt, n, k, seed)
+        return torch.from_numpy(raw.copy()), torch.from_numpy(quants.dequantize(raw, qtype).copy())
+    w = values if values is not None else np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
     raw = quants.quantize(w, qtype)
     return torch.from_numpy(raw.copy()), torch.from_numpy(quants.dequantize(raw, qtype).copy())
 
@@ -41,7 +47,7 @@ def quant_linear(fmt: str, raw: torch.Tensor, n: int, k: int) -> QuantLinear:
 def test_dequantised_values_are_gguf_pys_bitwise(fmt):
     """Odd scales, minima and every quant value: the kernel's and the embedding's dequantisation equal
     gguf-py's numpy bit for bit (the reference model holds these)."""
-    n, k = 70, 96  # 70 rows: a partial panel
+    n, k = 70, 512 if fmt in K_QUANTS else 96  # 70 rows: a partial panel
     raw, want = gguf_matrix(fmt, n, k, seed=3)
     packed = pack(raw, FORMATS[fmt])
     panels = skinny_gemm.kernel().quant_dequant(packed, FORMATS[fmt].ggml_type)  # [P, K, 16]
@@ -57,7 +63,9 @@ def test_dequantised_values_are_gguf_pys_bitwise(fmt):
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_bitwise_the_float32_skinny_gemm_over_the_dequantised_weights(fmt):
-    for n, k in [(16, 32), (70, 96), (192, 576), (300, 1536)]:
+    shapes = [(16, 256), (70, 512), (192, 768), (300, 1536)] if fmt in K_QUANTS else [(16, 32), (70, 96), (192, 576),
+                                                                                          (300, 1536)]
+    for n, k in shapes:
         raw, weight = gguf_matrix(fmt, n, k, seed=n)
         fast, ref = quant_linear(fmt, raw, n, k), reference(weight)
         for m in (*range(1, 12), 17, 40, 129):  # one row block (fused in L1) and several (the group buffer)
@@ -66,8 +74,8 @@ def test_bitwise_the_float32_skinny_gemm_over_the_dequantised_weights(fmt):
 
 
 # Integer ranges each format holds exactly (scale 1): Q4_0 d = max / -8 with the signed extreme -8; Q4_1
-# d = (max - min) / 15, m = min; Q8_0 d = max |w| / 127.
-INTEGERS = {"Q4_0": (-8, 7), "Q4_1": (-7, 8), "Q8_0": (-127, 127)}
+# d = (max - min) / 15, m = min; Q8_0 d = max |w| / 127. The K-quants' integer blocks: tests.gguf_models.
+INTEGERS = {"Q4_0": (-8, 7), "Q4_1": (-7, 8), "Q8_0": (-127, 127), "Q4_K": (-8, 7), "Q6_K": (-32, 31)}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -75,11 +83,17 @@ def test_exact_on_integers(fmt):
     """Integer weights the format holds exactly, integer inputs: the product is the true one."""
     g = np.random.default_rng(1)
     lo, hi = INTEGERS[fmt]
-    n, k = 48, 64
-    w = g.integers(lo, hi + 1, (n, k)).astype(np.float32)
-    w[:, ::32], w[:, 1::32] = (lo, hi) if fmt == "Q4_0" else (hi, lo)  # each block spans the range
-    raw, weight = gguf_matrix(fmt, n, k, values=w)
-    assert torch.equal(weight, torch.from_numpy(w)), "the quantiser kept the integers"
+    n, k = 48, 256 if fmt in K_QUANTS else 64
+    if fmt in K_QUANTS:
+        raw = k_quant_blocks(fmt, n, k, seed=1, integers=True)
+        w = quants.dequantize(raw, GGMLQuantizationType[fmt])
+        raw = torch.from_numpy(raw.copy())
+        assert np.array_equal(w, np.round(w)) and w.min() == lo and w.max() == hi, "every weight an integer in range"
+    else:
+        w = g.integers(lo, hi + 1, (n, k)).astype(np.float32)
+        w[:, ::32], w[:, 1::32] = (lo, hi) if fmt == "Q4_0" else (hi, lo)  # each block spans the range
+        raw, weight = gguf_matrix(fmt, n, k, values=w)
+        assert torch.equal(weight, torch.from_numpy(w)), "the quantiser kept the integers"
     x = torch.from_numpy(g.integers(-8, 9, (5, k)).astype(np.float32))
     want = (x.long() @ torch.from_numpy(w).long().T).float()
     assert torch.equal(quant_linear(fmt, raw, n, k)(x), want)
@@ -104,7 +118,7 @@ def test_bad_inputs_are_refused():
     lin = quant_linear("Q4_1", raw, 32, 64)
     ops = skinny_gemm.kernel()
     with pytest.raises(RuntimeError, match="format"):
-        ops.quant_linear(torch.randn(1, 64), lin.packed, 12, 32, None)  # Q4_K: not served
+        ops.quant_linear(torch.randn(1, 64), lin.packed, 13, 32, None)  # Q5_K: not served
     with pytest.raises(RuntimeError, match="does not fit"):
         ops.quant_linear(torch.randn(1, 96), lin.packed, 3, 32, None)
     with pytest.raises(RuntimeError, match="does not fit"):
@@ -113,5 +127,8 @@ def test_bad_inputs_are_refused():
         ops.quant_linear(torch.randn(1, 64, dtype=torch.float64), lin.packed, 3, 32, None)
     with pytest.raises(ValueError, match="whole blocks"):
         pack(raw[:, :-1], FORMATS["Q4_1"])
+    raw_k, _ = gguf_matrix("Q4_K", 16, 256)
+    with pytest.raises(ValueError, match="whole super-blocks"):
+        pack(raw_k[:, :-1], FORMATS["Q4_K"])
     with pytest.raises(ValueError, match="is not Q4_1"):
         QuantLinear(lin.packed, FORMATS["Q4_1"], 33, 64)

@@ -21,8 +21,14 @@ format takes 2-3 vector instructions (a shift, a 16-entry table lookup that read
 and gives the float, the scale's multiply-add) against one multiply-add per row (docs/performance.md has
 the figures).
 
-Formats whose values cannot be computed like this (the K-quants' nested scales are products of two rounded
-float32 factors in gguf-py; not measured worth it yet) are refused at load: FORMATS lists what is served.
+The K-quants Q4_K and Q6_K (Q4_K_M's two formats, the GGUFs most often published) are served the same way
+(`pack_k`): a super-block of 256 weights holds float16 factors and 6- or 8-bit integer scales per sub-block,
+and every product of them is exact in float32 (Q4_K: d sc is 11 bits times 6, d sc q and dmin m exact, so
+gguf-py's (d sc) q - dmin m rounds once, as the kernel's D q + M does; Q6_K: (d sc) q is 18 bits times 6, no
+rounding at all). The packer multiplies the factors out once into float32 scales per block of 32 (Q6_K: per
+16), the tile's only difference from Q4_1's (Q4_K) or Q8_0's (Q6_K, a byte per 6-bit quant): 0.75 and 1.25
+bytes a weight against the file's 0.56 and 0.82, a fifth and a third of float32's. Other formats (Q5_K, Q3_K,
+Q5_0, ...) are refused here and held in float32 by the loader: FORMATS lists what is served.
 """
 
 from __future__ import annotations
@@ -37,28 +43,37 @@ from specdec.engine import cpu_kernels
 PANEL, BLOCK = 16, 32  # output columns per packed panel; weights per GGUF block (along in_features)
 
 
+SUPER = 256  # weights per K-quant super-block
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     name: str
     ggml_type: int  # ggml's type id (gguf.GGMLQuantizationType)
-    scales: int  # float16 scales per block: d (and m for Q4_1)
-    bits: int  # bits per quant
+    scales: int  # float16 scales per block: d (and m for Q4_1); a K-quant's tile: float32 ones, 2 per column
+    bits: int  # bits per quant as the tile holds it (Q6_K's 6-bit quants: a byte each)
+    super_bytes: int = 0  # a K-quant's super-block of 256 weights as a GGUF stores it (0: a format of 32-blocks)
 
     @property
-    def block_bytes(self) -> int:  # one block as a GGUF stores it
+    def block_bytes(self) -> int:  # one block of 32 as a GGUF stores it (a K-quant: per super-block, super_bytes)
         return 2 * self.scales + BLOCK * self.bits // 8
 
     @property
-    def tile_bytes(self) -> int:  # one block of 16 columns, packed
+    def tile_bytes(self) -> int:  # one block of 32 k of 16 columns, packed
+        if self.super_bytes:
+            return PANEL * (4 * self.scales + BLOCK * self.bits // 8)
         return PANEL * self.block_bytes
 
 
-FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 2, 1, 4), BlockFormat("Q4_1", 3, 2, 4), BlockFormat("Q8_0", 8, 1, 8))}
+FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 2, 1, 4), BlockFormat("Q4_1", 3, 2, 4), BlockFormat("Q8_0", 8, 1, 8),
+                               BlockFormat("Q4_K", 12, 2, 4, super_bytes=144), BlockFormat("Q6_K", 14, 2, 8, super_bytes=210))}
 
 
 def pack(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """A GGUF matrix's bytes [N, K / 32 * block_bytes] (uint8, row n = out feature n) -> the kernel's tiles
-    [ceil(N / 16), K / 32, tile_bytes] (rows past N zero)."""
+    """A GGUF matrix's bytes [N, K / 32 * block_bytes] (uint8, row n = out feature n; a K-quant's [N, K / 256 *
+    super_bytes]) -> the kernel's tiles [ceil(N / 16), K / 32, tile_bytes] (rows past N zero)."""
+    if fmt.super_bytes:
+        return pack_k(raw, fmt)
     n, nb = raw.shape[0], raw.shape[1] // fmt.block_bytes
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != nb * fmt.block_bytes:
         raise ValueError(f"{fmt.name}: expected uint8 rows of whole blocks, got {raw.dtype} {tuple(raw.shape)}")
@@ -76,9 +91,65 @@ def pack(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
         out[..., s * PANEL:].view(count, nb, -1, PANEL).copy_(quants.permute(0, 2, 3, 1))  # [P, nb, k, 16]
         return out
     q = torch.cat([quants & 15, quants >> 4], dim=-1)  # [P, 16, nb, 32]: GGUF's byte j holds k = j and j + 16
-    words = q.view(count, PANEL, nb, 4, 4, 2)  # k = 8 g + 2 b + h: group g, byte b of the word, nibble h
-    words = words[..., 0] | (words[..., 1] << 4)  # [P, 16, nb, g, b]
-    out[..., s * PANEL:].view(count, nb, 4, PANEL, 4).copy_(words.permute(0, 2, 3, 1, 4))  # [P, nb, g, 16, b]
+    out[..., s * PANEL:].view(count, nb, 4, PANEL, 4).copy_(_q4_words(q))
+    return out
+
+
+def _q4_words(q: torch.Tensor) -> torch.Tensor:
+    """4-bit quants [P, 16, nb, 32] (column, block, k) -> the tile's words [P, nb, 4, 16, 4] as bytes: group g one
+    32-bit word per column, its nibble i for k = 8 g + i (byte b of the word: k = 8 g + 2 b and 8 g + 2 b + 1)."""
+    count, _, nb, _ = q.shape
+    words = q.reshape(count, PANEL, nb, 4, 4, 2)  # k = 8 g + 2 b + h: group g, byte b of the word, nibble h
+    return (words[..., 0] | (words[..., 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, nb, g, 16, b]
+
+
+def k_quant_values(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A K-quant matrix's bytes [N, K / 256 * super_bytes] -> (quants [N, K] as the tile holds them: Q4_K's 0..15,
+    Q6_K's q6 - 32 as int8; the float32 scale of each: Q4_K's D = d sc per 32, Q6_K's D = d sc per 16; Q4_K's M =
+    -(dmin m) per 32, else None). The bit layout and the order of the factors are gguf-py's (gguf.quants)."""
+    n, ns = raw.shape[0], raw.shape[1] // fmt.super_bytes
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != ns * fmt.super_bytes:
+        raise ValueError(f"{fmt.name}: expected uint8 rows of whole super-blocks, got {raw.dtype} {tuple(raw.shape)}")
+    b = raw.reshape(n, ns, fmt.super_bytes)
+    if fmt.name == "Q4_K":  # d, dmin (float16), 12 bytes of 6-bit scales and minima, 128 bytes of nibbles
+        d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, ns, 1]
+        dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+        sc6 = b[..., 4:16].reshape(n, ns, 3, 4).int()
+        lo, hi, mix = sc6[..., 0, :], sc6[..., 1, :], sc6[..., 2, :]
+        sc = torch.cat([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()  # [N, ns, 8]
+        mn = torch.cat([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], dim=-1).float()
+        qs = b[..., 16:].reshape(n, ns, 4, 1, 32)
+        q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15).reshape(n, ns * SUPER)
+        return q, (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
+    # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (float16)
+    ql, qh = b[..., :128].reshape(n, ns, 2, 1, 64), b[..., 128:192].reshape(n, ns, 2, 1, 32)
+    ql = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15  # [N, ns, 2, 2, 64]
+    qh = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 3  # [N, ns, 2, 4, 32]
+    q = ((ql.reshape(n, ns, 8, 32) | (qh.reshape(n, ns, 8, 32) << 4)).to(torch.int8) - 32).reshape(n, ns * SUPER)
+    scales = b[..., 192:208].contiguous().view(torch.int8).float()  # [N, ns, 16]
+    d = b[..., 208:210].contiguous().view(torch.float16).float()  # [N, ns, 1]
+    return q, (d * scales).reshape(n, -1), None
+
+
+def pack_k(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """A K-quant matrix -> tiles of 32 k (quant_gemm's docstring): float32 scales, then Q4's words or Q8's bytes."""
+    q, scale, offset = k_quant_values(raw, fmt)
+    n, k = q.shape
+    count, nb = -(-n // PANEL), k // BLOCK
+    if n % PANEL:  # zero rows to whole panels: zero scales, columns past N compute zeros, never stored
+        pad = count * PANEL - n
+        q, scale = torch.cat([q, q.new_zeros(pad, k)]), torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+    out = torch.empty(count, nb, fmt.tile_bytes, dtype=torch.uint8)
+    pair = scale.reshape(count, PANEL, nb, 2) if offset is None else \
+        torch.stack([scale, offset], dim=-1).reshape(count, PANEL, nb, 2)  # Q6_K: the two halves' D; Q4_K: D, M
+    out[..., :128].view(count, nb, 2, PANEL, 4).copy_(pair.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+                                                     .view(count, nb, 2, PANEL, 4))
+    if fmt.bits == 8:
+        out[..., 128:].view(count, nb, BLOCK, PANEL).copy_(q.view(torch.uint8).reshape(count, PANEL, nb, BLOCK)
+                                                           .permute(0, 2, 3, 1))
+    else:
+        out[..., 128:].view(count, nb, 4, PANEL, 4).copy_(_q4_words(q.reshape(count, PANEL, nb, BLOCK)))
     return out
 
 
@@ -87,6 +158,14 @@ def dequantize_rows(packed: torch.Tensor, fmt: BlockFormat, rows: torch.Tensor) 
     embedding lookup; PyTorch's eager operators round each product and sum once, as numpy's)."""
     tiles = packed[rows // PANEL]  # [T, nb, tile]
     t, nb, lane, at = rows.shape[0], packed.shape[1], rows % PANEL, torch.arange(rows.shape[0])
+    if fmt.super_bytes:  # float32 scales: Q4_K D q + M; Q6_K D q, D the half's
+        pair = tiles[..., :128].contiguous().view(torch.float32).view(t, nb, 2, PANEL)[at, :, :, lane]  # [T, nb, 2]
+        if fmt.bits == 8:
+            q = tiles[..., 128:].reshape(t, nb, BLOCK, PANEL)[at, :, :, lane].view(torch.int8).float()  # [T, nb, 32]
+            return (q * pair.repeat_interleave(16, dim=-1)).reshape(t, -1)
+        words = tiles[..., 128:].reshape(t, nb, 4, PANEL, 4)[at, :, :, lane]
+        q = torch.stack([words & 15, words >> 4], dim=-1).reshape(t, nb, 32).float()
+        return ((pair[..., :1] * q) + pair[..., 1:2]).reshape(t, -1)
     s = 2 * fmt.scales
     scales = tiles[..., :s * PANEL].contiguous().view(torch.float16).view(t, nb, fmt.scales, PANEL)[at, :, :, lane].float()
     d = scales[..., :1]
