@@ -9,6 +9,8 @@ super-blocks) cannot have.
 
     python -m bench.quant_formats                                  # TinyLlama-1.1B's layer: 2048 wide, FFN 5632
     python -m bench.quant_formats --hidden 4096 --ffn 14336 --kv 1024   # Llama-3-8B's layer
+    python -m bench.quant_formats --write-gguf M.gguf --format Q4_K_M --layers 22 --heads 32
+        # a whole model of those shapes, random weights, for bench.step_cost --target M.gguf
 """
 
 from __future__ import annotations
@@ -91,7 +93,23 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="float32,Q8_0,Q4_1,Q4_K,Q6_K,Q4_K_M")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=str(bench_log()), help="markdown file to append to ('' = none)")
+    p.add_argument("--write-gguf", metavar="PATH", help="instead: write a random Llama GGUF of these shapes in --format "
+                   "(the default target's tokenizer, its first 2,048 tokens; a tied embedding) and stop")
+    p.add_argument("--format", default="Q4_K_M", help="--write-gguf's weight format (a block format, or Q4_K_M)")
+    p.add_argument("--layers", type=int, default=22, help="--write-gguf's decoder layers")
+    p.add_argument("--heads", type=int, default=32, help="--write-gguf's attention heads (k / v: --kv / head dim)")
     args = p.parse_args(argv)
+    if args.write_gguf:
+        from pathlib import Path
+
+        from tests.gguf_models import tokenizer_fields, write_tiny_gguf
+
+        head_dim = args.hidden // args.heads
+        write_tiny_gguf(Path(args.write_gguf), args.format, tokenizer_fields(), shape={
+            "hidden": args.hidden, "ffn": args.ffn, "layers": args.layers, "heads": args.heads,
+            "kv_heads": args.kv // head_dim})
+        print(f"wrote {args.write_gguf}")
+        return 0
     fmts = [f.strip() for f in args.formats.split(",") if f.strip()]
     result = measure(fmts, args.hidden, args.kv, args.ffn, args.repeats)
     gbs = bandwidth_gbs(torch.device("cpu"))

@@ -68,23 +68,26 @@ def tokenizer_fields(vocab: int = 2048) -> list[tuple[str, object, GGUFValueType
     return list(fields.values())
 
 
-def write_tiny_gguf(path: Path, fmt: str, tokenizer: list, seed: int = 0) -> str:
+def write_tiny_gguf(path: Path, fmt: str, tokenizer: list, seed: int = 0, shape: dict | None = None) -> str:
     """A 2-layer Llama with every matrix (the tied embedding too) in block format `fmt` (or "Q4_K_M": Q4_K and Q6_K
     mixed as llama.cpp mixes them); returns its path. A K-quant's model is 256 wide with an FFN of 512 (whole
-    super-blocks), 4 heads of 64."""
+    super-blocks), 4 heads of 64. shape: any of hidden, ffn, layers, heads, kv_heads instead (bench.quant_formats
+    writes models of real shapes)."""
     vocab = len(next(value for key, value, _, _ in tokenizer if key == "tokenizer.ggml.tokens"))
     g = np.random.default_rng(seed)
     k_quant = fmt in K_QUANTS or fmt == "Q4_K_M"
     hidden, ffn = (256, 512) if k_quant else (HIDDEN, FFN)
+    shape = {"hidden": hidden, "ffn": ffn, "layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS, **(shape or {})}
+    hidden, ffn, layers, heads, kv_heads = (shape[key] for key in ("hidden", "ffn", "layers", "heads", "kv_heads"))
     writer = GGUFWriter(str(path), "llama")
     writer.add_name("tiny")
     writer.add_context_length(1024)
     writer.add_embedding_length(hidden)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(layers)
     writer.add_feed_forward_length(ffn)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(hidden // HEADS)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
@@ -105,11 +108,11 @@ def write_tiny_gguf(path: Path, fmt: str, tokenizer: list, seed: int = 0) -> str
         writer.add_tensor(name, (1 + 0.1 * g.standard_normal(hidden)).astype(np.float32))
 
     matrix("token_embd.weight", vocab, hidden, 1.0)
-    for i in range(LAYERS):
+    for i in range(layers):
         norm(f"blk.{i}.attn_norm.weight")
         matrix(f"blk.{i}.attn_q.weight", hidden, hidden)
-        matrix(f"blk.{i}.attn_k.weight", hidden // HEADS * KV_HEADS, hidden)
-        matrix(f"blk.{i}.attn_v.weight", hidden // HEADS * KV_HEADS, hidden)
+        matrix(f"blk.{i}.attn_k.weight", hidden // heads * kv_heads, hidden)
+        matrix(f"blk.{i}.attn_v.weight", hidden // heads * kv_heads, hidden)
         matrix(f"blk.{i}.attn_output.weight", hidden, hidden)
         norm(f"blk.{i}.ffn_norm.weight")
         matrix(f"blk.{i}.ffn_gate.weight", ffn, hidden)

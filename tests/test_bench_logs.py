@@ -57,3 +57,20 @@ def test_grpc_floor_runs_against_a_server_process(capsys):
     assert main(["--n", "20", "--runs", "1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"unary call \d+ us, a write and a read on an open stream \d+ us", out), out
+
+
+def test_quant_formats_runs_every_format_and_writes_a_model(tmp_path, capsys):
+    """bench.quant_formats end to end at small shapes (figures not checked), and the random GGUF it writes for
+    bench.step_cost loads in its blocks."""
+    from bench.quant_formats import main
+    from specdec.engine import gguf_weights
+    from specdec.engine.quant_gemm import QuantLinear
+
+    assert main(["--hidden", "256", "--kv", "64", "--ffn", "512", "--repeats", "1", "--out", ""]) == 0
+    out = capsys.readouterr().out
+    assert all(f"| {fmt} |" in out for fmt in ("float32", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q4_K_M")), out
+    path = tmp_path / "m.gguf"
+    assert main(["--write-gguf", str(path), "--format", "Q4_K_M", "--hidden", "256", "--ffn", "512", "--kv", "128",
+                 "--layers", "1", "--heads", "4"]) == 0
+    model = gguf_weights.load_blocks(path)
+    assert {m.fmt.name for m in model.modules() if isinstance(m, QuantLinear)} == {"Q4_K", "Q6_K"}

@@ -5,10 +5,11 @@ numpy), once, into a cached copy. For the packed step on an AVX-512 CPU in float
 same model without that copy: transformers' own config and tensor-name map for the file, its own tensor
 processor for the row order (llama.cpp permutes q and k; transformers undoes it, here applied to the block
 rows, which are whole rows), the norms and any float tensors exactly as transformers loads them, and every
-Q4_0 / Q4_1 / Q8_0 matrix as a QuantLinear over its blocks (a tied embedding and LM head share one). The
-values each block dequantises to are the reference's, bitwise. Matrices in block formats the kernel does not
-compute (the K-quants, ...) are dequantised once by gguf-py, the reference's values, and run on the float32
-skinny GEMM: served exactly, at float32's bytes (a warning names them).
+Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrix as a QuantLinear over its blocks (a tied embedding and LM head share
+one; a Q4_K_M file is all of them). The values each block dequantises to are the reference's, bitwise.
+Matrices in block formats the kernel does not compute (Q5_K, Q3_K, Q2_K, Q5_0, ...) are dequantised once by
+gguf-py, the reference's values, and run on the float32 skinny GEMM: served exactly, at float32's bytes (a
+warning names them).
 
 The default target (SmolLM2-135M-Instruct Q4_1: 210 Q4_1 matrices, a Q8_0 tied embedding) then holds 98 MB
 of weights instead of 513 MiB, loads without the conversion, and each step streams the quantised bytes.
