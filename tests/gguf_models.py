@@ -13,16 +13,17 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, qu
 from specdec.models import default_target
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2  # 2 layers of width 64, like make_tiny_model's
-K_QUANTS = ("Q4_K", "Q6_K")  # rows of whole 256-weight super-blocks: such a model is 256 wide (FFN 512)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-weight super-blocks: such a model is 256 wide (FFN 512)
 # llama.cpp's Q4_K_M mix, as its quantiser assigns it to a small model: Q6_K for the value and down projections
 # and the (here tied) embedding table, Q4_K for the rest
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 
 
 def k_quant_blocks(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.1, integers: bool = False) -> np.ndarray:
-    """Random Q4_K / Q6_K bytes [n, k / 256 * super-block bytes] of weights about +-scale: random quants, 6-bit
+    """Random Q4_K / Q5_K / Q6_K bytes [n, k / 256 * super-block bytes] of weights about +-scale: random quants, 6-bit
     scales and minima (Q6_K: int8 scales), float16 factors set so that the values stay in range. integers: every
-    weight a small integer (Q4_K: d = dmin = 1, sc = 1, m = 8: q - 8 in [-8, 7]; Q6_K: d = 1, scales 1: [-32, 31])."""
+    weight a small integer (Q4_K: d = dmin = 1, sc = 1, m = 8: q - 8 in [-8, 7]; Q5_K: m = 16, [-16, 15]; Q6_K:
+    d = 1, scales 1: [-32, 31])."""
     g = np.random.default_rng(seed)
     ns = k // 256
 
@@ -36,6 +37,14 @@ def k_quant_blocks(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.1, 
             b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, 8, 0x81  # sc = 1, m = 8 in all 8 sub-blocks (get_scale_min)
         else:
             b[..., 0:2] = f16(scale / (63 * 15) * g.uniform(0.5, 1.5, (n, ns, 1)))
+            b[..., 2:4] = f16(scale / 63 * g.uniform(0.0, 1.0, (n, ns, 1)))
+    elif fmt == "Q5_K":
+        b = g.integers(0, 256, (n, ns, 176), dtype=np.uint8)
+        if integers:
+            b[..., 0:2], b[..., 2:4] = f16(np.ones((n, ns, 1))), f16(np.ones((n, ns, 1)))
+            b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, 0x50, 0x01  # sc = 1, m = 16 in all 8 sub-blocks
+        else:
+            b[..., 0:2] = f16(scale / (63 * 31) * g.uniform(0.5, 1.5, (n, ns, 1)))
             b[..., 2:4] = f16(scale / 63 * g.uniform(0.0, 1.0, (n, ns, 1)))
     elif fmt == "Q6_K":
         b = g.integers(0, 256, (n, ns, 210), dtype=np.uint8)

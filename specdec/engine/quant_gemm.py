@@ -21,14 +21,15 @@ format takes 2-3 vector instructions (a shift, a 16-entry table lookup that read
 and gives the float, the scale's multiply-add) against one multiply-add per row (docs/performance.md has
 the figures).
 
-The K-quants Q4_K and Q6_K (Q4_K_M's two formats, the GGUFs most often published) are served the same way
-(`pack_k`): a super-block of 256 weights holds float16 factors and 6- or 8-bit integer scales per sub-block,
-and every product of them is exact in float32 (Q4_K: d sc is 11 bits times 6, d sc q and dmin m exact, so
-gguf-py's (d sc) q - dmin m rounds once, as the kernel's D q + M does; Q6_K: (d sc) q is 18 bits times 6, no
-rounding at all). The packer multiplies the factors out once into float32 scales per block of 32 (Q6_K: per
-16), the tile's only difference from Q4_1's (Q4_K) or Q8_0's (Q6_K, a byte per 6-bit quant): 0.75 and 1.25
-bytes a weight against the file's 0.56 and 0.82, a fifth and a third of float32's. Other formats (Q5_K, Q3_K,
-Q5_0, ...) are refused here and held in float32 by the loader: FORMATS lists what is served.
+The K-quants Q4_K, Q5_K and Q6_K (those of Q4_K_M and Q5_K_M, the GGUFs most often published) are served the
+same way (`pack_k`): a super-block of 256 weights holds float16 factors and 6- or 8-bit integer scales per
+sub-block, and every product of them is exact in float32 (Q4_K, Q5_K: d sc is 11 bits times 6, d sc q and
+dmin m exact, so gguf-py's (d sc) q - dmin m rounds once, as the kernel's D q + M does; Q6_K: (d sc) q is 18
+bits times 6, no rounding at all). The packer multiplies the factors out once into float32 scales per block of
+32 (Q6_K: per 16), the tile's only difference from Q4_1's (Q4_K) or Q8_0's (Q5_K and Q6_K, a byte per quant):
+0.75, 1.25 and 1.25 bytes a weight against the file's 0.56, 0.69 and 0.82, a fifth to a third of float32's.
+Other formats (Q3_K, Q2_K, Q5_0, ...) are refused here and held in float32 by the loader: FORMATS lists what is
+served.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class BlockFormat:
 
 
 FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 2, 1, 4), BlockFormat("Q4_1", 3, 2, 4), BlockFormat("Q8_0", 8, 1, 8),
-                               BlockFormat("Q4_K", 12, 2, 4, super_bytes=144), BlockFormat("Q6_K", 14, 2, 8, super_bytes=210))}
+                               BlockFormat("Q4_K", 12, 2, 4, super_bytes=144), BlockFormat("Q5_K", 13, 2, 8, super_bytes=176),
+                               BlockFormat("Q6_K", 14, 2, 8, super_bytes=210))}
 
 
 def pack(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -111,16 +113,19 @@ def k_quant_values(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, t
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != ns * fmt.super_bytes:
         raise ValueError(f"{fmt.name}: expected uint8 rows of whole super-blocks, got {raw.dtype} {tuple(raw.shape)}")
     b = raw.reshape(n, ns, fmt.super_bytes)
-    if fmt.name == "Q4_K":  # d, dmin (float16), 12 bytes of 6-bit scales and minima, 128 bytes of nibbles
-        d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, ns, 1]
+    if fmt.name in ("Q4_K", "Q5_K"):  # d, dmin (float16), 12 bytes of 6-bit scales and minima, (Q5_K: 32 bytes of
+        d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, ns, 1]            fifth bits,) 128 of nibbles
         dmin = b[..., 2:4].contiguous().view(torch.float16).float()
         sc6 = b[..., 4:16].reshape(n, ns, 3, 4).int()
         lo, hi, mix = sc6[..., 0, :], sc6[..., 1, :], sc6[..., 2, :]
         sc = torch.cat([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()  # [N, ns, 8]
         mn = torch.cat([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], dim=-1).float()
-        qs = b[..., 16:].reshape(n, ns, 4, 1, 32)
-        q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15).reshape(n, ns * SUPER)
-        return q, (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
+        qs = b[..., -128:].reshape(n, ns, 4, 1, 32)
+        q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15).reshape(n, ns, 8, 32)
+        if fmt.name == "Q5_K":  # bit j of byte i: sub-block j's weight i, times 16
+            qh = b[..., 16:48].reshape(n, ns, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
+            q = q | ((qh & 1) << 4)
+        return q.reshape(n, ns * SUPER), (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
     # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (float16)
     ql, qh = b[..., :128].reshape(n, ns, 2, 1, 64), b[..., 128:192].reshape(n, ns, 2, 1, 32)
     ql = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15  # [N, ns, 2, 2, 64]
@@ -158,11 +163,14 @@ def dequantize_rows(packed: torch.Tensor, fmt: BlockFormat, rows: torch.Tensor) 
     embedding lookup; PyTorch's eager operators round each product and sum once, as numpy's)."""
     tiles = packed[rows // PANEL]  # [T, nb, tile]
     t, nb, lane, at = rows.shape[0], packed.shape[1], rows % PANEL, torch.arange(rows.shape[0])
-    if fmt.super_bytes:  # float32 scales: Q4_K D q + M; Q6_K D q, D the half's
+    if fmt.super_bytes:  # float32 scales: Q4_K and Q5_K D q + M; Q6_K D q, D the half's
         pair = tiles[..., :128].contiguous().view(torch.float32).view(t, nb, 2, PANEL)[at, :, :, lane]  # [T, nb, 2]
-        if fmt.bits == 8:
+        if fmt.name == "Q6_K":
             q = tiles[..., 128:].reshape(t, nb, BLOCK, PANEL)[at, :, :, lane].view(torch.int8).float()  # [T, nb, 32]
             return (q * pair.repeat_interleave(16, dim=-1)).reshape(t, -1)
+        if fmt.name == "Q5_K":
+            q = tiles[..., 128:].reshape(t, nb, BLOCK, PANEL)[at, :, :, lane].float()  # 0..31
+            return ((pair[..., :1] * q) + pair[..., 1:2]).reshape(t, -1)
         words = tiles[..., 128:].reshape(t, nb, 4, PANEL, 4)[at, :, :, lane]
         q = torch.stack([words & 15, words >> 4], dim=-1).reshape(t, nb, 32).float()
         return ((pair[..., :1] * q) + pair[..., 1:2]).reshape(t, -1)
