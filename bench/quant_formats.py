@@ -29,7 +29,7 @@ from bench.common import bench_log, git_commit, machine_info, md_table, publish
 from bench.step_cost import bandwidth_gbs
 from specdec.engine.quant_gemm import FORMATS, QuantLinear, pack
 from specdec.engine.skinny_gemm import SkinnyLinear, fused_product
-from tests.gguf_models import K_QUANTS, Q4_K_M, k_quant_blocks
+from bench.gguf_models import K_QUANTS, Q4_K_M, k_quant_blocks
 
 ROWS = (1, 5)
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     if args.write_gguf:
         from pathlib import Path
 
-        from tests.gguf_models import tokenizer_fields, write_tiny_gguf
+        from bench.gguf_models import tokenizer_fields, write_tiny_gguf
 
         head_dim = args.hidden // args.heads
         write_tiny_gguf(Path(args.write_gguf), args.format, tokenizer_fields(), shape={

@@ -19,7 +19,7 @@ from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.models import ModelConfig, load_model, load_tokenizer, make_tiny_model
-from tests.gguf_models import tokenizer_fields, write_tiny_gguf
+from bench.gguf_models import tokenizer_fields, write_tiny_gguf
 from tests.helpers import TEST_DEVICE, Cluster, reference_greedy
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),

@@ -13,7 +13,7 @@ from specdec.engine.attention import active, build_layout
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.llama import LlamaDecoder
 from specdec.models import ModelConfig, load_model
-from tests.gguf_models import tokenizer_fields, write_tiny_gguf
+from bench.gguf_models import tokenizer_fields, write_tiny_gguf
 from tests.helpers import TEST_DEVICE
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),

@@ -1,5 +1,5 @@
 """The quantised skinny GEMM (specdec.engine.quant_gemm): GGUF blocks made by gguf-py's own quantiser (the
-K-quants, which it cannot write: random super-blocks, tests.gguf_models), dequantised inside the kernel to bitwise
+K-quants, which it cannot write: random super-blocks, bench.gguf_models), dequantised inside the kernel to bitwise
 gguf-py's values, and the product bitwise the float32 skinny GEMM's over them (so exact on small integers and
 batch-invariant as that is); bad inputs refused."""
 
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, quants
 from specdec.engine import skinny_gemm
 from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, dequantize_rows, pack
 from specdec.engine.skinny_gemm import SkinnyLinear, fused_product
-from tests.gguf_models import K_QUANTS, k_quant_blocks
+from bench.gguf_models import K_QUANTS, k_quant_blocks
 from tests.helpers import TEST_DEVICE
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
@@ -74,7 +74,7 @@ def test_bitwise_the_float32_skinny_gemm_over_the_dequantised_weights(fmt):
 
 
 # Integer ranges each format holds exactly (scale 1): Q4_0 d = max / -8 with the signed extreme -8; Q4_1
-# d = (max - min) / 15, m = min; Q8_0 d = max |w| / 127. The K-quants' integer blocks: tests.gguf_models.
+# d = (max - min) / 15, m = min; Q8_0 d = max |w| / 127. The K-quants' integer blocks: bench.gguf_models.
 INTEGERS = {"Q4_0": (-8, 7), "Q4_1": (-7, 8), "Q8_0": (-127, 127), "Q4_K": (-8, 7), "Q5_K": (-16, 15), "Q6_K": (-32, 31)}
 
 

@@ -1,7 +1,7 @@
-"""Tiny Llama GGUFs written by the tests with gguf-py's own writer and quantiser, in any block format it can
-quantise, and in the K-quants Q4_K and Q6_K (which gguf-py reads but cannot write: random super-blocks, every
-byte a valid value): the default target's tokenizer (its GGUF metadata, copied), random weights, a tied
-embedding."""
+"""Llama GGUFs with random weights, written with gguf-py's own writer and quantiser in any block format it can
+quantise, and in the K-quants Q4_K, Q5_K and Q6_K (which gguf-py reads but cannot write: random super-blocks,
+every byte a valid value): the default target's tokenizer (its GGUF metadata, copied), a tied embedding. Tiny
+ones for the tests (tests/test_gguf_blocks.py), ones of real shapes for the benches (bench.quant_formats)."""
 
 from __future__ import annotations
 
@@ -30,21 +30,14 @@ def k_quant_blocks(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.1, 
     def f16(values) -> np.ndarray:
         return np.asarray(values, dtype=np.float16).view(np.uint8).reshape(n, ns, 2)
 
-    if fmt == "Q4_K":
-        b = g.integers(0, 256, (n, ns, 144), dtype=np.uint8)
+    if fmt in ("Q4_K", "Q5_K"):  # d, dmin, then 6-bit scales and minima as gguf-py's get_scale_min unpacks them
+        size, top, hi, mix = (144, 15, 8, 0x81) if fmt == "Q4_K" else (176, 31, 0x50, 0x01)  # m = 8 / 16 (integers)
+        b = g.integers(0, 256, (n, ns, size), dtype=np.uint8)
         if integers:
             b[..., 0:2], b[..., 2:4] = f16(np.ones((n, ns, 1))), f16(np.ones((n, ns, 1)))
-            b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, 8, 0x81  # sc = 1, m = 8 in all 8 sub-blocks (get_scale_min)
+            b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, hi, mix  # sc = 1 and that m in all 8 sub-blocks
         else:
-            b[..., 0:2] = f16(scale / (63 * 15) * g.uniform(0.5, 1.5, (n, ns, 1)))
-            b[..., 2:4] = f16(scale / 63 * g.uniform(0.0, 1.0, (n, ns, 1)))
-    elif fmt == "Q5_K":
-        b = g.integers(0, 256, (n, ns, 176), dtype=np.uint8)
-        if integers:
-            b[..., 0:2], b[..., 2:4] = f16(np.ones((n, ns, 1))), f16(np.ones((n, ns, 1)))
-            b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, 0x50, 0x01  # sc = 1, m = 16 in all 8 sub-blocks
-        else:
-            b[..., 0:2] = f16(scale / (63 * 31) * g.uniform(0.5, 1.5, (n, ns, 1)))
+            b[..., 0:2] = f16(scale / (63 * top) * g.uniform(0.5, 1.5, (n, ns, 1)))
             b[..., 2:4] = f16(scale / 63 * g.uniform(0.0, 1.0, (n, ns, 1)))
     elif fmt == "Q6_K":
         b = g.integers(0, 256, (n, ns, 210), dtype=np.uint8)
