@@ -81,7 +81,7 @@ def test_bitwise_the_python_decoder_over_float32_weights(tiny_target):
     assert_same(model, steps_for(model.config.vocab_size), kernel_calls=3)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q4_K_M"])  # Q4_K_M: q / k in Q4_K, v in Q6_K, two parts
 def test_bitwise_the_python_decoder_over_gguf_blocks(tmp_path, fmt):
     path = write_tiny_gguf(tmp_path / f"tiny-{fmt}.gguf", fmt, tokenizer_fields(), seed=3)
     model = gguf_weights.load_blocks(gguf_weights.gguf_file(path))

@@ -126,15 +126,24 @@ class LlamaDecoder:
         """The decoder kernel's Decoder over this model's weights (the same tensors), or None where a product is
         not one kernel product of the expected shape."""
         h, kv, d = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
+
+        def parts(product) -> list | None:  # q / k / v: one kernel product, or several (formats that differ)
+            found = [product] if hasattr(product, "linear") else getattr(product, "parts", None)
+            return found if found and all(hasattr(p, "linear") for p in found) else None
+
         for _, qkv, o, _, gate_up, down in self.layers:
-            if not all(hasattr(p, "linear") for p in (qkv, o, gate_up, down)) or qkv.sizes != [h, kv, kv] \
-                    or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1] \
+            if parts(qkv) is None or not all(hasattr(p, "linear") for p in (o, gate_up, down)) \
+                    or qkv.sizes != [h, kv, kv] or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1] \
                     or gate_up.linear.bias is not None or down.linear.bias is not None:
                 return None
         scaling = self.scaling if self.scaling is not None else d ** -0.5
         decoder = module.Decoder(self.heads, self.kv_heads, d, scaling, self.norm.weight, self.norm.variance_epsilon)
+        none = torch.empty(0)
         for norm1, qkv, o, norm2, gate_up, down in self.layers:
-            decoder.add_layer(norm1.weight, norm1.variance_epsilon, qkv.linear.packed, qkv.format, qkv.linear.bias,
+            qkv_parts = parts(qkv)
+            decoder.add_layer(norm1.weight, norm1.variance_epsilon, [p.linear.packed for p in qkv_parts],
+                              [p.format for p in qkv_parts], [sum(p.sizes) for p in qkv_parts],
+                              [none if p.linear.bias is None else p.linear.bias for p in qkv_parts],
                               o.linear.packed, o.format, o.linear.bias, norm2.weight, norm2.variance_epsilon,
                               gate_up.linear.packed, gate_up.format, gate_up.sizes[0], down.linear.packed, down.format,
                               hidden)

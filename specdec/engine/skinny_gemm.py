@@ -92,16 +92,43 @@ class FusedProduct:
         return self.linear.fmt.ggml_type if isinstance(self.linear, quant_gemm.QuantLinear) else 0
 
 
+class Products:
+    """Linears sharing an input that cannot be one product (GGUF blocks of different formats, blocks beside float32
+    weights): each run of neighbours that can, one FusedProduct, in turn; x -> each linear's output. `parts` is
+    what specdec.engine.llama's native decoder reads (it concatenates their outputs)."""
+
+    def __init__(self, parts: Sequence[FusedProduct]) -> None:
+        self.parts = list(parts)
+        self.sizes = [n for part in self.parts for n in part.sizes]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [y for part in self.parts for y in part(x)]
+
+
 def fused_product(linears: Sequence[torch.nn.Module]):
-    """A decoder's product over several linears as one skinny GEMM (a FusedProduct), or each its own where they
-    cannot be one: x -> each linear's output. Linears kept in a GGUF's blocks
-    (specdec.engine.quant_gemm.QuantLinear) fuse as blocks."""
+    """A decoder's product over several linears as one skinny GEMM (a FusedProduct), or, where they cannot be one,
+    one per run of neighbours in the same GGUF block format (Products): x -> each linear's output. Linears kept in
+    a GGUF's blocks (specdec.engine.quant_gemm.QuantLinear) fuse as blocks."""
     sizes = [lin.out_features for lin in linears]
     if all(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):
         fused = quant_gemm.fused(linears)
         if fused is not None:
             return FusedProduct(fused, sizes)
     if any(isinstance(lin, quant_gemm.QuantLinear) for lin in linears):  # some in blocks, or blocks that do not fuse
-        singles = [fused_product([lin]) for lin in linears]
-        return lambda x: [y for single in singles for y in single(x)]
+        runs: list[list[torch.nn.Module]] = []
+        for lin in linears:
+            if runs and isinstance(lin, quant_gemm.QuantLinear) and isinstance(runs[-1][0], quant_gemm.QuantLinear) \
+                    and lin.fmt == runs[-1][0].fmt:
+                runs[-1].append(lin)
+            else:
+                runs.append([lin])
+        parts = []
+        for run in runs:
+            fused = quant_gemm.fused(run) if isinstance(run[0], quant_gemm.QuantLinear) else None
+            if fused is not None:
+                parts.append(FusedProduct(fused, [lin.out_features for lin in run]))
+            else:  # float32 weights, or blocks that do not fuse: one product each
+                parts += [FusedProduct(lin if isinstance(lin, quant_gemm.QuantLinear) else SkinnyLinear([lin]),
+                                       [lin.out_features]) for lin in run]
+        return Products(parts)
     return FusedProduct(SkinnyLinear(linears), sizes)

@@ -29,12 +29,31 @@ Decoder::Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scali
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0, "Decoder: heads / head_dim");
 }
 
-void Decoder::add_layer(at::Tensor norm1, double eps1, at::Tensor qkv, int64_t qkv_fmt,
-                        c10::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_fmt, c10::optional<at::Tensor> o_bias,
-                        at::Tensor norm2, double eps2, at::Tensor gate_up, int64_t gate_up_fmt, int64_t intermediate,
-                        at::Tensor down, int64_t down_fmt, int64_t hidden) {
+at::Tensor DecoderProducts::operator()(const at::Tensor& x) const {
+  if (parts.size() == 1) return parts[0](x);
+  std::vector<at::Tensor> outs;
+  for (const DecoderLinear& part : parts) outs.push_back(part(x));
+  return at::cat(outs, 1);
+}
+
+void Decoder::add_layer(at::Tensor norm1, double eps1, const std::vector<at::Tensor>& qkv,
+                        const std::vector<int64_t>& qkv_fmts, const std::vector<int64_t>& qkv_sizes,
+                        const std::vector<at::Tensor>& qkv_biases, at::Tensor o, int64_t o_fmt,
+                        c10::optional<at::Tensor> o_bias, at::Tensor norm2, double eps2, at::Tensor gate_up,
+                        int64_t gate_up_fmt, int64_t intermediate, at::Tensor down, int64_t down_fmt, int64_t hidden) {
   const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
-  layers_.push_back(DecoderLayer{norm1, norm2, eps1, eps2, DecoderLinear{qkv, qkv_fmt, q + 2 * kv, qkv_bias},
+  TORCH_CHECK(!qkv.empty() && qkv_fmts.size() == qkv.size() && qkv_sizes.size() == qkv.size() &&
+              qkv_biases.size() == qkv.size(), "Decoder: one format, size and bias per q / k / v part");
+  DecoderProducts qkv_parts;
+  int64_t total = 0;
+  for (size_t i = 0; i < qkv.size(); ++i) {
+    const at::Tensor& b = qkv_biases[i];
+    qkv_parts.parts.push_back(DecoderLinear{qkv[i], qkv_fmts[i], qkv_sizes[i],
+                                            b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt});
+    total += qkv_sizes[i];
+  }
+  TORCH_CHECK(total == q + 2 * kv, "Decoder: q / k / v parts give ", total, " outputs, not ", q + 2 * kv);
+  layers_.push_back(DecoderLayer{norm1, norm2, eps1, eps2, qkv_parts,
                                  DecoderLinear{o, o_fmt, hidden, o_bias},
                                  DecoderLinear{gate_up, gate_up_fmt, 2 * intermediate, {}},
                                  DecoderLinear{down, down_fmt, hidden, {}}});

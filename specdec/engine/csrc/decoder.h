@@ -15,19 +15,30 @@ struct DecoderLinear {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
+// Products over one input whose outputs are concatenated: q, k and v as one product, or in parts where their
+// weights are in different formats (a Q4_K_M GGUF's Q6_K value projections beside Q4_K q and k).
+struct DecoderProducts {
+  std::vector<DecoderLinear> parts;
+
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
 struct DecoderLayer {
   at::Tensor norm1, norm2;  // RMSNorm weights [hidden]
   double eps1, eps2;
-  DecoderLinear qkv, o, gate_up, down;
+  DecoderProducts qkv;
+  DecoderLinear o, gate_up, down;
 };
 
 class Decoder {
  public:
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, at::Tensor final_norm, double final_eps);
 
-  // A layer's weights, in order: its norms and four products (packed, format, bias where it has one), with the
+  // A layer's weights, in order: its norms and four products (packed, format, bias where it has one; q / k / v as
+  // one or more parts, each its packed weights, format, output size and bias, an empty tensor for none), with the
   // MLP's intermediate size and the hidden size.
-  void add_layer(at::Tensor norm1, double eps1, at::Tensor qkv, int64_t qkv_fmt, c10::optional<at::Tensor> qkv_bias,
+  void add_layer(at::Tensor norm1, double eps1, const std::vector<at::Tensor>& qkv, const std::vector<int64_t>& qkv_fmts,
+                 const std::vector<int64_t>& qkv_sizes, const std::vector<at::Tensor>& qkv_biases,
                  at::Tensor o, int64_t o_fmt, c10::optional<at::Tensor> o_bias, at::Tensor norm2, double eps2,
                  at::Tensor gate_up, int64_t gate_up_fmt, int64_t intermediate, at::Tensor down, int64_t down_fmt,
                  int64_t hidden);
