@@ -13,17 +13,17 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, qu
 from specdec.models import default_target
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2  # 2 layers of width 64, like make_tiny_model's
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-weight super-blocks: such a model is 256 wide (FFN 512)
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-weight super-blocks: such a model is 256 wide (FFN 512)
 # llama.cpp's Q4_K_M mix, as its quantiser assigns it to a small model: Q6_K for the value and down projections
 # and the (here tied) embedding table, Q4_K for the rest
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 
 
 def k_quant_blocks(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.1, integers: bool = False) -> np.ndarray:
-    """Random Q4_K / Q5_K / Q6_K bytes [n, k / 256 * super-block bytes] of weights about +-scale: random quants, 6-bit
-    scales and minima (Q6_K: int8 scales), float16 factors set so that the values stay in range. integers: every
-    weight a small integer (Q4_K: d = dmin = 1, sc = 1, m = 8: q - 8 in [-8, 7]; Q5_K: m = 16, [-16, 15]; Q6_K:
-    d = 1, scales 1: [-32, 31])."""
+    """Random K-quant bytes (Q2_K to Q6_K) [n, k / 256 * super-block bytes] of weights about +-scale: random quants,
+    scales and minima, float16 factors set so that the values stay in range. integers: every weight a small
+    integer (Q4_K: d = dmin = 1, sc = 1, m = 8: q - 8 in [-8, 7]; Q5_K: m = 16, [-16, 15]; Q6_K: d = 1, scales 1:
+    [-32, 31]; Q3_K: d = 1, scales 1: [-4, 3]; Q2_K: d = dmin = 1, sc = 1, m = 2: [-2, 1])."""
     g = np.random.default_rng(seed)
     ns = k // 256
 
@@ -39,6 +39,19 @@ def k_quant_blocks(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.1, 
         else:
             b[..., 0:2] = f16(scale / (63 * top) * g.uniform(0.5, 1.5, (n, ns, 1)))
             b[..., 2:4] = f16(scale / 63 * g.uniform(0.0, 1.0, (n, ns, 1)))
+    elif fmt == "Q3_K":  # hmask, 2-bit quants, 12 bytes of 6-bit scales (stored + 32), d
+        b = g.integers(0, 256, (n, ns, 110), dtype=np.uint8)
+        if integers:
+            b[..., 96:104], b[..., 104:108], b[..., 108:110] = 0x11, 0xAA, f16(np.ones((n, ns, 1)))  # every scale 33 - 32
+        else:
+            b[..., 108:110] = f16(scale / (32 * 4) * g.uniform(0.5, 1.5, (n, ns, 1)))
+    elif fmt == "Q2_K":  # 4-bit scales and minima, 2-bit quants, d, dmin
+        b = g.integers(0, 256, (n, ns, 84), dtype=np.uint8)
+        if integers:
+            b[..., :16], b[..., 80:82], b[..., 82:84] = 0x21, f16(np.ones((n, ns, 1))), f16(np.ones((n, ns, 1)))
+        else:
+            b[..., 80:82] = f16(scale / (15 * 3) * g.uniform(0.5, 1.5, (n, ns, 1)))
+            b[..., 82:84] = f16(scale / 15 * g.uniform(0.0, 1.0, (n, ns, 1)))
     elif fmt == "Q6_K":
         b = g.integers(0, 256, (n, ns, 210), dtype=np.uint8)
         if integers:

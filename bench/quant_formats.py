@@ -1,5 +1,5 @@
 """What a decoder layer's products cost in each weight format the CPU kernel serves (specdec.engine.quant_gemm):
-float32 panels, Q8_0, Q4_1, Q4_K, Q5_K, Q6_K and llama.cpp's Q4_K_M mix, at a model's shapes, random weights.
+float32 panels, Q8_0, Q4_1, the K-quants Q2_K to Q6_K and llama.cpp's Q4_K_M mix, at a model's shapes, random weights.
 
 Per format: the layer's seven matrices (q, k, v, o, gate, up, down; q / k / v and gate / up fused as the
 packed step fuses them where their formats agree) multiplied into 1 and into 5 rows, the median over
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--kv", type=int, default=256, help="the k and v projections' rows (kv heads x head dim)")
     p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--formats", default="float32,Q8_0,Q4_1,Q4_K,Q5_K,Q6_K,Q4_K_M")
+    p.add_argument("--formats", default="float32,Q8_0,Q4_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q4_K_M")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=str(bench_log()), help="markdown file to append to ('' = none)")
     p.add_argument("--write-gguf", metavar="PATH", help="instead: write a random Llama GGUF of these shapes in --format "

@@ -68,7 +68,7 @@ def test_quant_formats_runs_every_format_and_writes_a_model(tmp_path, capsys):
 
     assert main(["--hidden", "256", "--kv", "64", "--ffn", "512", "--repeats", "1", "--out", ""]) == 0
     out = capsys.readouterr().out
-    assert all(f"| {fmt} |" in out for fmt in ("float32", "Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")), out
+    assert all(f"| {fmt} |" in out for fmt in ("float32", "Q8_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")), out
     path = tmp_path / "m.gguf"
     assert main(["--write-gguf", str(path), "--format", "Q4_K_M", "--hidden", "256", "--ffn", "512", "--kv", "128",
                  "--layers", "1", "--heads", "4"]) == 0

@@ -75,7 +75,8 @@ def test_bitwise_the_float32_skinny_gemm_over_the_dequantised_weights(fmt):
 
 # Integer ranges each format holds exactly (scale 1): Q4_0 d = max / -8 with the signed extreme -8; Q4_1
 # d = (max - min) / 15, m = min; Q8_0 d = max |w| / 127. The K-quants' integer blocks: bench.gguf_models.
-INTEGERS = {"Q4_0": (-8, 7), "Q4_1": (-7, 8), "Q8_0": (-127, 127), "Q4_K": (-8, 7), "Q5_K": (-16, 15), "Q6_K": (-32, 31)}
+INTEGERS = {"Q4_0": (-8, 7), "Q4_1": (-7, 8), "Q8_0": (-127, 127), "Q2_K": (-2, 1), "Q3_K": (-4, 3), "Q4_K": (-8, 7),
+            "Q5_K": (-16, 15), "Q6_K": (-32, 31)}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -118,7 +119,7 @@ def test_bad_inputs_are_refused():
     lin = quant_linear("Q4_1", raw, 32, 64)
     ops = skinny_gemm.kernel()
     with pytest.raises(RuntimeError, match="format"):
-        ops.quant_linear(torch.randn(1, 64), lin.packed, 11, 32, None)  # Q3_K: not served
+        ops.quant_linear(torch.randn(1, 64), lin.packed, 6, 32, None)  # Q5_0: not served
     with pytest.raises(RuntimeError, match="does not fit"):
         ops.quant_linear(torch.randn(1, 96), lin.packed, 3, 32, None)
     with pytest.raises(RuntimeError, match="does not fit"):

@@ -21,15 +21,16 @@ format takes 2-3 vector instructions (a shift, a 16-entry table lookup that read
 and gives the float, the scale's multiply-add) against one multiply-add per row (docs/performance.md has
 the figures).
 
-The K-quants Q4_K, Q5_K and Q6_K (those of Q4_K_M and Q5_K_M, the GGUFs most often published) are served the
-same way (`pack_k`): a super-block of 256 weights holds float16 factors and 6- or 8-bit integer scales per
-sub-block, and every product of them is exact in float32 (Q4_K, Q5_K: d sc is 11 bits times 6, d sc q and
-dmin m exact, so gguf-py's (d sc) q - dmin m rounds once, as the kernel's D q + M does; Q6_K: (d sc) q is 18
-bits times 6, no rounding at all). The packer multiplies the factors out once into float32 scales per block of
-32 (Q6_K: per 16), the tile's only difference from Q4_1's (Q4_K) or Q8_0's (Q5_K and Q6_K, a byte per quant):
-0.75, 1.25 and 1.25 bytes a weight against the file's 0.56, 0.69 and 0.82, a fifth to a third of float32's.
-Other formats (Q3_K, Q2_K, Q5_0, ...) are refused here and held in float32 by the loader: FORMATS lists what is
-served.
+The K-quants Q2_K to Q6_K (Q4_K_M and Q5_K_M, the GGUFs most often published, are Q4_K, Q5_K and Q6_K) are
+served the same way (`pack_k`): a super-block of 256 weights holds float16 factors and 4- to 8-bit integer
+scales per sub-block, and every product of them is exact in float32 (Q4_K, Q5_K: d sc is 11 bits times 6,
+d sc q and dmin m exact, so gguf-py's (d sc) q - dmin m rounds once, as the kernel's D q + M does; Q2_K the same
+with 4-bit scales per 16; Q6_K: (d sc) q is 18 bits times 6, Q3_K 17 times 3, no rounding at all). The packer
+multiplies the factors out once into float32 scales per block of 32 (per 16 for Q6_K, Q3_K, Q2_K), the tile's
+only difference from Q4_1's (Q4_K, Q3_K, Q2_K, 4-bit quants; Q3_K's q + 8 read through Q4_0's table) or Q8_0's
+(Q5_K, Q6_K, a byte a quant): 0.75 / 1.25 / 1.25 / 0.75 / 1.0 bytes a weight for Q4_K / Q5_K / Q6_K / Q3_K /
+Q2_K against the file's 0.56 / 0.69 / 0.82 / 0.43 / 0.33, a fifth to a third of float32's. Other formats (Q5_0,
+Q5_1, the IQ quants, ...) are refused here and held in float32 by the loader: FORMATS lists what is served.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class BlockFormat:
 
 
 FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 2, 1, 4), BlockFormat("Q4_1", 3, 2, 4), BlockFormat("Q8_0", 8, 1, 8),
+                               BlockFormat("Q2_K", 10, 4, 4, super_bytes=84), BlockFormat("Q3_K", 11, 2, 4, super_bytes=110),
                                BlockFormat("Q4_K", 12, 2, 4, super_bytes=144), BlockFormat("Q5_K", 13, 2, 8, super_bytes=176),
                                BlockFormat("Q6_K", 14, 2, 8, super_bytes=210))}
 
@@ -105,14 +107,33 @@ def _q4_words(q: torch.Tensor) -> torch.Tensor:
     return (words[..., 0] | (words[..., 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, nb, g, 16, b]
 
 
+def _bits(b: torch.Tensor, shifts: Sequence[int], mask: int) -> torch.Tensor:
+    """b [N, ns, R, 32] -> [N, ns, R, len(shifts), 32]: each byte's fields (b >> shift) & mask, as gguf-py takes them."""
+    return (b.unsqueeze(-2) >> torch.tensor(shifts, dtype=torch.uint8).view(-1, 1)) & mask
+
+
 def k_quant_values(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A K-quant matrix's bytes [N, K / 256 * super_bytes] -> (quants [N, K] as the tile holds them: Q4_K's 0..15,
-    Q6_K's q6 - 32 as int8; the float32 scale of each: Q4_K's D = d sc per 32, Q6_K's D = d sc per 16; Q4_K's M =
-    -(dmin m) per 32, else None). The bit layout and the order of the factors are gguf-py's (gguf.quants)."""
+    """A K-quant matrix's bytes [N, K / 256 * super_bytes] -> (quants [N, K] as the tile holds them: Q4_K's and Q2_K's
+    0..15 (Q2_K's 0..3), Q3_K's q + 8, Q5_K's 0..31 and Q6_K's q6 - 32 as bytes; the float32 scale of each: D = d sc,
+    per 32 (Q4_K, Q5_K) or per 16 (Q6_K, Q3_K, Q2_K); the offset M = -(dmin m) where the format has one (Q4_K, Q5_K
+    per 32, Q2_K per 16), else None). The bit layout and the order of the factors are gguf-py's (gguf.quants)."""
     n, ns = raw.shape[0], raw.shape[1] // fmt.super_bytes
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != ns * fmt.super_bytes:
         raise ValueError(f"{fmt.name}: expected uint8 rows of whole super-blocks, got {raw.dtype} {tuple(raw.shape)}")
     b = raw.reshape(n, ns, fmt.super_bytes)
+    if fmt.name == "Q2_K":  # 16 bytes of 4-bit scales and minima, 64 of 2-bit quants, d, dmin (float16)
+        d, dmin = b[..., 80:82].contiguous().view(torch.float16).float(), b[..., 82:84].contiguous().view(torch.float16).float()
+        q = _bits(b[..., 16:80].reshape(n, ns, 2, 32), (0, 2, 4, 6), 3).reshape(n, ns * SUPER)
+        sc = b[..., :16]
+        return q, (d * (sc & 0xF).float()).reshape(n, -1), (-(dmin * (sc >> 4).float())).reshape(n, -1)
+    if fmt.name == "Q3_K":  # 32 bytes of high-bit masks, 64 of 2-bit quants, 12 of 6-bit scales, d (float16)
+        d = b[..., 108:110].contiguous().view(torch.float16).float()
+        low = _bits(b[..., 96:104].reshape(n, ns, 1, 8), (0, 4), 0xF).reshape(n, ns, 16)
+        high = _bits(b[..., 104:108].reshape(n, ns, 1, 4), (0, 2, 4, 6), 3).reshape(n, ns, 16)
+        sc = ((low | (high << 4)).to(torch.int8) - 32).float()  # [N, ns, 16]
+        ql = _bits(b[..., 32:96].reshape(n, ns, 2, 32), (0, 2, 4, 6), 3).reshape(n, ns * SUPER)
+        qh = _bits(b[..., :32].reshape(n, ns, 1, 32), range(8), 1).reshape(n, ns * SUPER) ^ 1  # the offset where 0
+        return ql + 8 - (qh << 2), (d * sc).reshape(n, -1), None
     if fmt.name in ("Q4_K", "Q5_K"):  # d, dmin (float16), 12 bytes of 6-bit scales and minima, (Q5_K: 32 bytes of
         d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, ns, 1]            fifth bits,) 128 of nibbles
         dmin = b[..., 2:4].contiguous().view(torch.float16).float()
@@ -141,20 +162,21 @@ def pack_k(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     q, scale, offset = k_quant_values(raw, fmt)
     n, k = q.shape
     count, nb = -(-n // PANEL), k // BLOCK
+    per = scale.shape[1] // nb  # scales per block of 32: 1, or 2 (one per 16)
+    table = torch.cat([scale.reshape(n, nb, per)] + ([offset.reshape(n, nb, per)] if offset is not None else []), -1)
     if n % PANEL:  # zero rows to whole panels: zero scales, columns past N compute zeros, never stored
         pad = count * PANEL - n
-        q, scale = torch.cat([q, q.new_zeros(pad, k)]), torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-        offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+        q, table = torch.cat([q, q.new_zeros(pad, k)]), torch.cat([table, table.new_zeros(pad, nb, fmt.scales)])
     out = torch.empty(count, nb, fmt.tile_bytes, dtype=torch.uint8)
-    pair = scale.reshape(count, PANEL, nb, 2) if offset is None else \
-        torch.stack([scale, offset], dim=-1).reshape(count, PANEL, nb, 2)  # Q6_K: the two halves' D; Q4_K: D, M
-    out[..., :128].view(count, nb, 2, PANEL, 4).copy_(pair.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
-                                                     .view(count, nb, 2, PANEL, 4))
+    at = 64 * fmt.scales  # the quants' first byte: D (per half), then M (per half) where the format has one
+    out[..., :at].view(count, nb, fmt.scales, PANEL, 4).copy_(  # [P, nb, S, 16] float32 as bytes
+        table.reshape(count, PANEL, nb, fmt.scales).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+        .view(count, nb, fmt.scales, PANEL, 4))
     if fmt.bits == 8:
-        out[..., 128:].view(count, nb, BLOCK, PANEL).copy_(q.view(torch.uint8).reshape(count, PANEL, nb, BLOCK)
-                                                           .permute(0, 2, 3, 1))
+        q8 = q.view(torch.uint8) if q.dtype == torch.int8 else q.to(torch.uint8)  # Q6_K's signed bytes as they are
+        out[..., at:].view(count, nb, BLOCK, PANEL).copy_(q8.reshape(count, PANEL, nb, BLOCK).permute(0, 2, 3, 1))
     else:
-        out[..., 128:].view(count, nb, 4, PANEL, 4).copy_(_q4_words(q.reshape(count, PANEL, nb, BLOCK)))
+        out[..., at:].view(count, nb, 4, PANEL, 4).copy_(_q4_words(q.to(torch.uint8).reshape(count, PANEL, nb, BLOCK)))
     return out
 
 
@@ -163,17 +185,21 @@ def dequantize_rows(packed: torch.Tensor, fmt: BlockFormat, rows: torch.Tensor) 
     embedding lookup; PyTorch's eager operators round each product and sum once, as numpy's)."""
     tiles = packed[rows // PANEL]  # [T, nb, tile]
     t, nb, lane, at = rows.shape[0], packed.shape[1], rows % PANEL, torch.arange(rows.shape[0])
-    if fmt.super_bytes:  # float32 scales: Q4_K and Q5_K D q + M; Q6_K D q, D the half's
-        pair = tiles[..., :128].contiguous().view(torch.float32).view(t, nb, 2, PANEL)[at, :, :, lane]  # [T, nb, 2]
-        if fmt.name == "Q6_K":
-            q = tiles[..., 128:].reshape(t, nb, BLOCK, PANEL)[at, :, :, lane].view(torch.int8).float()  # [T, nb, 32]
-            return (q * pair.repeat_interleave(16, dim=-1)).reshape(t, -1)
-        if fmt.name == "Q5_K":
-            q = tiles[..., 128:].reshape(t, nb, BLOCK, PANEL)[at, :, :, lane].float()  # 0..31
-            return ((pair[..., :1] * q) + pair[..., 1:2]).reshape(t, -1)
-        words = tiles[..., 128:].reshape(t, nb, 4, PANEL, 4)[at, :, :, lane]
-        q = torch.stack([words & 15, words >> 4], dim=-1).reshape(t, nb, 32).float()
-        return ((pair[..., :1] * q) + pair[..., 1:2]).reshape(t, -1)
+    if fmt.super_bytes:  # float32 scales: D q (+ M), per block or per half (k_quant_values)
+        s = 64 * fmt.scales
+        table = tiles[..., :s].contiguous().view(torch.float32).view(t, nb, fmt.scales, PANEL)[at, :, :, lane]
+        if fmt.bits == 8:  # a byte a quant: Q6_K signed, Q5_K 0..31
+            q = tiles[..., s:].reshape(t, nb, BLOCK, PANEL)[at, :, :, lane]
+            q = (q.view(torch.int8) if fmt.name == "Q6_K" else q).float()  # [T, nb, 32]
+        else:
+            words = tiles[..., s:].reshape(t, nb, 4, PANEL, 4)[at, :, :, lane]
+            q = torch.stack([words & 15, words >> 4], dim=-1).reshape(t, nb, 32).float() - (8 if fmt.name == "Q3_K" else 0)
+        if fmt.name in ("Q4_K", "Q5_K"):  # D, M per block
+            return ((table[..., :1] * q) + table[..., 1:2]).reshape(t, -1)
+        d = table[..., :2].repeat_interleave(16, dim=-1)  # per half: Q6_K, Q3_K, Q2_K
+        if fmt.name == "Q2_K":
+            return ((d * q) + table[..., 2:4].repeat_interleave(16, dim=-1)).reshape(t, -1)
+        return (d * q).reshape(t, -1)
     s = 2 * fmt.scales
     scales = tiles[..., :s * PANEL].contiguous().view(torch.float16).view(t, nb, fmt.scales, PANEL)[at, :, :, lane].float()
     d = scales[..., :1]

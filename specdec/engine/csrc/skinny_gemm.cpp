@@ -18,7 +18,7 @@
 // panels in turn (from L2 after the first: W streams from memory once per product), the groups split among
 // the threads.
 //
-// Quantised weights (quant_linear): a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, and its Q4_K / Q5_K / Q6_K super-blocks cut
+// Quantised weights (quant_linear): a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, and its K-quant super-blocks (Q2_K to Q6_K) cut
 // into blocks of 32, packed into the same panels, are dequantised inside the micro-kernel to bitwise gguf-py's
 // float32 values, and summed exactly as above.
 
@@ -82,35 +82,38 @@ inline void kernel(const float* __restrict x, int64_t ldx, const float* __restri
 // scales per sub-block; the packer multiplies them out, exactly, into float32 scales per block of 32 (per 16 for
 // Q6_K), which the tile then holds in place of float16 ones. Q4_K: D = d sc (11 bits times 6) and M = -(dmin m),
 // so a weight is D q + M, one rounding as gguf-py's (d sc) q - dmin m has (D q is exact); Q6_K: a weight is
-// D q with q = q6 - 32, exact (18 bits times 6); Q5_K: D q + M as Q4_K's, q of 5 bits. Tiles: Q4_K D [16], M [16]
-// float32, then Q4's quant groups; Q6_K D [16] for k 0-15, D [16] for k 16-31, then a byte per quant as Q8_0's
-// (signed); Q5_K D [16], M [16], then a byte per quant (0-31).
+// D q with q = q6 - 32, exact (18 bits times 6); Q5_K: D q + M as Q4_K's, q of 5 bits; Q3_K: D q per 16 with q in
+// [-4, 3], exact; Q2_K: D q + M per 16, q in [0, 3], one rounding. Tiles: Q4_K D [16], M [16] float32, then Q4's
+// quant groups; Q6_K D [16] for k 0-15, D [16] for k 16-31, then a byte per quant as Q8_0's (signed); Q5_K D [16],
+// M [16], then a byte per quant (0-31); Q3_K D, D (the halves) then Q4's groups of q + 8 (Q4_0's table); Q2_K D, D,
+// M, M (the halves), then Q4's groups.
 constexpr int64_t QK = 32;  // k per block
-enum Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
+enum Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's ids
+constexpr int SCALES = 4 * 16;  // a tile's float32 scales at most (Q2_K: D and M for each half), per column
 
-inline bool served(int64_t fmt) {
-  return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q4_K || fmt == Q5_K || fmt == Q6_K;
-}
+inline bool served(int64_t fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || (fmt >= Q2_K && fmt <= Q6_K); }
 
 inline int64_t tile_bytes(int64_t fmt) {
   switch (fmt) {
     case Q4_0: return 32 + 256;
     case Q4_1: return 64 + 256;
+    case Q3_K:
     case Q4_K: return 128 + 256;
+    case Q2_K: return 256 + 256;
     case Q5_K:
     case Q6_K: return 128 + 512;
     default: return 32 + 512;  // Q8_0
   }
 }
 
-constexpr bool k_quant(int64_t fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
-constexpr int64_t quants_at(int64_t fmt) { return k_quant(fmt) ? 128 : fmt == Q4_1 ? 64 : 32; }
+constexpr bool k_quant(int64_t fmt) { return fmt >= Q2_K && fmt <= Q6_K; }
+constexpr int64_t quants_at(int64_t fmt) { return fmt == Q2_K ? 256 : k_quant(fmt) ? 128 : fmt == Q4_1 ? 64 : 32; }
 
 // A 4-bit quant q as the float the format multiplies by d: a table lookup on each lane's low 4 bits
 // (vpermps ignores the rest, so the nibble needs no mask and no conversion): q for Q4_1, q - 8 for Q4_0.
 template <int64_t FMT>
 inline __m512 nibble_table() {
-  return FMT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+  return FMT == Q4_0 || FMT == Q3_K ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
                      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
@@ -129,6 +132,9 @@ inline __m512 weight(const uint8_t* __restrict t, const float* __restrict s, __m
     const __m512 q = _mm512_permutexvar_ps(K % 8 ? _mm512_srli_epi32(words, 4 * (K % 8)) : words, table);
     if constexpr (FMT == Q4_1 || FMT == Q4_K)
       return _mm512_fmadd_ps(_mm512_load_ps(s), q, _mm512_load_ps(s + PANEL));  // (d q) + m; Q4_K: D q + M
+    constexpr int half = K >= 16 ? PANEL : 0;  // Q2_K, Q3_K: the half's scales
+    if constexpr (FMT == Q2_K) return _mm512_fmadd_ps(_mm512_load_ps(s + half), q, _mm512_load_ps(s + 2 * PANEL + half));
+    if constexpr (FMT == Q3_K) return _mm512_mul_ps(_mm512_load_ps(s + half), q);  // D q, q in [-4, 3]
     return _mm512_mul_ps(_mm512_load_ps(s), q);  // d (q - 8)
   }
 }
@@ -137,7 +143,7 @@ inline __m512 weight(const uint8_t* __restrict t, const float* __restrict s, __m
 // reaches them: each weight vector is dequantised once and used by all MB rows.
 template <int MB, int NV, int64_t FMT, int K>
 inline void qstep(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
-                  const float (&scale)[NV][2 * PANEL], __m512 table) {
+                  const float (&scale)[NV][SCALES], __m512 table) {
   __m512 wv[NV];
   for (int v = 0; v < NV; ++v) wv[v] = weight<FMT, K>(t[v], scale[v], table);
   for (int i = 0; i < MB; ++i) {
@@ -148,7 +154,7 @@ inline void qstep(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx,
 
 template <int MB, int NV, int64_t FMT, int... K>
 inline void qsteps(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
-                   const float (&scale)[NV][2 * PANEL], std::integer_sequence<int, K...>) {
+                   const float (&scale)[NV][SCALES], std::integer_sequence<int, K...>) {
   const __m512 table = nibble_table<FMT>();
   (qstep<MB, NV, FMT, K>(acc, x, ldx, t, scale, table), ...);  // k = 0 .. 31 in order
 }
@@ -164,8 +170,8 @@ inline void dequant_tile(const uint8_t* __restrict t, const float* __restrict s,
 // pair as they are.
 inline void tile_scales(int64_t fmt, const uint8_t* __restrict t, float* __restrict s) {
   if (k_quant(fmt)) {
-    _mm512_store_ps(s, _mm512_loadu_ps(reinterpret_cast<const float*>(t)));
-    _mm512_store_ps(s + PANEL, _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64)));
+    for (int64_t v = 0; v < quants_at(fmt) / 64; ++v)
+      _mm512_store_ps(s + PANEL * v, _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64 * v)));
     return;
   }
   _mm512_store_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t))));
@@ -173,12 +179,14 @@ inline void tile_scales(int64_t fmt, const uint8_t* __restrict t, float* __restr
 }
 
 inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict out) {  // tile -> [32][16]
-  alignas(64) float s[2 * PANEL];
+  alignas(64) float s[SCALES];
   tile_scales(fmt, t, s);
   constexpr auto ks = std::make_integer_sequence<int, QK>{};
   switch (fmt) {
     case Q4_0: dequant_tile<Q4_0>(t, s, out, ks); break;
     case Q4_1: dequant_tile<Q4_1>(t, s, out, ks); break;
+    case Q2_K: dequant_tile<Q2_K>(t, s, out, ks); break;
+    case Q3_K: dequant_tile<Q3_K>(t, s, out, ks); break;
     case Q4_K: dequant_tile<Q4_K>(t, s, out, ks); break;
     case Q5_K: dequant_tile<Q5_K>(t, s, out, ks); break;
     case Q6_K: dequant_tile<Q6_K>(t, s, out, ks); break;
@@ -190,7 +198,7 @@ template <int MB, int NV, int64_t FMT>
 inline void qkernel(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w, int64_t nb,
                     const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols) {
   const int64_t tb = tile_bytes(FMT);
-  alignas(64) float scale[NV][2 * PANEL];
+  alignas(64) float scale[NV][SCALES];
   __m512 acc[MB][NV];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
@@ -223,6 +231,8 @@ struct Blocks {  // packed quantised tiles [count, nb, tile]
     switch (fmt) {
       case Q4_0: qkernel<MB, NV, Q4_0>(x, ldx, panel, nb, bias, y, ldy, cols); break;
       case Q4_1: qkernel<MB, NV, Q4_1>(x, ldx, panel, nb, bias, y, ldy, cols); break;
+      case Q2_K: qkernel<MB, NV, Q2_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
+      case Q3_K: qkernel<MB, NV, Q3_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
       case Q4_K: qkernel<MB, NV, Q4_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
       case Q5_K: qkernel<MB, NV, Q5_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
       case Q6_K: qkernel<MB, NV, Q6_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
@@ -340,10 +350,10 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }
 
 // y [M, N] = x [M, K] W^T + bias [N], W given as packed quantised tiles [ceil(N / 16), K / 32, tile] of ggml
-// type `fmt` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), with its N: bitwise skinny_linear over W dequantised.
+// type `fmt` (Q4_0, Q4_1, Q8_0, Q2_K to Q6_K), with its N: bitwise skinny_linear over W dequantised.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t N,
                            const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(served(fmt), "quant_linear: format must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K (ggml type 2, 3, 8, 12-14)");
+  TORCH_CHECK(served(fmt), "quant_linear: format must be Q4_0, Q4_1, Q8_0 or a K-quant Q2_K to Q6_K (ggml type 2, 3, 8, 10-14)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
               "quant_linear: x [M, K] float32 with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
@@ -362,7 +372,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
 // Rows `rows` [T] (int64, each < N) of a packed quantised matrix, dequantised: [T, K] float32, bitwise gguf-py's
 // values (the embedding lookup of a table kept in blocks: each row's tiles dequantised whole, its lane kept).
 at::Tensor quant_rows(const at::Tensor& packed, int64_t fmt, const at::Tensor& rows, int64_t N) {
-  TORCH_CHECK(served(fmt), "quant_rows: format must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  TORCH_CHECK(served(fmt), "quant_rows: format must be Q4_0, Q4_1, Q8_0 or Q2_K to Q6_K");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(2) == tile_bytes(fmt) && packed.size(0) * PANEL >= N, "quant_rows: packed tiles of this format");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "quant_rows: rows [T] int64");
@@ -387,7 +397,7 @@ at::Tensor quant_rows(const at::Tensor& packed, int64_t fmt, const at::Tensor& r
 
 // The packed tiles of quant_linear dequantised: [ceil(N / 16), K, 16] float32, skinny_linear's layout.
 at::Tensor quant_dequant(const at::Tensor& packed, int64_t fmt) {
-  TORCH_CHECK(served(fmt), "quant_dequant: format must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  TORCH_CHECK(served(fmt), "quant_dequant: format must be Q4_0, Q4_1, Q8_0 or Q2_K to Q6_K");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(2) == tile_bytes(fmt), "quant_dequant: packed tiles of this format");
   const int64_t count = packed.size(0), nb = packed.size(1);
