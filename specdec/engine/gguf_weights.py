@@ -6,7 +6,7 @@ same model without that copy: transformers' own config and tensor-name map for t
 processor for the row order (llama.cpp permutes q and k; transformers undoes it, here applied to the block
 rows, which are whole rows), the norms and any float tensors exactly as transformers loads them, and every
 Q4_0 / Q4_1 / Q8_0 / Q2_K ... Q6_K matrix as a QuantLinear over its blocks (a tied embedding and LM head share
-one; a Q2_K to Q6_K_M file is all of them). The values each block dequantises to are the reference's,
+one; a K-quant file, Q4_K_M or Q3_K_M or any, is all of them). The values each block dequantises to are the reference's,
 bitwise. Matrices in block formats the kernel does not compute (Q5_0, Q5_1, the IQ quants, ...) are dequantised once by
 gguf-py, the reference's values, and run on the float32 skinny GEMM: served exactly, at float32's bytes (a
 warning names them).
