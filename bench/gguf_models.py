@@ -19,6 +19,12 @@ K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-weight 
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 
 
+def format_of(fmt: str, tensor: str) -> str:
+    """The block format of GGUF tensor `tensor` ("blk.0.attn_v.weight", or just "attn_v") in a model of format
+    `fmt`: `fmt` itself, or for "Q4_K_M" the mix's."""
+    return fmt if fmt != "Q4_K_M" else next((f for part, f in Q4_K_M.items() if part in tensor), "Q4_K")
+
+
 def k_quant_blocks(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.1, integers: bool = False) -> np.ndarray:
     """Random K-quant bytes (Q2_K to Q6_K) [n, k / 256 * super-block bytes] of weights about +-scale: random quants,
     scales and minima, float16 factors set so that the values stay in range. integers: every weight a small
@@ -112,7 +118,7 @@ def write_tiny_gguf(path: Path, fmt: str, tokenizer: list, seed: int = 0, shape:
 
     def matrix(name: str, rows: int, cols: int, scale: float = 0.3) -> None:
         if k_quant:
-            kind = fmt if fmt != "Q4_K_M" else next((f for part, f in Q4_K_M.items() if part in name), "Q4_K")
+            kind = format_of(fmt, name)
             writer.add_tensor(name, k_quant_blocks(kind, rows, cols, int(g.integers(1 << 30)), scale),
                               raw_dtype=GGMLQuantizationType[kind])
             return

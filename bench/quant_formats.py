@@ -29,7 +29,7 @@ from bench.common import bench_log, git_commit, machine_info, md_table, publish
 from bench.step_cost import bandwidth_gbs
 from specdec.engine.quant_gemm import FORMATS, QuantLinear, pack
 from specdec.engine.skinny_gemm import SkinnyLinear, fused_product
-from bench.gguf_models import K_QUANTS, Q4_K_M, k_quant_blocks
+from bench.gguf_models import K_QUANTS, format_of, k_quant_blocks
 
 ROWS = (1, 5)
 
@@ -53,10 +53,9 @@ def matrix(fmt: str, n: int, k: int, seed: int) -> torch.nn.Module:
 
 def layer(fmt: str, hidden: int, kv: int, ffn: int) -> tuple[list, int]:
     """The layer's products as the packed step runs them ([(product, in_features)]) and its weights' bytes."""
-    kind = (lambda part: next((f for p, f in Q4_K_M.items() if p == part), "Q4_K")) if fmt == "Q4_K_M" else (lambda part: fmt)
     shapes = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, hidden),
               "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
-    mats = {part: matrix(kind(part), n, k, seed) for seed, (part, (n, k)) in enumerate(shapes.items())}
+    mats = {part: matrix(format_of(fmt, part), n, k, seed) for seed, (part, (n, k)) in enumerate(shapes.items())}
     nbytes = sum(m.nbytes() if isinstance(m, QuantLinear) else 4 * m.weight.numel() for m in mats.values())
 
     def product(parts):

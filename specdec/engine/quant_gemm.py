@@ -52,7 +52,7 @@ SUPER = 256  # weights per K-quant super-block
 class BlockFormat:
     name: str
     ggml_type: int  # ggml's type id (gguf.GGMLQuantizationType)
-    scales: int  # float16 scales per block: d (and m for Q4_1); a K-quant's tile: float32 ones, 2 per column
+    scales: int  # float16 scales per block: d (and m for Q4_1); a K-quant's tile: float32 ones per column (2; Q2_K 4)
     bits: int  # bits per quant as the tile holds it (Q6_K's 6-bit quants: a byte each)
     super_bytes: int = 0  # a K-quant's super-block of 256 weights as a GGUF stores it (0: a format of 32-blocks)
 
@@ -108,8 +108,13 @@ def _q4_words(q: torch.Tensor) -> torch.Tensor:
 
 
 def _bits(b: torch.Tensor, shifts: Sequence[int], mask: int) -> torch.Tensor:
-    """b [N, ns, R, 32] -> [N, ns, R, len(shifts), 32]: each byte's fields (b >> shift) & mask, as gguf-py takes them."""
+    """b [..., W] -> [..., len(shifts), W]: each byte's fields (b >> shift) & mask, as gguf-py takes them."""
     return (b.unsqueeze(-2) >> torch.tensor(shifts, dtype=torch.uint8).view(-1, 1)) & mask
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each super-block b [N, ns, bytes], as float32 [N, ns, 1]."""
+    return b[..., at : at + 2].contiguous().view(torch.float16).float()
 
 
 def k_quant_values(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -122,12 +127,12 @@ def k_quant_values(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, t
         raise ValueError(f"{fmt.name}: expected uint8 rows of whole super-blocks, got {raw.dtype} {tuple(raw.shape)}")
     b = raw.reshape(n, ns, fmt.super_bytes)
     if fmt.name == "Q2_K":  # 16 bytes of 4-bit scales and minima, 64 of 2-bit quants, d, dmin (float16)
-        d, dmin = b[..., 80:82].contiguous().view(torch.float16).float(), b[..., 82:84].contiguous().view(torch.float16).float()
+        d, dmin = _f16(b, 80), _f16(b, 82)
         q = _bits(b[..., 16:80].reshape(n, ns, 2, 32), (0, 2, 4, 6), 3).reshape(n, ns * SUPER)
         sc = b[..., :16]
         return q, (d * (sc & 0xF).float()).reshape(n, -1), (-(dmin * (sc >> 4).float())).reshape(n, -1)
     if fmt.name == "Q3_K":  # 32 bytes of high-bit masks, 64 of 2-bit quants, 12 of 6-bit scales, d (float16)
-        d = b[..., 108:110].contiguous().view(torch.float16).float()
+        d = _f16(b, 108)
         low = _bits(b[..., 96:104].reshape(n, ns, 1, 8), (0, 4), 0xF).reshape(n, ns, 16)
         high = _bits(b[..., 104:108].reshape(n, ns, 1, 4), (0, 2, 4, 6), 3).reshape(n, ns, 16)
         sc = ((low | (high << 4)).to(torch.int8) - 32).float()  # [N, ns, 16]
@@ -135,26 +140,21 @@ def k_quant_values(raw: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, t
         qh = _bits(b[..., :32].reshape(n, ns, 1, 32), range(8), 1).reshape(n, ns * SUPER) ^ 1  # the offset where 0
         return ql + 8 - (qh << 2), (d * sc).reshape(n, -1), None
     if fmt.name in ("Q4_K", "Q5_K"):  # d, dmin (float16), 12 bytes of 6-bit scales and minima, (Q5_K: 32 bytes of
-        d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, ns, 1]            fifth bits,) 128 of nibbles
-        dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+        d, dmin = _f16(b, 0), _f16(b, 2)  # [N, ns, 1]                                   fifth bits,) 128 of nibbles
         sc6 = b[..., 4:16].reshape(n, ns, 3, 4).int()
         lo, hi, mix = sc6[..., 0, :], sc6[..., 1, :], sc6[..., 2, :]
         sc = torch.cat([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()  # [N, ns, 8]
         mn = torch.cat([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], dim=-1).float()
-        qs = b[..., -128:].reshape(n, ns, 4, 1, 32)
-        q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15).reshape(n, ns, 8, 32)
+        q = _bits(b[..., -128:].reshape(n, ns, 4, 32), (0, 4), 15).reshape(n, ns, 8, 32)
         if fmt.name == "Q5_K":  # bit j of byte i: sub-block j's weight i, times 16
-            qh = b[..., 16:48].reshape(n, ns, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
-            q = q | ((qh & 1) << 4)
+            q = q | (_bits(b[..., 16:48].reshape(n, ns, 32), range(8), 1) << 4)
         return q.reshape(n, ns * SUPER), (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
     # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (float16)
-    ql, qh = b[..., :128].reshape(n, ns, 2, 1, 64), b[..., 128:192].reshape(n, ns, 2, 1, 32)
-    ql = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15  # [N, ns, 2, 2, 64]
-    qh = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 3  # [N, ns, 2, 4, 32]
-    q = ((ql.reshape(n, ns, 8, 32) | (qh.reshape(n, ns, 8, 32) << 4)).to(torch.int8) - 32).reshape(n, ns * SUPER)
+    ql = _bits(b[..., :128].reshape(n, ns, 2, 64), (0, 4), 15).reshape(n, ns, 8, 32)
+    qh = _bits(b[..., 128:192].reshape(n, ns, 2, 32), (0, 2, 4, 6), 3).reshape(n, ns, 8, 32)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, ns * SUPER)
     scales = b[..., 192:208].contiguous().view(torch.int8).float()  # [N, ns, 16]
-    d = b[..., 208:210].contiguous().view(torch.float16).float()  # [N, ns, 1]
-    return q, (d * scales).reshape(n, -1), None
+    return q, (_f16(b, 208) * scales).reshape(n, -1), None
 
 
 def pack_k(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:

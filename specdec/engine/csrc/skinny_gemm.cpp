@@ -80,7 +80,7 @@ inline void kernel(const float* __restrict x, int64_t ldx, const float* __restri
 //
 // The K-quants (specdec.engine.quant_gemm.pack_k): a super-block of 256 k holds float16 factors and small integer
 // scales per sub-block; the packer multiplies them out, exactly, into float32 scales per block of 32 (per 16 for
-// Q6_K), which the tile then holds in place of float16 ones. Q4_K: D = d sc (11 bits times 6) and M = -(dmin m),
+// Q6_K, Q3_K and Q2_K), which the tile then holds in place of float16 ones. Q4_K: D = d sc (11 bits times 6) and M = -(dmin m),
 // so a weight is D q + M, one rounding as gguf-py's (d sc) q - dmin m has (D q is exact); Q6_K: a weight is
 // D q with q = q6 - 32, exact (18 bits times 6); Q5_K: D q + M as Q4_K's, q of 5 bits; Q3_K: D q per 16 with q in
 // [-4, 3], exact; Q2_K: D q + M per 16, q in [0, 3], one rounding. Tiles: Q4_K D [16], M [16] float32, then Q4's
@@ -109,8 +109,25 @@ inline int64_t tile_bytes(int64_t fmt) {
 constexpr bool k_quant(int64_t fmt) { return fmt >= Q2_K && fmt <= Q6_K; }
 constexpr int64_t quants_at(int64_t fmt) { return fmt == Q2_K ? 256 : k_quant(fmt) ? 128 : fmt == Q4_1 ? 64 : 32; }
 
+// f(std::integral_constant<int64_t, FMT>{}) for a served format `fmt` (Q8_0 for any other): the one list of the
+// formats a kernel is instantiated for.
+template <class F>
+inline void by_format(int64_t fmt, F&& f) {
+  switch (fmt) {
+    case Q4_0: return f(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int64_t, Q4_1>{});
+    case Q2_K: return f(std::integral_constant<int64_t, Q2_K>{});
+    case Q3_K: return f(std::integral_constant<int64_t, Q3_K>{});
+    case Q4_K: return f(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return f(std::integral_constant<int64_t, Q5_K>{});
+    case Q6_K: return f(std::integral_constant<int64_t, Q6_K>{});
+    default: return f(std::integral_constant<int64_t, Q8_0>{});
+  }
+}
+
 // A 4-bit quant q as the float the format multiplies by d: a table lookup on each lane's low 4 bits
-// (vpermps ignores the rest, so the nibble needs no mask and no conversion): q for Q4_1, q - 8 for Q4_0.
+// (vpermps ignores the rest, so the nibble needs no mask and no conversion): q for Q4_1, Q4_K and Q2_K, q - 8 for
+// Q4_0 and Q3_K (whose tile holds q + 8).
 template <int64_t FMT>
 inline __m512 nibble_table() {
   return FMT == Q4_0 || FMT == Q3_K ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
@@ -118,7 +135,8 @@ inline __m512 nibble_table() {
 }
 
 // One weight vector (16 columns at k) of a tile, dequantised in registers as gguf-py computes it. s: the
-// tile's scales as float32, d then m; table: nibble_table<FMT>().
+// tile's scales as float32, d then m (the K-quants': D, then M, each per half where the format has two); table:
+// nibble_table<FMT>().
 template <int64_t FMT, int K>
 inline __m512 weight(const uint8_t* __restrict t, const float* __restrict s, __m512 table) {
   if constexpr (FMT == Q8_0 || FMT == Q6_K) {  // q * d (Q6_K: the half's D)
@@ -167,7 +185,7 @@ inline void dequant_tile(const uint8_t* __restrict t, const float* __restrict s,
 }
 
 // A tile's float16 scales as float32 into s: d, then m where the format has one (Q4_1); the K-quants' float32
-// pair as they are.
+// scales (2 vectors, Q2_K's 4) as they are.
 inline void tile_scales(int64_t fmt, const uint8_t* __restrict t, float* __restrict s) {
   if (k_quant(fmt)) {
     for (int64_t v = 0; v < quants_at(fmt) / 64; ++v)
@@ -182,16 +200,7 @@ inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict 
   alignas(64) float s[SCALES];
   tile_scales(fmt, t, s);
   constexpr auto ks = std::make_integer_sequence<int, QK>{};
-  switch (fmt) {
-    case Q4_0: dequant_tile<Q4_0>(t, s, out, ks); break;
-    case Q4_1: dequant_tile<Q4_1>(t, s, out, ks); break;
-    case Q2_K: dequant_tile<Q2_K>(t, s, out, ks); break;
-    case Q3_K: dequant_tile<Q3_K>(t, s, out, ks); break;
-    case Q4_K: dequant_tile<Q4_K>(t, s, out, ks); break;
-    case Q5_K: dequant_tile<Q5_K>(t, s, out, ks); break;
-    case Q6_K: dequant_tile<Q6_K>(t, s, out, ks); break;
-    default: dequant_tile<Q8_0>(t, s, out, ks); break;
-  }
+  by_format(fmt, [&](auto format) { dequant_tile<decltype(format)::value>(t, s, out, ks); });
 }
 
 template <int MB, int NV, int64_t FMT>
@@ -228,16 +237,7 @@ struct Blocks {  // packed quantised tiles [count, nb, tile]
   template <int MB, int NV>
   void run(const float* x, int64_t ldx, int64_t p, const float* bias, float* y, int64_t ldy, int64_t cols) const {
     const uint8_t* panel = w + p * nb * tile_bytes(fmt);
-    switch (fmt) {
-      case Q4_0: qkernel<MB, NV, Q4_0>(x, ldx, panel, nb, bias, y, ldy, cols); break;
-      case Q4_1: qkernel<MB, NV, Q4_1>(x, ldx, panel, nb, bias, y, ldy, cols); break;
-      case Q2_K: qkernel<MB, NV, Q2_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
-      case Q3_K: qkernel<MB, NV, Q3_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
-      case Q4_K: qkernel<MB, NV, Q4_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
-      case Q5_K: qkernel<MB, NV, Q5_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
-      case Q6_K: qkernel<MB, NV, Q6_K>(x, ldx, panel, nb, bias, y, ldy, cols); break;
-      default: qkernel<MB, NV, Q8_0>(x, ldx, panel, nb, bias, y, ldy, cols); break;
-    }
+    by_format(fmt, [&](auto format) { qkernel<MB, NV, decltype(format)::value>(x, ldx, panel, nb, bias, y, ldy, cols); });
   }
 };
 
