@@ -122,6 +122,17 @@ def files_key(files, *extra: str) -> str:
     return hashlib.sha256("|".join([*parts, *extra]).encode()).hexdigest()[:16]
 
 
+def publish_dir(where: Path, write: Callable[[Path], None]) -> None:
+    """A cache directory made whole or not at all: write(tmp) fills a directory beside `where`, which then takes
+    its place, unless another process put one there meanwhile (theirs is kept, ours dropped)."""
+    tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+    write(tmp)
+    if where.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(where)
+
+
 def _converted_dir(src: _Source) -> Path:
     f = Path(src.location) / src.gguf_file
     return cache_dir() / f"gguf-{f.stem}-{files_key([f])}"
@@ -142,13 +153,12 @@ def _ensure_converted(src: _Source) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():  # another process converted it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(out)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    publish_dir(out, write)  # (another process may have converted it meanwhile)
     return out
 
 
@@ -190,12 +200,7 @@ def load_tokenizer(path: str):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file)
-        tmp = tok_dir.with_name(tok_dir.name + f".tmp{os.getpid()}")
-        tokenizer.save_pretrained(tmp)
-        if tok_dir.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.rename(tok_dir)
+        publish_dir(tok_dir, tokenizer.save_pretrained)
     return _from_pretrained(tok_dir)
 
 

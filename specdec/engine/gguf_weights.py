@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,7 @@ import torch
 
 from specdec.engine import llama_weights, skinny_gemm
 from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, pack
-from specdec.models import ModelConfig, cache_dir, files_key, load_model as load_reference, local_source
+from specdec.models import ModelConfig, cache_dir, files_key, load_model as load_reference, local_source, publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +125,13 @@ def _index(path: Path):
         processor = TENSOR_PROCESSORS.get(parsed.get("model_type"), TensorProcessor)(config=parsed)
         names = get_gguf_hf_weights_map(_skeleton(config), processor)
         orders = _orders(processor, tensors, names, {"config": parsed})
-        tmp = where.with_name(where.name + f".tmp{os.getpid()}")
-        config.save_pretrained(tmp)
-        (tmp / "index.json").write_text(json.dumps({"config": parsed, "tensors": tensors, "names": names,
-                                                    "orders": orders}, default=str))
-        if where.exists():  # another process indexed it meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.rename(where)
+
+        def write(tmp: Path) -> None:
+            config.save_pretrained(tmp)
+            (tmp / "index.json").write_text(json.dumps({"config": parsed, "tensors": tensors, "names": names,
+                                                        "orders": orders}, default=str))
+
+        publish_dir(where, write)  # (another process may have indexed it meanwhile)
     index = json.loads((where / "index.json").read_text())
     config = llama_weights.read_config(where)  # ours: transformers' configuration classes not imported
     if config is None:
