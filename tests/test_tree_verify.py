@@ -114,9 +114,9 @@ def test_greedy_batched_equals_reference_and_chains_equal_verify_greedy(seed):
         chain = tree_greedy(lg, drafts, chain_parents(len(drafts)))
         assert (len(chain[0]), chain[1]) == verify_greedy(lg, drafts)
         assert chain[0] == list(range(len(chain[0])))
-        n, nxt = verify_greedy_batched(lg, drafts, cu_of([len(drafts)]))
+        n, nxt = verify_greedy_batched(lg, [drafts.tolist()])
         tree_chain = verify_tree_greedy_batched(lg, drafts, chain_parents(len(drafts)), cu_of([len(drafts)]))
-        assert (int(tree_chain.num_accepted[0]), int(tree_chain.next_token[0])) == (int(n[0]), int(nxt[0]))
+        assert (int(tree_chain.num_accepted[0]), int(tree_chain.next_token[0])) == (n[0], nxt[0])
 
 
 # --- Sampled trees with q: exact cases ---------------------------------------------------------------

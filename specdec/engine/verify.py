@@ -1,9 +1,9 @@
 """The target's work: verify a session's K draft tokens, for every session of a step at once.
 
 One forward scores [uncached committed tokens + d_1..d_K]; then all sessions whose verify completed in
-the step are verified together: greedy sessions with verify_greedy_batched, the others with
-rejection_sample_batched (specdec.math.rejection) over the batch's SpecDecodeMetadata (flattened drafts)
-and its q (the sessions' DraftProbs, one-hot for deterministic drafts, made dense by the math module),
+the step are verified together: greedy sessions with verify_greedy_batched (one argmax, each chain walked
+in host ints), the others with rejection_sample_batched (specdec.math.rejection) over the batch's
+SpecDecodeMetadata (flattened drafts) and its q (the sessions' DraftProbs, one-hot for deterministic drafts, made dense by the math module),
 each with its own sampling parameters and seed. The target's p at every row is what the target alone would
 compute at that position: logit_bias and the penalties (over the committed tokens plus the drafts before
 the row: specdec.math.penalties) are applied before the greedy argmax or the sampling distribution. When
@@ -169,7 +169,7 @@ class VerifyWork(Work):
         for subset, verify in ((greedy, _verify_greedy), (sampled, _verify_sampled)):
             if subset:
                 n, nxt = verify([works[i] for i in subset], [logits[i] for i in subset], engine.vocab_size)
-                outcome.update((i, (list(range(k)), t)) for i, k, t in zip(subset, n.tolist(), nxt.tolist()))
+                outcome.update((i, (list(range(k)), t)) for i, k, t in zip(subset, n, nxt))
         if trees:
             outcome.update(zip(trees, _verify_trees([works[i] for i in trees], [logits[i] for i in trees],
                                                     engine.vocab_size)))
@@ -199,14 +199,14 @@ class VerifyWork(Work):
                                     features, start, tuple(t for _, t, _ in later))
 
 
-def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[SamplingParams], TokenCounts | None]:
+def _row_params_and_counts(works, num_draft_tokens, vocab_size, device) -> tuple[list[SamplingParams], TokenCounts | None]:
     """Each of the batch's rows' parameters (a session's K_b + 1 rows share them), and the token counts of
     the penalised sessions' rows."""
-    row_params = [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)]
+    row_params = [w.params for w, k in zip(works, num_draft_tokens) for _ in range(k + 1)]
     if not any(w.params.penalized for w in works):
         return row_params, None
     starts = [0]  # each session's first row: K_1 + 1, K_1 + K_2 + 2, ... (host ints: no device sync)
-    for k in meta.num_draft_tokens:
+    for k in num_draft_tokens:
         starts.append(starts[-1] + k + 1)
     counts = TokenCounts.cat([w.token_counts(start, vocab_size, device)
                               for w, start in zip(works, starts) if w.params.penalized])
@@ -215,25 +215,23 @@ def _row_params_and_counts(works, meta, vocab_size, device) -> tuple[list[Sampli
 
 def _verify_greedy(works, logits, vocab_size):
     rows = torch.cat(logits) if len(logits) > 1 else logits[0]  # [N + B, V]
-    if not any(w.drafts or w.params.adjusts_logits for w in works):  # target-only rows: no drafts to lay out
-        none = torch.zeros(len(works) + 1, dtype=torch.long, device=rows.device)
-        return verify_greedy_batched(rows, none[:0], none)
-    meta = SpecDecodeMetadata.build([w.drafts for w in works], rows.device)
+    drafts = [w.drafts for w in works]
     if any(w.params.adjusts_logits for w in works):  # the argmax of the biased, penalised logits
-        rows = adjust_logits_rows(rows, *_row_params_and_counts(works, meta, vocab_size, rows.device))
-    return verify_greedy_batched(rows, meta.draft_token_ids, meta.cu_num_draft_tokens)
+        rows = adjust_logits_rows(rows, *_row_params_and_counts(works, [len(d) for d in drafts], vocab_size, rows.device))
+    return verify_greedy_batched(rows, drafts)
 
 
 def _verify_sampled(works, logits, vocab_size):
     rows = torch.cat(logits)  # [N + B, V]
     device = rows.device
     meta = SpecDecodeMetadata.build([w.drafts for w in works], device)
-    p = process_logits_rows(rows, *_row_params_and_counts(works, meta, vocab_size, device))  # [N + B, V]
+    p = process_logits_rows(rows, *_row_params_and_counts(works, meta.num_draft_tokens, vocab_size, device))  # [N + B, V]
     q = DraftProbs.cat([w.q if w.q is not None else DraftProbs.one_hot(w.drafts) for w in works])
     generators = [make_generator(w.seed, device) for w in works]
     uniform, noise = round_randomness(generators, meta.num_draft_tokens, vocab_size, device)
-    return rejection_sample_batched(p, q.dense(vocab_size, device), meta.draft_token_ids, meta.cu_num_draft_tokens,
-                                    uniform, noise)
+    n, nxt = rejection_sample_batched(p, q.dense(vocab_size, device), meta.draft_token_ids, meta.cu_num_draft_tokens,
+                                      uniform, noise)
+    return n.tolist(), nxt.tolist()  # one copy to the host each
 
 
 def _logprobs(works, logits, outcomes, vocab_size) -> list[list[TokenLogprobs]]:

@@ -103,8 +103,9 @@ def dense_q_rows(
 # Many sessions verified at once, the way vLLM's rejection sampler lays them out: every session's draft
 # tokens flattened into one tensor with cumulative counts, and the target rows of session b at
 # [cu_num_draft_tokens[b] + b, cu_num_draft_tokens[b + 1] + b + 1) (its K_b draft positions plus its
-# bonus position). No Python loop over sessions inside the math; the random draws come from each
-# session's own generator (round_randomness), so a session's outcome never depends on its batch.
+# bonus position). No Python loop over sessions inside the tensor math (greedy's walk, a few integer
+# comparisons a session after one argmax, runs on the host); the random draws come from each session's
+# own generator (round_randomness), so a session's outcome never depends on its batch.
 
 
 def round_randomness(
@@ -165,22 +166,20 @@ def rejection_sample_batched(
 
 
 def verify_greedy_batched(
-    target_logits: torch.Tensor,  # [num_draft_tokens + B, V] each session's K_b + 1 rows
-    draft_token_ids: torch.Tensor,  # [num_draft_tokens]
-    cu_num_draft_tokens: torch.Tensor,  # [B + 1]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verify_greedy for B sessions at once: (num_accepted [B], next_token [B])."""
-    device = target_logits.device
-    num_drafts = draft_token_ids.shape[0]
-    batch = cu_num_draft_tokens.shape[0] - 1
-    if num_drafts == 0:  # target-only rows (K = 0 for all): nothing to accept; each row's argmax is its next token
-        return torch.zeros(batch, dtype=torch.long, device=device), argmax(target_logits)
-    k = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]
-    session = torch.repeat_interleave(torch.arange(batch, device=device), k)
-    flat = torch.arange(num_drafts, device=device)
-    target_argmax = argmax(target_logits)  # [N + B]
-    match = target_argmax[flat + session] == draft_token_ids
-    first_mismatch = torch.where(match, k[session], flat - cu_num_draft_tokens[session])
-    num_accepted = k.clone().scatter_reduce_(0, session, first_mismatch, reduce="amin")
-    stop_row = cu_num_draft_tokens[:-1] + torch.arange(batch, device=device) + num_accepted
-    return num_accepted, target_argmax[stop_row]
+    target_logits: torch.Tensor,  # [N + B, V] each session's K_b + 1 rows
+    draft_token_ids: list[list[int]],  # B x [K_b]: each session's d_1..d_K_b
+) -> tuple[list[int], list[int]]:
+    """verify_greedy for B sessions at once: (num_accepted [B], next_token [B]), as host ints. One argmax over
+    every row and one copy of it to the host; the walk along each chain is a few integer comparisons, which
+    on the host cost less than the ragged tensor operations would (and the caller needs ints)."""
+    target_argmax = argmax(target_logits).tolist()  # [N + B]
+    num_accepted, next_token = [], []
+    row = 0  # session b's first row: K_1 + 1 + ... + K_(b-1) + 1
+    for drafts in draft_token_ids:
+        n = 0
+        while n < len(drafts) and drafts[n] == target_argmax[row + n]:
+            n += 1
+        num_accepted.append(n)
+        next_token.append(target_argmax[row + n])  # the correction at the first mismatch, or the bonus
+        row += len(drafts) + 1
+    return num_accepted, next_token
