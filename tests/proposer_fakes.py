@@ -21,9 +21,9 @@ class Offer(LocalStrategy):
     """A model-free strategy (the real base: its estimates, prices and judging) whose offer is `next`."""
 
     def __init__(self, source: str, *, greedy: bool = True, priors: SharedPriors | None = None,
-                 prior_acceptance: float = 0.5) -> None:
+                 prior_acceptance: float = 0.5, watch: int = 0) -> None:
         self.source = source
-        super().__init__(prior_acceptance, 0.9, greedy=greedy, priors=priors)
+        super().__init__(prior_acceptance, 0.9, greedy=greedy, priors=priors, watch=watch)
         self.next = Proposal(source, [])
 
     def offer(self, k: int, tree_nodes: int = 0) -> Proposal:

@@ -6,11 +6,12 @@ import pytest
 
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.estimates import LinearCost, SharedPriors, expected_tokens
-from coordinator.proposers.lookup import LookupConfig
+from coordinator.proposers.lookup import LookupConfig, LookupStrategy
 from coordinator.proposers.ngram_index import NgramIndex
 from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from coordinator.proposers.policy import Policy, PolicyConfig
 from coordinator.proposers.strategy import Outcome
+from coordinator.proposers.suffix import SuffixConfig, SuffixStrategy
 from coordinator.proposers.tier_cost import TierCost
 from tests.proposer_fakes import Offer, ask, draft, outcome
 
@@ -203,6 +204,31 @@ def test_greedy_rounds_judge_the_offers_not_chosen():
     Policy(PolicyConfig()).choose([sampled], ask())
     sampled.observe(Outcome(Proposal(SUFFIX, [1]), [5, 6], range(1), 50.0))
     assert sampled.acceptance.attempts == 0  # a sampled round's tokens are no verdict on other offers
+
+
+def test_a_cold_greedy_session_watches_its_offers_before_it_drafts():
+    """With no taught prior a greedy session's model-free strategy judges `watch` drafts against the target's
+    own tokens (free) before it drafts; taught by earlier sessions, sampled, or asked for a fixed K, it drafts
+    from the first round. The configs' default watch reaches the strategies."""
+    target_only = Proposal(PROMPT_LOOKUP, [])
+    lookup = offering(PROMPT_LOOKUP, [5, 6, 7], watch=2)
+    for judged in (1, 2):
+        assert lookup.predict(ask()) == []  # offered (to be judged), not drafted
+        lookup.observe(Outcome(target_only, [5], (), 50.0))  # the target's token: its first draft right
+        assert lookup.acceptance.attempts == judged
+    assert [p.k for p in lookup.predict(ask())] == [1, 2, 3]  # two drafts judged: it drafts
+    wrong = offering(PROMPT_LOOKUP, [5, 6, 7], watch=2)
+    wrong.predict(ask())
+    wrong.observe(Outcome(target_only, [4], (), 50.0))  # its first draft wrong: one attempt, a failure
+    assert wrong.predict(ask()) == [] and wrong.acceptance.value < 0.5
+    priors = SharedPriors()
+    priors.learn(PROMPT_LOOKUP, True, acceptance=0.6)
+    assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2, priors=priors).predict(ask())  # taught: no watch
+    assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2, greedy=False).predict(ask())  # sampled: judged only when chosen
+    assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2).predict(ask(fixed=True))  # the request's own K
+    cold = LookupStrategy(LookupConfig(min_ngram=1), [1, 2, 3, 1, 2])
+    assert cold.predict(ask()) == [] and cold._offer.tokens == [3, 1, 2]
+    assert SuffixStrategy(SuffixConfig(), None).watch == LookupConfig().watch == 2
 
 
 def test_a_fixed_k():

@@ -20,12 +20,15 @@ class LocalStrategy(Strategy):
     """A model-free strategy; subclasses set `source`, make offers (offer()) and follow the tokens (commit())."""
 
     def __init__(self, prior_acceptance: float, decay: float, *, greedy: bool = True, tree_nodes: int = 0,
-                 priors: SharedPriors | None = None) -> None:
+                 priors: SharedPriors | None = None, watch: int = 0) -> None:
         """tree_nodes > 0: offer token trees of at most that many nodes. priors: where the estimates start and
-        what they teach at the end (None: the config's prior, nothing taught)."""
+        what they teach at the end (None: the config's prior, nothing taught). watch: in a greedy session that
+        starts from no taught prior, the drafts to judge (its offers against the target's own tokens, free)
+        before it may draft: a cold start drafts on evidence, not on the config's prior."""
         self.greedy, self.tree_nodes, self.priors = greedy, tree_nodes, priors
-        start = priors.get(self.source, greedy, "acceptance", prior_acceptance) if priors else prior_acceptance
-        self.acceptance = Acceptance(decay, start)
+        taught = priors.get(self.source, greedy, "acceptance") if priors else None
+        self.acceptance = Acceptance(decay, prior_acceptance if taught is None else taught)
+        self.watch = watch if greedy and taught is None else 0
         self.ratio = Ratio(decay, priors.get(self.source, greedy, "ratio", 1.0) if priors else 1.0)
         self._offer: Proposal | None = None  # this round's offer
         self._depth = 0  # this round's depth budget
@@ -43,6 +46,8 @@ class LocalStrategy(Strategy):
         (probs[i] = P(the first i + 1 drafts right)) 1 + their sum times the measured ratio, at most k."""
         self._offer, self._depth = self.offer(ask.k, min(self.tree_nodes, len(ask.verify_ms) - 1)), ask.k
         offer = self._offer
+        if self.acceptance.attempts < self.watch and not ask.fixed:  # still watching: judged, not drafted
+            return []
         n_max = min(len(offer.tokens), len(ask.verify_ms) - 1)
         a, ratio = self.acceptance.value, self.ratio.value
         out = []

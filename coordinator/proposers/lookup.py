@@ -22,6 +22,7 @@ class LookupConfig:
     max_ngram: int = 4  # longest suffix tried first
     prior_acceptance: float = 0.5  # per-token acceptance assumed before any round (and before any session taught one)
     decay: float = 0.9  # weight of the past per round in its estimates (~10-round memory)
+    watch: int = 2  # greedy sessions with no taught prior: drafts judged against the target's tokens before the first drafted
 
 
 class LookupStrategy(LocalStrategy):
@@ -31,7 +32,8 @@ class LookupStrategy(LocalStrategy):
 
     def __init__(self, config: LookupConfig, prompt_ids: list[int], *, greedy: bool = True, tree_nodes: int = 0,
                  priors: SharedPriors | None = None) -> None:
-        super().__init__(config.prior_acceptance, config.decay, greedy=greedy, tree_nodes=tree_nodes, priors=priors)
+        super().__init__(config.prior_acceptance, config.decay, greedy=greedy, tree_nodes=tree_nodes, priors=priors,
+                         watch=config.watch)
         self.index = NgramIndex(config, prompt_ids)
 
     def commit(self, tokens) -> None:

@@ -27,7 +27,8 @@ class SuffixStrategy(LocalStrategy):
                  shared: bool = True, greedy: bool = True, tree_nodes: int = 0, priors: SharedPriors | None = None) -> None:
         """cache: the shared tree, which this session's output joins at close(); shared=False: proposals a
         function of the session's tokens alone (the shared tree changes with other sessions)."""
-        super().__init__(config.prior_acceptance, config.decay, greedy=greedy, tree_nodes=tree_nodes, priors=priors)
+        super().__init__(config.prior_acceptance, config.decay, greedy=greedy, tree_nodes=tree_nodes, priors=priors,
+                         watch=config.watch)
         self.config, self.prompt_ids, self.shared = config, list(prompt_ids), shared
         self.cache = cache if cache is not None and cache.enabled else None
         self.tree = SuffixTree(config.max_depth)
