@@ -1,10 +1,10 @@
 """Concurrency sweep: many clients at once against one pipeline, beside a peer measured in the same run.
 
 For each concurrency level C (default 1, 4, 16, 32), C clients start together, each with its own chat
-prompt, greedy, a fixed number of new tokens (EOS ignored), streaming. Per client we record the time
-to first token (TTFT), the time per output token after it (TPOT = (end - first) / (n - 1), vLLM's
-definition) and its tokens per second; per level the aggregate tokens per second over the whole
-burst. Rows:
+prompt, greedy (or sampled: --temperature, a seed per client), a fixed number of new tokens (EOS
+ignored), streaming. Per client we record the time to first token (TTFT), the time per output token
+after it (TPOT = (end - first) / (n - 1), vLLM's definition) and its tokens per second; per level the
+aggregate tokens per second over the whole burst. Rows:
 
 * specdec, the default policy (hybrid proposer, adaptive K), and the mean K it chose at each level
   (the cross-session suffix tree and the tiers' prefix caches are off: the rows and levels reuse prompts,
@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="1,4,16,32", help="comma list of concurrent clients")
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the specdec rows' sampling temperature, each client its own seed (0 = greedy; the peer stays greedy)")
     p.add_argument("--repeats", type=int, default=3,
                    help="bursts per row and level, the rows alternating (specdec, K = 0, specdec, ...); the median "
                         "by aggregate tok/s is reported, with the range (a 2-core machine's bursts vary by ~10%%)")
@@ -113,7 +115,12 @@ def percentile(xs: list[float], q: float) -> float:
 # --- specdec ----------------------------------------------------------------------------------------
 
 
-def burst(address: str, prompts: list[list[dict]], max_new: int, k: int | None) -> dict:
+def sampled(temperature: float, i: int) -> dict:
+    """A request's sampling fields: greedy (none), or the temperature with a seed of its own (client i)."""
+    return dict(temperature=temperature, seed=i) if temperature > 0 else {}
+
+
+def burst(address: str, prompts: list[list[dict]], max_new: int, k: int | None, temperature: float = 0.0) -> dict:
     """C streaming clients started together (a barrier); per-client timings and stats."""
     from specdec.client import Client
 
@@ -122,7 +129,7 @@ def burst(address: str, prompts: list[list[dict]], max_new: int, k: int | None) 
     results: list[dict | None] = [None] * n
 
     def one(i: int) -> None:
-        kw = dict(messages=prompts[i], max_new_tokens=max_new, ignore_eos=True)
+        kw = dict(messages=prompts[i], max_new_tokens=max_new, ignore_eos=True, **sampled(temperature, i))
         if k is not None:
             kw["num_speculative_tokens"] = k
         with Client(address, timeout_s=1800) as client:
@@ -152,7 +159,7 @@ def burst(address: str, prompts: list[list[dict]], max_new: int, k: int | None) 
 
 
 def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, k: int | None, seconds: float,
-           warmup_s: float) -> dict:
+           warmup_s: float, temperature: float = 0.0) -> dict:
     """`clients` closed-loop streaming clients for `seconds`: client i sends prompts i, i + clients, ... (cycling)
     back to back; the tokens that arrive in [warmup_s, seconds] over the window's length."""
     from specdec.client import Client
@@ -168,7 +175,8 @@ def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, 
             barrier.wait()
             j = 0
             while time.perf_counter() < start[0] + seconds:
-                kw = dict(messages=prompts[(i + j * clients) % len(prompts)], max_new_tokens=max_new, ignore_eos=True)
+                kw = dict(messages=prompts[(i + j * clients) % len(prompts)], max_new_tokens=max_new, ignore_eos=True,
+                          **sampled(temperature, i + j * clients))
                 if k is not None:
                     kw["num_speculative_tokens"] = k
                 for event in client.stream(**kw):
@@ -226,7 +234,7 @@ def cold_bursts(args, levels: list[int], rows: list[str], models: dict) -> dict:
         for _ in range(max(args.repeats, 1)):
             for row in rows:
                 with LocalPipeline(pipeline_config(args, models)) as pipeline:
-                    res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, ROW_K[row])
+                    res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, ROW_K[row], args.temperature)
                 runs[row][c].append(res)
                 log(f"{row} C={c} cold: {res['aggregate_tok_s']:.1f} tok/s aggregate, mean K {res['mean_k']:.2f}")
     return runs
@@ -246,11 +254,11 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
         runs: dict = {row: {c: [] for c in levels} for row in rows}
         for c in levels:  # at each level the rows alternate, so a slow spell of the machine hits both
             for row in rows:  # untimed: what the level's first burst meets once (lazily captured graphs) hits no row
-                burst(pipeline.address, chat_prompts(c), args.max_new_tokens, ROW_K[row])
+                burst(pipeline.address, chat_prompts(c), args.max_new_tokens, ROW_K[row], args.temperature)
             for _ in range(max(args.repeats, 1)):
                 for row in rows:
                     k = ROW_K[row]
-                    res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, k)
+                    res = burst(pipeline.address, chat_prompts(c), args.max_new_tokens, k, args.temperature)
                     runs[row][c].append(res)
                     log(f"{row} C={c}: {res['aggregate_tok_s']:.1f} tok/s aggregate, {res['per_client_tok_s']:.2f} per "
                         f"client, TTFT p50 {res['ttft_p50_s']:.2f}s, TPOT p50 {res['tpot_p50_ms']:.0f} ms, mean K {res['mean_k']:.2f}")
@@ -262,7 +270,7 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
                     for row in rows:
                         k = ROW_K[row]
                         w = steady(pipeline.address, chat_prompts(2 * c), c, args.max_new_tokens, k, args.steady,
-                                   args.steady_warmup)
+                                   args.steady_warmup, args.temperature)
                         windows[row].append(w)
                         log(f"{row} C={c} steady: {w['steady_tok_s']:.1f} tok/s over {w['window_s']:.0f} s")
                 for row in rows:
@@ -322,10 +330,11 @@ def plot(results: dict, levels: list[int], path: Path, title: str) -> bool:
     return True
 
 
-def markdown(results: dict, levels: list[int], command: str, info: str, max_new: int, plot_name: str | None) -> list[str]:
+def markdown(results: dict, levels: list[int], command: str, info: str, max_new: int, plot_name: str | None,
+             temperature: float = 0.0) -> list[str]:
     L = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: concurrency sweep", "",
          f"Command: `{command}`", "", f"- {info}",
-         f"- Each client its own chat prompt, greedy, {max_new} new tokens (EOS ignored), all starting together; "
+         f"- Each client its own chat prompt, {f'temperature {temperature:g} (seeded per client)' if temperature else 'greedy'}, {max_new} new tokens (EOS ignored), all starting together; "
          "TPOT = (end - first token) / (tokens - 1); the peer's per-client figures are its batch's wall time. "
          "specdec's rows: the median of the repeated bursts by aggregate tok/s (the range in brackets), the rows "
          "alternating at each level.", ""]
@@ -418,7 +427,8 @@ def main(argv=None) -> int:
     plot_path = Path(args.plot or REPO / "docs" / ("bench_concurrency.png" if args.device == "cpu" else "bench_concurrency_gpu.png"))
     where = f"{gpu_name(args.device).split(' (')[0]}, {args.dtype}" if args.device != "cpu" else f"{m['cores']} cores"
     made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({where}, N={args.max_new_tokens})")
-    lines = markdown(results, levels, command, info, args.max_new_tokens, os.path.relpath(plot_path, Path(args.out).resolve().parent) if made and args.out else plot_path.name if made else None)
+    lines = markdown(results, levels, command, info, args.max_new_tokens, os.path.relpath(plot_path, Path(args.out).resolve().parent) if made and args.out else plot_path.name if made else None,
+                     args.temperature)
     if args.out:
         append_section("\n".join(lines), args.out)
     if args.json:

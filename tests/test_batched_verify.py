@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.math.draw import draw, inverse_cdf
 from specdec.math.params import SamplingParams
 from specdec.math.rejection import (dense_q, rejection_sample, rejection_sample_batched, round_randomness,
                                     verify_greedy, verify_greedy_batched)
@@ -50,8 +51,8 @@ def batched(sessions, seeds, device=torch.device("cpu")):
     p = torch.cat([s[0] for s in sessions]).to(device)
     q = (torch.cat([s[1] for s in sessions]) if sum(ks) else torch.zeros(0, V)).to(device)
     drafts = torch.cat([s[2] for s in sessions]).to(device)
-    uniform, noise = round_randomness([make_generator(s, device) for s in seeds], ks, V, device)
-    return rejection_sample_batched(p, q, drafts, cu, uniform, noise)
+    uniform, at = round_randomness([make_generator(s, device) for s in seeds], ks, device)
+    return rejection_sample_batched(p, q, drafts, cu, uniform, at)
 
 
 KINDS = ["one_hot", "truncated", "q_equals_p", "q_zero"]
@@ -91,7 +92,7 @@ def test_batched_edge_cases_named():
     n, nxt = batched(sessions, [5, 6, 7])
     assert n.tolist() == [0, 0, 0]
     for i, (p, _, _) in enumerate(sessions):
-        assert int(nxt[i]) == int(torch.multinomial(p[0], 1, generator=make_generator([5, 6, 7][i]))[0])
+        assert int(nxt[i]) == draw(p[0], make_generator([5, 6, 7][i]))
 
 
 def test_zero_residual_falls_back_to_p():
@@ -103,23 +104,39 @@ def test_zero_residual_falls_back_to_p():
     q = p[:1].clone()
     drafts = torch.tensor([7])  # p(7) = q(7) = 0
     for seed in range(20):
-        n, nxt = rejection_sample_batched(p, q, drafts, torch.tensor([0, 1]), *round_randomness([make_generator(seed)], [1], V))
+        n, nxt = rejection_sample_batched(p, q, drafts, torch.tensor([0, 1]), *round_randomness([make_generator(seed)], [1]))
         assert (int(n[0]), int(nxt[0])) == rejection_sample(p, q, drafts, make_generator(seed))
         assert int(n[0]) == 0 and int(nxt[0]) in (0, 1)
 
 
-def test_multinomial_is_argmax_over_exponential_noise():
-    """The identity round_randomness relies on: torch.multinomial(dist, 1, generator) draws
-    Exp(1) noise of dist's shape from the generator and returns argmax(dist / noise) (on the test
-    device: the GPU's multinomial takes the same path)."""
-    for seed in range(200):
+def test_inverse_cdf_exact_cases():
+    """The draw's exact cases: each token owns the interval of its cumulative mass, [cdf_before, cdf);
+    tokens of zero mass own none, whatever the point; an unnormalised row is drawn as its normalised one;
+    a point that rounding carries to the total falls on the last token with mass, never past it."""
+    dist = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]] * 7, device=DEVICE)
+    at = torch.tensor([0.0, 0.2499, 0.25, 0.7499, 0.75, 0.999999, 1.0], dtype=torch.float64, device=DEVICE)
+    assert inverse_cdf(dist, at).tolist() == [1, 1, 3, 3, 4, 4, 4]
+    assert inverse_cdf(dist * 8, at).tolist() == [1, 1, 3, 3, 4, 4, 4]  # unnormalised: the same tokens
+    one = torch.zeros(1, V, device=DEVICE)
+    one[0, 17] = 3.0
+    for u in (0.0, 0.5, 1.0 - 2**-53):
+        assert inverse_cdf(one, torch.tensor([u], dtype=torch.float64, device=DEVICE)).tolist() == [17]
+    g = torch.Generator().manual_seed(0)
+    sparse = torch.rand(64, V, generator=g) ** 4
+    sparse[torch.rand(64, V, generator=g) < 0.7] = 0
+    sparse[:, 0] = 1e-3  # every row some mass
+    drawn = inverse_cdf(sparse.to(DEVICE), torch.rand(64, generator=g, dtype=torch.float64).to(DEVICE)).cpu()
+    assert bool((sparse[torch.arange(64), drawn] > 0).all())  # never a token of zero mass
+
+
+def test_draw_takes_one_uniform_from_the_generator():
+    """draw(dist, generator) is inverse_cdf at the generator's next float64 uniform (round_randomness and
+    the references rely on the order of the draws)."""
+    for seed in range(20):
         g = torch.Generator().manual_seed(seed)
-        dist = torch.rand(V, generator=g) ** 4
-        dist[torch.rand(V, generator=g) < 0.5] = 0
-        dist = dist.to(DEVICE)
-        a = int(torch.multinomial(dist, 1, generator=make_generator(seed, DEVICE))[0])
-        noise = torch.empty(V, device=DEVICE).exponential_(1, generator=make_generator(seed, DEVICE))
-        assert a == int((dist / noise).argmax())
+        dist = torch.rand(V, generator=g).to(DEVICE)
+        u = torch.rand(1, generator=make_generator(seed, DEVICE), device=DEVICE, dtype=torch.float64)
+        assert draw(dist, make_generator(seed, DEVICE)) == int(inverse_cdf(dist[None], u)[0])
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from specdec.math.draw import draw
 from specdec.math.params import SamplingParams
 from specdec.math.rejection import dense_q, rejection_sample
 from specdec.math.sampling import make_generator, process_logits
@@ -164,7 +165,7 @@ def test_k0_is_plain_sampling_from_p1():
     assert_result(t([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]), q, draft_tokens, (0, 4))
     p = t([[0.1, 0.2, 0.0, 0.3, 0.4, 0.0]])
     for seed in SEEDS:
-        expected = int(torch.multinomial(p[0], 1, generator=make_generator(seed))[0])
+        expected = draw(p[0], make_generator(seed))
         assert rejection_sample(p, q, draft_tokens, make_generator(seed)) == (0, expected)
 
 

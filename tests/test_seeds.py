@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from specdec.math.rejection import rejection_sample
-from specdec.math.sampling import make_generator, sample
+from specdec.math.draw import draw
+from specdec.math.sampling import make_generator
 from specdec.math.seeds import DRAFT_STREAM, TARGET_STREAM, derive_seed
 from tests.math_cases import d, t
 
@@ -45,7 +46,7 @@ def test_make_generator_same_seed_same_draws():
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     probs = t([0.1, 0.2, 0.3, 0.4])
-    assert [sample(probs, make_generator(s)) for _ in range(5)] == [sample(probs, make_generator(s))] * 5
+    assert [draw(probs, make_generator(s)) for _ in range(5)] == [draw(probs, make_generator(s))] * 5
 
 
 def test_rejection_sample_same_seed_same_result():

@@ -12,8 +12,8 @@ the batched verifier itself and compared with the target's joint p(y0) p(y1 | y0
     verifier reports the probability it accepted each tried node with, and the test forces each
     outcome with a uniform just inside that threshold (so the reported probability is the one the
     verifier uses), then weights the final draw by the distribution the verifier drew it from;
-  * deterministic candidates: noise for noise, the output equals the target-alone sample with the
-    same position-keyed noise (a coupling, so the laws are equal), over every outcome (y0, y1).
+  * deterministic candidates: draw for draw, the output equals the target-alone sample with the
+    same position-keyed draws (a coupling, so the laws are equal), over every outcome (y0, y1).
 Negative controls: the same enumeration with a wrong scheme (without-replacement draws verified as
 i.i.d., and the reverse) must differ from the target's law.
 
@@ -32,11 +32,12 @@ import pytest
 import torch
 
 from specdec.math.params import SamplingParams
+from specdec.math.draw import draw, inverse_cdf
 from specdec.math.rejection import round_randomness
 from specdec.math.sampling import make_generator, process_logits
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.math.tree import path_from_accepted, session_of_nodes, sibling_links, tree_depth
-from specdec.math.tree_verify import (TreeVerdict, level_noise, num_levels, verify_tree_candidates_batched,
+from specdec.math.tree_verify import (TreeVerdict, level_uniforms, num_levels, verify_tree_candidates_batched,
                                       verify_tree_greedy_batched, verify_tree_sampled_batched)
 from tests.test_distribution import GOF_PVALUE_MIN, NEGATIVE_PVALUE_MAX, goodness_of_fit
 
@@ -119,7 +120,8 @@ def sampled_first_two_law(P, Q, shape, drawn_without_replacement: bool, verified
         uniform = torch.tensor([it[5].get(i, (0.0,))[0] for it in items for i in range(len(it[1]))], dtype=torch.float32)
         verdict = verify_tree_sampled_batched(p, q, torch.tensor([t for it in items for t in it[1]]),
                                               torch.tensor([x for it in items for x in it[2]]), cu, uniform,
-                                              torch.ones(len(items), v), torch.tensor([verified_without_replacement] * len(items)))
+                                              torch.zeros(len(items), dtype=torch.float64),  # the draw: unused here
+                                              torch.tensor([verified_without_replacement] * len(items)))
         prob = verdict.accept_prob.tolist()
         nxt = []
         for b, (ctx, tokens, parents, q_ctx, w, forced) in enumerate(items):
@@ -210,19 +212,19 @@ def test_greedy_tree_every_token_assignment_gives_the_target_pair(shape):
                 assert emitted[1] == best[emitted[0]]
 
 
-def test_candidates_equal_target_alone_sampling_noise_for_noise():
-    """Deterministic candidates with position-keyed noise: the first two tokens equal those the target
-    alone draws with the same noise (argmax(p / E_position)), for every tree shape, for candidate trees
-    built from the target's likely tokens and from unlikely ones, over noise that visits every
-    outcome (y0, y1) of positive probability. Equal noise for noise means equal laws."""
+def test_candidates_equal_target_alone_sampling_draw_for_draw():
+    """Deterministic candidates with position-keyed draws: the first two tokens equal those the target
+    alone draws at the same points (specdec.math.draw), for every tree shape, for candidate trees
+    built from the target's likely tokens and from unlikely ones, over draws that visit every
+    outcome (y0, y1) of positive probability. Equal draw for draw means equal laws."""
     P, _ = make_tables(V_EXACT, SamplingParams(temperature=1.0))
     rng = random.Random(0)
     seen = set()
     for trial in range(1000):
         seed = 1000 + trial
         gens = lambda pos: make_generator(derive_seed(seed, pos, TARGET_STREAM))  # noqa: E731
-        y0 = int(torch.multinomial(P[START], 1, generator=gens(0))[0])
-        y1 = int(torch.multinomial(P[y0], 1, generator=gens(1))[0])
+        y0 = draw(P[START], gens(0))
+        y1 = draw(P[y0], gens(1))
         seen.add((y0, y1))
         out, ctx = [], START
         while len(out) < 2:
@@ -232,9 +234,9 @@ def test_candidates_equal_target_alone_sampling_noise_for_noise():
             cu = torch.tensor([0, len(parents)])
             par = torch.tensor(parents)
             levels = num_levels(par, cu)[0]
-            noise = level_noise([[gens(len(out) + d) for d in range(levels)]], V_EXACT)
+            at = level_uniforms([[gens(len(out) + d) for d in range(levels)]])
             rows = torch.tensor([ctx] + tokens)
-            verdict = verify_tree_candidates_batched(P[rows], torch.tensor(tokens), par, cu, noise)
+            verdict = verify_tree_candidates_batched(P[rows], torch.tensor(tokens), par, cu, at)
             out += [tokens[i] for i in verdict.path[0].tolist() if i >= 0] + [int(verdict.next_token[0])]
             ctx = out[-1]
         assert tuple(out[:2]) == (y0, y1), trial
@@ -287,7 +289,7 @@ def candidate_tree(ctx: int):
 def run_trees(P, Q, schemes: list[str], *, seed: int, verify=verify_tree_sampled_batched) -> np.ndarray:
     """Counts [V] * N_TOKENS of the first tokens of len(schemes) generations, all verified round by round
     as one ragged batch: "iid" and "wor" sessions (draft trees) share one sampled verify call,
-    "candidates" sessions (fixed trees, position-keyed noise) go through the candidates verifier."""
+    "candidates" sessions (fixed trees, position-keyed draws) go through the candidates verifier."""
     rng = random.Random(seed)
     Qlist = Q.double().tolist()
     n = len(schemes)
@@ -302,10 +304,10 @@ def run_trees(P, Q, schemes: list[str], *, seed: int, verify=verify_tree_sampled
             sizes = [len(tr[0]) for tr in trees]
             cu = torch.tensor([0] + sizes).cumsum(0)
             rows = torch.tensor([c for t, tr in zip(sampled, trees) for c in [outs[t][-1] if outs[t] else START] + tr[0]])
-            uniform, noise = round_randomness([gens[t] for t in sampled], sizes, V)
+            uniform, at = round_randomness([gens[t] for t in sampled], sizes)
             verdict = verify(P[rows], Q[torch.tensor([c for tr in trees for c in tr[2]])],
                              torch.tensor([x for tr in trees for x in tr[0]]), torch.tensor([x for tr in trees for x in tr[1]]),
-                             cu, uniform, noise, torch.tensor([schemes[t] == "wor" for t in sampled]))
+                             cu, uniform, at, torch.tensor([schemes[t] == "wor" for t in sampled]))
             for b, (t, tr) in enumerate(zip(sampled, trees)):
                 outs[t] += [tr[0][i] for i in verdict.path[b].tolist() if i >= 0] + [int(verdict.next_token[b])]
         if fixed:
@@ -314,10 +316,10 @@ def run_trees(P, Q, schemes: list[str], *, seed: int, verify=verify_tree_sampled
             cu = torch.tensor([0] + sizes).cumsum(0)
             parents = torch.tensor([x for tr in trees for x in tr[1]])
             levels = num_levels(parents, cu)
-            noise = level_noise([[make_generator(derive_seed(seed * 7919 + t, len(outs[t]) + d, TARGET_STREAM))
-                                  for d in range(lv)] for t, lv in zip(fixed, levels)], V)
+            at = level_uniforms([[make_generator(derive_seed(seed * 7919 + t, len(outs[t]) + d, TARGET_STREAM))
+                                  for d in range(lv)] for t, lv in zip(fixed, levels)])
             rows = torch.tensor([c for t, tr in zip(fixed, trees) for c in [outs[t][-1] if outs[t] else START] + tr[0]])
-            verdict = verify_tree_candidates_batched(P[rows], torch.tensor([x for tr in trees for x in tr[0]]), parents, cu, noise)
+            verdict = verify_tree_candidates_batched(P[rows], torch.tensor([x for tr in trees for x in tr[0]]), parents, cu, at)
             for b, (t, tr) in enumerate(zip(fixed, trees)):
                 outs[t] += [tr[0][i] for i in verdict.path[b].tolist() if i >= 0] + [int(verdict.next_token[b])]
         active = [t for t in active if len(outs[t]) < N_TOKENS]
@@ -337,7 +339,7 @@ def assert_matches_target(counts: np.ndarray, joint: np.ndarray) -> None:
 @pytest.mark.parametrize("schemes, params, n_trials", [
     pytest.param(["iid"], SamplingParams(temperature=1.0), N_TRIALS, id="draft-iid-MSS"),
     pytest.param(["wor"], SamplingParams(temperature=1.0), N_TRIALS, id="draft-without-replacement-RRS"),
-    # position-keyed noise makes a generator per position: fewer trials keep the test fast
+    # position-keyed draws make a generator per position: fewer trials keep the test fast
     pytest.param(["candidates"], SamplingParams(temperature=0.8, top_k=3), N_TRIALS // 2, id="candidates-topk3"),
     pytest.param(["iid", "wor", "candidates"], SamplingParams(temperature=1.0, top_p=0.9), N_TRIALS, id="mixed-batch-topp0.9"),
 ])
@@ -347,7 +349,7 @@ def test_tree_sampling_matches_target(schemes, params, n_trials):
     assert_matches_target(counts, exact_joint(P, N_TOKENS))
 
 
-def _naive_batched(p, q, tokens, parents, cu, uniform, noise, without_replacement=None):
+def _naive_batched(p, q, tokens, parents, cu, uniform, at, without_replacement=None):
     """WRONG on purpose: every sibling is tested against p at the node itself (no residual after a
     rejection), as a naive multi-candidate verifier would; the recovered token comes from
     max(0, p - q) of the last sibling tried."""
@@ -374,7 +376,7 @@ def _naive_batched(p, q, tokens, parents, cu, uniform, noise, without_replacemen
     residual = (r - last_q).clamp_min(0)
     dist = torch.where(residual.sum(-1, keepdim=True) > 0, residual, r)
     path, num = path_from_accepted(accepted, tree_depth(parents, cu), cu)
-    return TreeVerdict(path, num, (dist / noise).argmax(-1))
+    return TreeVerdict(path, num, inverse_cdf(dist, at))
 
 
 def test_negative_control_wrong_tree_verifier_is_detected():

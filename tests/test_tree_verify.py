@@ -18,10 +18,11 @@ import torch
 
 from specdec.math.rejection import (rejection_sample, rejection_sample_batched, round_randomness, verify_greedy,
                                     verify_greedy_batched)
+from specdec.math.draw import draw
 from specdec.math.sampling import make_generator
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.math.tree import chain_parents
-from specdec.math.tree_verify import (level_noise, num_levels, tree_candidates_sample, tree_greedy,
+from specdec.math.tree_verify import (level_uniforms, num_levels, tree_candidates_sample, tree_greedy,
                                       tree_rejection_sample, verify_tree_candidates_batched, verify_tree_greedy_batched,
                                       verify_tree_sampled_batched)
 from tests.math_cases import cu_of, d, random_tree, t
@@ -34,11 +35,11 @@ def batched_sampled(sessions, seeds, without_replacement=False):
     """verify_tree_sampled_batched over sessions [(p, q, tokens, parents)] with round_randomness."""
     sizes = [s[2].shape[0] for s in sessions]
     v = sessions[0][0].shape[1]
-    uniform, noise = round_randomness([make_generator(s) for s in seeds], sizes, v)
+    uniform, at = round_randomness([make_generator(s) for s in seeds], sizes)
     wor = torch.as_tensor(without_replacement).expand(len(sessions))
     q = torch.cat([s[1] for s in sessions]) if sum(sizes) else torch.zeros(0, v)
     return verify_tree_sampled_batched(torch.cat([s[0] for s in sessions]), q, torch.cat([s[2] for s in sessions]),
-                                       torch.cat([s[3] for s in sessions]), cu_of(sizes), uniform, noise, wor)
+                                       torch.cat([s[3] for s in sessions]), cu_of(sizes), uniform, at, wor)
 
 
 def assert_sampled(p, q, tokens, parents, expected: tuple[list[int], int], schemes=(False, True)) -> None:
@@ -272,7 +273,7 @@ KINDS = ["one_hot", "truncated", "q_equals_p", "q_zero"]
 @pytest.mark.parametrize("seed", range(30))
 def test_chain_through_the_tree_verifier_equals_rejection_sample(seed):
     """A chain (parents -1, 0, 1, ...) through the tree functions consumes the same draws as today's chain
-    functions (N uniforms, then one multinomial) and gives the same result, per session and batched."""
+    functions (N uniforms, then one draw) and gives the same result, per session and batched."""
     g = torch.Generator().manual_seed(2000 + seed)
     b = int(torch.randint(1, 8, (1,), generator=g))
     ks = torch.randint(0, 6, (b,), generator=g).tolist()
@@ -280,13 +281,13 @@ def test_chain_through_the_tree_verifier_equals_rejection_sample(seed):
     sessions = ragged_case(seed, ks, kinds)
     seeds = [seed * 100 + i for i in range(b)]
     cu = cu_of(ks)
-    uniform, noise = round_randomness([make_generator(s) for s in seeds], ks, 50)
+    uniform, at = round_randomness([make_generator(s) for s in seeds], ks)
     flat = [torch.cat([s[i] for s in sessions]) if sum(ks) or i == 0 else torch.zeros(0, 50) for i in range(2)]
     drafts = torch.cat([s[2] for s in sessions])
-    n, nxt = rejection_sample_batched(flat[0], flat[1], drafts, cu, uniform, noise)
+    n, nxt = rejection_sample_batched(flat[0], flat[1], drafts, cu, uniform, at)
     parents = torch.cat([chain_parents(k) for k in ks])
     for wor in (False, True):
-        verdict = verify_tree_sampled_batched(flat[0], flat[1], drafts, parents, cu, uniform, noise, wor)
+        verdict = verify_tree_sampled_batched(flat[0], flat[1], drafts, parents, cu, uniform, at, wor)
         assert torch.equal(verdict.num_accepted, n) and torch.equal(verdict.next_token, nxt)
     for i, (p, q, dr) in enumerate(sessions):
         reference = rejection_sample(p, q, dr, make_generator(seeds[i]))
@@ -309,8 +310,8 @@ def test_candidates_exact_cases_with_one_hot_p():
         for seed in range(16):
             gens = position_generators(seed, 7, num_levels(HAND_PARENTS, cu_of([6]))[0])
             assert tree_candidates_sample(p, HAND_TOKENS, HAND_PARENTS, gens) == expected
-        noise = level_noise([position_generators(3, 7, 4)], 10)
-        verdict = verify_tree_candidates_batched(p, HAND_TOKENS, HAND_PARENTS, cu_of([6]), noise)
+        at = level_uniforms([position_generators(3, 7, 4)])
+        verdict = verify_tree_candidates_batched(p, HAND_TOKENS, HAND_PARENTS, cu_of([6]), at)
         assert ([i for i in verdict.path[0].tolist() if i >= 0], int(verdict.next_token[0])) == expected
 
 
@@ -323,8 +324,8 @@ def test_candidates_batched_equals_reference_per_session(seed):
     parents, tokens, cu = torch.cat([p for p, _ in trees]), torch.cat([x for _, x in trees]), cu_of(sizes)
     p = (torch.randn(sum(sizes) + len(sizes), v, generator=g)).softmax(-1)
     levels = num_levels(parents, cu)
-    noise = level_noise([position_generators(seed * 10 + b, 20, lv) for b, lv in enumerate(levels)], v)
-    verdict = verify_tree_candidates_batched(p, tokens, parents, cu, noise)
+    at = level_uniforms([position_generators(seed * 10 + b, 20, lv) for b, lv in enumerate(levels)])
+    verdict = verify_tree_candidates_batched(p, tokens, parents, cu, at)
     for b, (par, tok) in enumerate(trees):
         rows = p[int(cu[b]) + b : int(cu[b + 1]) + b + 1]
         expected = tree_candidates_sample(rows, tok, par, position_generators(seed * 10 + b, 20, levels[b]))
@@ -333,15 +334,15 @@ def test_candidates_batched_equals_reference_per_session(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_candidates_output_does_not_depend_on_the_proposal(seed):
-    """Proposal-invariant: a whole generation (bigram target, position-keyed noise) is token for token the
-    target-alone sample with the same noise, whatever trees are proposed each round (random shapes and
+    """Proposal-invariant: a whole generation (bigram target, position-keyed draws) is token for token the
+    target-alone sample with the same draws, whatever trees are proposed each round (random shapes and
     tokens, empty trees, the target's own likely continuations)."""
     g = torch.Generator().manual_seed(seed)
     v, length = 6, 24
     P = (torch.randn(v, v, generator=g) * 2).softmax(-1)
     alone, prev = [], 0
     for pos in range(length):
-        prev = int(torch.multinomial(P[prev], 1, generator=position_generators(seed, pos, 1)[0])[0])
+        prev = draw(P[prev], position_generators(seed, pos, 1)[0])
         alone.append(prev)
     for proposer in range(3):
         out, prev = [], 0
@@ -354,8 +355,8 @@ def test_candidates_output_does_not_depend_on_the_proposal(seed):
                 tokens[0] = int(P[prev].argmax())
             cu = cu_of([len(tokens)])
             rows = torch.cat([d([prev]), tokens])
-            noise = level_noise([position_generators(seed, len(out), num_levels(parents, cu)[0])], v)
-            verdict = verify_tree_candidates_batched(P[rows], tokens, parents, cu, noise)
+            at = level_uniforms([position_generators(seed, len(out), num_levels(parents, cu)[0])])
+            verdict = verify_tree_candidates_batched(P[rows], tokens, parents, cu, at)
             out += [int(tokens[i]) for i in verdict.path[0].tolist() if i >= 0] + [int(verdict.next_token[0])]
             prev = out[-1]
         assert out[:length] == alone, proposer

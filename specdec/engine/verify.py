@@ -17,7 +17,7 @@ A work may carry a token tree instead of a chain (`parents`, specdec.math.tree's
 its nodes in node order, fed after the uncached committed tokens, each seeing its prefix and its
 ancestors). Tree works are verified batched by scheme (specdec.math.tree_verify): greedy sessions walk the
 target's argmax; without q, the nodes are deterministic candidates, checked against one draw from p per
-level (noise keyed by the round's seed and the level); with q, SpecInfer's multi-step speculative sampling
+level (a uniform keyed by the round's seed and the level); with q, SpecInfer's multi-step speculative sampling
 (siblings drawn independently) or recursive rejection sampling (siblings drawn without replacement). The
 accepted path's KV entries (stored at committed_len + node index) are then moved to committed_len +
 0..n-1 (SlotKVCache.move: a copy inside the slot, no forward) and the session cropped to them. A tree
@@ -50,7 +50,7 @@ from specdec.math.rejection import rejection_sample_batched, round_randomness, v
 from specdec.math.penalties import TokenCounts
 from specdec.math.sampling import adjust_logits_rows, logprobs_rows, make_generator, process_logits_rows, top_logprobs
 from specdec.math.seeds import derive_seed
-from specdec.math.tree_verify import (level_noise, num_levels, verify_tree_candidates_batched,
+from specdec.math.tree_verify import (level_uniforms, num_levels, verify_tree_candidates_batched,
                                       verify_tree_greedy_batched, verify_tree_sampled_batched)
 
 MAX_TOP_LOGPROBS = 20  # alternatives per committed token (OpenAI's cap)
@@ -228,9 +228,9 @@ def _verify_sampled(works, logits, vocab_size):
     p = process_logits_rows(rows, *_row_params_and_counts(works, meta.num_draft_tokens, vocab_size, device))  # [N + B, V]
     q = DraftProbs.cat([w.q if w.q is not None else DraftProbs.one_hot(w.drafts) for w in works])
     generators = [make_generator(w.seed, device) for w in works]
-    uniform, noise = round_randomness(generators, meta.num_draft_tokens, vocab_size, device)
+    uniform, at = round_randomness(generators, meta.num_draft_tokens, device)
     n, nxt = rejection_sample_batched(p, q.dense(vocab_size, device), meta.draft_token_ids, meta.cu_num_draft_tokens,
-                                      uniform, noise)
+                                      uniform, at)
     return n.tolist(), nxt.tolist()  # one copy to the host each
 
 
@@ -291,8 +291,8 @@ def _tree_candidates(works, rows, meta, parents, vocab_size):
     levels = num_levels(parents, meta.cu_num_draft_tokens)
     generators = [[make_generator(derive_seed(w.seed, d, LEVEL_STREAM), rows.device) for d in range(n)]
                   for w, n in zip(works, levels)]
-    noise = level_noise(generators, vocab_size, rows.device)  # [B, L, V]
-    return verify_tree_candidates_batched(p, meta.draft_token_ids, parents, meta.cu_num_draft_tokens, noise)
+    at = level_uniforms(generators, rows.device)  # [B, L]
+    return verify_tree_candidates_batched(p, meta.draft_token_ids, parents, meta.cu_num_draft_tokens, at)
 
 
 def _tree_sampled(works, rows, meta, parents, vocab_size):
@@ -300,7 +300,7 @@ def _tree_sampled(works, rows, meta, parents, vocab_size):
     p = _row_probs(works, rows, meta)  # [N + B, V]
     q = DraftProbs.cat([w.q for w in works]).dense(vocab_size, device)  # [N, V]
     generators = [make_generator(w.seed, device) for w in works]
-    uniform, noise = round_randomness(generators, meta.num_draft_tokens, vocab_size, device)
+    uniform, at = round_randomness(generators, meta.num_draft_tokens, device)
     without = torch.tensor([w.scheme == WITHOUT_REPLACEMENT for w in works], device=device)
-    return verify_tree_sampled_batched(p, q, meta.draft_token_ids, parents, meta.cu_num_draft_tokens, uniform, noise,
+    return verify_tree_sampled_batched(p, q, meta.draft_token_ids, parents, meta.cu_num_draft_tokens, uniform, at,
                                        without)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec.math.argmax import argmax
+from specdec.math.draw import draw, inverse_cdf, uniform_at
 
 
 def rejection_sample(
@@ -23,7 +24,7 @@ def rejection_sample(
 
     Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), stopping at the first rejection j;
     then draw the recovered token from norm(max(0, p_j - q_j)), or the bonus token from p_{K+1} if
-    all K were accepted. Greedy is the limit case: p and q one-hot, so d_i is accepted iff it is
+    all K were accepted (one draw: specdec.math.draw, after the K uniforms). Greedy is the limit case: p and q one-hot, so d_i is accepted iff it is
     argmax p_i, and the next token is argmax p at the stop position.
 
     Edge cases, on purpose:
@@ -47,8 +48,7 @@ def rejection_sample(
     else:
         residual = (p[n_accepted] - q[n_accepted]).clamp_min(0)  # max(0, p_j - q_j)
         dist = residual if residual.sum() > 0 else p[n_accepted]
-    next_token = int(torch.multinomial(dist, 1, generator=generator)[0])
-    return n_accepted, next_token
+    return n_accepted, draw(dist, generator)
 
 
 def verify_greedy(
@@ -111,20 +111,18 @@ def dense_q_rows(
 def round_randomness(
     generators: list[torch.Generator],  # one per session, seeded for this round
     num_draft_tokens: list[int],  # [B] K_b
-    vocab_size: int,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each session's draws in the order rejection_sample makes them: K uniforms, then one Exp(1)
-    noise vector of the vocabulary's size (torch.multinomial(dist, 1) is argmax(dist / noise) with
-    that noise; tests pin the identity). Returns (uniform [sum K_b], noise [B, V])."""
+    """Each session's draws in the order rejection_sample makes them: K uniforms, then the point of its
+    one draw from the vocabulary (specdec.math.draw). Returns (uniform [sum K_b], at [B] float64)."""
     uniform = torch.empty(sum(num_draft_tokens), dtype=torch.float32, device=device)
-    noise = torch.empty(len(generators), vocab_size, dtype=torch.float32, device=device)
+    at = torch.empty(len(generators), dtype=torch.float64, device=device)
     start = 0
     for b, (gen, k) in enumerate(zip(generators, num_draft_tokens)):
         uniform[start : start + k] = torch.rand(k, generator=gen, device=device, dtype=torch.float32)
-        noise[b].exponential_(1, generator=gen)
+        at[b] = uniform_at(gen, device)[0]
         start += k
-    return uniform, noise
+    return uniform, at
 
 
 def rejection_sample_batched(
@@ -133,7 +131,7 @@ def rejection_sample_batched(
     draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64: every session's d_1..d_K, flattened
     cu_num_draft_tokens: torch.Tensor,  # [B + 1] int64: 0, K_1, K_1 + K_2, ...
     uniform: torch.Tensor,  # [num_draft_tokens] U[0, 1) draws
-    noise: torch.Tensor,  # [B, V] Exp(1) draws for the recovered / bonus sample
+    at: torch.Tensor,  # [B] U[0, 1) float64: each session's point for the recovered / bonus draw
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rejection_sample for B sessions at once. Returns (num_accepted [B], next_token [B]), equal to
     rejection_sample per session when the draws come from round_randomness. Same edge cases:
@@ -161,7 +159,7 @@ def rejection_sample_batched(
     residual = (p_stop - q_stop).clamp_min(0)  # max(0, p_j - q_j); equals p_{K+1} for the bonus
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     dist = torch.where(empty, p_stop, residual)  # [B, V]
-    next_token = argmax(dist / noise)  # one multinomial draw per row
+    next_token = inverse_cdf(dist, at)  # one draw per row
     return num_accepted, next_token
 
 

@@ -126,11 +126,6 @@ def renormalise_top(
     return ids, vals / vals.sum()
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One draw from a distribution probs [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
-
-
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)

@@ -12,10 +12,10 @@ by tests/test_tree_verify.py:
 
 * greedy (temperature 0): follow the child whose token is argmax p; stop where none is.
 * deterministic candidates (suffix / prompt-lookup matches, a draft's top-b branching when its q is
-  not used): draw x ~ p at the current node from position-keyed noise; move to the child whose token
+  not used): draw x ~ p at the current node at a position-keyed uniform; move to the child whose token
   is x, else emit x. Law: see tree_candidates_sample. Output does not depend on the proposal at all
-  ("proposal-invariant verification"): with noise keyed by (seed, position) it is token for token the
-  target's own sampled output with that noise.
+  ("proposal-invariant verification"): with draws keyed by (seed, position) it is token for token the
+  target's own sampled output with those draws.
 * sampled draft trees with q: multi-step speculative sampling over siblings (SpecInfer) for siblings
   drawn independently, recursive rejection sampling (RSD) for siblings drawn without replacement.
   See tree_rejection_sample for the scheme, the citations and the proof.
@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.math.argmax import argmax
+from specdec.math.draw import draw, inverse_cdf, uniform_at
 from specdec.math.tree import path_from_accepted, session_of_nodes, sibling_links, tree_depth
 
 
@@ -131,18 +132,18 @@ def tree_candidates_sample(
 
     Why this is exactly the target's law: the emitted sequence is y_0 = x_0, y_1 = x_1, ... where x_d is
     drawn from p(. | committed prefix, y_0..y_{d-1}), because the node we stand on at level d is the
-    node whose path spells y_0..y_{d-1} and its p row is that conditional. Each x_d uses fresh noise
+    node whose path spells y_0..y_{d-1} and its p row is that conditional. Each x_d uses a fresh uniform
     (its own generator), independent of everything before it, so by the chain rule the round emits
     y_0..y_n with probability prod_d p(y_d | prefix, y_<d): the target's own ancestral sampling. The
     candidates only decide how many of those draws one forward can make (where the walk stops), never
     which token is drawn. With generators keyed by (seed, position) the draw at a position is the
-    same whatever was proposed, so the output equals the target-alone output with that noise.
+    same whatever was proposed, so the output equals the target-alone output with those draws.
     Needs: one generator per level reached, len(generators) >= depth of the tree + 2."""
     toks = tokens.tolist()
     children = _children(parents.tolist())
     node, path, level = -1, [], 0
     while True:
-        x = int(torch.multinomial(p[node + 1], 1, generator=generators[level])[0])
+        x = draw(p[node + 1], generators[level])
         node = next((c for c in children[node] if toks[c] == x), None)
         if node is None:
             return path, x
@@ -160,19 +161,18 @@ def num_levels(parents: torch.Tensor, cu_num_nodes: torch.Tensor) -> list[int]:
     return (deepest + 2).tolist()
 
 
-def level_noise(
+def level_uniforms(
     generators: list[list[torch.Generator]],  # [B][levels_b] one per session and position
-    vocab_size: int,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """[B, L, V] Exp(1) noise: row [b, d] is the first draw of generators[b][d], the noise
-    torch.multinomial(dist, 1, generator) would use (argmax(dist / noise)); missing levels are 1."""
+    """[B, L] float64: [b, d] is the point of the draw at level d (generators[b][d]'s first uniform, as
+    specdec.math.draw takes it); missing levels are 0."""
     width = max((len(g) for g in generators), default=0)
-    noise = torch.ones(len(generators), width, vocab_size, dtype=torch.float32, device=device)
+    at = torch.zeros(len(generators), width, dtype=torch.float64, device=device)
     for b, gens in enumerate(generators):
         for d, gen in enumerate(gens):
-            noise[b, d].exponential_(1, generator=gen)
-    return noise
+            at[b, d] = uniform_at(gen, device)[0]
+    return at
 
 
 def verify_tree_candidates_batched(
@@ -180,10 +180,10 @@ def verify_tree_candidates_batched(
     tokens: torch.Tensor,  # [N] int64
     parents: torch.Tensor,  # [N] int64, local
     cu_num_nodes: torch.Tensor,  # [B + 1] int64
-    noise: torch.Tensor,  # [B, L, V] Exp(1) per session and level (level_noise), L >= num_levels
+    at: torch.Tensor,  # [B, L] float64: each session's draw points per level (level_uniforms), L >= num_levels
 ) -> TreeVerdict:
-    """tree_candidates_sample for B sessions at once: x at every row is argmax(p / noise at the row's
-    level) (root: level 0, node i: depth + 1); then the walk follows the children whose token is x."""
+    """tree_candidates_sample for B sessions at once: x at every row is p's draw at the row's level's point
+    (root: level 0, node i: depth + 1); then the walk follows the children whose token is x."""
     n = tokens.shape[0]
     batch = cu_num_nodes.shape[0] - 1
     device = p.device
@@ -195,8 +195,7 @@ def verify_tree_candidates_batched(
     node_row = torch.arange(n, device=device) + session + 1
     row_session[root_row], row_level[root_row] = b, 0
     row_session[node_row], row_level[node_row] = session, tree_depth(parents, cu_num_nodes) + 1
-    level_rows = noise.reshape(-1, noise.shape[-1]).index_select(0, row_session * noise.shape[1] + row_level)  # [N + B, V]
-    x_rows = argmax(p / level_rows)  # [N + B] one draw per row
+    x_rows = inverse_cdf(p, at.reshape(-1).index_select(0, row_session * at.shape[1] + row_level))  # [N + B] a draw a row
     return _walk_matching(x_rows, tokens, parents, cu_num_nodes)
 
 
@@ -218,7 +217,7 @@ def tree_rejection_sample(
     accept c_k with probability min(1, r(c_k) / q_k(c_k)); on acceptance move to c_k (r = p at c_k)
     and repeat; on rejection r <- norm(max(0, r - q_k)) and try c_{k+1}. When every child is rejected
     draw the recovered token from r; at a leaf draw the bonus from p there. A chain is exactly
-    rejection_sample, draw for draw (N uniforms, then one multinomial).
+    rejection_sample, draw for draw (N uniforms, then one draw: specdec.math.draw).
 
     q_k is the law child k was drawn from given its earlier siblings:
       * without_replacement=False: q_k = q[c_k]. SpecInfer's multi-step speculative sampling (Miao et
@@ -277,7 +276,7 @@ def tree_rejection_sample(
             r, mass = residual, left
         taken.append(tok)
         k += 1
-    return path, int(torch.multinomial(r, 1, generator=generator)[0])
+    return path, draw(r, generator)
 
 
 def verify_tree_sampled_batched(
@@ -287,11 +286,11 @@ def verify_tree_sampled_batched(
     parents: torch.Tensor,  # [N] int64, local
     cu_num_nodes: torch.Tensor,  # [B + 1] int64
     uniform: torch.Tensor,  # [N] U[0, 1) draws, one per node (round_randomness with N_b per session)
-    noise: torch.Tensor,  # [B, V] Exp(1) draws for the recovered / bonus sample
+    at: torch.Tensor,  # [B] U[0, 1) float64: each session's point for the recovered / bonus draw
     without_replacement: torch.Tensor | bool = False,  # [B] bool or one for all: siblings drawn without replacement
 ) -> TreeVerdict:
     """tree_rejection_sample for B sessions at once, equal to it per session when the draws come from
-    rejection.round_randomness(generators, N_b, V) (N uniforms, then the multinomial's noise). One
+    rejection.round_randomness(generators, N_b) (N uniforms, then the final draw's point). One
     step per child tried (at most max N_b steps), vectorised over sessions. A batch of chains gives
     rejection_sample_batched's result. Also returns each tried node's acceptance probability and the
     final distribution (for statistics and the exactness tests)."""
@@ -337,6 +336,6 @@ def verify_tree_sampled_batched(
         mass = torch.where(acc, torch.ones_like(mass), mass)
         taken &= ~acc[:, None]
         child = torch.where(acc, first_child.index_select(0, c), torch.where(rej, next_sibling.index_select(0, c), child))
-    next_token = argmax(r / noise)  # one multinomial draw per session
+    next_token = inverse_cdf(r, at)  # one draw per session
     path, num_accepted = path_from_accepted(accepted[:n], tree_depth(parents, cu_num_nodes), cu_num_nodes)
     return TreeVerdict(path, num_accepted, next_token, accept_prob[:n], r)
