@@ -73,7 +73,7 @@ def run(schemes: list[str], P: torch.Tensor, Q: torch.Tensor, n_trials: int, see
                 outs[t].extend([w.drafts[i] for i in path] + [nxt])
         if chains:
             n, nxt = _verify_sampled([w for _, w, _ in chains], [lg for _, _, lg in chains], V)
-            for (t, w, _), k, x in zip(chains, n.tolist(), nxt.tolist()):
+            for (t, w, _), k, x in zip(chains, n, nxt):
                 outs[t].extend(w.drafts[:k] + [x])
         rnd += 1
     counts = np.zeros((V,) * N_TOKENS, dtype=np.int64)

@@ -93,7 +93,7 @@ def first_tokens(results, p_logits, bonus, q_told=None) -> torch.Tensor:
                  for i, r in enumerate(part)]
         logits = [torch.stack([p_logits, bonus[r.tokens[0]]]) for r in part]
         n, nxt = _verify_sampled(works, logits, p_logits.shape[0])
-        out += [r.tokens[0] if k else t for r, k, t in zip(part, n.tolist(), nxt.tolist())]
+        out += [r.tokens[0] if k else t for r, k, t in zip(part, n, nxt)]
     return torch.tensor(out)
 
 

@@ -139,6 +139,8 @@ def rejection_sample_batched(
     device = p.device
     num_drafts = draft_token_ids.shape[0]
     batch = cu_num_draft_tokens.shape[0] - 1
+    if num_drafts == 0:  # every K_b = 0: p's rows are the B bonus rows, each drawn from as it is
+        return torch.zeros(batch, dtype=torch.long, device=device), inverse_cdf(p, at)
     k = cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]  # [B]
     session = torch.repeat_interleave(torch.arange(batch, device=device), k)  # [N] session of each draft
     flat = torch.arange(num_drafts, device=device)
