@@ -22,6 +22,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdec.math.draw import draw
 from specdec.math.params import SamplingParams
 from specdec.math.rejection import dense_q, rejection_sample, rejection_sample_batched, round_randomness
 from specdec.math.sampling import process_logits, truncate_top_n
@@ -259,6 +260,28 @@ def test_truncated_draft_matches_target():
     assert ((Q2 == 0) & (P > 0)).any()
     counts = run_chain(rejection_sample, P, Q2, n_trials=N_TRIALS, seed=1)
     assert_matches_target(counts, exact_joint(P))
+
+
+def test_a_one_hot_offer_matched_against_the_target_has_its_acceptance_law():
+    """Why a model-free strategy's offer that was not chosen is judged in a sampled session too
+    (coordinator/proposers/local.py): for a deterministic offer d_1..d_K (q one-hot), the drafts
+    rejection_sample accepts and the leading tokens of the target's own sample that equal the offer have one
+    law, P(n >= i) = prod_{j <= i} p_j(d_j). Both counts are checked against it."""
+    P, _ = make_tables(SamplingParams(temperature=1.0))
+    d1 = int(P[START].argmax())
+    d2 = int(P[d1].argsort(descending=True)[1])  # the second likeliest: a mixed outcome
+    offer = torch.tensor([d1, d2])
+    reach = [1.0, float(P[START, d1]), float(P[START, d1] * P[d1, d2])]  # P(n >= 0, 1, 2)
+    law = np.array([reach[0] - reach[1], reach[1] - reach[2], reach[2]])  # P(n = 0, 1, 2)
+    p, q = P[[START, d1, d2]], dense_q(None, offer, V)
+    gen = torch.Generator().manual_seed(11)
+    accepted, matched = np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
+    for _ in range(N_TRIALS):
+        accepted[rejection_sample(p, q, offer, gen)[0]] += 1
+        x1 = draw(P[START], gen)  # the target alone: its first token, then (if it is d_1) its second
+        matched[0 if x1 != d1 else 1 + (draw(P[d1], gen) == d2)] += 1
+    for counts in (accepted, matched):
+        assert chisquare(counts, law * N_TRIALS).pvalue > GOF_PVALUE_MIN, (counts, law * N_TRIALS)
 
 
 def test_deterministic_proposer_matches_target():

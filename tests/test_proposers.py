@@ -188,7 +188,7 @@ def test_a_suffix_tree_that_is_too_confident_is_discounted():
     assert chosen(policy.choose([suffix, lookup], ask(cost)))[0] == PROMPT_LOOKUP  # judged right every round
 
 
-def test_greedy_rounds_judge_the_offers_not_chosen():
+def test_every_round_judges_the_offers_not_chosen():
     lookup, suffix = offering(PROMPT_LOOKUP, [5, 6, 7]), offering(SUFFIX, [9, 9], [1.0, 1.0])
     Policy(PolicyConfig()).choose([lookup, suffix], ask())  # the round's offers
     chosen_one = Proposal(PROMPT_LOOKUP, [5, 6, 7])
@@ -203,12 +203,12 @@ def test_greedy_rounds_judge_the_offers_not_chosen():
     sampled = offering(PROMPT_LOOKUP, [5, 6, 7], greedy=False)
     Policy(PolicyConfig()).choose([sampled], ask())
     sampled.observe(Outcome(Proposal(SUFFIX, [1]), [5, 6], range(1), 50.0))
-    assert sampled.acceptance.attempts == 0  # a sampled round's tokens are no verdict on other offers
+    assert sampled.acceptance.attempts == 2  # sampled too: a one-hot offer matched with its acceptance's law
 
 
-def test_a_cold_greedy_session_watches_its_offers_before_it_drafts():
-    """With no taught prior a greedy session's model-free strategy judges `watch` drafts against the target's
-    own tokens (free) before it drafts; taught by earlier sessions, sampled, or asked for a fixed K, it drafts
+def test_a_cold_session_watches_its_offers_before_it_drafts():
+    """With no taught prior a session's model-free strategy (greedy or sampled) judges `watch` drafts against
+    the committed tokens (free) before it drafts; taught by earlier sessions, or asked for a fixed K, it drafts
     from the first round. The configs' default watch reaches the strategies."""
     target_only = Proposal(PROMPT_LOOKUP, [])
     lookup = offering(PROMPT_LOOKUP, [5, 6, 7], watch=2)
@@ -224,7 +224,7 @@ def test_a_cold_greedy_session_watches_its_offers_before_it_drafts():
     priors = SharedPriors()
     priors.learn(PROMPT_LOOKUP, True, acceptance=0.6)
     assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2, priors=priors).predict(ask())  # taught: no watch
-    assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2, greedy=False).predict(ask())  # sampled: judged only when chosen
+    assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2, greedy=False).predict(ask()) == []  # sampled: watches too
     assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2).predict(ask(fixed=True))  # the request's own K
     cold = LookupStrategy(LookupConfig(min_ngram=1), [1, 2, 3, 1, 2])
     assert cold.predict(ask()) == [] and cold._offer.tokens == [3, 1, 2]

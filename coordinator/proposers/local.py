@@ -1,6 +1,12 @@
 """What the model-free strategies (prompt lookup, suffix decoding) share: an offer made here in microseconds,
-priced for each prefix of it at verify(k) alone (its CPU is charged by the policy), and in greedy rounds judged
-whether chosen or not, against the target's own continuation (docs/DESIGN.md, Choosing the proposer and K)."""
+priced for each prefix of it at verify(k) alone (its CPU is charged by the policy), and in every round judged
+whether chosen or not, against the tokens the round committed (docs/DESIGN.md, Choosing the proposer and K).
+
+Why an offer not chosen can be judged, sampled or greedy: a model-free draft is deterministic (its q one-hot),
+so d_1 is accepted with probability p_1(d_1), and given d_1..d_(i-1) accepted, d_i with p_i(d_i). The committed
+tokens follow the target's law whoever proposed them (lossless), so the first of them equals d_1 with probability
+p_1(d_1), and given d_1..d_(i-1) the i-th equals d_i with p_i(d_i): matching the offer against them has the law
+of its own acceptance. (A draft model's q is not one-hot: min(1, p / q) is no such match, so it is probed.)"""
 
 from __future__ import annotations
 
@@ -22,20 +28,18 @@ class LocalStrategy(Strategy):
     def __init__(self, prior_acceptance: float, decay: float, *, greedy: bool = True, tree_nodes: int = 0,
                  priors: SharedPriors | None = None, watch: int = 0) -> None:
         """tree_nodes > 0: offer token trees of at most that many nodes. priors: where the estimates start and
-        what they teach at the end (None: the config's prior, nothing taught). watch: in a greedy session that
-        starts from no taught prior, the drafts to judge (its offers against the target's own tokens, free)
-        before it may draft: a cold start drafts on evidence, not on the config's prior."""
+        what they teach at the end (None: the config's prior, nothing taught). watch: in a session that starts
+        from no taught prior, the drafts to judge (its offers against the committed tokens, free) before
+        it may draft: a cold start drafts on evidence, not on the config's prior."""
         self.greedy, self.tree_nodes, self.priors = greedy, tree_nodes, priors
         taught = priors.get(self.source, greedy, "acceptance") if priors else None
         self.acceptance = Acceptance(decay, prior_acceptance if taught is None else taught)
-        self.watch = watch if greedy and taught is None else 0
+        self.watch = watch if taught is None else 0
         self.ratio = Ratio(decay, priors.get(self.source, greedy, "ratio", 1.0) if priors else 1.0)
         self._offer: Proposal | None = None  # this round's offer
         self._depth = 0  # this round's depth budget
 
-    @property
-    def judged_unchosen(self) -> bool:
-        return self.greedy
+    judged_unchosen = True  # greedy or sampled: the module's docstring says why
 
     def offer(self, k: int, tree_nodes: int) -> Proposal:
         """Up to k tokens (a chain), or with tree_nodes > 0 a tree of at most that many nodes and depth k."""
@@ -69,9 +73,9 @@ class LocalStrategy(Strategy):
         proposal = outcome.proposal
         if proposal.source == self.source and proposal.tokens:  # its own round
             self._judge(proposal, len(proposal.tokens), len(outcome.path))
-        elif self.greedy and self._offer is not None and self._offer.tokens:  # judged against the target's own
+        elif self._offer is not None and self._offer.tokens:  # judged against the committed tokens
             offer, accepted = self._offer, outcome.accepted
-            if offer.parents:  # a tree: the path the greedy walk would have taken
+            if offer.parents:  # a tree: the path the committed tokens spell through it
                 n = len(match(offer.tokens, offer.parents, accepted))
             else:
                 n = next((i for i, (d, t) in enumerate(zip(offer.tokens, accepted)) if d != t), min(len(offer.tokens), len(accepted)))

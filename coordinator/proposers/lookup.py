@@ -22,7 +22,7 @@ class LookupConfig:
     max_ngram: int = 4  # longest suffix tried first
     prior_acceptance: float = 0.5  # per-token acceptance assumed before any round (and before any session taught one)
     decay: float = 0.9  # weight of the past per round in its estimates (~10-round memory)
-    watch: int = 2  # greedy sessions with no taught prior: drafts judged against the target's tokens before the first drafted
+    watch: int = 2  # sessions with no taught prior: drafts judged against the committed tokens before the first drafted
 
 
 class LookupStrategy(LocalStrategy):

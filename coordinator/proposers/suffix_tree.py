@@ -44,7 +44,7 @@ class SuffixConfig:
     cache_context: int = 4  # prompt tokens stored before each output, so output starts can be predicted
     prior_acceptance: float = 0.5  # the strategy's per-token acceptance before any round, where its chain has no probs
     decay: float = 0.9  # weight of the past per round in the strategy's estimates (~10-round memory)
-    watch: int = 2  # greedy sessions with no taught prior: drafts judged against the target's tokens before the first drafted
+    watch: int = 2  # sessions with no taught prior: drafts judged against the committed tokens before the first drafted
 
     def __post_init__(self) -> None:
         if self.max_depth < 2:
