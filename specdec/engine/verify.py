@@ -3,8 +3,8 @@
 One forward scores [uncached committed tokens + d_1..d_K]; then all sessions whose verify completed in
 the step are verified together: greedy sessions with verify_greedy_batched (one argmax, each chain walked
 in host ints), the others with rejection_sample_batched (specdec.math.rejection) over the batch's
-SpecDecodeMetadata (flattened drafts) and its q (the sessions' DraftProbs, one-hot for deterministic drafts, made dense by the math module),
-each with its own sampling parameters and seed. The target's p at every row is what the target alone would
+SpecDecodeMetadata (flattened drafts) and its q (the sessions' DraftProbs, one-hot for deterministic
+drafts, made dense by the math module), each with its own sampling parameters and seed. The target's p at every row is what the target alone would
 compute at that position: logit_bias and the penalties (over the committed tokens plus the drafts before
 the row: specdec.math.penalties) are applied before the greedy argmax or the sampling distribution. When
 asked, the log-probabilities of the committed tokens (the accepted drafts and the next token) come back
