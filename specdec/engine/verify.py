@@ -4,14 +4,14 @@ One forward scores [uncached committed tokens + d_1..d_K]; then all sessions who
 the step are verified together: greedy sessions with verify_greedy_batched (one argmax, each chain walked
 in host ints), the others with rejection_sample_batched (specdec.math.rejection) over the batch's
 SpecDecodeMetadata (flattened drafts) and its q (the sessions' DraftProbs, one-hot for deterministic
-drafts, made dense by the math module), each with its own sampling parameters and seed. The target's p at every row is what the target alone would
-compute at that position: logit_bias and the penalties (over the committed tokens plus the drafts before
-the row: specdec.math.penalties) are applied before the greedy argmax or the sampling distribution. When
-asked, the log-probabilities of the committed tokens (the accepted drafts and the next token) come back
-too. Under structured output each row's logits outside the grammar's mask for that position (sent by the
-coordinator, which advanced the grammar through the drafts before it) are -inf before anything else, so
-p is the constrained target's. The session then keeps the committed prefix plus the accepted drafts: a
-crop, which is a length change.
+drafts, made dense by the math module), each with its own sampling parameters and seed. The target's p at
+every row is what the target alone would compute at that position: logit_bias and the penalties (over the
+committed tokens plus the drafts before the row: specdec.math.penalties) are applied before the greedy
+argmax or the sampling distribution. When asked, the log-probabilities of the committed tokens (the
+accepted drafts and the next token) come back too. Under structured output each row's logits outside the
+grammar's mask for that position (sent by the coordinator, which advanced the grammar through the drafts
+before it) are -inf before anything else, so p is the constrained target's. The session then keeps the
+committed prefix plus the accepted drafts: a crop, which is a length change.
 
 A work may carry a token tree instead of a chain (`parents`, specdec.math.tree's layout: the drafts are
 its nodes in node order, fed after the uncached committed tokens, each seeing its prefix and its
@@ -199,7 +199,8 @@ class VerifyWork(Work):
                                     features, start, tuple(t for _, t, _ in later))
 
 
-def _row_params_and_counts(works, num_draft_tokens, vocab_size, device) -> tuple[list[SamplingParams], TokenCounts | None]:
+def _row_params_and_counts(works, num_draft_tokens, vocab_size,
+                            device) -> tuple[list[SamplingParams], TokenCounts | None]:
     """Each of the batch's rows' parameters (a session's K_b + 1 rows share them), and the token counts of
     the penalised sessions' rows."""
     row_params = [w.params for w, k in zip(works, num_draft_tokens) for _ in range(k + 1)]
@@ -217,7 +218,8 @@ def _verify_greedy(works, logits, vocab_size):
     rows = torch.cat(logits) if len(logits) > 1 else logits[0]  # [N + B, V]
     drafts = [w.drafts for w in works]
     if any(w.params.adjusts_logits for w in works):  # the argmax of the biased, penalised logits
-        rows = adjust_logits_rows(rows, *_row_params_and_counts(works, [len(d) for d in drafts], vocab_size, rows.device))
+        ks = [len(d) for d in drafts]
+        rows = adjust_logits_rows(rows, *_row_params_and_counts(works, ks, vocab_size, rows.device))
     return verify_greedy_batched(rows, drafts)
 
 
@@ -225,7 +227,7 @@ def _verify_sampled(works, logits, vocab_size):
     rows = torch.cat(logits)  # [N + B, V]
     device = rows.device
     meta = SpecDecodeMetadata.build([w.drafts for w in works], device)
-    p = process_logits_rows(rows, *_row_params_and_counts(works, meta.num_draft_tokens, vocab_size, device))  # [N + B, V]
+    p = process_logits_rows(rows, *_row_params_and_counts(works, meta.num_draft_tokens, vocab_size, device))  # [N+B, V]
     q = DraftProbs.cat([w.q if w.q is not None else DraftProbs.one_hot(w.drafts) for w in works])
     generators = [make_generator(w.seed, device) for w in works]
     uniform, at = round_randomness(generators, meta.num_draft_tokens, device)

@@ -2,7 +2,8 @@
 
 PyTorch's CPU argmax reduces with a scalar loop: ~130 us for one row of a 49,152-token vocabulary on this
 project's CPU, where numpy's vectorised argmax takes ~9 us. Greedy verification and the draft's greedy and
-sampled tokens (argmax(q / noise) over its top n) pay it once per row, so a decode step paid it several times. `argmax` returns exactly `x.argmax(dim=-1)`: the index of the first maximum in each row (a NaN counts
+sampled tokens (argmax(q / noise) over its top n) pay it once per row, so a decode step paid it several
+times. `argmax` returns exactly `x.argmax(dim=-1)`: the index of the first maximum in each row (a NaN counts
 as the maximum in both), as int64; other devices and dtypes go to PyTorch itself.
 """
 

@@ -24,8 +24,8 @@ def rejection_sample(
 
     Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), stopping at the first rejection j;
     then draw the recovered token from norm(max(0, p_j - q_j)), or the bonus token from p_{K+1} if
-    all K were accepted (one draw: specdec.math.draw, after the K uniforms). Greedy is the limit case: p and q one-hot, so d_i is accepted iff it is
-    argmax p_i, and the next token is argmax p at the stop position.
+    all K were accepted (one draw: specdec.math.draw, after the K uniforms). Greedy is the limit case: p and q
+    one-hot, so d_i is accepted iff it is argmax p_i, and the next token is argmax p at the stop position.
 
     Edge cases, on purpose:
       * q_i(d_i) = 0: rejected (the draft could not have sampled it; vLLM does the same).

@@ -195,7 +195,8 @@ def verify_tree_candidates_batched(
     node_row = torch.arange(n, device=device) + session + 1
     row_session[root_row], row_level[root_row] = b, 0
     row_session[node_row], row_level[node_row] = session, tree_depth(parents, cu_num_nodes) + 1
-    x_rows = inverse_cdf(p, at.reshape(-1).index_select(0, row_session * at.shape[1] + row_level))  # [N + B] a draw a row
+    row_at = at.reshape(-1).index_select(0, row_session * at.shape[1] + row_level)  # [N + B] each row's level's point
+    x_rows = inverse_cdf(p, row_at)  # one draw per row
     return _walk_matching(x_rows, tokens, parents, cu_num_nodes)
 
 
