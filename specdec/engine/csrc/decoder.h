@@ -12,22 +12,19 @@ struct DecoderLinear {
   int64_t N;
   c10::optional<at::Tensor> bias;
 
-  at::Tensor operator()(const at::Tensor& x) const;
-};
-
-// Products over one input whose outputs are concatenated: q, k and v as one product, or in parts where their
-// weights are in different formats (a Q4_K_M GGUF's Q6_K value projections beside Q4_K q and k).
-struct DecoderProducts {
-  std::vector<DecoderLinear> parts;
-
-  at::Tensor operator()(const at::Tensor& x) const;
+  void check(int64_t K) const;  // the packed weights and bias fit inputs of K (what the tensor functions check)
+  // y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) W^T + bias
+  void into(const float* x, int64_t ldx, int64_t M, int64_t K, float* y, int64_t ldy) const;
 };
 
 struct DecoderLayer {
   at::Tensor norm1, norm2;  // RMSNorm weights [hidden]
   double eps1, eps2;
-  DecoderProducts qkv;
+  // q, k and v as one product, or in parts where their weights are in different formats (a Q4_K_M GGUF's Q6_K
+  // value projections beside Q4_K q and k), each writing its columns of the one [T, q + 2 kv] output
+  std::vector<DecoderLinear> qkv;
   DecoderLinear o, gate_up, down;
+  int64_t intermediate;
 };
 
 class Decoder {
@@ -53,7 +50,7 @@ class Decoder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  int64_t heads_, kv_heads_, head_dim_;
+  int64_t heads_, kv_heads_, head_dim_, hidden_;
   double scaling_;
   at::Tensor final_norm_;
   double final_eps_;

@@ -123,37 +123,14 @@ constexpr AttendFn attend_for(int64_t nv, std::integer_sequence<int, NV...>) {
 
 }  // namespace
 
-// q [T, H, D] (any strides but a contiguous last dim), keys / values [S, H_kv, L, D] (one layer of the
-// cache, contiguous), rows / slots / base / bits [G] int64 on the CPU: the query rows to compute and their
-// slot, prefix and visibility bits. Writes out[rows[g], h, :] for every g and head h.
-void row_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor rows, at::Tensor slots,
-                   at::Tensor base, at::Tensor bits, double scale, at::Tensor out) {
-  TORCH_CHECK(q.dtype() == at::kFloat && keys.dtype() == at::kFloat && values.dtype() == at::kFloat &&
-              out.dtype() == at::kFloat, "row_attention: float32 tensors");
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes(), "row_attention: shapes");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "row_attention: contiguous cache");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "row_attention: contiguous head dim");
-  const int64_t H = q.size(1), D = q.size(2), Hkv = keys.size(1), L = keys.size(2), S = keys.size(0);
-  TORCH_CHECK(D % V == 0 && D <= 16 * V && keys.size(3) == D && H % Hkv == 0, "row_attention: head dim / heads");
-  const int64_t G = rows.numel();
-  const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* prefix = base.data_ptr<int64_t>();
-  const int64_t* mask = bits.data_ptr<int64_t>();
+namespace raw {
+
+void row_attention(const float* q, int64_t q0, int64_t q1, int64_t H, int64_t D, const float* keys, const float* values,
+                   int64_t Hkv, int64_t L, const int64_t* row, const int64_t* slot, const int64_t* prefix,
+                   const int64_t* mask, int64_t G, double scale, float* out, int64_t o0, int64_t o1) {
   int64_t most = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    TORCH_CHECK(slot[g] >= 0 && slot[g] < S && prefix[g] >= 0, "row_attention: row out of range");
-    const uint64_t bits = static_cast<uint64_t>(mask[g]);
-    const int64_t top = bits ? 64 - __builtin_clzll(bits) : 0;  // highest set bit + 1 (a chain's token: none)
-    TORCH_CHECK(prefix[g] + top <= L, "row_attention: visible positions past the cache");
-    most = std::max(most, prefix[g] + __builtin_popcountll(bits));
-  }
-  const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = H / Hkv, q0 = q.stride(0), q1 = q.stride(1), o0 = out.stride(0), o1 = out.stride(1);
-  const int64_t slot_stride = Hkv * L * D, head_stride = L * D;
+  for (int64_t g = 0; g < G; ++g) most = std::max(most, prefix[g] + __builtin_popcountll(static_cast<uint64_t>(mask[g])));
+  const int64_t group = H / Hkv, slot_stride = Hkv * L * D, head_stride = L * D;
   const AttendFn attend = attend_for(D / V, std::make_integer_sequence<int, 16>{});
   at::parallel_for(0, G * H, 4, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(most + V);
@@ -168,16 +145,74 @@ void row_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor 
         for (uint64_t b = static_cast<uint64_t>(mask[g]); b; b &= b - 1) pos[n++] = prefix[g] + __builtin_ctzll(b);
         last_row = g;
       }
-      float* o = op + row[g] * o0 + h * o1;
+      float* o = out + row[g] * o0 + h * o1;
       if (n == 0) {
         for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
         continue;
       }
       const int64_t off = slot[g] * slot_stride + (h / group) * head_stride;
-      attend(qp + row[g] * q0 + h * q1, kp + off, vp + off, D, pos.data(), n, static_cast<float>(scale),
-                 scores.data(), o);
+      attend(q + row[g] * q0 + h * q1, keys + off, values + off, D, pos.data(), n, static_cast<float>(scale),
+             scores.data(), o);
     }
   });
+}
+
+void store_rows(float* keys, float* values, int64_t Hkv, int64_t L, int64_t D, const int64_t* slot, const int64_t* pos,
+                int64_t T, const float* key, int64_t k0, int64_t k1, const float* value, int64_t v0, int64_t v1) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t at = ((slot[t] * Hkv + h) * L + pos[t]) * D;
+      std::copy_n(key + h * k0 + t * k1, D, keys + at);
+      std::copy_n(value + h * v0 + t * v1, D, values + at);
+    }
+}
+
+}  // namespace raw
+
+void check_row_attention(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& base, const at::Tensor& bits,
+                         int64_t S, int64_t L) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && base.scalar_type() == at::kLong &&
+              bits.scalar_type() == at::kLong && rows.is_contiguous() && slots.is_contiguous() && base.is_contiguous() &&
+              bits.is_contiguous() && slots.numel() == rows.numel() && base.numel() == rows.numel() &&
+              bits.numel() == rows.numel(), "row_attention: rows / slots / base / bits [G] int64");
+  const int64_t G = rows.numel();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* prefix = base.data_ptr<int64_t>();
+  const int64_t* mask = bits.data_ptr<int64_t>();
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(slot[g] >= 0 && slot[g] < S && prefix[g] >= 0, "row_attention: row out of range");
+    const uint64_t b = static_cast<uint64_t>(mask[g]);
+    const int64_t top = b ? 64 - __builtin_clzll(b) : 0;  // highest set bit + 1 (a chain's token: none)
+    TORCH_CHECK(prefix[g] + top <= L, "row_attention: visible positions past the cache");
+  }
+}
+
+void check_store_rows(const at::Tensor& slots, const at::Tensor& positions, int64_t T, int64_t S, int64_t L) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.is_contiguous() &&
+              positions.is_contiguous() && slots.numel() == T && positions.numel() == T,
+              "store_rows: slots / positions [T] int64");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < S && pos[t] >= 0 && pos[t] < L, "store_rows: slot or position out of range");
+}
+
+// q [T, H, D] (any strides but a contiguous last dim), keys / values [S, H_kv, L, D] (one layer of the
+// cache, contiguous), rows / slots / base / bits [G] int64 on the CPU: the query rows to compute and their
+// slot, prefix and visibility bits. Writes out[rows[g], h, :] for every g and head h.
+void row_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor rows, at::Tensor slots,
+                   at::Tensor base, at::Tensor bits, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dtype() == at::kFloat && keys.dtype() == at::kFloat && values.dtype() == at::kFloat &&
+              out.dtype() == at::kFloat, "row_attention: float32 tensors");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes(), "row_attention: shapes");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "row_attention: contiguous cache");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "row_attention: contiguous head dim");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = keys.size(1), L = keys.size(2), S = keys.size(0);
+  TORCH_CHECK(D % V == 0 && D <= 16 * V && keys.size(3) == D && H % Hkv == 0, "row_attention: head dim / heads");
+  check_row_attention(rows, slots, base, bits, S, L);
+  raw::row_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), H, D, keys.data_ptr<float>(), values.data_ptr<float>(),
+                     Hkv, L, rows.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), base.data_ptr<int64_t>(),
+                     bits.data_ptr<int64_t>(), rows.numel(), scale, out.data_ptr<float>(), out.stride(0), out.stride(1));
 }
 
 // A step's new keys and values into their slots: key / value [H_kv, T, D] (any strides but a contiguous last
@@ -191,22 +226,9 @@ void store_rows(at::Tensor keys, at::Tensor values, at::Tensor slots, at::Tensor
               "store_rows: a contiguous cache layer [S, H_kv, L, D]");
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(0) == keys.size(1) && key.size(2) == keys.size(3) &&
               key.stride(2) == 1 && value.stride(2) == 1, "store_rows: key / value [H_kv, T, D] with contiguous rows");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.is_contiguous() &&
-              positions.is_contiguous() && slots.numel() == key.size(1) && positions.numel() == key.size(1),
-              "store_rows: slots / positions [T] int64");
   const int64_t S = keys.size(0), Hkv = keys.size(1), L = keys.size(2), D = keys.size(3), T = key.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < S && pos[t] >= 0 && pos[t] < L, "store_rows: slot or position out of range");
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
-  const float* ks = key.data_ptr<float>();
-  const float* vs = value.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t at = ((slot[t] * Hkv + h) * L + pos[t]) * D;
-      std::copy_n(ks + h * key.stride(0) + t * key.stride(1), D, kp + at);
-      std::copy_n(vs + h * value.stride(0) + t * value.stride(1), D, vp + at);
-    }
+  check_store_rows(slots, positions, T, S, L);
+  raw::store_rows(keys.data_ptr<float>(), values.data_ptr<float>(), Hkv, L, D, slots.data_ptr<int64_t>(),
+                  positions.data_ptr<int64_t>(), T, key.data_ptr<float>(), key.stride(0), key.stride(1),
+                  value.data_ptr<float>(), value.stride(0), value.stride(1));
 }

@@ -46,25 +46,12 @@ void rows(int64_t T, int64_t n, const F& f) {
 
 }  // namespace
 
-at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
-  check_rows(x, "add_rms_norm: x");
-  const int64_t T = x.size(0), N = x.size(1);
-  const float* d = nullptr;
-  int64_t ldd = 0;
-  if (delta.has_value() && delta->defined()) {
-    check_rows(*delta, "add_rms_norm: delta");
-    TORCH_CHECK(delta->size(0) == T && delta->size(1) == N, "add_rms_norm: delta's shape");
-    d = delta->data_ptr<float>();
-    ldd = delta->stride(0);
-  }
-  TORCH_CHECK(weight.dtype() == at::kFloat && weight.is_contiguous() && weight.numel() == N, "add_rms_norm: weight [n]");
-  auto h = at::empty({T, N}, x.options());
-  float* xp = x.data_ptr<float>();
-  float* hp = h.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+namespace raw {
+
+void add_rms_norm(float* x, int64_t ldx, const float* d, int64_t ldd, const float* w, double eps, float* h,
+                  int64_t ldh, int64_t T, int64_t N) {
   rows(T, N, [&](int64_t t) {
-    float* xr = xp + t * ldx;
+    float* xr = x + t * ldx;
     __m512 ss = _mm512_setzero_ps();
     for (int64_t j = 0; j < N; j += V) {
       const __mmask16 m = tail(N - j);
@@ -80,30 +67,20 @@ at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tenso
     for (int64_t j = 0; j < N; j += V) {
       const __mmask16 m = tail(N - j);
       const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), s);
-      _mm512_mask_storeu_ps(hp + t * N + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), v));
+      _mm512_mask_storeu_ps(h + t * ldh + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), v));
     }
   });
-  return h;
 }
 
-void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t head_dim) {
-  check_rows(x, "rotary_: x");
-  check_rows(cos, "rotary_: cos");
-  check_rows(sin, "rotary_: sin");
-  const int64_t T = x.size(0), N = x.size(1), half = head_dim / 2;
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && N % head_dim == 0, "rotary_: an even head_dim dividing the row");
-  TORCH_CHECK(cos.size(0) == T && sin.size(0) == T && cos.size(1) == head_dim && sin.size(1) == head_dim,
-              "rotary_: cos, sin [rows, head_dim]");
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldc = cos.stride(0), lds = sin.stride(0);
+void rotary(float* x, int64_t ldx, const float* cos, int64_t ldc, const float* sin, int64_t lds, int64_t T, int64_t N,
+            int64_t head_dim) {
+  const int64_t half = head_dim / 2;
   rows(T, N, [&](int64_t t) {
-    const float* c = cp + t * ldc;
-    const float* s = sp + t * lds;
+    const float* c = cos + t * ldc;
+    const float* s = sin + t * lds;
     for (int64_t h = 0; h < N; h += head_dim) {
-      float* a = xp + t * ldx + h;  // first half
-      float* b = a + half;          // second half
+      float* a = x + t * ldx + h;  // first half
+      float* b = a + half;         // second half
       for (int64_t j = 0; j < half; j += V) {
         const __mmask16 m = tail(half - j);
         const __m512 x1 = _mm512_maskz_loadu_ps(m, a + j), x2 = _mm512_maskz_loadu_ps(m, b + j);
@@ -119,26 +96,58 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t head_dim) {
   });
 }
 
+void silu_mul(const float* gate, int64_t ldg, const float* up, int64_t ldu, float* out, int64_t ldo, int64_t T,
+              int64_t I) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  rows(T, I, [&](int64_t t) {
+    const float* g = gate + t * ldg;
+    const float* u = up + t * ldu;
+    for (int64_t j = 0; j < I; j += V) {
+      const __mmask16 m = tail(I - j);
+      const __m512 gv = _mm512_maskz_loadu_ps(m, g + j);
+      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, specdec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      _mm512_mask_storeu_ps(out + t * ldo + j, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + j)));
+    }
+  });
+}
+
+}  // namespace raw
+
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
+  check_rows(x, "add_rms_norm: x");
+  const int64_t T = x.size(0), N = x.size(1);
+  const float* d = nullptr;
+  int64_t ldd = 0;
+  if (delta.has_value() && delta->defined()) {
+    check_rows(*delta, "add_rms_norm: delta");
+    TORCH_CHECK(delta->size(0) == T && delta->size(1) == N, "add_rms_norm: delta's shape");
+    d = delta->data_ptr<float>();
+    ldd = delta->stride(0);
+  }
+  TORCH_CHECK(weight.dtype() == at::kFloat && weight.is_contiguous() && weight.numel() == N, "add_rms_norm: weight [n]");
+  auto h = at::empty({T, N}, x.options());
+  raw::add_rms_norm(x.data_ptr<float>(), x.stride(0), d, ldd, weight.data_ptr<float>(), eps, h.data_ptr<float>(), N, T, N);
+  return h;
+}
+
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t head_dim) {
+  check_rows(x, "rotary_: x");
+  check_rows(cos, "rotary_: cos");
+  check_rows(sin, "rotary_: sin");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && N % head_dim == 0, "rotary_: an even head_dim dividing the row");
+  TORCH_CHECK(cos.size(0) == T && sin.size(0) == T && cos.size(1) == head_dim && sin.size(1) == head_dim,
+              "rotary_: cos, sin [rows, head_dim]");
+  raw::rotary(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), cos.stride(0), sin.data_ptr<float>(),
+              sin.stride(0), T, N, head_dim);
+}
+
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   check_rows(gate, "silu_mul: gate");
   check_rows(up, "silu_mul: up");
   TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up of one shape");
   const int64_t T = gate.size(0), I = gate.size(1);
   auto out = at::empty({T, I}, gate.options());
-  const float* gp = gate.data_ptr<float>();
-  const float* upp = up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldg = gate.stride(0), ldu = up.stride(0);
-  const __m512 one = _mm512_set1_ps(1.0f);
-  rows(T, I, [&](int64_t t) {
-    const float* g = gp + t * ldg;
-    const float* u = upp + t * ldu;
-    for (int64_t j = 0; j < I; j += V) {
-      const __mmask16 m = tail(I - j);
-      const __m512 gv = _mm512_maskz_loadu_ps(m, g + j);
-      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, specdec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm512_mask_storeu_ps(op + t * I + j, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + j)));
-    }
-  });
+  raw::silu_mul(gate.data_ptr<float>(), gate.stride(0), up.data_ptr<float>(), up.stride(0), out.data_ptr<float>(), I, T, I);
   return out;
 }

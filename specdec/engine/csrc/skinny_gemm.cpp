@@ -283,10 +283,10 @@ inline void block(int64_t mb, const W& w, const float* x, int64_t ldx, const flo
 // quantised weights are dequantised a group at a time into a float buffer (L2) that all the row blocks read.
 template <class W>
 void product(const W& w, const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, int64_t count,
-             const float* bias, float* y) {
+             const float* bias, float* y, int64_t ldy) {
   const int64_t blocks = (M + MAX_MB - 1) / MAX_MB;
   if (blocks == 1) {  // one row block: each thread an even share of the panels (a matrix of few panels stays balanced)
-    at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) { block(M, w, x, ldx, bias, y, N, N, p0, p1); });
+    at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) { block(M, w, x, ldx, bias, y, ldy, N, p0, p1); });
     return;
   }
   const int64_t group = NV_FOR[(M + blocks - 1) / blocks];  // panels per group: the first (largest) block's NV
@@ -304,10 +304,10 @@ void product(const W& w, const float* x, int64_t ldx, int64_t M, int64_t K, int6
       for (int64_t i = 0; i < blocks; ++i) {
         const int64_t mb = (M - m + (blocks - i) - 1) / (blocks - i);  // the remaining rows, shared out evenly
         if constexpr (quantised)
-          block(mb, Floats{buffer, K}, x + m * ldx, ldx, bias ? bias + p0 * PANEL : nullptr, y + m * N + p0 * PANEL,
-                N, N - p0 * PANEL, 0, p1 - p0);
+          block(mb, Floats{buffer, K}, x + m * ldx, ldx, bias ? bias + p0 * PANEL : nullptr, y + m * ldy + p0 * PANEL,
+                ldy, N - p0 * PANEL, 0, p1 - p0);
         else
-          block(mb, w, x + m * ldx, ldx, bias, y + m * N, N, N, p0, p1);
+          block(mb, w, x + m * ldx, ldx, bias, y + m * ldy, ldy, N, p0, p1);
         m += mb;
       }
     }
@@ -322,6 +322,17 @@ const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
 }
 
 }  // namespace
+
+// y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) W^T + bias, W packed as skinny_pack's float32 panels (fmt
+// 0) or quant_linear's tiles of ggml type fmt, already checked by the caller (the decoder, at add_layer).
+void raw::linear(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& packed, int64_t fmt, int64_t N,
+                 const float* bias, float* y, int64_t ldy) {
+  if (M == 0 || N == 0) return;
+  if (fmt == 0)
+    product(Floats{packed.data_ptr<float>(), K}, x, ldx, M, K, N, packed.size(0), bias, y, ldy);
+  else
+    product(Blocks{packed.data_ptr<uint8_t>(), packed.size(1), fmt}, x, ldx, M, K, N, packed.size(0), bias, y, ldy);
+}
 
 // W [N, K] float32 -> its packed panels [ceil(N / 16), K, 16] (zero-padded).
 at::Tensor skinny_pack(const at::Tensor& w) {
@@ -345,7 +356,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   auto y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
   product(Floats{packed.data_ptr<float>(), K}, x.data_ptr<float>(), x.stride(0), M, K, N, packed.size(0), b,
-          y.data_ptr<float>());
+          y.data_ptr<float>(), N);
   return y;
 }
 
@@ -365,7 +376,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
   auto y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
   product(Blocks{packed.data_ptr<uint8_t>(), packed.size(1), fmt}, x.data_ptr<float>(), x.stride(0), M, K, N,
-          packed.size(0), b, y.data_ptr<float>());
+          packed.size(0), b, y.data_ptr<float>(), N);
   return y;
 }
 
