@@ -427,8 +427,13 @@ def main(argv=None) -> int:
     plot_path = Path(args.plot or REPO / "docs" / ("bench_concurrency.png" if args.device == "cpu" else "bench_concurrency_gpu.png"))
     where = f"{gpu_name(args.device).split(' (')[0]}, {args.dtype}" if args.device != "cpu" else f"{m['cores']} cores"
     made = plot(results, levels, plot_path, f"aggregate throughput vs concurrency ({where}, N={args.max_new_tokens})")
-    lines = markdown(results, levels, command, info, args.max_new_tokens, os.path.relpath(plot_path, Path(args.out).resolve().parent) if made and args.out else plot_path.name if made else None,
-                     args.temperature)
+    # The log links the plot only where the link will resolve: a plot drawn outside the repository (--plot
+    # /tmp/x.png) is named in the printout, not linked from a committed log.
+    inside = plot_path.resolve().is_relative_to(REPO.resolve())
+    link = (os.path.relpath(plot_path, Path(args.out).resolve().parent) if inside else None) if args.out else plot_path.name
+    lines = markdown(results, levels, command, info, args.max_new_tokens, link if made else None, args.temperature)
+    if made and not inside:
+        print(f"plot: {plot_path}")
     if args.out:
         append_section("\n".join(lines), args.out)
     if args.json:

@@ -2,11 +2,13 @@
 
 Two Python processes with grpc.aio (what the three services use), an echo server and a client, a 200-byte
 message: a unary call, and one write and one read on an open bidirectional stream (how a session's rounds
-travel: ProposeStream, VerifyStream). A round of the pipeline pays at least this for each hop it makes
-(client -> coordinator -> target and back: two), whatever the services do around it; bench.overhead prints it
-beside the rounds it measures.
+travel: ProposeStream, VerifyStream), back to back and after the two processes have idled a few milliseconds.
+A round of the pipeline pays at least this for each hop it makes (client -> coordinator -> target and back:
+two), whatever the services do around it; bench.overhead prints it beside the rounds it measures. The idle
+figure is the one a round meets: a tier waits while the other computes, and waking an idle process (its
+threads, on a virtual machine its vCPU) costs more than a hot loop shows.
 
-    python -m bench.grpc_floor            # both figures, median of 5 runs of 2,000 round trips each
+    python -m bench.grpc_floor            # the three figures, median of 5 runs of 2,000 round trips each
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from grpc import aio
 
 SERVICE = "specdec.bench.Echo"
 PAYLOAD = b"x" * 200
+IDLE_S = 0.003  # a draft step or two: how long a tier idles between a session's messages
 
 
 def _same(x):
@@ -61,6 +64,13 @@ async def _client(port: int, n: int, runs: int) -> dict[str, float]:
             await call.read()
 
         out = {}
+        idle = []
+        for _ in range(max(n // 5, 1)):  # each round trip after the processes idled IDLE_S, timed on its own
+            await asyncio.sleep(IDLE_S)
+            t0 = time.perf_counter()
+            await one_stream()
+            idle.append((time.perf_counter() - t0) * 1e6)
+        out["stream_idle_us"] = statistics.median(idle)
         for name, once in (("unary_us", one_unary), ("stream_us", one_stream)):
             for _ in range(n // 10):  # warm: connection, stream, both interpreters' caches
                 await once()
@@ -76,7 +86,8 @@ async def _client(port: int, n: int, runs: int) -> dict[str, float]:
 
 
 def measure(n: int = 2000, runs: int = 5) -> dict[str, float]:
-    """{'unary_us', 'stream_us'}: the median round trip over `runs` runs of n, the server a child process."""
+    """{'unary_us', 'stream_us', 'stream_idle_us'}: the median round trip over `runs` runs of n (after an idle
+    IDLE_S: over n / 5 round trips), the server a child process."""
     server = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
@@ -97,7 +108,8 @@ def main(argv=None) -> int:
         return 0
     floor = measure(args.n, args.runs)
     print(f"gRPC round trip between two processes on loopback (grpc.aio, {len(PAYLOAD)}-byte message): "
-          f"unary call {floor['unary_us']:.0f} us, a write and a read on an open stream {floor['stream_us']:.0f} us")
+          f"unary call {floor['unary_us']:.0f} us, a write and a read on an open stream {floor['stream_us']:.0f} us "
+          f"back to back, {floor['stream_idle_us']:.0f} us after {IDLE_S * 1e3:.0f} ms idle")
     return 0
 
 

@@ -260,9 +260,11 @@ def main(argv=None) -> int:
     floor = grpc_floor.measure()  # after the pipeline is gone: the same cores, nothing beside it
     lines += ["", goals(results), "", f"gRPC's own floor on this machine (`python -m bench.grpc_floor`, measured after the "
               f"rows): a write and a read on an open stream between two processes take {floor['stream_us']:.0f} us "
+              f"back to back, {floor['stream_idle_us']:.0f} us after the processes idled {grpc_floor.IDLE_S * 1e3:.0f} ms "
               f"(a unary call {floor['unary_us']:.0f} us). A K = 0 round makes one such round trip (coordinator and target) "
               f"and sends the client its chunk (about half of one), a draft round one round trip more (the draft): at "
-              f"least {1.5 * floor['stream_us'] / 1e3:.2f} / {2.5 * floor['stream_us'] / 1e3:.2f} ms before any work is done."]
+              f"least {1.5 * floor['stream_us'] / 1e3:.2f} / {2.5 * floor['stream_us'] / 1e3:.2f} ms before any work is done "
+              f"({1.5 * floor['stream_idle_us'] / 1e3:.2f} / {2.5 * floor['stream_idle_us'] / 1e3:.2f} ms at the idle figure)."]
     text = "\n".join(lines) + "\n"
     publish(text, args.out)
     return 0

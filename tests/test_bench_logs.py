@@ -51,12 +51,13 @@ def test_prefill_cost_runs_on_a_tiny_target(tiny_target, capsys):
 
 
 def test_grpc_floor_runs_against_a_server_process(capsys):
-    """bench.grpc_floor end to end: an echo server in a child process, both round trips measured (not checked)."""
+    """bench.grpc_floor end to end: an echo server in a child process, its three round trips measured (not checked)."""
     from bench.grpc_floor import main
 
     assert main(["--n", "20", "--runs", "1"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"unary call \d+ us, a write and a read on an open stream \d+ us", out), out
+    assert re.search(r"unary call \d+ us, a write and a read on an open stream \d+ us back to back, \d+ us after 3 ms idle",
+                     out), out
 
 
 def test_quant_formats_runs_every_format_and_writes_a_model(tmp_path, capsys):
