@@ -64,16 +64,22 @@ def median_ms(fn, repeats: int, device) -> float:
     return statistics.median(times)
 
 
-def bandwidth_gbs(device) -> float:
-    """Bytes read plus written per second by a large device-to-device copy (GB/s)."""
+def bandwidth_probe(device):
+    """A callable: bytes read plus written per second by one large device-to-device copy (GB/s), its buffers
+    allocated (and touched) once."""
     import torch
 
     n = 256 * 2**20 // 4  # 256 MiB of float32
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
     for _ in range(2):
         dst.copy_(src)
-    ms = median_ms(lambda: dst.copy_(src), 7, device)
-    return 2 * src.numel() * 4 / (ms / 1e3) / 1e9
+    return lambda: 2 * n * 4 / (median_ms(lambda: dst.copy_(src), 1, device) / 1e3) / 1e9
+
+
+def bandwidth_gbs(device) -> float:
+    """The median of 7 copies' bandwidth_probe (GB/s)."""
+    probe = bandwidth_probe(device)
+    return statistics.median(probe() for _ in range(7))
 
 
 def free(device) -> None:
@@ -182,7 +188,9 @@ def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats:
                                                                         random_weights)
     tokens = {m: {t: [] for t in TOKENS} for m in modes}
     batch = {m: {(b, n): [] for b in batches for n in (1, 4)} for m in modes}
+    probe, bandwidth = bandwidth_probe(dev), []  # the memory's speed beside each repeat's steps (it drifts)
     for _ in range(repeats):  # interleaved: each round times every mode at every shape once
+        bandwidth.append(probe())
         for t in TOKENS:
             for m, r in runners.items():
                 tokens[m][t].append(median_ms(lambda: r.forward([Feed(0, PREFIX, [5] * t, t)]), 1, dev))
@@ -191,7 +199,13 @@ def measure_model(path: str, device: str, dtype: str, modes: list[str], repeats:
                 for m, r in runners.items():
                     feeds = [Feed(s, PREFIX, [7] * n, n) for s in range(b)]
                     batch[m][(b, n)].append(median_ms(lambda: r.forward(feeds), 1, dev))
+    weights_bytes = {m: weights[m][0] for m in modes}
+    # one token / its floor, per repeat (the step against the bandwidth measured just before it), then the median
+    floor_ratio = {m: statistics.median(step / (weights_bytes[m] / (gbs * 1e9) * 1e3)
+                                        for step, gbs in zip(tokens[m][1], bandwidth)) for m in modes}
+    del probe
     result = {"tokens": {m: {t: statistics.median(v) for t, v in d.items()} for m, d in tokens.items()},
+              "floor_ratio": floor_ratio, "bandwidth_gbs": statistics.median(bandwidth),
               "batch": {m: {k: statistics.median(v) for k, v in d.items()} for m, d in batch.items()},
               "setup_s": setup_s, "weight_bytes": weights,
               "compile_s": {m: r.compile_s for m, r in runners.items()}}
@@ -335,13 +349,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  "eager,cuda-graphs-plain,cuda-graphs on CUDA)")
     p.add_argument("--target", default=None, help="target model (default: the shared pair's)")
     p.add_argument("--draft", default=None, help="draft model (default: the shared pair's; '' to skip)")
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats per figure (default 9; 5 with --quick)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens of the decode-loop comparison (0: skip it)")
     p.add_argument("--random-weights", action="store_true",
                    help="build each model from its config.json with random weights on the device (times depend on "
                         "shapes only; e.g. --target bench/shapes/llama-3-8b --draft '' --dtype bfloat16)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the tiers' default here)")
-    p.add_argument("--quick", action="store_true", help="batches up to 16, 5 repeats")
+    p.add_argument("--quick", action="store_true", help="batches up to 16, 5 repeats unless --repeats says")
     p.add_argument("--out", default=str(bench_log()))
     return p.parse_args(argv)
 
@@ -358,7 +372,7 @@ def main(argv=None) -> int:
                                                        else ["eager", "packed", "packed-float32", "packed-q8_0",
                                                              "packed-onednn", "compile"])
     only_draft = {"packed-q8_0"}  # the draft's weights may be quantised, the target's may not
-    repeats = 5 if args.quick else args.repeats
+    repeats = args.repeats or (5 if args.quick else 9)
     bw = bandwidth_gbs(device)
     models = {"target": args.target or default_target()}
     if args.draft != "":
@@ -368,7 +382,7 @@ def main(argv=None) -> int:
         own = [m for m in modes if name == "draft" or m not in only_draft]
         print(f"measuring {name} ({path}) in {own}", flush=True)
         r = measure_model(path, args.device, args.dtype, own, repeats, args.quick, args.random_weights)
-        r["floor_ms"] = {m: nbytes / (bw * 1e9) * 1e3 for m, (nbytes, _) in r["weight_bytes"].items()}
+        r["floor_ms"] = {m: nbytes / (r["bandwidth_gbs"] * 1e9) * 1e3 for m, (nbytes, _) in r["weight_bytes"].items()}
         results[name] = r
     decode = (decode_loop(models["target"], args.device, args.dtype, [m for m in modes if m not in only_draft],
                           args.decode_tokens, args.random_weights)
@@ -393,8 +407,11 @@ def main(argv=None) -> int:
                else f"{info['cpu']}, {info['cores']} cores, {args.threads} torch threads")
     machine += f"; torch {info.get('torch')}, transformers {info.get('transformers')}; git {git_commit()}"
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: step cost ({args.device}, {args.dtype})", "",
-             f"Command: `{cmd}`. Machine: {machine}; memory bandwidth (copy, read + write) {bw:.1f} GB/s. "
-             f"Median of {repeats} interleaved repeats; one session holds a {PREFIX}-token prefix." +
+             f"Command: `{cmd}`. Machine: {machine}; memory bandwidth (copy, read + write) {bw:.1f} GB/s at the "
+             f"start. Median of {repeats} interleaved repeats; one session holds a {PREFIX}-token prefix. A floor is a "
+             f"model's weights over the bandwidth measured beside its steps (a copy before each repeat: the median "
+             f"here); one token / its floor is the median over the repeats of each step against its repeat's "
+             f"floor, as the machine's memory speed drifts." +
              (" Random weights of the models' shapes (`--random-weights`: times depend on shapes only)."
               if args.random_weights else ""), ""]
     for name, r in results.items():
@@ -409,7 +426,7 @@ def main(argv=None) -> int:
             cells = [f"{curve[1]:.1f} ms"] + [f"{curve[t] / one:.2f}x" for t in TOKENS[1:]]
             rel = f"{one / eager_one:.2f}x" if eager_one else "–"
             lines.append(f"| {mode} | {r['weight_bytes'][mode][1]} | " + " | ".join(cells) +
-                         f" | {one / r['floor_ms'][mode]:.1f}x | {rel} |")
+                         f" | {r['floor_ratio'][mode]:.2f}x | {rel} |")
         lines += ["", f"{name}, batched (ms per forward; B sessions x n tokens each):", "",
                   "| mode | " + " | ".join(f"B={b}, n={n}" for (b, n) in next(iter(r["batch"].values()))) + " |",
                   "|---|" + "---|" * len(next(iter(r["batch"].values())))]
