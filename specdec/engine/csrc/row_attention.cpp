@@ -8,10 +8,13 @@
 // tokens are in the cache already (store_rows puts them there: one call a layer, where PyTorch's indexed copy
 // of a one-token step took ~24 us, 0.7 ms of the default target's step).
 //
-// One (row, head) is one task: the scores q.k * scale over the visible positions, 16 at a time, their
-// maximum, exp(score - max) (a vectorised exp: range reduction by ln 2 and a degree-6 polynomial, ~1 ulp),
-// the sum of those in a fixed lane order, then the weighted sum of the values (even and odd positions in two
-// chains, added at the end) and one division: every sum in an order fixed by the visible positions alone.
+// Each (row, head) computes the scores q.k * scale over the visible positions, 16 at a time, their maximum,
+// exp(score - max) (a vectorised exp: range reduction by ln 2 and a degree-6 polynomial, ~1 ulp), the sum of
+// those in a fixed lane order, then the weighted sum of the values (even and odd positions in two chains, added
+// at the end) and one division: every sum in an order fixed by the visible positions alone. A task is one row's
+// query heads that share a key / value head (up to 3-4 of them at the default head size), which take each block
+// of keys and each pair of values in turn while it is in L1: at 1,000 positions of context the keys and values
+// are a layer's largest read, and the heads of a group had each read them again.
 // Nothing in a task depends on the other rows of the step, so a row's output is bitwise the same alone or
 // among any others (batch invariance), and no row pays for another's length: padded attention
 // scores every session's rows against the longest feed's (measured on a 2-core CPU: one 5-token verify
@@ -51,73 +54,101 @@ inline __m512 transpose_reduce16(const __m512 (&acc)[V]) {
   return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
 }
 
-// One (row, head): out[0, D) = softmax(q K^T * scale) V over the positions in `pos` (n of them), the scores
-// 16 positions at a time (blocks aligned to the start of `pos`, so a position's score is computed the same
-// way in every row that sees it).
+// GQ heads of one row that share a key / value head (grouped-query attention; GQ = 1 without it): for each,
+// out[0, D) = softmax(q K^T * scale) V over the positions in `pos` (n of them). Each head's arithmetic is the
+// same whatever GQ is: its scores 16 positions at a time (blocks aligned to the start of `pos`, so a position's
+// score is computed the same way in every row that sees it), then its exponentials and their sum, then its
+// weighted sum of the values. The heads only share the loads: the group's heads take each block of keys and
+// each pair of values in turn while they are in L1, where one head at a time read them all from L2 or memory.
 // NV = D / 16 vectors a row, a template parameter so that q and the sums stay in registers.
-template <int NV>
-inline void attend_one(const float* q, const float* keys, const float* values, int64_t stride_pos,
-                       const int64_t* pos, int64_t n, float scale, float* scores, float* out) {
-  __m512 qv[NV];
-  for (int v = 0; v < NV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + v * V), _mm512_set1_ps(scale));
-  __m512 most = _mm512_set1_ps(-INFINITY);
+template <int NV, int GQ>
+inline void attend_group(const float* q, int64_t q_stride, const float* keys, const float* values, int64_t stride_pos,
+                         const int64_t* pos, int64_t n, float scale, float* scores, int64_t scores_stride, float* out,
+                         int64_t out_stride) {
+  __m512 most[GQ];
+  for (int g = 0; g < GQ; ++g) most[g] = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n; i += V) {
     const int64_t m = n - i < V ? n - i : V;
-    __m512 acc[V];
-#pragma GCC unroll 16
-    for (int j = 0; j < V; ++j) {
-      __m512 a = _mm512_setzero_ps();
-      if (j < m) {
-        const float* k = keys + pos[i + j] * stride_pos;
-        a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + v * V), a);
-      }
-      acc[KEY_SLOT[j]] = a;
-    }
     const __mmask16 mask = m == V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << m) - 1);
-    const __m512 block = transpose_reduce16(acc);
-    _mm512_mask_storeu_ps(scores + i, mask, block);
-    most = _mm512_mask_max_ps(most, mask, most, block);
+    for (int g = 0; g < GQ; ++g) {
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * q_stride + v * V), _mm512_set1_ps(scale));
+      __m512 acc[V];
+#pragma GCC unroll 16
+      for (int j = 0; j < V; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < m) {
+          const float* k = keys + pos[i + j] * stride_pos;
+          a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+          for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + v * V), a);
+        }
+        acc[KEY_SLOT[j]] = a;
+      }
+      const __m512 block = transpose_reduce16(acc);
+      _mm512_mask_storeu_ps(scores + g * scores_stride + i, mask, block);
+      most[g] = _mm512_mask_max_ps(most[g], mask, most[g], block);
+    }
   }
-  const float top = _mm512_reduce_max_ps(most);
-  const __m512 topv = _mm512_set1_ps(top);
-  __m512 sumv = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += V) {
-    const int64_t left = n - i;
-    const __mmask16 m = left >= V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 e = specdec::exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + i), topv));
-    _mm512_mask_storeu_ps(scores + i, m, e);
-    sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
+  float inv[GQ];
+  for (int g = 0; g < GQ; ++g) {
+    float* sc = scores + g * scores_stride;
+    const __m512 topv = _mm512_set1_ps(_mm512_reduce_max_ps(most[g]));
+    __m512 sumv = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += V) {
+      const int64_t left = n - i;
+      const __mmask16 m = left >= V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      const __m512 e = specdec::exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + i), topv));
+      _mm512_mask_storeu_ps(sc + i, m, e);
+      sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(sumv);
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(sumv);
   // The weighted sum of the values in two interleaved halves (even and odd positions of `pos`, added at the
   // end): two independent chains of multiply-adds per vector where one would wait on each add's latency.
-  __m512 even[NV], odd[NV];
-  for (int v = 0; v < NV; ++v) even[v] = odd[v] = _mm512_setzero_ps();
+  __m512 even[GQ][NV], odd[GQ][NV];
+  for (int g = 0; g < GQ; ++g)
+    for (int v = 0; v < NV; ++v) even[g][v] = odd[g][v] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 1 < n; i += 2) {
     const float* a = values + pos[i] * stride_pos;
     const float* b = values + pos[i + 1] * stride_pos;
-    const __m512 wa = _mm512_set1_ps(scores[i]), wb = _mm512_set1_ps(scores[i + 1]);
-    for (int v = 0; v < NV; ++v) {
-      even[v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[v]);
-      odd[v] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(b + v * V), odd[v]);
+    for (int g = 0; g < GQ; ++g) {
+      const __m512 wa = _mm512_set1_ps(scores[g * scores_stride + i]), wb = _mm512_set1_ps(scores[g * scores_stride + i + 1]);
+      for (int v = 0; v < NV; ++v) {
+        even[g][v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[g][v]);
+        odd[g][v] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(b + v * V), odd[g][v]);
+      }
     }
   }
   if (i < n) {
     const float* a = values + pos[i] * stride_pos;
-    const __m512 wa = _mm512_set1_ps(scores[i]);
-    for (int v = 0; v < NV; ++v) even[v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[v]);
+    for (int g = 0; g < GQ; ++g) {
+      const __m512 wa = _mm512_set1_ps(scores[g * scores_stride + i]);
+      for (int v = 0; v < NV; ++v) even[g][v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[g][v]);
+    }
   }
-  const __m512 invv = _mm512_set1_ps(inv);
-  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + v * V, _mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), invv));
+  for (int g = 0; g < GQ; ++g) {
+    const __m512 invv = _mm512_set1_ps(inv[g]);
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(out + g * out_stride + v * V, _mm512_mul_ps(_mm512_add_ps(even[g][v], odd[g][v]), invv));
+  }
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*, int64_t, float, float*, float*);
+using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t, float,
+                          float*, int64_t, float*, int64_t);
+
+// Heads a group call takes at most for NV vectors a head: its sums (2 NV vectors a head) within 24 registers.
+constexpr int most_heads(int nv) { return nv <= 3 ? 4 : nv <= 4 ? 3 : nv <= 6 ? 2 : 1; }
+
+template <int NV, int... GQ>
+constexpr AttendFn group_fn(int gq, std::integer_sequence<int, GQ...>) {
+  AttendFn fns[] = {attend_group<NV, (GQ + 1 <= most_heads(NV) ? GQ + 1 : 1)>...};
+  return fns[gq - 1];
+}
 
 template <int... NV>
-constexpr AttendFn attend_for(int64_t nv, std::integer_sequence<int, NV...>) {
-  AttendFn fns[] = {attend_one<NV + 1>...};
+constexpr AttendFn attend_for(int64_t nv, int gq, std::integer_sequence<int, NV...>) {
+  AttendFn fns[] = {group_fn<NV + 1>(gq, std::make_integer_sequence<int, 4>{})...};
   return fns[nv - 1];
 }
 
@@ -130,29 +161,34 @@ void row_attention(const float* q, int64_t q0, int64_t q1, int64_t H, int64_t D,
                    const int64_t* mask, int64_t G, double scale, float* out, int64_t o0, int64_t o1) {
   int64_t most = 0;
   for (int64_t g = 0; g < G; ++g) most = std::max(most, prefix[g] + __builtin_popcountll(static_cast<uint64_t>(mask[g])));
-  const int64_t group = H / Hkv, slot_stride = Hkv * L * D, head_stride = L * D;
-  const AttendFn attend = attend_for(D / V, std::make_integer_sequence<int, 16>{});
-  at::parallel_for(0, G * H, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(most + V);
+  // A task: one row's query heads that share a key / value head, as many as one call takes (most_heads)
+  const int64_t group = H / Hkv, nv = D / V, per_call = std::min<int64_t>(group, most_heads(static_cast<int>(nv)));
+  const int64_t calls = (group + per_call - 1) / per_call, slot_stride = Hkv * L * D, head_stride = L * D;
+  const int64_t scores_stride = most + V;
+  at::parallel_for(0, G * Hkv * calls, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(per_call * scores_stride);
     std::vector<int64_t> pos(most + 1);
     int64_t last_row = -1;
     int64_t n = 0;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / H, h = t % H;
+      const int64_t g = t / (Hkv * calls), kvh = t / calls % Hkv, h0 = kvh * group + t % calls * per_call;
+      const int64_t heads = std::min(per_call, (kvh + 1) * group - h0);
       if (g != last_row) {  // the visible positions of this row
         n = 0;
         for (int64_t p = 0; p < prefix[g]; ++p) pos[n++] = p;
         for (uint64_t b = static_cast<uint64_t>(mask[g]); b; b &= b - 1) pos[n++] = prefix[g] + __builtin_ctzll(b);
         last_row = g;
       }
-      float* o = out + row[g] * o0 + h * o1;
+      float* o = out + row[g] * o0 + h0 * o1;
       if (n == 0) {
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t d = 0; d < D; ++d) o[h * o1 + d] = 0.0f;
         continue;
       }
-      const int64_t off = slot[g] * slot_stride + (h / group) * head_stride;
-      attend(q + row[g] * q0 + h * q1, keys + off, values + off, D, pos.data(), n, static_cast<float>(scale),
-             scores.data(), o);
+      const int64_t off = slot[g] * slot_stride + kvh * head_stride;
+      attend_for(nv, static_cast<int>(heads), std::make_integer_sequence<int, 16>{})(
+          q + row[g] * q0 + h0 * q1, q1, keys + off, values + off, D, pos.data(), n, static_cast<float>(scale),
+          scores.data(), scores_stride, o, o1);
     }
   });
 }
