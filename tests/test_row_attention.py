@@ -1,8 +1,9 @@
 """Row attention (csrc/row_attention.cpp through specdec.engine.attention): each chain feed's tokens (prefill
 chunks too) and each few-token tree's attend to their own slot's visible positions. Exact visibility cases,
 equality with PyTorch's attention over padded groups (chains, trees, a tree grown over several feeds), batch
-invariance (a feed's output is bitwise the same alone or among others), a prompt split anyhow giving the same
-bits, a step through the packed mode, and a bad row refused."""
+invariance (a feed's output is bitwise the same alone or among others), query heads that share a key / value head
+computed together as each alone, a prompt split anyhow giving the same bits, a step through the packed mode, and a
+bad row refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from specdec.engine import attention
-from specdec.engine.attention import ROW_SPAN, build_layout, row_attention_applies, row_visibility
+from specdec.engine.attention import ROW_SPAN, build_layout, row_attention_applies, row_kernel, row_visibility
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed
 from tests.helpers import TEST_DEVICE
@@ -101,6 +102,25 @@ def test_batch_invariant_bitwise():
         assert torch.equal(alone[feed[0]], together[feed[0]]), feed
     reordered = step(FEEDS[::-1], TREES[::-1], True, x)
     assert all(torch.equal(reordered[s], together[s]) for s in together)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 64), (12, 3, 32), (6, 2, 128), (16, 1, 16)])
+def test_query_heads_that_share_a_kv_head_give_what_each_gives_alone(heads, kv_heads, head_dim):
+    """A task takes the query heads that share a key / value head together (their loads shared); each head's
+    output is bitwise what it is with a key / value head of its own (the cache's heads repeated: one head a
+    task), for chains and tree rows over a long context."""
+    kernel = row_kernel()
+    torch.manual_seed(0)
+    keys, values = torch.randn(3, kv_heads, 1100, head_dim), torch.randn(3, kv_heads, 1100, head_dim)
+    q = torch.randn(5, heads, head_dim)
+    rows, slots = torch.arange(5), torch.tensor([0, 1, 1, 2, 2])
+    base, bits = torch.tensor([0, 1000, 37, 17, 1050]), torch.tensor([0, 0, 0b1011, 0b1, 0b111])
+    grouped, alone = torch.empty_like(q), torch.empty_like(q)
+    kernel.row_attention(q, keys, values, rows, slots, base, bits, 0.125, grouped)
+    group = heads // kv_heads
+    kernel.row_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), rows, slots, base,
+                         bits, 0.125, alone)
+    assert torch.equal(grouped, alone)
 
 
 def test_a_row_past_the_cache_is_refused():
