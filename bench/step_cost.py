@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 
 from bench.common import bench_log, git_commit, gpu_name, machine_info, plot_dir, publish
+from bench.propose_cost import propose_cost
+
 TOKENS = (1, 2, 3, 5, 9, 17, 33)
 BATCHES = (1, 4, 16, 64)
 PREFIX = 100
@@ -295,52 +297,6 @@ def plot(results: dict, path: Path, title: str) -> bool:
     return True
 
 
-def propose_cost(path: str, device: str, dtype: str, mode: str, ks: tuple[int, ...], batches: tuple[int, ...],
-                 repeats: int) -> dict:
-    """ms per Propose of K tokens (B sessions at once, greedy, a PREFIX-token context) through the draft
-    engine in-process, with the draft chain on and off (specdec.engine.draft_chain); its weights as the draft tier
-    serves them by default (--quantize auto)."""
-    import asyncio
-
-    from specdec.core.prefix import PrefixHashes
-    from specdec.engine.config import StepConfig, TierConfig
-    from specdec.engine.engine import Engine
-    from specdec.engine.propose import ProposeWork
-    from specdec.math.params import SamplingParams
-    from specdec.models import ModelConfig
-
-    prompt = list(range(1000, 1000 + PREFIX))
-    head = PrefixHashes(prompt).at(PREFIX - 1)
-    out = {}
-    for chain in (False, True):
-        engine = Engine.load(TierConfig(ModelConfig(path, device=device, dtype=dtype),
-                                        step=StepConfig(mode=mode, draft_chain=chain, quantize="auto")))  # as served
-
-        async def propose(b: int, k: int, fresh: bool):
-            works = [ProposeWork.create(f"s{i}", 0 if fresh else PREFIX - 1, 0 if fresh else head,
-                                        prompt if fresh else prompt[-1:], k, SamplingParams(), seed=i, top_n=16)
-                     for i in range(b)]
-            with engine.paused():  # one batch
-                tasks = [asyncio.ensure_future(engine.submit(w)) for w in works]
-                await asyncio.sleep(0)
-            await asyncio.gather(*tasks)
-
-        try:
-            asyncio.run(propose(max(batches), 1, True))  # every session holds the prompt
-            for b in batches:
-                for k in ks:
-                    asyncio.run(propose(b, k, False))  # warm
-                    times = []
-                    for _ in range(repeats):
-                        t0 = time.perf_counter()
-                        asyncio.run(propose(b, k, False))
-                        times.append((time.perf_counter() - t0) * 1e3)
-                    out[(chain, b, k)] = statistics.median(times)
-        finally:
-            engine.close()
-    return out
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
@@ -399,7 +355,8 @@ def main(argv=None) -> int:
                 load(draft, "cpu", "float32", random_weights=True).save_pretrained(tmp)
                 load_tokenizer(default_draft()).save_pretrained(tmp)
                 draft = tmp
-            propose = propose_cost(draft, args.device, args.dtype, draft_mode, propose_ks, propose_batches, repeats)
+            propose = propose_cost(draft, args.device, args.dtype, draft_mode, propose_ks, propose_batches, repeats,
+                                   PREFIX)
 
     cmd = "python -m bench.step_cost " + shlex.join(argv if argv is not None else sys.argv[1:])
     info = machine_info()
