@@ -199,11 +199,15 @@ class VerifyWork(Work):
                                     features, start, tuple(t for _, t, _ in later))
 
 
+def _row_params(works, num_draft_tokens) -> list[SamplingParams]:
+    """Each of the batch's rows' parameters: a session's K_b + 1 rows (a tree's N_b + 1) share them."""
+    return [w.params for w, k in zip(works, num_draft_tokens) for _ in range(k + 1)]
+
+
 def _row_params_and_counts(works, num_draft_tokens, vocab_size,
                             device) -> tuple[list[SamplingParams], TokenCounts | None]:
-    """Each of the batch's rows' parameters (a session's K_b + 1 rows share them), and the token counts of
-    the penalised sessions' rows."""
-    row_params = [w.params for w, k in zip(works, num_draft_tokens) for _ in range(k + 1)]
+    """_row_params, and the token counts of the penalised sessions' rows."""
+    row_params = _row_params(works, num_draft_tokens)
     if not any(w.params.penalized for w in works):
         return row_params, None
     starts = [0]  # each session's first row: K_1 + 1, K_1 + K_2 + 2, ... (host ints: no device sync)
@@ -280,12 +284,12 @@ def _verify_trees(works: list[VerifyWork], logits: list[torch.Tensor], vocab_siz
 
 def _tree_greedy(works, rows, meta, parents, vocab_size):
     if any(w.params.adjusts_logits for w in works):  # the argmax of the biased logits (trees take no penalties)
-        rows = adjust_logits_rows(rows, [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)])
+        rows = adjust_logits_rows(rows, _row_params(works, meta.num_draft_tokens))
     return verify_tree_greedy_batched(rows, meta.draft_token_ids, parents, meta.cu_num_draft_tokens)
 
 
 def _row_probs(works, rows, meta):
-    return process_logits_rows(rows, [w.params for w, k in zip(works, meta.num_draft_tokens) for _ in range(k + 1)])
+    return process_logits_rows(rows, _row_params(works, meta.num_draft_tokens))
 
 
 def _tree_candidates(works, rows, meta, parents, vocab_size):
