@@ -164,15 +164,18 @@ void row_attention(const float* q, int64_t q0, int64_t q1, int64_t H, int64_t D,
   // A task: one row's query heads that share a key / value head, as many as one call takes (most_heads)
   const int64_t group = H / Hkv, nv = D / V, per_call = std::min<int64_t>(group, most_heads(static_cast<int>(nv)));
   const int64_t calls = (group + per_call - 1) / per_call, slot_stride = Hkv * L * D, head_stride = L * D;
-  const int64_t scores_stride = most + V;
+  const int64_t scores_stride = most + V, last_call = group - (calls - 1) * per_call;  // heads in a group's last call
+  constexpr auto nvs = std::make_integer_sequence<int, 16>{};
+  const AttendFn full = attend_for(nv, static_cast<int>(per_call), nvs), last = attend_for(nv, static_cast<int>(last_call), nvs);
   at::parallel_for(0, G * Hkv * calls, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(per_call * scores_stride);
     std::vector<int64_t> pos(most + 1);
     int64_t last_row = -1;
     int64_t n = 0;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / (Hkv * calls), kvh = t / calls % Hkv, h0 = kvh * group + t % calls * per_call;
-      const int64_t heads = std::min(per_call, (kvh + 1) * group - h0);
+      const int64_t g = t / (Hkv * calls), kvh = t / calls % Hkv, call = t % calls, h0 = kvh * group + call * per_call;
+      const bool is_last = call == calls - 1;
+      const int64_t heads = is_last ? last_call : per_call;
       if (g != last_row) {  // the visible positions of this row
         n = 0;
         for (int64_t p = 0; p < prefix[g]; ++p) pos[n++] = p;
@@ -186,9 +189,8 @@ void row_attention(const float* q, int64_t q0, int64_t q1, int64_t H, int64_t D,
         continue;
       }
       const int64_t off = slot[g] * slot_stride + kvh * head_stride;
-      attend_for(nv, static_cast<int>(heads), std::make_integer_sequence<int, 16>{})(
-          q + row[g] * q0 + h0 * q1, q1, keys + off, values + off, D, pos.data(), n, static_cast<float>(scale),
-          scores.data(), scores_stride, o, o1);
+      (is_last ? last : full)(q + row[g] * q0 + h0 * q1, q1, keys + off, values + off, D, pos.data(), n,
+                              static_cast<float>(scale), scores.data(), scores_stride, o, o1);
     }
   });
 }
