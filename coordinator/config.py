@@ -54,6 +54,10 @@ class CoordinatorConfig:
     # With --overlap: the draft tier pushes each pre-drafted next round unasked as soon as it is ready, and a
     # round whose outcome it pushed starts with no Propose round trip (DESIGN.md, The split's cost)
     draft_push: bool = False
+    # A request with a fixed K for the draft model (chains, no grammar) has its rounds run by the draft tier
+    # itself, which sends each proposal to the target and takes the verdict with no hop through the
+    # coordinator (DESIGN.md, Direct rounds); needs the draft replicas' --direct-target and plaintext tiers
+    direct_rounds: bool = False
     tree_nodes: int = 0  # > 0: prompt lookup and suffix decoding propose token trees of this many nodes, K their depth (0 = chains)
     draft_tree_nodes: int = 0  # > 0: the draft model may propose token trees of up to this many nodes, shaped per round (0 = chains)
     draft_tree_branching: int = 4  # children per expanded node of the draft model's trees, and nodes expanded per level

@@ -13,6 +13,7 @@ unit tests pass fakes): the target (coordinator.tiers.target: routing, retries, 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -20,8 +21,10 @@ from typing import Protocol
 from coordinator.constraint import Constraint, NoConstraint
 from coordinator.output import FinishReason, Output
 from coordinator.params import GenerationParams
+from coordinator.proposers.base import Proposal
 from coordinator.proposers.drafter import Drafter
 from coordinator.stats import RoundStats
+from coordinator.tiers.direct import DirectRounds
 from coordinator.tiers.target import Verdict
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, generate_pb2
@@ -40,9 +43,10 @@ class Target(Protocol):
 class Generation:
     def __init__(self, params: GenerationParams, *, target: Target, drafter: Drafter, output: Output,
                  stats: RoundStats, max_context: int, session_id: str = "",
-                 constraint: Constraint | NoConstraint = NoConstraint(),
+                 constraint: Constraint | NoConstraint = NoConstraint(), direct: DirectRounds | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        """max_context: the target's (generation ends there); session_id: the session's on both tiers."""
+        """max_context: the target's (generation ends there); session_id: the session's on both tiers; direct:
+        the draft tier's own rounds, used while they last (None: every round here)."""
         self.params = params
         self.target = target
         self.drafter = drafter
@@ -51,6 +55,7 @@ class Generation:
         self.max_context = max_context
         self.session_id = session_id
         self.constraint = constraint
+        self.direct = direct
         self.clock = clock
 
     async def run(self) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -74,23 +79,25 @@ class Generation:
                 first_token_at = first_token_at or self.clock()
                 yield out.event(chunk)
                 continue
+            if self.direct is not None and self.direct.usable:  # the draft tier runs the rounds itself, until it stops
+                async with contextlib.aclosing(self.direct.rounds(committed, limit)) as rounds:
+                    async for proposal, verdict in rounds:
+                        chunk = self._commit(proposal, verdict, committed, hashes)
+                        if first_token_at is None:
+                            first_token_at = self.clock()
+                        yield out.event(chunk, verdict.logprobs[: len(chunk)])
+                        if out.finished:
+                            break
+                        stats.begin_round()
+                continue
             proposal = await self.drafter.propose(committed, hashes, limit)  # propose
             proposal, masks = self.constraint.check(proposal, p.sampling.greedy)  # (the grammar's masks)
             verdict = await self.drafter.verify(self.target.verify(  # verify (the draft tier may push meanwhile)
                 committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks, proposal.tree_scheme,
                 proposal.run_on), proposal)
-            n = verdict.num_accepted  # accept
-            path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
-            accepted = [proposal.tokens[i] for i in path] + [verdict.next_token] + list(verdict.run_on)
-            self.drafter.observe(proposal, verdict, accepted)
-            chunk = out.take(accepted)  # commit, cut at EOS, the budget or a stop string
-            self.constraint.commit(chunk)
-            committed.extend(chunk)
-            hashes.extend(chunk)
-            self.drafter.commit(chunk)
+            chunk = self._commit(proposal, verdict, committed, hashes)  # accept, commit
             if first_token_at is None:
                 first_token_at = self.clock()
-            stats.end_round(proposal, len(proposal.tokens), n, len(accepted), forwards=1 + len(verdict.run_on))
             yield out.event(chunk, verdict.logprobs[: len(chunk)])  # emit
         self.drafter.finish(committed)
         if (tail := out.tail()) is not None:
@@ -99,6 +106,21 @@ class Generation:
         yield generate_pb2.GenerateResponse(result=generate_pb2.GenerationResult(finish_reason=out.finish, stats=stats.summary(
             len(p.prompt_ids), out.generated, elapsed, None if first_token_at is None else first_token_at - t_start,
             p.num_speculative_tokens, p.proposer)))
+
+    def _commit(self, proposal: Proposal, verdict: Verdict, committed: list[int], hashes: PrefixHashes) -> list[int]:
+        """The round's outcome: the accepted drafts (a tree's accepted path) + the next token + the target's run-on,
+        cut at EOS, the budget or a stop string, committed; returns the chunk to emit."""
+        n = verdict.num_accepted
+        path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
+        accepted = [proposal.tokens[i] for i in path] + [verdict.next_token] + list(verdict.run_on)
+        self.drafter.observe(proposal, verdict, accepted)
+        chunk = self.output.take(accepted)
+        self.constraint.commit(chunk)
+        committed.extend(chunk)
+        hashes.extend(chunk)
+        self.drafter.commit(chunk)
+        self.stats.end_round(proposal, len(proposal.tokens), n, len(accepted), forwards=1 + len(verdict.run_on))
+        return chunk
 
     async def close(self) -> None:
         """Free the session on both tiers (best effort: a tier may already have evicted it)."""

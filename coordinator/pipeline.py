@@ -19,7 +19,7 @@ from coordinator.output import Output
 from coordinator.params import GenerationParams
 from coordinator.proposers.coordinator_cost import CoordinatorCost
 from coordinator.proposers.draft_model import DraftModelStrategy
-from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTrees
+from coordinator.proposers.draft_tree import SCHEMES, DraftTreeConfig, DraftTrees
 from coordinator.proposers.drafter import Drafter
 from coordinator.proposers.estimates import SharedPriors
 from coordinator.proposers.lookup import LookupStrategy
@@ -30,6 +30,7 @@ from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
 from coordinator.trace import OtlpRounds, RoundTrace
 from coordinator.tiers.client import TierClient
+from coordinator.tiers.direct import DirectRounds
 from coordinator.tiers.features import SessionFeatures
 from coordinator.tiers.reachability import TierReachability
 from coordinator.tiers.routing import probe_ring_hash
@@ -61,6 +62,9 @@ class Pipeline:
         opts = [("grpc.max_receive_message_length", config.server.max_message_bytes),
                 ("grpc.max_send_message_length", config.server.max_message_bytes)]
         credentials = self._tier_credentials(config)  # raises on unusable settings, before any channel exists
+        if config.direct_rounds and credentials is not None:
+            raise ValueError("direct_rounds: the draft tier reaches the target in plaintext, so not with tier_ca (TLS to "
+                             "the tiers)")
         if credentials is not None and config.tier_server_name:
             opts.append(("grpc.ssl_target_name_override", config.tier_server_name))
 
@@ -211,24 +215,38 @@ class Pipeline:
                                              greedy=greedy, tree_nodes=tree_nodes, priors=priors))
         if params.proposer in (PROMPT_LOOKUP, HYBRID):
             strategies.append(lookup)
+        draft, direct = None, None
         if self.draft is not None and params.proposer in (DRAFT_MODEL, HYBRID):
+            draft = TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
+                                self.draft_reachability)
             strategies.append(DraftModelStrategy(
-                c.draft_model, TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
-                                           self.draft_reachability),
-                sampling, derive_seed(params.seed, 0, DRAFT_STREAM), stats, cost=self.draft_load,
+                c.draft_model, draft, sampling, derive_seed(params.seed, 0, DRAFT_STREAM), stats, cost=self.draft_load,
                 max_context=self.draft_info.max_context, trees=self._draft_trees(params, speculate=not head),
                 grammar=params.grammar.text if params.grammar is not None and not head else "", greedy=greedy,
                 priors=priors, push=c.overlap and c.draft_push and not head, features=features))
+        eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
+        if draft is not None and self._direct(params, head):
+            direct = DirectRounds(self.draft, (target.session, draft), key, min(params.num_speculative_tokens, max_k),
+                                  sampling, params.seed, eos, params.logprobs, fingerprint, stats, time_left,
+                                  speculate=c.speculate_outcomes if c.overlap and not params.sampling.penalized else 0,
+                                  tree_scheme=SCHEMES[c.draft_tree_scheme])
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
         drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
                           coordinator=self.coordinator_cost)
-        eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
         constraint = (params.grammar.session(jump_forward=params.logprobs < 0)
                       if params.grammar is not None else NoConstraint())
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
-                          max_context=self.target_info.max_context, session_id=session_id, constraint=constraint)
+                          max_context=self.target_info.max_context, session_id=session_id, constraint=constraint,
+                          direct=direct)
+
+    def _direct(self, params: GenerationParams, head: bool) -> bool:
+        """Whether the draft tier runs the session's rounds (--direct-rounds): the draft model alone at the request's
+        own K, proposing chains, with no grammar and no EAGLE-3 head (which needs the target's features)."""
+        nodes = self.config.draft_tree_nodes if params.tree_nodes is None else params.tree_nodes
+        return (self.config.direct_rounds and params.proposer == DRAFT_MODEL and not head and params.grammar is None
+                and bool(params.num_speculative_tokens) and not nodes)
 
     def _draft_trees(self, params: GenerationParams, speculate: bool = True) -> DraftTrees | None:
         """The draft model's trees and speculation cache for a session (None: chains only; penalised

@@ -44,6 +44,7 @@ class RoundStats:
     overlapped_rounds: int = 0
     overlap_saved_ms: float = 0.0  # draft latency the speculation cache's hits saved (estimated)
     pushed_rounds: int = 0  # draft-model rounds whose proposal the draft had pushed before the verdict
+    direct_rounds: int = 0  # rounds the draft tier ran itself (coordinator.tiers.direct)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     tier_ms: float = 0.0
@@ -140,4 +141,5 @@ class RoundStats:
             overlap_saved_ms=self.overlap_saved_ms,
             trace=self.trace.totals(),
             pushed_rounds=self.pushed_rounds,
+            direct_rounds=self.direct_rounds,
         )

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+
+import grpc
 from typing import TYPE_CHECKING
 
-from specdec.core.errors import invalid_argument
+from draft_service.direct import TargetLink, drive
+from specdec.core.errors import TIER_STATUS_METADATA, RequestError, as_request_error, invalid_argument
 from specdec.core.settings import setting
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3_features import from_bytes
@@ -41,6 +44,9 @@ class DraftConfig:
     # A feature draft (--model an EAGLE-3 head's directory): the target it drafts for (HF directory, .gguf or hub
     # id), whose config, tokenizer and input embedding the head reads; empty = the default target
     head_target: str = setting("", flag="head-target")
+    # Direct rounds (DraftService.Drive): the target tier's gRPC address as this replica reaches it (the
+    # coordinator's --target); empty = Drive refused and the coordinator runs every round itself
+    direct_target: str = setting("", flag="direct-target")
 
 
 def load_engine(config: DraftConfig) -> Engine | HeadEngine:
@@ -54,11 +60,13 @@ def load_engine(config: DraftConfig) -> Engine | HeadEngine:
 
 
 class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, engine: Engine, draft_top_n: int) -> None:
+    def __init__(self, engine: Engine, draft_top_n: int, target: TargetLink | None = None) -> None:
+        """target: the target tier, for direct rounds (None: Drive refused)."""
         if draft_top_n < 1:
             raise ValueError(f"draft_top_n must be >= 1, got {draft_top_n}")
         self.engine = engine
         self.draft_top_n = draft_top_n
+        self.target = target
 
     @handle_errors
     async def Propose(self, request, context):
@@ -92,6 +100,31 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         finally:
             for task in list(pushes):
                 task.cancel()
+
+    async def Drive(self, request, context):
+        """A session's rounds from this replica (draft_service.direct); the session is dropped when they end."""
+        try:
+            if self.target is None:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "direct rounds: this replica has no "
+                                   "--direct-target (the target tier's address)")
+            if self.engine.feature_draft:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "direct rounds: this replica serves an "
+                                   "EAGLE-3 head, which drafts from the target's features")
+            if self.draining:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "replica draining")
+            check_num_tokens(self.engine, request.num_tokens, "num_tokens", minimum=1)
+            check_context(self.engine, request.context, extra_tokens=0)
+            sampling_params.decode(request.sampling, self.engine.vocab_size, len(request.context.new_tokens))
+            async for event in drive(request, self._propose, self.target, self.engine.max_context):
+                await context.write(event)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            err = as_request_error(e)
+            await context.abort(err.code, err.message, TIER_STATUS_METADATA)
+        finally:
+            if request.context.session_id:
+                self.engine.end_session(request.context.session_id)
 
     async def _propose(self, request: draft_pb2.ProposeRequest, push=None) -> draft_pb2.ProposeResponse:
         def to_work(r: draft_pb2.ProposeRequest):
@@ -178,6 +211,7 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:
     """The draft service's server (not started); loads the model unless `engine` is given."""
     engine = engine or load_engine(config)
-    service = Service(DraftServicer(engine, config.draft_top_n), draft_pb2_grpc.add_DraftServiceServicer_to_server,
+    target = TargetLink(config.direct_target, config.server.max_message_bytes) if config.direct_target else None
+    service = Service(DraftServicer(engine, config.draft_top_n, target), draft_pb2_grpc.add_DraftServiceServicer_to_server,
                       SERVICE_NAME)
     return create_tier_server(engine, service, config.server, "draft")

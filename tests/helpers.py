@@ -114,7 +114,8 @@ class Cluster:
         self.draft_port = None
         if self.draft_tier is not None:
             self.draft_port = self._call(self._start_tier(
-                build_draft, DraftConfig(self.draft_tier.config, server=self.tier_server, draft_top_n=draft_top_n),
+                build_draft, DraftConfig(self.draft_tier.config, server=self.tier_server, draft_top_n=draft_top_n,
+                                         direct_target=f"127.0.0.1:{self.target_port}"),
                 self.draft_tier))
         config = CoordinatorConfig(
             target_address=f"127.0.0.1:{self.target_port}",

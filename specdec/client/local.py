@@ -117,8 +117,10 @@ class LocalPipeline:
             draft, (draft_colocation, coordinator_colocation) = "", c.colocation_args()
             if c.draft_model:
                 draft_port = free_port()
-                # --head-target: where the draft is an EAGLE-3 head, the target it drafts for (a draft model ignores it)
+                # --head-target: where the draft is an EAGLE-3 head, the target it drafts for (a draft model ignores
+                # it); --direct-target: the target tier, for the rounds it runs itself (coordinator --direct-rounds)
                 self._spawn("draft", "draft_service", ["--model", c.draft_model, "--head-target", c.target_model,
+                                                       "--direct-target", f"127.0.0.1:{target_port}",
                                                        *draft_colocation, *c.draft_args],
                             f"127.0.0.1:{draft_port}")
                 draft = f"127.0.0.1:{draft_port}"
