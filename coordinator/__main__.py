@@ -10,7 +10,8 @@ import logging
 import sys
 from dataclasses import replace
 
-from coordinator.tiers.routing import RING_HASH_ENV, RoutingUnsupported
+from coordinator.tiers.routing import RoutingUnsupported
+from specdec.serving.routing import RING_HASH_ENV
 from coordinator.api.grpc_api import SERVICE_NAME
 from coordinator.config import CoordinatorConfig
 from coordinator.pipeline import Pipeline, PipelineMismatch

@@ -11,7 +11,7 @@ from coordinator.proposers.lookup import LookupConfig
 from coordinator.proposers.policy import PolicyConfig
 from coordinator.proposers.suffix import SuffixConfig
 from coordinator.tiers.reachability import ReachabilityConfig
-from coordinator.tiers.routing import RoutingConfig
+from specdec.serving.routing import RoutingConfig
 from specdec.core.proposer_names import HYBRID, NAMES, Proposer
 from specdec.core.settings import setting
 from specdec.serving.server import ServerConfig
@@ -56,8 +56,9 @@ class CoordinatorConfig:
     draft_push: bool = False
     # A request with a fixed K for the draft model (chains, no grammar) has its rounds run by the draft tier
     # itself, which sends each proposal to the target and takes the verdict with no hop through the
-    # coordinator (DESIGN.md, Direct rounds); needs the draft replicas' --direct-target and plaintext tiers
-    direct_rounds: bool = False
+    # coordinator (DESIGN.md, Direct rounds), where the draft replicas offer it (their --direct-target) and the
+    # tiers are plaintext (no --tier-ca)
+    direct_rounds: bool = True
     tree_nodes: int = 0  # > 0: prompt lookup and suffix decoding propose token trees of this many nodes, K their depth (0 = chains)
     draft_tree_nodes: int = 0  # > 0: the draft model may propose token trees of up to this many nodes, shaped per round (0 = chains)
     draft_tree_branching: int = 4  # children per expanded node of the draft model's trees, and nodes expanded per level

@@ -62,9 +62,6 @@ class Pipeline:
         opts = [("grpc.max_receive_message_length", config.server.max_message_bytes),
                 ("grpc.max_send_message_length", config.server.max_message_bytes)]
         credentials = self._tier_credentials(config)  # raises on unusable settings, before any channel exists
-        if config.direct_rounds and credentials is not None:
-            raise ValueError("direct_rounds: the draft tier reaches the target in plaintext, so not with tier_ca (TLS to "
-                             "the tiers)")
         if credentials is not None and config.tier_server_name:
             opts.append(("grpc.ssl_target_name_override", config.tier_server_name))
 
@@ -242,11 +239,19 @@ class Pipeline:
                           direct=direct)
 
     def _direct(self, params: GenerationParams, head: bool) -> bool:
-        """Whether the draft tier runs the session's rounds (--direct-rounds): the draft model alone at the request's
+        """Whether the draft tier runs the session's rounds (direct_rounds): the draft model alone at the request's
         own K, proposing chains, with no grammar and no EAGLE-3 head (which needs the target's features)."""
         nodes = self.config.draft_tree_nodes if params.tree_nodes is None else params.tree_nodes
-        return (self.config.direct_rounds and params.proposer == DRAFT_MODEL and not head and params.grammar is None
+        return (self.direct_rounds and params.proposer == DRAFT_MODEL and not head and params.grammar is None
                 and bool(params.num_speculative_tokens) and not nodes)
+
+    @property
+    def direct_rounds(self) -> bool:
+        """Whether sessions may have the draft tier run their rounds: asked for (--direct-rounds), offered by the
+        draft replica that answered at start (ModelInfo.direct_rounds), and the tiers in plaintext (the draft's
+        channel to the target is)."""
+        c = self.config
+        return c.direct_rounds and self.draft_info is not None and self.draft_info.direct_rounds and not c.tier_ca
 
     def _draft_trees(self, params: GenerationParams, speculate: bool = True) -> DraftTrees | None:
         """The draft model's trees and speculation cache for a session (None: chains only; penalised

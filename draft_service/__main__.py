@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before gRPC loads (specdec/serving/logs.py says why)
+# Direct rounds reach the target's replicas by the session's routing key, as the coordinator does (gRFC A76's
+# requestHashHeader, which grpc-core honours only with this set; the environment's value wins)
+os.environ.setdefault("GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY", "true")
 
 from specdec.engine.threads import spin_briefly  # torch-free
 

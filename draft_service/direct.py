@@ -19,17 +19,21 @@ from specdec.core.errors import RequestError, invalid_argument
 from specdec.core.prefix import PrefixHashes
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.proto import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
+from specdec.serving.routing import RoutingConfig
 
-ROUTING_HEADER = "specdec-session-id"  # the header the tiers' ring hash keys on (coordinator.tiers.routing)
+TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 class TargetLink:
-    """The draft replica's channel to the target tier (--direct-target), opened at the first Drive."""
+    """The draft replica's channel to the target tier (--direct-target), opened at the first Drive: to all its
+    replicas with the coordinator's routing (ring hash on the session's routing key, health-checked), so a
+    session's Verify calls reach the replica that holds its prefix whichever process makes them."""
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
-        self.address = address
+    def __init__(self, address: str, max_message_bytes: int, routing: RoutingConfig = RoutingConfig()) -> None:
+        self.address, self.routing = address, routing
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.max_send_message_length", max_message_bytes)]
+                         ("grpc.max_send_message_length", max_message_bytes),
+                         *routing.channel_options(health_service=TARGET_SERVICE)]
         self._channel: grpc.aio.Channel | None = None
         self._stub: target_pb2_grpc.TargetServiceStub | None = None
 
@@ -57,7 +61,7 @@ async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.Pr
     if request.max_new_tokens < 1:
         raise invalid_argument(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
     session = DirectSession(request, max_context)
-    call = target.stub.VerifyStream(metadata=((ROUTING_HEADER, request.target_routing_key or session.id),), timeout=None)
+    call = target.stub.VerifyStream(metadata=target.routing.metadata(request.target_routing_key or session.id))
     proposing = session.propose(propose)
     try:
         while True:

@@ -25,7 +25,7 @@ from specdec.proto import draft_pb2, draft_pb2_grpc
 from specdec.serving import draft_probs, draft_tree, sampling_params
 from specdec.serving.server import Service, ServerConfig, handle_errors
 from specdec.serving.tier_trace import traced
-from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, serve_session_stream
+from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, model_info, serve_session_stream
 from specdec.serving.tier_checks import check_context, check_num_tokens
 
 if TYPE_CHECKING:
@@ -67,6 +67,12 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
         self.engine = engine
         self.draft_top_n = draft_top_n
         self.target = target
+
+    @handle_errors
+    async def GetModelInfo(self, request, context):
+        info = model_info(self.engine)
+        info.direct_rounds = self.target is not None and not self.engine.feature_draft
+        return info
 
     @handle_errors
     async def Propose(self, request, context):

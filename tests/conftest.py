@@ -13,7 +13,7 @@ import torch
 
 from specdec.models import default_draft, default_target, load_model
 from specdec.proto import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
-from coordinator.tiers.routing import RING_HASH_ENV
+from specdec.serving.routing import RING_HASH_ENV
 from specdec.models import make_tiny_model
 from tests.helpers import TEST_COST_CURVE_S, Cluster, device_model
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.tiers.routing import RoutingConfig
+from specdec.serving.routing import RoutingConfig
 from coordinator.config import CoordinatorConfig
 from coordinator.service import build as build_coordinator
 from draft_service.service import SERVICE_NAME as DRAFT_SERVICE

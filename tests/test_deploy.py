@@ -15,7 +15,7 @@ import sys
 import kubernetes_validate
 import pytest
 
-from coordinator.tiers.routing import RING_HASH_ENV
+from specdec.serving.routing import RING_HASH_ENV
 from tests.deploy_renders import (ENV_PREFIX, EXTRA_PORTS, GATEWAY_KINDS, RENDERS, ROOT, SCHEMA_VERSIONS, TIERS, container,
                                   deployments, env_of, env_value, of_kind, selects)
 

@@ -9,7 +9,7 @@ import re
 
 import yaml
 
-from coordinator.tiers.routing import RING_HASH_ENV
+from specdec.serving.routing import RING_HASH_ENV
 from tests.deploy_renders import (DEPLOY, EXTRA_PORTS, RENDERS, ROOT, TIERS, deployments, kustomize, of_kind, overlay_images,
                                   pod_containers)
 

@@ -29,7 +29,6 @@ def test_pdb_hpa_and_network_policy_per_tier(renders, name):
     objs = renders[name]
     deps = deployments(objs)
     pdbs, hpas, policies = of_kind(objs, "PodDisruptionBudget"), of_kind(objs, "HorizontalPodAutoscaler"), of_kind(objs, "NetworkPolicy")
-    coord_labels = deps["coordinator"]["spec"]["template"]["metadata"]["labels"]
     for comp, dep in deps.items():
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert len([p for p in pdbs.values() if selects(p["spec"]["selector"], labels)]) == 1, comp
@@ -68,12 +67,17 @@ def test_pdb_hpa_and_network_policy_per_tier(renders, name):
             assert [p["port"] for p in rule["ports"]] == [port], "the tier's gRPC port has a rule of its own"
             (metrics_rule,) = [r for r in rules if r is not rule]
             assert [p["port"] for p in metrics_rule["ports"]] == [9400] and "from" not in metrics_rule
-            (peer,) = rule["from"]
-            assert set(peer) == {"podSelector"} and selects(peer["podSelector"], coord_labels), \
-                f"only coordinator pods may reach the {comp} tier"
-            others = [l for c, d in deps.items() if c != "coordinator"
-                      for l in [d["spec"]["template"]["metadata"]["labels"]]]
-            assert not any(selects(peer["podSelector"], l) for l in others)
+            # The coordinator's pods reach each tier; the draft's reach the target too (direct rounds); no one else.
+            callers = ["coordinator"] + (["draft"] if comp == "target" else [])
+            labels_of = {c: d["spec"]["template"]["metadata"]["labels"] for c, d in deps.items()}
+            assert all(set(peer) == {"podSelector"} for peer in rule["from"])
+            for c, l in labels_of.items():
+                reached = any(selects(peer["podSelector"], l) for peer in rule["from"])
+                assert reached == (c in callers), f"{c} pods {'reach' if reached else 'do not reach'} the {comp} tier"
+            if comp == "target":  # the draft pods know where to reach it: the target Service, as the coordinator's
+                draft = container(deps["draft"])
+                assert env_value(draft, "SPECDEC_DRAFT_DIRECT_TARGET") == env_value(container(deps["coordinator"]),
+                                                                                     "SPECDEC_COORDINATOR_TARGET")
 
 
 def test_cpu_overlay_uses_no_gpu(renders):

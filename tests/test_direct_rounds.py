@@ -14,12 +14,11 @@ from tests.helpers import Cluster, reference_greedy
 pytestmark = pytest.mark.servers  # in-process servers (make test, not make test-fast)
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 2600, 28]
-DIRECT = {"direct_rounds": True}
 
 
 @pytest.fixture(scope="module")
 def direct_cluster(tiny_target, tiny_random_draft):
-    cluster = Cluster(tiny_target, tiny_random_draft, coordinator_overrides=DIRECT)
+    cluster = Cluster(tiny_target, tiny_random_draft, direct=True)
     yield cluster
     cluster.close()
 
@@ -27,7 +26,7 @@ def direct_cluster(tiny_target, tiny_random_draft):
 @pytest.fixture(scope="module")
 def direct_self_cluster(tiny_target):
     """The target as its own draft: every draft accepted, so each round commits K + 1 tokens."""
-    cluster = Cluster(tiny_target, tiny_target, coordinator_overrides=DIRECT)
+    cluster = Cluster(tiny_target, tiny_target, direct=True)
     yield cluster
     cluster.close()
 
@@ -35,7 +34,7 @@ def direct_self_cluster(tiny_target):
 @pytest.fixture(scope="module")
 def direct_overlap_cluster(tiny_target, tiny_random_draft):
     """Direct rounds with the draft's speculation cache (--overlap): each chain asked as a tree of branching 1."""
-    cluster = Cluster(tiny_target, tiny_random_draft, coordinator_overrides={**DIRECT, "overlap": True})
+    cluster = Cluster(tiny_target, tiny_random_draft, direct=True, coordinator_overrides={"overlap": True})
     yield cluster
     cluster.close()
 
@@ -98,10 +97,17 @@ def test_requests_that_cannot_use_direct_rounds_run_their_own(direct_cluster, ti
             assert out.token_ids == expected and out.stats["direct_rounds"] == 0, kw
 
 
-def test_a_draft_without_a_direct_target_leaves_the_rounds_to_the_coordinator(tiny_target, tiny_target_model):
+def test_a_draft_without_a_direct_target_leaves_the_rounds_to_the_coordinator(self_draft_cluster, tiny_target,
+                                                                             tiny_target_model):
+    """Known at start (its ModelInfo offers no direct rounds), or found out by its Drive's refusal (one replica
+    of several, started without --direct-target): the coordinator's own rounds, the same output."""
     expected = reference_greedy(tiny_target_model, PROMPT, 24, [2])
-    cluster = Cluster(tiny_target, tiny_target, coordinator_overrides=DIRECT)
+    with Client(self_draft_cluster.address) as c:
+        out = c.generate(token_ids=PROMPT, max_new_tokens=24, num_speculative_tokens=3, proposer="draft")
+    assert out.token_ids == expected and out.stats["direct_rounds"] == 0 and not self_draft_cluster.pipeline.direct_rounds
+    cluster = Cluster(tiny_target, tiny_target, direct=True)
     try:
+        assert cluster.pipeline.direct_rounds
         cluster.draft_servicer.target = None  # as a replica started without --direct-target
         with Client(cluster.address) as c:
             out = c.generate(token_ids=PROMPT, max_new_tokens=24, num_speculative_tokens=3, proposer="draft")
@@ -115,7 +121,7 @@ def test_a_draft_that_dies_while_driving_costs_only_its_rounds(tiny_target, tiny
     """The draft replica stops after the first round reached the client: the coordinator's own rounds (prompt
     lookup standing in for the draft) finish the generation with the same tokens."""
     expected = reference_greedy(tiny_target_model, PROMPT, 300, [])
-    cluster = Cluster(tiny_target, tiny_target, coordinator_overrides=DIRECT)
+    cluster = Cluster(tiny_target, tiny_target, direct=True)
     try:
         with Client(cluster.address) as c:
             tokens, stats = [], None

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from coordinator.tiers.routing import RoutingConfig
+from specdec.serving.routing import RoutingConfig
 from specdec.client import Client
 from specdec.engine.sessions import SessionStoreConfig
 from tests.helpers import Cluster, reference_greedy

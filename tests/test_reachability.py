@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator.tiers.reachability import ReachabilityConfig, TierReachability
-from coordinator.tiers.routing import RoutingConfig
+from specdec.serving.routing import RoutingConfig
 
 SERVICE = "specdec.v1.TargetService"
 

@@ -22,7 +22,8 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from coordinator.tiers.routing import RING_HASH_ENV, RoutingConfig, RoutingUnsupported, probe_ring_hash
+from coordinator.tiers.routing import RoutingUnsupported, probe_ring_hash
+from specdec.serving.routing import RING_HASH_ENV, RoutingConfig
 from specdec.client import Client
 from specdec.models import make_tiny_model
 from tests.helpers import TOKENIZER_DIR

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from coordinator.tiers.pushes import PushedProposals
-from coordinator.tiers.routing import RoutingConfig
+from specdec.serving.routing import RoutingConfig
 from specdec.core.errors import TIER_STATUS_METADATA
 from specdec.proto import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
