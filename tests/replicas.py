@@ -60,10 +60,12 @@ class Replica:
 
 class ReplicaCluster:
     def __init__(self, target_model: str, draft_model: str, *, target_addresses: list[str], draft_addresses: list[str],
-                 spare_addresses: list[str] = (), max_connection_age_s: float = 0.5) -> None:
+                 spare_addresses: list[str] = (), max_connection_age_s: float = 0.5, direct: bool = False) -> None:
         """The tiers' DNS names list target_addresses and draft_addresses. spare_addresses: more addresses
         the port must be free on (for replicas added later with add()). The tiers close connections after
-        max_connection_age_s, so the coordinator re-resolves the names quickly."""
+        max_connection_age_s, so the coordinator re-resolves the names quickly. direct: the draft replicas
+        reach the target tier by its name (--direct-target) and run direct rounds."""
+        self.direct = direct
         self.dns = FakeDns()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -99,7 +101,8 @@ class ReplicaCluster:
         engine = Engine.load(TierConfig(ModelConfig(model), cost_curve_s=TEST_COST_CURVE_S))
         config = dataclasses.replace(self.server_config, address=f"{address}:{self.ports[tier]}")
         build, cfg, service = ((build_target, TargetConfig(engine.config, server=config), TARGET_SERVICE) if tier == "target"
-                               else (build_draft, DraftConfig(engine.config, server=config), DRAFT_SERVICE))
+                               else (build_draft, DraftConfig(engine.config, server=config, direct_target=(
+                                   self.tier_target("target") if self.direct else "")), DRAFT_SERVICE))
 
         async def start():
             built = build(cfg, engine)

@@ -142,6 +142,36 @@ def test_sixteen_generations_spread_over_two_replicas_per_tier_and_equal_single_
         cluster.close()
 
 
+def test_direct_rounds_reach_the_target_replica_of_their_session(tiny_target, tiny_random_draft):
+    """The draft replicas run the fixed-K sessions' rounds, verifying on the target tier by its DNS name: each
+    session's calls reach one target replica (by its routing key, as the coordinator's would), both replicas
+    serve some, and the outputs are the single-replica runs' own."""
+    cluster = ReplicaCluster(tiny_target, tiny_random_draft, target_addresses=TARGETS, draft_addresses=DRAFTS,
+                             direct=True)
+    try:
+        fixed = [kw for kw in requests() if kw["proposer"] == "draft" and kw.get("num_speculative_tokens")]  # eight
+        single = cluster.coordinator(target=f"{TARGETS[0]}:{cluster.ports['target']}",
+                                     draft=f"{DRAFTS[0]}:{cluster.ports['draft']}", direct_rounds=False)
+        with Client(single) as c:
+            references = [c.generate(**kw).token_ids for kw in fixed]
+        address = cluster.coordinator()
+        many = cluster.coordinators[-1]
+        with SessionWatch(cluster) as watch, Client(address) as c, ThreadPoolExecutor(len(fixed)) as pool:
+            outputs = list(pool.map(lambda kw: c.generate(**kw), fixed * 2))  # 16 sessions: both replicas serve some
+        assert [o.token_ids for o in outputs] == references * 2
+        assert all(o.stats["direct_rounds"] == o.stats["rounds"] > 0 for o in outputs)
+        for address_ in TARGETS:
+            assert watch.most[("target", address_)] > 0, f"target replica {address_} never held a session: {watch.most}"
+        # Affinity: the Drive's Verify calls reached the replica holding the session; nothing failed over.
+        assert counter(many, "specdec_tier_errors_total") == 0
+        deadline = time.monotonic() + 10
+        while any(r.status().num_sessions for reps in cluster.replicas.values() for r in reps.values()):
+            assert time.monotonic() < deadline, "sessions left on a replica"
+            time.sleep(0.05)
+    finally:
+        cluster.close()
+
+
 @pytest.fixture(scope="module")
 def foreign_model(tmp_path_factory) -> str:
     """A tiny model whose tokenizer differs from the SmolLM2 one (one added special token)."""
