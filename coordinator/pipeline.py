@@ -19,7 +19,7 @@ from coordinator.output import Output
 from coordinator.params import GenerationParams
 from coordinator.proposers.coordinator_cost import CoordinatorCost
 from coordinator.proposers.draft_model import DraftModelStrategy
-from coordinator.proposers.draft_tree import SCHEMES, DraftTreeConfig, DraftTrees
+from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTrees
 from coordinator.proposers.drafter import Drafter
 from coordinator.proposers.estimates import SharedPriors
 from coordinator.proposers.lookup import LookupStrategy
@@ -225,8 +225,7 @@ class Pipeline:
         if draft is not None and self._direct(params, head):
             direct = DirectRounds(self.draft, (target.session, draft), key, min(params.num_speculative_tokens, max_k),
                                   sampling, params.seed, eos, params.logprobs, fingerprint, stats, time_left,
-                                  speculate=c.speculate_outcomes if c.overlap and not params.sampling.penalized else 0,
-                                  tree_scheme=SCHEMES[c.draft_tree_scheme])
+                                  speculate=c.overlap)
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
         drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,

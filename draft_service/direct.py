@@ -54,15 +54,16 @@ async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.Pr
                 target: TargetLink, max_context: int) -> AsyncIterator[draft_pb2.DriveEvent]:
     """The session's rounds; propose(request) is the draft's own Propose (checks, engine, response), max_context
     the draft's (a round that would pass it drafts nothing, as the caller's would not ask). Ends when
-    max_new_tokens are committed or an EOS is; raises RequestError on a failed call. Each round's next proposal
-    is under way in the engine while the round's event is written to the caller."""
+    max_new_tokens are committed or an EOS is; raises RequestError on a failed call. A round's event is written
+    to the caller while the target verifies the next round (the first and the last at once): the write takes
+    the replica's interpreter, which the draft's own steps need."""
     if request.context.prefix_len != 0:
         raise invalid_argument("context.prefix_len: a Drive sends the whole committed sequence (prefix_len 0)")
     if request.max_new_tokens < 1:
         raise invalid_argument(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
     session = DirectSession(request, max_context)
     call = target.stub.VerifyStream(metadata=target.routing.metadata(request.target_routing_key or session.id))
-    proposing = session.propose(propose)
+    proposing, ahead, pending, first = session.propose(propose), None, None, True
     try:
         while True:
             t0 = time.perf_counter()
@@ -71,6 +72,9 @@ async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.Pr
             t0 = time.perf_counter()
             try:
                 await call.write(session.verify_request(proposed))
+                ahead = session.draft_ahead(propose, proposed)  # while the target verifies
+                if pending is not None:  # the last round's event, written while the target verifies this one
+                    yield pending
                 verdict = await call.read()
             except grpc.aio.AioRpcError as e:
                 raise _target_error(e) from None
@@ -79,20 +83,32 @@ async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.Pr
             event = draft_pb2.DriveEvent(verdict=verdict, verify_wall_ms=(time.perf_counter() - t0) * 1e3)
             if proposed is not None:
                 event.draft_tokens.extend(proposed.tokens)
-                event.draft_parents.extend(proposed.parents)
                 event.draft_compute_ms, event.draft_queue_ms = proposed.compute_ms, proposed.queue_ms
                 event.draft_wall_ms, event.speculated = draft_ms, proposed.speculated
                 event.draft_trace.CopyFrom(proposed.trace)
             done = session.commit(proposed, verdict)
-            proposing = None if done else session.propose(propose)  # the next round's, while the event is written
-            yield event
+            ready = None
+            if ahead is not None:  # the next round's proposal, if the verdict was the outcome it was drafted for
+                ready, ahead = session.take_ahead(await ahead, proposed, verdict), None
+            if done:
+                proposing = None
+            elif ready is not None:
+                proposing = asyncio.get_running_loop().create_future()
+                proposing.set_result(ready)
+            else:
+                proposing = session.propose(propose)
+            if done or first:
+                yield event  # the last round's, and the first's (its token is the client's first) at once
+            else:
+                pending = event
+            first = False
             if done:
                 break
     finally:
-        if proposing is not None:
-            proposing.cancel()
+        for future in (proposing, ahead):
+            if future is not None:
+                future.cancel()
         call.cancel()
-
 
 class DirectSession:
     """What the driver knows of a session: its committed tokens, and how many of them each tier caches."""
@@ -105,20 +121,56 @@ class DirectSession:
         self.eos = set(request.eos_token_ids)
         self.draft_at = self.target_at = 0  # leading committed tokens each tier caches (the contexts' prefix_len)
         self.produced = 0
+        self.whole = 1.0  # how often a whole proposal is accepted (decaying): drafting ahead pays only if often
+
+    def _k(self, produced: int, length: int) -> int:
+        """K for a round after `produced` tokens, over `length` committed ones: the request's, capped by the budget
+        (a round adds one of its own); 0 where the draft's context has no room for it."""
+        r = self.request
+        k = max(min(r.num_tokens, r.max_new_tokens - produced - 1), 0)
+        return 0 if length + k > self.max_context else k
 
     def propose(self, propose: Callable[[draft_pb2.ProposeRequest], Awaitable]) -> asyncio.Future | None:
-        """The next round's proposal, under way; None where the round drafts nothing (the budget's last token,
-        or no room in the draft's context)."""
-        r = self.request
-        k = max(min(r.num_tokens, r.max_new_tokens - self.produced - 1), 0)  # a round adds one of its own
-        if k == 0 or len(self.committed) + k > self.max_context:
+        """The next round's proposal, under way; None where the round drafts nothing."""
+        k = self._k(self.produced, len(self.committed))
+        if k == 0:
             return None
-        ask = draft_pb2.ProposeRequest(context=self.context(self.draft_at), num_tokens=k, sampling=r.sampling,
-                                       seed=r.draft_seed)
-        if r.speculate > 0:  # a chain asked as a tree of branching 1, with the speculation cache on
-            ask.tree_nodes, ask.tree_depth, ask.tree_branching = k, k, 1
-            ask.tree_scheme, ask.speculate = r.tree_scheme, r.speculate
-        return asyncio.ensure_future(propose(ask))
+        r = self.request
+        return asyncio.ensure_future(propose(draft_pb2.ProposeRequest(
+            context=self.context(self.draft_at), num_tokens=k, sampling=r.sampling, seed=r.draft_seed)))
+
+    def draft_ahead(self, propose, proposed: draft_pb2.ProposeResponse | None) -> asyncio.Future | None:
+        """Drafting ahead (module docstring): the chain e_1..e_K'+1 after the proposal's last draft, under way; None
+        where not asked, with no proposal, with whole proposals seldom accepted of late, or no next round."""
+        r = self.request
+        if r.speculate <= 0 or proposed is None or not proposed.tokens or self.whole < 0.5:
+            return None
+        drafts, length = list(proposed.tokens), len(self.committed)
+        k_next = self._k(self.produced + len(drafts) + 1, length + len(drafts) + 1)
+        if k_next == 0:
+            return None
+        sequence = self.hashes.extended(drafts)  # the draft caches the committed tokens and d_1..d_K-1
+        prefix = min(proposed.cached_len, length + len(drafts) - 1)
+        context = common_pb2.SessionContext(session_id=self.id, prefix_len=prefix, prefix_hash=sequence.at(prefix),
+                                            new_tokens=drafts[prefix - length:])
+        return asyncio.ensure_future(propose(draft_pb2.ProposeRequest(
+            context=context, num_tokens=k_next + 1, sampling=r.sampling, seed=r.draft_seed)))
+
+    def take_ahead(self, ahead: draft_pb2.ProposeResponse, proposed: draft_pb2.ProposeResponse,
+                   verdict: target_pb2.VerifyResponse) -> draft_pb2.ProposeResponse | None:
+        """After commit(): the next round's proposal if the verdict was the outcome drafted ahead for (every draft
+        accepted, then e_1), else None; either way what the draft now caches of the committed tokens."""
+        n = verdict.num_accepted
+        before = len(self.committed) - n - 1
+        if n < len(proposed.tokens) or not ahead.tokens or verdict.next_token != ahead.tokens[0]:
+            self.draft_at = min(ahead.cached_len, before + n)  # the next request crops the rest
+            return None
+        self.draft_at = min(ahead.cached_len, len(self.committed))
+        ready = draft_pb2.ProposeResponse(
+            tokens=ahead.tokens[1:], q=ahead.q[1:], cached_len=ahead.cached_len, compute_ms=ahead.compute_ms,
+            queue_ms=ahead.queue_ms, batch_sessions=ahead.batch_sessions, step_ms=ahead.step_ms, speculated=True)
+        ready.trace.CopyFrom(ahead.trace)
+        return ready
 
     def verify_request(self, proposed: draft_pb2.ProposeResponse | None) -> target_pb2.VerifyRequest:
         r = self.request
@@ -128,28 +180,23 @@ class DirectSession:
         if proposed is not None:
             ask.draft_tokens.extend(proposed.tokens)
             ask.q.extend(proposed.q)
-            if proposed.parents:
-                ask.draft_parents.extend(proposed.parents)
-                ask.tree_scheme = proposed.tree_scheme
         return ask
 
     def commit(self, proposed: draft_pb2.ProposeResponse | None, verdict: target_pb2.VerifyResponse) -> bool:
         """The round's verdict: commit its tokens; True when the Drive is done (its budget spent, or an EOS)."""
         drafts = list(proposed.tokens) if proposed is not None else []
-        tree = proposed is not None and bool(proposed.parents)
         n, before = verdict.num_accepted, len(self.committed)
-        path = list(verdict.accepted_path) if tree else list(range(n))
-        if not 0 <= n <= len(drafts) or len(path) != n or any(not 0 <= i < len(drafts) for i in path):
-            raise RequestError(grpc.StatusCode.INTERNAL, f"direct rounds: the target accepted {path} of {len(drafts)}")
-        accepted = [drafts[i] for i in path] + [verdict.next_token]
+        if not 0 <= n <= len(drafts):
+            raise RequestError(grpc.StatusCode.INTERNAL, f"direct rounds: the target accepted {n} of {len(drafts)}")
+        accepted = drafts[:n] + [verdict.next_token]
         self.committed.extend(accepted)
         self.hashes.extend(accepted)
         self.produced += len(accepted)
         # Each tier caches the committed tokens it was sent and its own tokens of this round that were
         # committed (the draft: its drafts fed back; the target: the accepted drafts).
-        # (A tree's accepted entries are moved into place by the draft at its next request: count none.)
-        if proposed is not None:
-            self.draft_at = min(proposed.cached_len, before if tree else before + n)
+        if drafts:
+            self.draft_at = min(proposed.cached_len, before + n)
+            self.whole = 0.8 * self.whole + 0.2 * (n == len(drafts))
         self.target_at = min(verdict.cached_len, before + n)
         return self.produced >= self.request.max_new_tokens or bool(self.eos.intersection(accepted))
 

@@ -70,6 +70,25 @@ def test_sampled_direct_rounds_give_the_coordinators_rounds_tokens(random_draft_
         assert direct.stats["direct_rounds"] == direct.stats["rounds"]
 
 
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.1, seed=5), dict(temperature=0.3, top_k=8, seed=6)])
+def test_drafting_ahead_gives_the_coordinators_rounds_tokens(self_draft_cluster, tiny_target, sampling):
+    """--overlap: while the target verifies, the draft drafts on for the outcome it predicts; with the target as its
+    own draft that outcome is often the verdict, and the rounds it starts with a ready proposal commit the
+    tokens the coordinator's own rounds commit, greedy and seeded."""
+    kw = dict(token_ids=PROMPT, max_new_tokens=48, num_speculative_tokens=3, proposer="draft", **sampling)
+    with Client(self_draft_cluster.address) as c:
+        own = c.generate(**kw)
+    cluster = Cluster(tiny_target, tiny_target, direct=True, coordinator_overrides={"overlap": True})
+    try:
+        with Client(cluster.address) as c:
+            ahead = c.generate(**kw)
+    finally:
+        cluster.close()
+    assert ahead.token_ids == own.token_ids
+    s = ahead.stats
+    assert s["direct_rounds"] == s["rounds"] and 0 < s["overlapped_rounds"] < s["rounds"]
+
+
 def test_stop_strings_logprobs_and_eos_cut_direct_rounds_as_their_own(random_draft_cluster, direct_cluster):
     kw = dict(token_ids=PROMPT, max_new_tokens=30, num_speculative_tokens=2, proposer="draft", logprobs=2)
     with Client(random_draft_cluster.address) as c:

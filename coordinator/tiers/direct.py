@@ -29,17 +29,16 @@ log = logging.getLogger(__name__)
 class DirectRounds:
     def __init__(self, draft: TierClient, sessions: tuple[TierSession, ...], routing_key: str, k: int,
                  sampling: common_pb2.SamplingParams, seed: int, eos: set[int], logprobs: int, fingerprint: str,
-                 stats: RoundStats, time_left: Callable[[], float | None], speculate: int = 0,
-                 tree_scheme: int = 0) -> None:
+                 stats: RoundStats, time_left: Callable[[], float | None], speculate: bool = False) -> None:
         """draft: the draft tier; sessions: the session's TierSessions on both tiers (reset when the Drive ends);
         routing_key: the session's (both tiers' calls carry it); k: the request's K; seed: the request's;
-        eos: the tokens that end the generation (empty: none); logprobs: as TargetVerifier's; speculate,
-        tree_scheme: the draft's speculation cache (DriveRequest.speculate; 0: none)."""
+        eos: the tokens that end the generation (empty: none); logprobs: as TargetVerifier's; speculate: the draft
+        drafts ahead while the target verifies (DriveRequest.speculate)."""
         self.draft, self.sessions, self.routing_key, self.k = draft, sessions, routing_key, k
         self.sampling, self.seed, self.eos, self.logprobs = sampling, seed, eos, logprobs
         self.fingerprint, self.stats, self.time_left = fingerprint, stats, time_left
         self.session_id = sessions[0].session_id
-        self.speculate, self.tree_scheme = speculate, tree_scheme
+        self.speculate = speculate
         self.usable = True  # until the Drive ends: then the loop's own rounds
 
     async def rounds(self, committed: list[int], limit: int) -> AsyncIterator[tuple[Proposal, Verdict]]:
@@ -52,7 +51,7 @@ class DirectRounds:
             num_tokens=self.k, sampling=self.sampling, draft_seed=derive_seed(self.seed, 0, DRAFT_STREAM),
             target_seed=self.seed, max_new_tokens=limit, eos_token_ids=sorted(self.eos),
             logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0), target_routing_key=self.routing_key,
-            speculate=self.speculate, tree_scheme=self.tree_scheme)
+            speculate=int(self.speculate))
         call = self.draft.stub.Drive(request, metadata=self.draft.routing.metadata(self.routing_key),
                                      timeout=self.time_left())
         for session in self.sessions:
@@ -84,6 +83,5 @@ class DirectRounds:
             stats.observe_overlapped(0.0)
         proposal = Proposal(DRAFT_MODEL, list(event.draft_tokens), k=self.k, wall_ms=event.draft_wall_ms,
                             compute_ms=event.draft_compute_ms, queue_ms=event.draft_queue_ms,
-                            parents=list(event.draft_parents), overlapped=event.speculated)
-        return proposal, Verdict(v.num_accepted, v.next_token, event.verify_wall_ms, tuple(v.accepted_path),
-                                 tuple(v.logprobs))
+                            overlapped=event.speculated)
+        return proposal, Verdict(v.num_accepted, v.next_token, event.verify_wall_ms, logprobs=tuple(v.logprobs))
