@@ -141,7 +141,9 @@ def measure(address: str, k: int, n: int, generations: int, temperature: float =
                 "round": s.get("elapsed_s", 0.0) * 1e3 / rounds,
                 "client_round": (time.perf_counter() - t0) * 1e3 / rounds,
                 "client_token": (time.perf_counter() - t0) * 1e3 / max(1, len(out.token_ids)),
-                "ready": s.get("pushed_rounds", 0) / rounds,  # the next proposal held when the verdict came
+                # the next proposal held when the verdict came: pushed to the coordinator, or drafted ahead in a direct round
+                "ready": (s.get("pushed_rounds", 0) + (s.get("overlapped_rounds", 0) if s.get("direct_rounds") else 0)) / rounds,
+                "direct": s.get("direct_rounds", 0) / rounds,  # rounds the draft replica ran itself
                 **trace_row(s, rounds),
             })
     return rows
@@ -248,15 +250,19 @@ def main(argv=None) -> int:
     lines += ["", "The round trace, per round (ms, median over generations): client <-> coordinator, the coordinator's "
               "own time, then each tier's rpcs: wire (both gRPC stacks, loopback), servicer (decode + encode), queue "
               "(the hop onto the engine thread, the wait for a step), step (forwards and their math), wake (the hop "
-              "back to the event loop):", ""]
+              "back to the event loop). In direct rounds (the draft replica sends the Verify itself: the default for "
+              "these fixed-K requests, `--no-direct-rounds` to turn off) the draft's parts are its own in-process "
+              "proposal (no wire) and the target's wire is the draft's round trip to it:", ""]
     trace = []
     for k, rows in results.items():
         med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
         trace.append([k, f"{med['client_round'] - med['round']:.3f}", f"{med['coordinator']:.3f}",
                       *(f"{med[f'{tier}_{part}']:.3f}" for tier in ("draft", "target") for part in TRACE_PARTS),
+                      f"{statistics.mean(r['direct'] for r in rows):.0%}" if k else "-",
                       f"{statistics.mean(r['ready'] for r in rows):.0%}" if k else "-"])
     lines += md_table(["K", "client <-> coordinator", "coordinator", *(f"{tier} {part}" for tier in ("draft", "target")
-                                                                       for part in TRACE_PARTS), "proposal held at the verdict (pushed)"], trace)
+                                                                       for part in TRACE_PARTS), "direct rounds",
+                       "proposal ready at the verdict (pushed, or drafted ahead)"], trace)
     floor = grpc_floor.measure()  # after the pipeline is gone: the same cores, nothing beside it
     lines += ["", goals(results), "", f"gRPC's own floor on this machine (`python -m bench.grpc_floor`, measured after the "
               f"rows): a write and a read on an open stream between two processes take {floor['stream_us']:.0f} us "

@@ -44,3 +44,27 @@ def test_processes_and_cli(tiny_target, tiny_random_draft, tiny_target_model):
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_new_tokens" in bad.stderr
         codes = pipeline.stop()
     assert codes == {"target": 0, "draft": 0, "coordinator": 0}, {n: pipeline.log_tail(n) for n in codes}
+
+
+def test_direct_rounds_between_real_processes_survive_a_killed_draft(tiny_target, tiny_target_model):
+    """As `make run` starts them, the draft runs a fixed-K session's rounds itself (it was given the target's
+    address); SIGKILLed mid-Drive, the coordinator's own rounds finish the generation with the same tokens."""
+    from specdec.client import Client
+
+    config = LocalPipelineConfig(target_model=tiny_target, draft_model=tiny_target, target_args=tier_device_args(),
+                                 draft_args=tier_device_args(), start_timeout_s=180)
+    expected = reference_greedy(tiny_target_model, PROMPT, 400, [])
+    kw = dict(token_ids=PROMPT, max_new_tokens=400, num_speculative_tokens=1, proposer="draft", ignore_eos=True)
+    with LocalPipeline(config) as pipeline, Client(pipeline.address, timeout_s=120) as c:
+        whole = c.generate(**kw)
+        assert whole.token_ids == expected and whole.stats["direct_rounds"] == whole.stats["rounds"] > 0
+        tokens, stats = [], None
+        for i, event in enumerate(c.stream(**kw)):
+            if event.HasField("chunk"):
+                tokens.extend(event.chunk.token_ids)
+            else:
+                stats = event.result.stats
+            if i == 0:
+                pipeline.kill("draft")
+        assert tokens == expected
+        assert 0 < stats.direct_rounds < stats.rounds  # the coordinator ran the rest
