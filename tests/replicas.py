@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -137,6 +138,13 @@ class ReplicaCluster:
         c = self._call(start())
         self.coordinators.append(c)
         return f"127.0.0.1:{c.port}"
+
+    def wait_no_sessions(self, timeout_s: float = 10.0) -> None:
+        """Poll every replica until none holds a session (ending them is asynchronous); fail on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while any(r.status().num_sessions for reps in self.replicas.values() for r in reps.values()):
+            assert time.monotonic() < deadline, "sessions left on a replica"
+            time.sleep(0.05)
 
     def close(self) -> None:
         async def stop():

@@ -133,11 +133,7 @@ def test_sixteen_generations_spread_over_two_replicas_per_tier_and_equal_single_
         # Affinity: every call of a session reached the replica holding it, so no replica ever lacked one.
         assert counter(many, "specdec_reprefills_total") == 0
         assert counter(many, "specdec_tier_errors_total") == 0
-        # And every session was ended on its own replica.
-        deadline = time.monotonic() + 10
-        while any(r.status().num_sessions for reps in cluster.replicas.values() for r in reps.values()):
-            assert time.monotonic() < deadline, "sessions left on a replica"
-            time.sleep(0.05)
+        cluster.wait_no_sessions()  # every session was ended on its own replica
     finally:
         cluster.close()
 
@@ -164,10 +160,7 @@ def test_direct_rounds_reach_the_target_replica_of_their_session(tiny_target, ti
             assert watch.most[("target", address_)] > 0, f"target replica {address_} never held a session: {watch.most}"
         # Affinity: the Drive's Verify calls reached the replica holding the session; nothing failed over.
         assert counter(many, "specdec_tier_errors_total") == 0
-        deadline = time.monotonic() + 10
-        while any(r.status().num_sessions for reps in cluster.replicas.values() for r in reps.values()):
-            assert time.monotonic() < deadline, "sessions left on a replica"
-            time.sleep(0.05)
+        cluster.wait_no_sessions()
     finally:
         cluster.close()
 
