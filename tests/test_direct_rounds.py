@@ -4,6 +4,8 @@ greedy (the target's own) and sampled (the coordinator's rounds' tokens, draw fo
 a draft tier that cannot drive, or dies while driving, costs only its rounds; bad Drive requests get a clear
 status; the tiers keep no session after the Drive ends."""
 
+import time
+
 import grpc
 import pytest
 
@@ -180,4 +182,28 @@ def test_a_bad_drive_gets_a_clear_status_and_the_replica_stays_healthy(direct_cl
                                                       num_tokens=2, sampling=common_pb2.SamplingParams(),
                                                       max_new_tokens=8), timeout=30))
     assert sum(e.verdict.num_accepted + 1 for e in good) >= 8
+    direct_cluster.wait_no_sessions()
+
+
+def test_an_expired_deadline_mid_drive_is_deadline_exceeded_and_frees_the_sessions(direct_cluster):
+    """The Drive carries the client's deadline: one that expires while the draft replica runs the rounds ends the
+    stream with DEADLINE_EXCEEDED (never UNAVAILABLE, never a late answer), and both tiers drop the session."""
+    kw = dict(token_ids=PROMPT, max_new_tokens=300, num_speculative_tokens=3, proposer="draft", ignore_eos=True)
+    with Client(direct_cluster.address) as c:
+        times = []
+        for _ in range(2):  # the faster of two: the first may be slower (a warm-up)
+            t0 = time.perf_counter()
+            whole = c.generate(**kw)
+            times.append(time.perf_counter() - t0)
+        full_s = min(times)
+    assert whole.stats["direct_rounds"] == whole.stats["rounds"]
+    outcomes = []
+    for i in range(8):
+        with Client(direct_cluster.address, timeout_s=full_s * (0.2 + 0.075 * i)) as c:
+            try:
+                outcomes.append(("OK", c.generate(**kw).token_ids == whole.token_ids))
+            except grpc.RpcError as e:
+                outcomes.append((e.code().name, True))
+    assert all(code in ("OK", "DEADLINE_EXCEEDED") and same for code, same in outcomes), outcomes
+    assert any(code == "DEADLINE_EXCEEDED" for code, _ in outcomes), outcomes
     direct_cluster.wait_no_sessions()
