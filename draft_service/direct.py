@@ -20,6 +20,7 @@ from specdec.core.prefix import PrefixHashes
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.proto import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from specdec.serving.routing import RoutingConfig
+from specdec.serving.tier import DRAINING
 
 TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -51,12 +52,14 @@ def _target_error(e: grpc.aio.AioRpcError) -> RequestError:
 
 
 async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.ProposeRequest], Awaitable],
-                target: TargetLink, max_context: int) -> AsyncIterator[draft_pb2.DriveEvent]:
+                target: TargetLink, max_context: int,
+                draining: Callable[[], bool] = lambda: False) -> AsyncIterator[draft_pb2.DriveEvent]:
     """The session's rounds; propose(request) is the draft's own Propose (checks, engine, response), max_context
     the draft's (a round that would pass it drafts nothing, as the caller's would not ask). Ends when
-    max_new_tokens are committed or an EOS is; raises RequestError on a failed call. A round's event is written
-    to the caller while the target verifies the next round (the first and the last at once): the write takes
-    the replica's interpreter, which the draft's own steps need."""
+    max_new_tokens are committed or an EOS is; raises RequestError on a failed call, and UNAVAILABLE once
+    draining() (the replica shuts down: the caller's own rounds go on elsewhere at once, not after the grace).
+    A round's event is written to the caller while the target verifies the next round (the first and the last
+    at once): the write takes the replica's interpreter, which the draft's own steps need."""
     if request.context.prefix_len != 0:
         raise invalid_argument("context.prefix_len: a Drive sends the whole committed sequence (prefix_len 0)")
     if request.max_new_tokens < 1:
@@ -66,6 +69,8 @@ async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.Pr
     proposing, ahead, pending, first = session.propose(propose), None, None, True
     try:
         while True:
+            if draining():
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, DRAINING)
             t0 = time.perf_counter()
             proposed = await proposing if proposing is not None else None
             draft_ms = (time.perf_counter() - t0) * 1e3

@@ -116,12 +116,11 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
             if self.engine.feature_draft:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "direct rounds: this replica serves an "
                                    "EAGLE-3 head, which drafts from the target's features")
-            if self.draining:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "replica draining")
             check_num_tokens(self.engine, request.num_tokens, "num_tokens", minimum=1)
             check_context(self.engine, request.context, extra_tokens=0)
             sampling_params.decode(request.sampling, self.engine.vocab_size, len(request.context.new_tokens))
-            async for event in drive(request, self._propose, self.target, self.engine.max_context):
+            async for event in drive(request, self._propose, self.target, self.engine.max_context,
+                                     draining=lambda: self.draining):
                 await context.write(event)
         except grpc.aio.AbortError:
             raise

@@ -160,6 +160,28 @@ def test_a_draft_that_dies_while_driving_costs_only_its_rounds(tiny_target, tiny
         cluster.close()
 
 
+def test_a_draining_draft_replica_hands_its_drives_back_at_once(tiny_target, tiny_target_model):
+    """On SIGTERM a replica drains: a Drive ends at its next round with UNAVAILABLE (as a session stream does at its
+    next request), and the coordinator's own rounds finish the generation with the same tokens."""
+    expected = reference_greedy(tiny_target_model, PROMPT, 300, [])
+    cluster = Cluster(tiny_target, tiny_target, direct=True)
+    try:
+        with Client(cluster.address) as c:
+            tokens, stats = [], None
+            for i, event in enumerate(c.stream(token_ids=PROMPT, max_new_tokens=300, num_speculative_tokens=1,
+                                               proposer="draft", ignore_eos=True)):
+                if event.HasField("chunk"):
+                    tokens.extend(event.chunk.token_ids)
+                else:
+                    stats = event.result.stats
+                if i == 0:
+                    cluster.draft_servicer.draining = True  # what SIGTERM sets (TierRpcs.drain)
+        assert tokens == expected
+        assert 0 < stats.direct_rounds < stats.rounds
+    finally:
+        cluster.close()
+
+
 @pytest.mark.parametrize("change, code, words", [
     (dict(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
     (dict(num_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "num_tokens"),
