@@ -138,10 +138,9 @@ def test_a_draft_without_a_direct_target_leaves_the_rounds_to_the_coordinator(se
         cluster.close()
 
 
-def test_a_draft_that_dies_while_driving_costs_only_its_rounds(tiny_target, tiny_target_model):
-    """The draft replica stops after the first round reached the client: the coordinator's own rounds (prompt
-    lookup standing in for the draft) finish the generation with the same tokens."""
-    expected = reference_greedy(tiny_target_model, PROMPT, 300, [])
+def interrupted_drive(tiny_target, interrupt) -> tuple[list[int], object]:
+    """A 300-token greedy generation (~150 direct rounds at K = 1, the target as its own draft) on a fresh cluster,
+    interrupt(cluster) called once the first chunk reached the client: the tokens and the result's stats."""
     cluster = Cluster(tiny_target, tiny_target, direct=True)
     try:
         with Client(cluster.address) as c:
@@ -153,33 +152,29 @@ def test_a_draft_that_dies_while_driving_costs_only_its_rounds(tiny_target, tiny
                 else:
                     stats = event.result.stats
                 if i == 0:
-                    cluster.stop_draft()  # mid-Drive: 300 tokens are ~150 rounds
-            assert tokens == expected
-            assert 0 < stats.direct_rounds < stats.rounds  # the coordinator ran the rest
+                    interrupt(cluster)
+        return tokens, stats
     finally:
         cluster.close()
+
+
+def test_a_draft_that_dies_while_driving_costs_only_its_rounds(tiny_target, tiny_target_model):
+    """The draft replica stops mid-Drive: the coordinator's own rounds (prompt lookup standing in for the draft)
+    finish the generation with the same tokens."""
+    tokens, stats = interrupted_drive(tiny_target, lambda cluster: cluster.stop_draft())
+    assert tokens == reference_greedy(tiny_target_model, PROMPT, 300, [])
+    assert 0 < stats.direct_rounds < stats.rounds  # the coordinator ran the rest
 
 
 def test_a_draining_draft_replica_hands_its_drives_back_at_once(tiny_target, tiny_target_model):
     """On SIGTERM a replica drains: a Drive ends at its next round with UNAVAILABLE (as a session stream does at its
     next request), and the coordinator's own rounds finish the generation with the same tokens."""
-    expected = reference_greedy(tiny_target_model, PROMPT, 300, [])
-    cluster = Cluster(tiny_target, tiny_target, direct=True)
-    try:
-        with Client(cluster.address) as c:
-            tokens, stats = [], None
-            for i, event in enumerate(c.stream(token_ids=PROMPT, max_new_tokens=300, num_speculative_tokens=1,
-                                               proposer="draft", ignore_eos=True)):
-                if event.HasField("chunk"):
-                    tokens.extend(event.chunk.token_ids)
-                else:
-                    stats = event.result.stats
-                if i == 0:
-                    cluster.draft_servicer.draining = True  # what SIGTERM sets (TierRpcs.drain)
-        assert tokens == expected
-        assert 0 < stats.direct_rounds < stats.rounds
-    finally:
-        cluster.close()
+    def drain(cluster):
+        cluster.draft_servicer.draining = True  # what SIGTERM sets (TierRpcs.drain)
+
+    tokens, stats = interrupted_drive(tiny_target, drain)
+    assert tokens == reference_greedy(tiny_target_model, PROMPT, 300, [])
+    assert 0 < stats.direct_rounds < stats.rounds
 
 
 @pytest.mark.parametrize("change, code, words", [
