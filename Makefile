@@ -92,7 +92,7 @@ bench: setup
 	$(PY) -m bench.step_cost $(STEP_COST_ARGS)
 	$(PY) -m bench.quant_formats $(QUANT_FORMATS_ARGS)
 	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)
-	$(PY) -m bench.overhead $(OVERHEAD_ARGS)
+	$(PY) -m bench.overhead --own-rounds $(OVERHEAD_ARGS)
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.concurrency $(CONCURRENCY_ARGS)
 	$(PY) -m bench.self_draft $(SELF_DRAFT_ARGS)

@@ -9,7 +9,9 @@ verification and sampling math, the engine's bookkeeping), network = rpc round t
 both gRPC stacks, the servicers), coordinator = the round's wall time minus its rpcs. network + coordinator is the
 overhead the < 1 ms goal is about; the tiers' part is shown beside it.
 
-    python -m bench.overhead                      # K = 0 (one Verify per round) and K = 2 (Propose + Verify)
+    python -m bench.overhead                      # K = 0 (one Verify per round) and K = 2 (direct rounds: the draft
+                                                  # replica proposes and asks the target itself)
+    python -m bench.overhead --own-rounds         # K = 2 with the coordinator's own rounds too (Propose + Verify)
     python -m bench.overhead --profile DIR        # also sample every process with py-spy (folded stacks in DIR)
     python -m bench.overhead --event-loop uvloop  # all three processes on uvloop
     python -m bench.overhead --coordinator-args="--overlap --draft-push"   # the draft pushes its next proposals
@@ -25,6 +27,7 @@ engine thread and the wait for a step), the steps, and the wake (the hop back to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import shlex
 import shutil
@@ -72,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--placement", default="shared", choices=["shared", "separate"],
                    help="shared: every process on every core (as `make run`); separate: each tier on a core of its own, "
                         "one thread each, the coordinator beside the draft (bench.run's placements)")
+    p.add_argument("--own-rounds", action="store_true",
+                   help="also measure each K > 0 with the coordinator's own rounds (--no-direct-rounds), in a second "
+                        "pipeline after the first: rows 'K (own rounds)' beside the direct rounds' rows")
     p.add_argument("--event-loop", default="", choices=["", "asyncio", "uvloop"],
                    help="the event loop of all three processes ('' = their default)")
     return p.parse_args(argv)
@@ -184,36 +190,24 @@ def goals(results: dict[int, list[dict]]) -> str:
     return "Goals (the client's view, tiny pair, one client): " + ("; ".join(said) or "no goal for these K") + "."
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    ks = [int(x) for x in args.ks.split(",") if x.strip()]
-    work = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
-    hidden, layers = (int(x) for x in args.size.split(","))
-    model = random_model(work / "model", hidden, layers, args.byte_vocab)
-    draft = head_for(model, work / "head") if args.head else model
-    spies: list[subprocess.Popen] = []
-    results: dict[int, list[dict]] = {}
-    loop = ["--event-loop", args.event_loop] if args.event_loop else []
-    place = PLACEMENTS[args.placement]
-    config = LocalPipelineConfig(target_model=model, draft_model=draft,
-                                 target_args=place["target_args"] + args.target_args.split() + loop,
-                                 draft_args=place["draft_args"] + args.draft_args.split() + loop,
-                                 coordinator_args=args.coordinator_args.split() + loop,
-                                 shared_cores=args.placement == "shared")
+def measure_pipeline(config: LocalPipelineConfig, affinity, ks: list[int], label: str, args) -> dict:
+    """One pipeline's rows: each K's generations (sampled with py-spy under --profile), keyed K + label."""
+    results, spies = {}, []
     try:
-        with BenchPipeline(config, place["affinity"]) as pipe:
+        with BenchPipeline(config, affinity) as pipe:
             for k in ks:
                 if args.profile:
                     out_dir = Path(args.profile)
                     out_dir.mkdir(parents=True, exist_ok=True)
                     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
                     spies = [subprocess.Popen([spy, "record", "--pid", str(proc.pid), "--rate", "500", "--format", "raw",
-                                               "--nonblocking", "-o", str(out_dir / f"{name}-k{k}.folded")],
+                                               "--nonblocking", "-o", str(out_dir / f"{name}-k{k}{'-own' if label else ''}.folded")],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                              for name, proc in pipe.procs.items()]
                     time.sleep(1.0)
-                results[k] = measure(pipe.address, k, args.max_new_tokens, args.generations, args.temperature,
-                                     byte_prompt() if args.byte_vocab else PROMPT)
+                results[f"{k}{label}" if label else k] = measure(
+                    pipe.address, k, args.max_new_tokens, args.generations, args.temperature,
+                    byte_prompt() if args.byte_vocab else PROMPT)
                 for spy in spies:
                     spy.send_signal(2)
                 for spy in spies:
@@ -222,6 +216,32 @@ def main(argv=None) -> int:
     finally:
         for spy in spies:
             spy.kill()
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ks = [int(x) for x in args.ks.split(",") if x.strip()]
+    work = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
+    hidden, layers = (int(x) for x in args.size.split(","))
+    model = random_model(work / "model", hidden, layers, args.byte_vocab)
+    draft = head_for(model, work / "head") if args.head else model
+    results: dict = {}  # K (or "K (own rounds)") -> one row a generation
+    loop = ["--event-loop", args.event_loop] if args.event_loop else []
+    place = PLACEMENTS[args.placement]
+    config = LocalPipelineConfig(target_model=model, draft_model=draft,
+                                 target_args=place["target_args"] + args.target_args.split() + loop,
+                                 draft_args=place["draft_args"] + args.draft_args.split() + loop,
+                                 coordinator_args=args.coordinator_args.split() + loop,
+                                 shared_cores=args.placement == "shared")
+    runs = [(config, ks, "")]
+    if args.own_rounds and any(ks):
+        own = dataclasses.replace(config, coordinator_args=config.coordinator_args + ["--no-direct-rounds"])
+        runs.append((own, [k for k in ks if k], " (own rounds)"))
+    try:
+        for config, run_ks, label in runs:
+            results.update(measure_pipeline(config, place["affinity"], run_ks, label, args))
+    finally:
         shutil.rmtree(work, ignore_errors=True)
 
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: per-round overhead", "",
