@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from specdec.core.errors import RequestError, invalid_argument
+from specdec.core.errors import RequestError
 from specdec.core.prefix import PrefixHashes
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.proto import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
@@ -60,10 +60,6 @@ async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.Pr
     draining() (the replica shuts down: the caller's own rounds go on elsewhere at once, not after the grace).
     A round's event is written to the caller while the target verifies the next round (the first and the last
     at once): the write takes the replica's interpreter, which the draft's own steps need."""
-    if request.context.prefix_len != 0:
-        raise invalid_argument("context.prefix_len: a Drive sends the whole committed sequence (prefix_len 0)")
-    if request.max_new_tokens < 1:
-        raise invalid_argument(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
     session = DirectSession(request, max_context)
     call = target.stub.VerifyStream(metadata=target.routing.metadata(request.target_routing_key or session.id))
     proposing, ahead, pending, first = session.propose(propose), None, None, True
@@ -80,6 +76,7 @@ async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.Pr
                 ahead = session.draft_ahead(propose, proposed)  # while the target verifies
                 if pending is not None:  # the last round's event, written while the target verifies this one
                     yield pending
+                    pending = None
                 verdict = await call.read()
             except grpc.aio.AioRpcError as e:
                 raise _target_error(e) from None
@@ -150,16 +147,13 @@ class DirectSession:
         r = self.request
         if r.speculate <= 0 or proposed is None or not proposed.tokens or self.whole < 0.5:
             return None
-        drafts, length = list(proposed.tokens), len(self.committed)
-        k_next = self._k(self.produced + len(drafts) + 1, length + len(drafts) + 1)
+        drafts = list(proposed.tokens)
+        k_next = self._k(self.produced + len(drafts) + 1, len(self.committed) + len(drafts) + 1)
         if k_next == 0:
             return None
-        sequence = self.hashes.extended(drafts)  # the draft caches the committed tokens and d_1..d_K-1
-        prefix = min(proposed.cached_len, length + len(drafts) - 1)
-        context = common_pb2.SessionContext(session_id=self.id, prefix_len=prefix, prefix_hash=sequence.at(prefix),
-                                            new_tokens=drafts[prefix - length:])
-        return asyncio.ensure_future(propose(draft_pb2.ProposeRequest(
-            context=context, num_tokens=k_next + 1, sampling=r.sampling, seed=r.draft_seed)))
+        return asyncio.ensure_future(propose(draft_pb2.ProposeRequest(  # the draft caches the tokens and d_1..d_K-1
+            context=self.context(proposed.cached_len, drafts), num_tokens=k_next + 1, sampling=r.sampling,
+            seed=r.draft_seed)))
 
     def take_ahead(self, ahead: draft_pb2.ProposeResponse, proposed: draft_pb2.ProposeResponse,
                    verdict: target_pb2.VerifyResponse) -> draft_pb2.ProposeResponse | None:
@@ -205,10 +199,13 @@ class DirectSession:
         self.target_at = min(verdict.cached_len, before + n)
         return self.produced >= self.request.max_new_tokens or bool(self.eos.intersection(accepted))
 
-    def context(self, prefix: int) -> common_pb2.SessionContext:
-        """A request's context to a tier caching the first `prefix` committed tokens (0: the whole sequence, with
-        the caller's tokenizer fingerprint, as any full send)."""
-        prefix = min(prefix, len(self.committed) - 1)
+    def context(self, prefix: int, extra: list[int] = ()) -> common_pb2.SessionContext:
+        """A request's context over the committed tokens + `extra` (drafting ahead's hypothesis) to a tier caching
+        the first `prefix` of them (0: the whole sequence, with the caller's tokenizer fingerprint, as any full
+        send)."""
+        sequence, hashes = (self.committed + list(extra), self.hashes.extended(extra)) if extra else (self.committed,
+                                                                                                      self.hashes)
+        prefix = min(prefix, len(sequence) - 1)
         return common_pb2.SessionContext(
-            session_id=self.id, prefix_len=prefix, prefix_hash=self.hashes.at(prefix),
-            new_tokens=self.committed[prefix:], tokenizer_fingerprint=self.fingerprint if prefix == 0 else "")
+            session_id=self.id, prefix_len=prefix, prefix_hash=hashes.at(prefix),
+            new_tokens=sequence[prefix:], tokenizer_fingerprint=self.fingerprint if prefix == 0 else "")

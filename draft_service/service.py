@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
-from typing import TYPE_CHECKING
 
 from draft_service.direct import TargetLink, drive
 from specdec.core.errors import TIER_STATUS_METADATA, RequestError, as_request_error, invalid_argument
@@ -116,6 +116,10 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
             if self.engine.feature_draft:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "direct rounds: this replica serves an "
                                    "EAGLE-3 head, which drafts from the target's features")
+            if request.context.prefix_len != 0:
+                raise invalid_argument("context.prefix_len: a Drive sends the whole committed sequence (prefix_len 0)")
+            if request.max_new_tokens < 1:
+                raise invalid_argument(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
             check_num_tokens(self.engine, request.num_tokens, "num_tokens", minimum=1)
             check_context(self.engine, request.context, extra_tokens=0)
             sampling_params.decode(request.sampling, self.engine.vocab_size, len(request.context.new_tokens))
