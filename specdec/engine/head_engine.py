@@ -361,7 +361,7 @@ class HeadEngine(EngineThread):
         head, width = self.head, self.feature_width
         g = torch.Generator().manual_seed(0)
         features = torch.randn(context, width, generator=g).to(FEATURE_DTYPE)
-        ids = torch.randint(0, self.vocab_size, (context,), generator=g, device=self.device)
+        ids = torch.randint(0, self.vocab_size, (context,), generator=g).to(self.device)
         curve, deadline, b = [], time.perf_counter() + budget_s, 1
         while b <= self.config.batch.max_batch_sessions and time.perf_counter() < deadline:
             caches = [HeadCache() for _ in range(b)]
