@@ -78,7 +78,8 @@ class CudaGraphStep:
         self.kernel = kernel
         self.device = cache.geometry.device
         self.buffers = StaticBuffers.allocate(self.sessions[-1], self.tokens[-1], self.device)
-        self.graphs: OrderedDict[Bucket, tuple[object, torch.Tensor, StaticLayout]] = OrderedDict()
+        # Decode / verify graphs by (bucket, the layers it taps: () for none): (graph, (hidden, taps), layout)
+        self.graphs: OrderedDict[tuple[Bucket, tuple[int, ...]], tuple[object, tuple, StaticLayout]] = OrderedDict()
         self.chains: OrderedDict[tuple, tuple[object, tuple, object]] = OrderedDict()  # draft chains, by shape
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_s = 0.0  # time spent capturing
@@ -95,8 +96,10 @@ class CudaGraphStep:
             return None
         return Bucket(s, n, length)
 
-    def run(self, feeds, bucket: Bucket) -> torch.Tensor:
-        """The decoder's hidden states of every feed's tokens: [sum of new tokens, H], feed order."""
+    def run(self, feeds, bucket: Bucket, taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """The decoder's hidden states of every feed's tokens: [sum of new tokens, H], feed order. taps: layer
+        ids -> filled with each one's output at the same tokens (a bucket's tapping steps replay a graph of
+        their own, which writes those layers' outputs too)."""
         s_b, n_b = bucket.sessions, bucket.tokens
         scratch = self.cache.scratch_slot
         ids, positions, slots = [0] * (s_b * n_b), [i % n_b for i in range(s_b * n_b)], [scratch] * (s_b * n_b)
@@ -117,32 +120,38 @@ class CudaGraphStep:
         for slot in {f.slot for f in feeds} | {scratch}:  # every key the graph reads is finite
             self.cache.initialize(slot, slot, bucket.kv_len)
         self.buffers.fill([ids, positions, slots, session_slots, cached, new, kv_positions, hidden])
-        hidden = self._replay(bucket)
+        layers = tuple(sorted(taps)) if taps else ()
+        hidden, tapped = self._replay(bucket, layers)
         for f in feeds:
             self.cache.mark_written(f.slot, f.cached + len(f.tokens))
-        index = torch.tensor(rows, dtype=torch.long)
-        return hidden[index.to(self.device, non_blocking=True)]
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        if taps:
+            taps.update((i, tapped[i][index]) for i in layers)
+        return hidden[index]
 
-    def _replay(self, bucket: Bucket) -> torch.Tensor:
-        entry = self.graphs.get(bucket)
+    def _replay(self, bucket: Bucket, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        key = (bucket, layers)
+        entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(bucket)
-        self.graphs.move_to_end(bucket)
+            entry = self._capture(bucket, layers)
+        self.graphs.move_to_end(key)
         graph, out, layout = entry
         if graph is None:  # uncaptured: run the static step now
-            return self._static_step(layout)
+            return self._static_step(layout, layers)
         graph.replay()
         self.replays += 1
         return out
 
-    def _static_step(self, layout: StaticLayout) -> torch.Tensor:
+    def _static_step(self, layout: StaticLayout, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict]:
+        """(the decoder's output [S * n, H], layer id -> that layer's output [S * n, H] for each of `layers`)."""
         t = layout.num_tokens
         b = self.buffers
+        taps = dict.fromkeys(layers) if layers else None
         with active(layout):
             layout.prepare()
-            return self.decoder(b.input_ids[:t], b.positions[:t])  # [S * n, H]
+            return self.decoder(b.input_ids[:t], b.positions[:t], taps), taps or {}
 
-    def _capture(self, bucket: Bucket):
+    def _capture(self, bucket: Bucket, layers: tuple[int, ...] = ()):
         layout = StaticLayout(self.cache, self.buffers, bucket.sessions, bucket.tokens, bucket.kv_len, self.kernel)
         if not self.capture:
             entry = (None, None, layout)
@@ -155,26 +164,26 @@ class CudaGraphStep:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                layout = self._warm_up(layout, bucket)  # lazy initialisation stays out of the graph
+                layout = self._warm_up(layout, bucket, layers)  # lazy initialisation stays out of the graph
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: another engine thread of this process (a draft beside its target) may launch
             # kernels while this one captures
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = self._static_step(layout)
+                out = self._static_step(layout, layers)
             for buf, old in zip(self._buffer_list(), saved):
                 buf.copy_(old)
             self.capture_s += time.perf_counter() - t0
             entry = (graph, out, layout)
-        self.graphs[bucket] = entry
+        self.graphs[(bucket, layers)] = entry
         return entry
 
-    def _warm_up(self, layout: StaticLayout, bucket: Bucket) -> StaticLayout:
+    def _warm_up(self, layout: StaticLayout, bucket: Bucket, layers: tuple[int, ...]) -> StaticLayout:
         """A bucket's first step, outside the graph; the Triton attention kernel compiles here, at its first
         launch. Where that fails (specdec.engine.triton_env: a read-only cache, no compiler, a driver that
         refuses it), every bucket attends through PyTorch from now on: logged, never a crash."""
         try:
-            self._static_step(layout)
+            self._static_step(layout, layers)
             return layout
         except Exception as e:
             if not self.kernel:
@@ -183,7 +192,7 @@ class CudaGraphStep:
                         type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         self.kernel = False
         layout = StaticLayout(self.cache, self.buffers, bucket.sessions, bucket.tokens, bucket.kv_len, False)
-        self._static_step(layout)
+        self._static_step(layout, layers)
         return layout
 
     def _buffer_list(self) -> list[torch.Tensor]:
@@ -242,7 +251,7 @@ class CudaGraphStep:
         layout = StaticLayout(self.cache, self.buffers, s, 1, bucket.kv_len, self.kernel)
         drawn, q_ids, q_probs = [], [], []
         for _ in range(steps):
-            logits = head(self._static_step(layout)[:rows]).float()  # [B, V]
+            logits = head(self._static_step(layout)[0][:rows]).float()  # [B, V]
             token, ids, probs = sampler(logits, b.positions[:rows] + 1)
             drawn.append(token)
             if ids is not None:

@@ -110,10 +110,9 @@ class ModelRunner:
         """The logits of every feed's wanted rows, in feed order: [sum of num_logits, V], float32."""
         layers = sorted({i for f in feeds if f.taps for i in f.taps})  # the union of the feeds' taps
         try:
-            # A step that taps runs uncaptured: a graph replays its kernels, not the copies of the taps.
-            bucket = self.graphs.bucket(feeds) if self.graphs is not None and not layers else None
-            if bucket is not None:
-                return self._captured(feeds, bucket)
+            bucket = self.graphs.bucket(feeds) if self.graphs is not None else None
+            if bucket is not None:  # (a tapping step replays a graph that copies its taps out too)
+                return self._captured(feeds, bucket, layers)
             ids: list[int] = []
             rows: list[int] = []
             for f in feeds:
@@ -134,8 +133,11 @@ class ModelRunner:
                 self.cache.initialized[f.slot] = min(self.cache.initialized[f.slot], f.cached)
             raise
 
-    def _captured(self, feeds: list[Feed], bucket) -> torch.Tensor:
-        hidden = self.graphs.run(feeds, bucket)  # [sum of new tokens, H]
+    def _captured(self, feeds: list[Feed], bucket, layers: list[int]) -> torch.Tensor:
+        taps = dict.fromkeys(layers) if layers else None
+        hidden = self.graphs.run(feeds, bucket, taps)  # [sum of new tokens, H]
+        if taps:
+            _hand_features(feeds, taps)
         rows, start = [], 0
         for f in feeds:
             rows.extend(range(start + len(f.tokens) - f.num_logits, start + len(f.tokens)))
