@@ -14,7 +14,7 @@ from coordinator.tiers.routing import RoutingUnsupported
 from specdec.serving.routing import RING_HASH_ENV
 from coordinator.api.grpc_api import SERVICE_NAME
 from coordinator.config import CoordinatorConfig
-from coordinator.pipeline import Pipeline, PipelineMismatch
+from coordinator.pipeline import TIER_TLS_SETTINGS, Pipeline, PipelineMismatch
 from coordinator.service import build
 from specdec.core.settings import Settings
 from specdec.serving.flags import ProcessConfig, check_server_tls, config_error, parse_service, write_port_file
@@ -47,9 +47,9 @@ def main(argv=None) -> None:
     config = replace(config, auth_token=auth_token_from(config.auth_token, config.auth_token_file), auth_token_file=None)
     check_server_tls(config.server)
     try:
-        Pipeline._tier_credentials(config)  # unusable TLS settings / files: fail now, not after connect_timeout
+        Pipeline.tier_credentials(config)  # unusable TLS settings / files: fail now, not after connect_timeout
     except (OSError, ValueError) as e:
-        config_error(str(e), ("tier_ca", "tier_client_cert", "tier_client_key", "tier_server_name"))
+        config_error(str(e), TIER_TLS_SETTINGS)
     if config.auth_token and not config.server.tls_cert:
         log.warning("--auth-token without --tls-cert: the token crosses the network in plaintext unless a proxy terminates TLS")
 

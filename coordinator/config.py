@@ -56,8 +56,8 @@ class CoordinatorConfig:
     draft_push: bool = False
     # A request with a fixed K for the draft model (chains, no grammar) has its rounds run by the draft tier
     # itself, which sends each proposal to the target and takes the verdict with no hop through the
-    # coordinator (DESIGN.md, Direct rounds), where the draft replicas offer it (their --direct-target) and the
-    # tiers are plaintext (no --tier-ca)
+    # coordinator (DESIGN.md, Direct rounds), where the draft replicas offer it (their --direct-target) and,
+    # with --tier-ca, reach the target over TLS themselves (their --direct-target-ca)
     direct_rounds: bool = True
     tree_nodes: int = 0  # > 0: prompt lookup and suffix decoding propose token trees of this many nodes, K their depth (0 = chains)
     draft_tree_nodes: int = 0  # > 0: the draft model may propose token trees of up to this many nodes, shaped per round (0 = chains)

@@ -40,13 +40,14 @@ from specdec.math.seeds import DRAFT_STREAM, derive_seed
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, target_pb2
 from specdec.serving import sampling_params
-from specdec.serving.server import read_pem
+from specdec.serving.server import client_credentials
 
 log = logging.getLogger(__name__)
 
 # The tiers' services, by full name: what the channels' health checks ask each replica about.
 TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+TIER_TLS_SETTINGS = ("tier_ca", "tier_client_cert", "tier_client_key", "tier_server_name")
 
 
 class PipelineMismatch(RuntimeError):
@@ -61,9 +62,8 @@ class Pipeline:
         self.config = config
         opts = [("grpc.max_receive_message_length", config.server.max_message_bytes),
                 ("grpc.max_send_message_length", config.server.max_message_bytes)]
-        credentials = self._tier_credentials(config)  # raises on unusable settings, before any channel exists
-        if credentials is not None and config.tier_server_name:
-            opts.append(("grpc.ssl_target_name_override", config.tier_server_name))
+        credentials, tls_options = self.tier_credentials(config)  # raises on unusable settings, before any channel
+        opts += tls_options
 
         def channel(address: str, service: str) -> grpc.aio.Channel:
             options = opts + config.routing.channel_options(health_service=service)
@@ -104,19 +104,10 @@ class Pipeline:
         self.draft_info: common_pb2.ModelInfo | None = None
 
     @staticmethod
-    def _tier_credentials(config: CoordinatorConfig) -> grpc.ChannelCredentials | None:
-        """TLS (mutual TLS with a client cert) credentials for the tier channels, or None for plaintext."""
-        if not config.tier_ca:
-            extra = [n for n in ("tier_client_cert", "tier_client_key", "tier_server_name") if getattr(config, n)]
-            if extra:
-                raise ValueError(f"{' and '.join(extra)} {'needs' if len(extra) == 1 else 'need'} tier_ca (TLS to the tiers)")
-            return None
-        if bool(config.tier_client_cert) != bool(config.tier_client_key):
-            raise ValueError("tier_client_cert and tier_client_key must be given together")
-        ca = read_pem(config.tier_ca, "tier CA")
-        cert = read_pem(config.tier_client_cert, "tier client certificate") if config.tier_client_cert else None
-        key = read_pem(config.tier_client_key, "tier client key") if config.tier_client_key else None
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    def tier_credentials(config: CoordinatorConfig) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
+        """TLS (mutual TLS with a client cert) credentials for the tier channels and their options, or (None, [])."""
+        return client_credentials(config.tier_ca, config.tier_client_cert, config.tier_client_key,
+                                  config.tier_server_name, TIER_TLS_SETTINGS)
 
     async def connect(self) -> None:
         """Check that grpcio routes by session (RoutingUnsupported otherwise), wait for the tiers, load the
@@ -247,10 +238,10 @@ class Pipeline:
     @property
     def direct_rounds(self) -> bool:
         """Whether sessions may have the draft tier run their rounds: asked for (--direct-rounds), offered by the
-        draft replica that answered at start (ModelInfo.direct_rounds), and the tiers in plaintext (the draft's
-        channel to the target is)."""
-        c = self.config
-        return c.direct_rounds and self.draft_info is not None and self.draft_info.direct_rounds and not c.tier_ca
+        draft replica that answered at start (ModelInfo.direct_rounds), and, where this coordinator reaches the tiers
+        over TLS, with the draft's own channel to the target on TLS too (ModelInfo.direct_tls)."""
+        c, info = self.config, self.draft_info
+        return c.direct_rounds and info is not None and info.direct_rounds and (not c.tier_ca or info.direct_tls)
 
     def _draft_trees(self, params: GenerationParams, speculate: bool = True) -> DraftTrees | None:
         """The draft model's trees and speculation cache for a session (None: chains only; penalised

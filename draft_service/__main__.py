@@ -13,10 +13,10 @@ from specdec.engine.threads import spin_briefly  # torch-free
 
 spin_briefly()  # before torch loads libgomp (specdec/engine/threads.py says why)
 
-from draft_service.service import SERVICE_NAME, DraftConfig, build
+from draft_service.service import DIRECT_TLS_SETTINGS, SERVICE_NAME, DraftConfig, build
 from specdec.core.settings import Settings, fail
 from specdec.engine.eagle3_checks import CheckpointError
-from specdec.serving.flags import parse_service, ready_tier, tier_settings
+from specdec.serving.flags import config_error, parse_service, ready_tier, tier_settings
 from specdec.serving.tier import run_tier
 from specdec.models import default_draft
 
@@ -34,6 +34,10 @@ def main(argv=None) -> None:
     s = settings()
     configs = parse_service(s, DESCRIPTION, argv)
     config, process = ready_tier(s, configs["config"]), configs["process"]
+    try:
+        config.target_link()  # unusable TLS settings / files for direct rounds: exit 2 now, not at the first Drive
+    except (OSError, ValueError) as e:
+        config_error(str(e), DIRECT_TLS_SETTINGS)
     try:
         run_tier("draft", SERVICE_NAME, build, config, process.port_file, process.metrics_address)
     except CheckpointError as e:  # an EAGLE-3 head that does not fit its target: say which field, exit 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -30,20 +30,27 @@ class TargetLink:
     replicas with the coordinator's routing (ring hash on the session's routing key, health-checked), so a
     session's Verify calls reach the replica that holds its prefix whichever process makes them."""
 
-    def __init__(self, address: str, max_message_bytes: int, routing: RoutingConfig = RoutingConfig()) -> None:
-        self.address, self.routing = address, routing
+    def __init__(self, address: str, max_message_bytes: int, routing: RoutingConfig = RoutingConfig(),
+                 credentials: grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, str]] = ()) -> None:
+        """credentials: TLS to the target (specdec.serving.server.client_credentials, with its options); None: plaintext."""
+        self.address, self.routing, self.credentials = address, routing, credentials
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
                          ("grpc.max_send_message_length", max_message_bytes),
-                         *routing.channel_options(health_service=TARGET_SERVICE)]
+                         *routing.channel_options(health_service=TARGET_SERVICE), *options]
         self._channel: grpc.aio.Channel | None = None
         self._stub: target_pb2_grpc.TargetServiceStub | None = None
 
     @property
     def stub(self) -> target_pb2_grpc.TargetServiceStub:
         if self._stub is None:  # on the serving loop, at the first Drive
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._channel = (grpc.aio.insecure_channel(self.address, options=self._options) if self.credentials is None
+                             else grpc.aio.secure_channel(self.address, self.credentials, options=self._options))
             self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         return self._stub
+
+    @property
+    def tls(self) -> bool:
+        return self.credentials is not None
 
 
 def _target_error(e: grpc.aio.AioRpcError) -> RequestError:

@@ -23,7 +23,7 @@ from specdec.engine.propose_tree import ProposeTreeWork, TreeProposeResult
 from specdec.engine.pushed import PushedProposal
 from specdec.proto import draft_pb2, draft_pb2_grpc
 from specdec.serving import draft_probs, draft_tree, sampling_params
-from specdec.serving.server import Service, ServerConfig, handle_errors
+from specdec.serving.server import Service, ServerConfig, client_credentials, handle_errors
 from specdec.serving.tier_trace import traced
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, model_info, serve_session_stream
 from specdec.serving.tier_checks import check_context, check_num_tokens
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from specdec.engine.head_engine import HeadEngine
 
 SERVICE_NAME = "specdec.v1.DraftService"
+DIRECT_TLS_SETTINGS = ("direct_target_ca", "direct_target_client_cert", "direct_target_client_key",
+                       "direct_target_server_name")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,29 @@ class DraftConfig:
     # Direct rounds (DraftService.Drive): the target tier's gRPC address as this replica reaches it (the
     # coordinator's --target); empty = Drive refused and the coordinator runs every round itself
     direct_target: str = setting("", flag="direct-target")
+    # TLS to that target (it serves TLS): the CA its certificate is checked against; empty = plaintext
+    direct_target_ca: str = setting("", flag="direct-target-ca")
+    # This replica's client certificate for that channel, where the target asks for one (mutual TLS)
+    direct_target_client_cert: str = setting("", flag="direct-target-client-cert")
+    # The key of --direct-target-client-cert
+    direct_target_client_key: str = setting("", flag="direct-target-client-key")
+    # The name the target's certificate carries, where it is not --direct-target's host
+    direct_target_server_name: str = setting("", flag="direct-target-server-name")
+
+    def __post_init__(self) -> None:
+        tls = [n for n in DIRECT_TLS_SETTINGS if getattr(self, n)]
+        if tls and not self.direct_target:
+            raise ValueError(f"{' and '.join(tls)} {'needs' if len(tls) == 1 else 'need'} direct_target")
+
+    def target_link(self) -> TargetLink | None:
+        """The channel to the target for direct rounds (not yet opened), or None without --direct-target; raises
+        on unusable TLS settings or files."""
+        if not self.direct_target:
+            return None
+        credentials, options = client_credentials(self.direct_target_ca, self.direct_target_client_cert,
+                                                  self.direct_target_client_key, self.direct_target_server_name,
+                                                  DIRECT_TLS_SETTINGS)
+        return TargetLink(self.direct_target, self.server.max_message_bytes, credentials=credentials, options=options)
 
 
 def load_engine(config: DraftConfig) -> Engine | HeadEngine:
@@ -72,6 +97,7 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
     async def GetModelInfo(self, request, context):
         info = model_info(self.engine)
         info.direct_rounds = self.target is not None and not self.engine.feature_draft
+        info.direct_tls = info.direct_rounds and self.target.tls
         return info
 
     @handle_errors
@@ -220,7 +246,6 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:
     """The draft service's server (not started); loads the model unless `engine` is given."""
     engine = engine or load_engine(config)
-    target = TargetLink(config.direct_target, config.server.max_message_bytes) if config.direct_target else None
-    service = Service(DraftServicer(engine, config.draft_top_n, target), draft_pb2_grpc.add_DraftServiceServicer_to_server,
+    service = Service(DraftServicer(engine, config.draft_top_n, config.target_link()), draft_pb2_grpc.add_DraftServiceServicer_to_server,
                       SERVICE_NAME)
     return create_tier_server(engine, service, config.server, "draft")

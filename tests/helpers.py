@@ -79,13 +79,13 @@ class Cluster:
                  sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64,
                  tier_server: ServerConfig | None = None, batch: BatchConfig | None = None,
                  draft_dtype: str | None = None, step: StepConfig | None = None, draft_quantize: str = "none",
-                 direct: bool = False) -> None:
+                 direct: bool | dict = False) -> None:
         """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0. Both tiers run
         on the test device in the test dtype (draft_dtype overrides the draft's), in step mode `step`
         (default: auto); the draft's matrices quantised as `draft_quantize` asks (StepConfig.quantize).
         direct: the draft is given the target's address (--direct-target), so the coordinator's fixed-K
-        draft-model sessions run as direct rounds (tests/test_direct_rounds.py); off, every test of the
-        coordinator's own rounds keeps them."""
+        draft-model sessions run as direct rounds (tests/test_direct_rounds.py); a dict: that too, with these
+        DraftConfig fields (its TLS to the target); off, every test of the coordinator's own rounds keeps them."""
         self.tier_server = tier_server or ServerConfig()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -120,7 +120,8 @@ class Cluster:
         if self.draft_tier is not None:
             self.draft_port = self._call(self._start_tier(
                 build_draft, DraftConfig(self.draft_tier.config, server=self.tier_server, draft_top_n=draft_top_n,
-                                         direct_target=f"127.0.0.1:{self.target_port}" if self.direct else ""),
+                                         direct_target=f"127.0.0.1:{self.target_port}" if self.direct else "",
+                                         **(self.direct if isinstance(self.direct, dict) else {})),
                 self.draft_tier))
         config = CoordinatorConfig(
             target_address=f"127.0.0.1:{self.target_port}",

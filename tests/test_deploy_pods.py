@@ -120,7 +120,8 @@ def test_tls_component_sets_every_tls_flag(renders):
     deps = deployments(renders["cpu+tls+hostpath"])
     expected = {
         "target": {"TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA"},
-        "draft": {"TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA"},
+        "draft": {"TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA", "DIRECT_TARGET_CA", "DIRECT_TARGET_CLIENT_CERT",
+                  "DIRECT_TARGET_CLIENT_KEY"},
         "coordinator": {"TLS_CERT", "TLS_KEY", "TIER_CA", "TIER_CLIENT_CERT", "TIER_CLIENT_KEY", "AUTH_TOKEN_FILE"},
     }
     for comp, flags in expected.items():

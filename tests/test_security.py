@@ -172,6 +172,33 @@ def test_openai_api_over_tls_with_token_matches_plaintext(tls_cluster, random_dr
         httpx.get(tls_cluster.http_url + "/health", verify=ssl.create_default_context(cafile=pki.other_ca), timeout=FAST)
 
 
+@pytest.mark.parametrize("direct_tls", [True, False], ids=["mtls", "plaintext"])
+def test_direct_rounds_over_mutual_tls(pki, tiny_target, tiny_random_draft, random_draft_cluster, direct_tls):
+    """With TLS to the tiers, a draft replica whose own channel to the target is mutual TLS (its CA, client certificate
+    and the name the target's certificate carries) runs the sessions' rounds, with the tokens of plaintext; one whose
+    channel would be plaintext says so (ModelInfo.direct_tls) and is left out: the coordinator runs every round."""
+    tier_server = ServerConfig(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca)
+    direct = dict(direct_target_ca=pki.ca, direct_target_client_cert=pki.client_cert,
+                  direct_target_client_key=pki.client_key, direct_target_server_name=TIER_NAME) if direct_tls else True
+    cluster = Cluster(tiny_target, tiny_random_draft, tier_server=tier_server, direct=direct, coordinator_overrides=dict(
+        tier_ca=pki.ca, tier_client_cert=pki.client_cert, tier_client_key=pki.client_key))
+    try:
+        with Client(cluster.address, timeout_s=60) as c:
+            got = c.generate(**GEN)
+        with Client(random_draft_cluster.address, timeout_s=60) as c:
+            plain = c.generate(**GEN)
+        assert got.token_ids == plain.token_ids and len(got.token_ids) == 12
+        info = cluster.pipeline.draft_info
+        assert info.direct_rounds and info.direct_tls == direct_tls
+        assert cluster.pipeline.direct_rounds == direct_tls
+        if direct_tls:
+            assert got.stats["direct_rounds"] == got.stats["rounds"] > 0  # none handed back to the coordinator
+        else:
+            assert got.stats["direct_rounds"] == 0 and got.stats["draft_ms"] > 0
+    finally:
+        cluster.close()
+
+
 def test_client_certificate_on_the_public_api(pki, tiny_target):
     """The coordinator's public port can require client certificates too (ServerConfig.tls_client_ca)."""
     cluster = Cluster(tiny_target, None, tier_server=ServerConfig(tls_cert=pki.server_cert, tls_key=pki.server_key),
@@ -251,15 +278,15 @@ def test_tls_settings_are_checked(pki, tmp_path):
         ServerConfig(tls_client_ca=pki.ca)
     base = dict(target_address="127.0.0.1:1", draft_address=None, tokenizer="unused")
     with pytest.raises(ValueError, match="needs tier_ca"):
-        Pipeline._tier_credentials(CoordinatorConfig(**base, tier_server_name=TIER_NAME))
+        Pipeline.tier_credentials(CoordinatorConfig(**base, tier_server_name=TIER_NAME))
     with pytest.raises(ValueError, match="together"):
-        Pipeline._tier_credentials(CoordinatorConfig(**base, tier_ca=pki.ca, tier_client_cert=pki.client_cert))
+        Pipeline.tier_credentials(CoordinatorConfig(**base, tier_ca=pki.ca, tier_client_cert=pki.client_cert))
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("hello")
     with pytest.raises(ValueError, match="not a PEM"):
-        Pipeline._tier_credentials(CoordinatorConfig(**base, tier_ca=str(not_pem)))
+        Pipeline.tier_credentials(CoordinatorConfig(**base, tier_ca=str(not_pem)))
     with pytest.raises(OSError, match="cannot read"):
-        Pipeline._tier_credentials(CoordinatorConfig(**base, tier_ca=str(tmp_path / "missing.pem")))
+        Pipeline.tier_credentials(CoordinatorConfig(**base, tier_ca=str(tmp_path / "missing.pem")))
     assert "s3cret" not in repr(CoordinatorConfig(**base, auth_token="s3cret"))
 
 

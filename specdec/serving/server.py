@@ -95,6 +95,25 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
+def client_credentials(ca: str, cert: str, key: str, server_name: str,
+                       names: tuple[str, str, str, str]) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
+    """TLS (mutual TLS with a client certificate) credentials for a channel to a tier, with the channel options they
+    need (the name the tier's certificate must carry, where it is not the address's host); (None, []) for plaintext.
+    names: the four settings' names (CA, client certificate, client key, server name), for the errors."""
+    n_ca, n_cert, n_key, n_name = names
+    if not ca:
+        extra = [n for n, v in ((n_cert, cert), (n_key, key), (n_name, server_name)) if v]
+        if extra:
+            raise ValueError(f"{' and '.join(extra)} {'needs' if len(extra) == 1 else 'need'} {n_ca} (the CA that turns TLS on)")
+        return None, []
+    if bool(cert) != bool(key):
+        raise ValueError(f"{n_cert} and {n_key} must be given together")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read_pem(ca, "tier CA"), private_key=read_pem(key, "tier client key") if key else None,
+        certificate_chain=read_pem(cert, "tier client certificate") if cert else None)
+    return credentials, [("grpc.ssl_target_name_override", server_name)] if server_name else []
+
+
 def handle_errors(method: Callable) -> Callable:
     """Wrap a unary-response handler: RequestError -> abort(code, message); other exceptions ->
     INTERNAL (never a bare UNKNOWN with a Python traceback)."""
