@@ -213,6 +213,19 @@ class Eagle3Head(nn.Module):
         o = _attend(q, [(cache.k[None], cache.v[None], mask)])
         return self.finish(o, residual)[0]
 
+    def step_rows(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, caches: list[HeadCache]) -> torch.Tensor:
+        """One token for each of B sequences: ids, positions [B], g [B, H], each over its own cache (which grows
+        by one) -> out [B, H]. The products run over the B rows at once, the attention per sequence: row i is
+        step()'s for sequence i alone wherever the products are batch-invariant (specdec's skinny GEMM)."""
+        q, k, v, residual = self.qkv(ids[:, None], g[:, None], positions[:, None])  # q [B, heads, 1, D], k, v [B, kv, 1, D]
+        attended = []
+        for i, cache in enumerate(caches):
+            cache.k = k[i] if cache.k is None else torch.cat([cache.k, k[i]], dim=1)
+            cache.v = v[i] if cache.v is None else torch.cat([cache.v, v[i]], dim=1)
+            mask = torch.ones(1, cache.length, dtype=torch.bool, device=ids.device)  # step()'s causal mask, one row
+            attended.append(_attend(q[i : i + 1], [(cache.k[None], cache.v[None], mask)]))
+        return self.finish(torch.cat(attended), residual)[:, 0]
+
 
 def _attend(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Softmax attention of q [B, heads, T, D] over blocks of keys: (k, v [B, kv, S, D], mask [T, S] bool),

@@ -190,7 +190,7 @@ class HeadEngine(EngineThread):
                 self._finish_step(works, rows, t0, sum(fed.values()))
                 works = [w for w in works if not w.done]
                 t0, fed = time.perf_counter(), {id(w): 1 for w in works}
-                lasts = [self._draft_step(w, out) for w in works]
+                lasts = self._draft_steps(works, out)
             except Exception as e:  # nothing of this step can be trusted: its unanswered works fail
                 log.exception("head step failed")
                 for w in works:
@@ -257,15 +257,26 @@ class HeadEngine(EngineThread):
         fed[id(w)] = t - 1 - start
         return last
 
+    def _draft_steps(self, works: list[ProposeWork], out: dict) -> list[torch.Tensor]:
+        """Feed each work's last draft with the head's own output at the entry before: the new entries' outputs
+        [1, H] each. (A draft's entry follows its session's: it joins the session's tokens after this step.)"""
+        lasts = self._steps([w.pending[-1] for w in works], [out[id(w)] for w in works],
+                            [len(w.session) - 1 for w in works], [w.session.cache for w in works])
+        for w, last in zip(works, lasts):
+            out[id(w)] = last
+        return lasts
+
     @torch.inference_mode()
-    def _draft_step(self, w: ProposeWork, out: dict) -> torch.Tensor:
-        """Feed the last draft with the head's own output at the entry before: the new entry's output [1, H]."""
-        s = w.session
-        position = len(s) - 1  # the draft's entry follows the session's (it joins the session's tokens after this step)
-        last = self.head.step(torch.tensor(w.pending[-1:], device=self.device), out[id(w)],
-                              torch.tensor([position], device=self.device), s.cache)
-        out[id(w)] = last
-        return last
+    def _steps(self, tokens: list[int], outs: list[torch.Tensor], positions: list[int],
+               caches: list[HeadCache]) -> list[torch.Tensor]:
+        """One head step of one token for each session (its output before [1, H], its position, its cache): one
+        batched step where the products are batch-invariant (the skinny GEMM), else one step per session, so a
+        session's drafts never depend on its batch."""
+        ids = torch.tensor(tokens, device=self.device)
+        at = torch.tensor(positions, device=self.device)
+        if self.skinny and len(caches) > 1:
+            return list(self.head.step_rows(ids, torch.cat(outs), at, caches).split(1))
+        return [self.head.step(ids[i : i + 1], o, at[i : i + 1], c) for i, (o, c) in enumerate(zip(outs, caches))]
 
     def _rows(self, lasts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each session's logits [1, V]: one LM-head product for the step's sessions where the products are
@@ -370,8 +381,7 @@ class HeadEngine(EngineThread):
             best = float("inf")
             for _ in range(3):
                 t0 = time.perf_counter()
-                self._rows([head.step(ids[:1], o, torch.tensor([context], device=self.device), c)
-                            for c, o in zip(caches, outs)])  # as a step runs
+                self._rows(self._steps([int(ids[0])] * b, outs, [context] * b, caches))  # as a step runs
                 for c in caches:
                     c.truncate(context)
                 best = min(best, time.perf_counter() - t0)
