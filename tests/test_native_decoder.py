@@ -30,6 +30,10 @@ class Counted:
         self.calls += 1
         return self.native.forward(*args)
 
+    def forward_tapped(self, *args):
+        self.calls += 1
+        return self.native.forward_tapped(*args)
+
 
 def decoders(model) -> tuple[LlamaDecoder, LlamaDecoder]:
     ops, native = cpu_kernels.load("row_ops")[0], cpu_kernels.load("decoder")[0]
@@ -92,7 +96,24 @@ def test_steps_it_does_not_cover_run_the_python_decoder(tiny_target):
     model = load_model(ModelConfig(tiny_target))
     long_tree = [(0, 0, list(range(3, 73)), [-1] + list(range(69)))]  # 70 nodes: past row attention's 64-bit span
     assert_same(model, [long_tree], kernel_calls=0)
-    assert_same(model, steps_for(model.config.vocab_size)[:1], kernel_calls=0, taps={0: None})
+
+
+def test_taps_are_bitwise_the_python_decoders(tiny_target):
+    """A feature draft's taps (each asked layer's output at every token) from the kernel's one call: bitwise the
+    Python decoder's, in any order asked, the step's output too, over prefills, a decode beside a verify, a tree."""
+    model = load_model(ModelConfig(tiny_target))
+    python, kernel = decoders(model)
+    last = len(python.layers) - 1
+    caches = [SlotKVCache(KVGeometry.of(model), 3, 128) for _ in range(2)]
+    steps = steps_for(model.config.vocab_size)
+    for feeds in steps:
+        want, got = dict.fromkeys((last, 0)), dict.fromkeys((last, 0))
+        (w,), (g,) = run(python, caches[0], [feeds], want), run(kernel, caches[1], [feeds], got)
+        assert torch.equal(g, w)
+        for layer in want:
+            assert got[layer].shape == (sum(len(t) for _, _, t, _ in feeds), model.config.hidden_size)
+            assert torch.equal(got[layer], want[layer]), layer
+    assert kernel.native.calls == len(steps)
 
 
 def test_bad_inputs_are_refused(tiny_target):
@@ -107,6 +128,11 @@ def test_bad_inputs_are_refused(tiny_target):
         kernel.native.forward(x, cs, cs, cache.keys, cache.values, rows[1], torch.arange(2), *(r[:1] for r in rows))
     with pytest.raises(RuntimeError, match="out of range"):
         kernel.native.forward(x, cs, cs, cache.keys, cache.values, rows[1], torch.tensor([0, 99]), *rows)
+    args = (x, cs, cs, cache.keys, cache.values, rows[1], torch.arange(2), *rows)
+    with pytest.raises(RuntimeError, match="is not a layer"):
+        kernel.native.forward_tapped(*args, [len(kernel.layers)], torch.zeros(1, 2, model.config.hidden_size))
+    with pytest.raises(RuntimeError, match="tapped"):
+        kernel.native.forward_tapped(*args, [0, 1], torch.zeros(1, 2, model.config.hidden_size))
 
 
 def test_the_rotary_table_holds_the_bits_computed_per_step(tiny_target):

@@ -158,13 +158,19 @@ class LlamaDecoder:
         ops, t, d = self.ops, input_ids.shape[0], self.head_dim
         x = self._embed(input_ids)  # [T, hidden], a fresh tensor: the residual stream, updated in place
         cos, sin = self._rotary(positions, x.dtype)  # [T, D]
-        if self.native is not None and taps is None:
+        if self.native is not None:
             step = current_layout()
             if isinstance(step, StepLayout) and step.rows is not None and step.rows.token_index.shape[0] == t:
                 r, cache = step.rows, step.cache  # every token a row-attention row: the layers in one call
                 stored = step.positions if step.kv_positions is None else step.kv_positions
-                return self.native.forward(x, cos, sin, cache.keys, cache.values, step.slots, stored, r.token_index,
-                                           r.slot, r.base, r.bits)
+                args = (x, cos, sin, cache.keys, cache.values, step.slots, stored, r.token_index, r.slot, r.base, r.bits)
+                if taps is None:
+                    return self.native.forward(*args)
+                layers = list(taps)
+                tapped = x.new_empty(len(layers), t, x.shape[1])  # the kernel copies each layer's output here
+                out = self.native.forward_tapped(*args, layers, tapped)
+                taps.update(zip(layers, tapped.unbind(0)))
+                return out
         down = None
         for i, (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = ops.add_rms_norm(x, down, norm1.weight, norm1.variance_epsilon)

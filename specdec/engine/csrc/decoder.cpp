@@ -18,6 +18,7 @@
 // Only the form of step the row kernel covers whole (every token a row-attention row: chain feeds, prefill
 // chunks, few-token trees) runs here; the Python decoder keeps every other (a padded group, a long tree, taps).
 
+#include <cstring>
 #include "decoder.h"
 
 #include "kernels.h"
@@ -70,6 +71,26 @@ void Decoder::add_layer(at::Tensor norm1, double eps1, const std::vector<at::Ten
 at::Tensor Decoder::forward(at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& keys,
                             const std::vector<at::Tensor>& values, at::Tensor slots, at::Tensor kv_positions,
                             at::Tensor rows, at::Tensor row_slots, at::Tensor base, at::Tensor bits) const {
+  return run(x, cos, sin, keys, values, slots, kv_positions, rows, row_slots, base, bits, {}, nullptr);
+}
+
+at::Tensor Decoder::forward_tapped(at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& keys,
+                                   const std::vector<at::Tensor>& values, at::Tensor slots, at::Tensor kv_positions,
+                                   at::Tensor rows, at::Tensor row_slots, at::Tensor base, at::Tensor bits,
+                                   const std::vector<int64_t>& taps, at::Tensor tapped) const {
+  const int64_t n = static_cast<int64_t>(taps.size());
+  TORCH_CHECK(tapped.scalar_type() == at::kFloat && tapped.dim() == 3 && tapped.size(0) == n &&
+              tapped.size(1) == x.size(0) && tapped.size(2) == hidden_ && tapped.is_contiguous(),
+              "Decoder: tapped [len(taps), T, hidden] float32, contiguous");
+  for (int64_t id : taps) TORCH_CHECK(id >= 0 && id < num_layers(), "Decoder: tap ", id, " is not a layer");
+  return run(x, cos, sin, keys, values, slots, kv_positions, rows, row_slots, base, bits, taps,
+             tapped.data_ptr<float>());
+}
+
+at::Tensor Decoder::run(at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& keys,
+                        const std::vector<at::Tensor>& values, at::Tensor slots, at::Tensor kv_positions,
+                        at::Tensor rows, at::Tensor row_slots, at::Tensor base, at::Tensor bits,
+                        const std::vector<int64_t>& taps, float* tapped) const {
   TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "Decoder: one cache layer per layer");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_ && x.stride(1) == 1,
               "Decoder: x [T, hidden] float32 with contiguous rows");
@@ -103,12 +124,20 @@ at::Tensor Decoder::forward(at::Tensor x, at::Tensor cos, at::Tensor sin, const 
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t *slot = slots.data_ptr<int64_t>(), *pos = kv_positions.data_ptr<int64_t>();
   const int64_t *row_slot = row_slots.data_ptr<int64_t>(), *prefix = base.data_ptr<int64_t>(), *mask = bits.data_ptr<int64_t>();
+  // Layer l's output is x once its last product is added, which the next norm does (the final one for the last
+  // layer): copied out for each tap of l, as the Python decoder copies it.
+  auto tap = [&](int64_t l) {
+    for (size_t j = 0; j < taps.size(); ++j)
+      if (taps[j] == l)
+        for (int64_t t = 0; t < T; ++t) std::memcpy(tapped + (j * T + t) * H, xp + t * ldx, H * sizeof(float));
+  };
   const float* residual = nullptr;  // the last product of the layer before, added into x by the next norm
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayer& layer = layers_[i];
     const int64_t Ii = layer.intermediate;
     float *kp = keys[i].data_ptr<float>(), *vp = values[i].data_ptr<float>();
     raw::add_rms_norm(xp, ldx, residual, H, layer.norm1.data_ptr<float>(), layer.eps1, h, H, T, H);
+    if (i > 0) tap(static_cast<int64_t>(i) - 1);
     int64_t col = 0;
     for (const DecoderLinear& part : layer.qkv) {
       part.into(h, H, T, H, qkv + col, qkv_n);
@@ -125,5 +154,6 @@ at::Tensor Decoder::forward(at::Tensor x, at::Tensor cos, at::Tensor sin, const 
     residual = down;
   }
   raw::add_rms_norm(xp, ldx, residual, H, final_norm_.data_ptr<float>(), final_eps_, out.data_ptr<float>(), H, T, H);
+  tap(num_layers() - 1);
   return out;
 }

@@ -47,9 +47,20 @@ class Decoder {
                      const std::vector<at::Tensor>& values, at::Tensor slots, at::Tensor kv_positions, at::Tensor rows,
                      at::Tensor row_slots, at::Tensor base, at::Tensor bits) const;
 
+  // forward(), also copying the residual stream after each layer in `taps` (ids, each below num_layers) into
+  // tapped [len(taps), T, hidden] float32, contiguous: what a feature draft reads (specdec.engine.llama's taps).
+  at::Tensor forward_tapped(at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& keys,
+                            const std::vector<at::Tensor>& values, at::Tensor slots, at::Tensor kv_positions,
+                            at::Tensor rows, at::Tensor row_slots, at::Tensor base, at::Tensor bits,
+                            const std::vector<int64_t>& taps, at::Tensor tapped) const;
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& keys,
+                 const std::vector<at::Tensor>& values, at::Tensor slots, at::Tensor kv_positions, at::Tensor rows,
+                 at::Tensor row_slots, at::Tensor base, at::Tensor bits, const std::vector<int64_t>& taps,
+                 float* tapped) const;
   int64_t heads_, kv_heads_, head_dim_, hidden_;
   double scaling_;
   at::Tensor final_norm_;

@@ -28,5 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &Decoder::add_layer, "append a layer's norms and packed products")
       .def("forward", &Decoder::forward, "the layers over a row-attention step, then the final norm",
            pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_tapped", &Decoder::forward_tapped, "forward, with the outputs of the layers in taps copied out",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("num_layers", &Decoder::num_layers);
 }
