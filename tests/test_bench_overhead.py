@@ -1,0 +1,33 @@
+"""bench.overhead's model of given shapes and the goal it is measured against (the bench itself is timed, not tested)."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoConfig, AutoTokenizer
+
+from bench.overhead import shaped_goals, shaped_model
+from specdec.models import default_draft
+
+
+def test_a_shaped_model_has_the_shapes_and_the_real_tokenizer(tmp_path):
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    (shapes / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False}))
+    path, what = shaped_model(tmp_path / "model", str(shapes), "bfloat16")
+    config = AutoConfig.from_pretrained(path)
+    vocab = len(AutoTokenizer.from_pretrained(default_draft()))
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (64, 3, 2)
+    assert config.vocab_size == vocab and config.eos_token_id == [2] and str(config.dtype).endswith("bfloat16")
+    assert len(AutoTokenizer.from_pretrained(path)) == vocab
+    assert "3 layers" in what and f"{vocab:,} tokens for its 128,256" in what
+
+
+def test_the_shaped_goal_is_the_rounds_time_outside_its_forwards():
+    rows = {0: [{"client_round": 10.5, "compute": 10.0}] * 3, 2: [{"client_round": 13.0, "compute": 10.0}]}
+    said = shaped_goals(rows)
+    assert "K = 0: 0.50 ms outside the forwards a round, 5.0% of them (met)" in said
+    assert "K = 2: 3.00 ms outside the forwards a round, 30.0% of them (not met)" in said
