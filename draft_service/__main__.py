@@ -13,7 +13,7 @@ from specdec.engine.threads import spin_briefly  # torch-free
 
 spin_briefly()  # before torch loads libgomp (specdec/engine/threads.py says why)
 
-from draft_service.service import DIRECT_TLS_SETTINGS, SERVICE_NAME, DraftConfig, build
+from draft_service.service import DIRECT_TLS_SETTINGS, SERVICE_NAME, DraftConfig, build, target_link
 from specdec.core.settings import Settings, fail
 from specdec.engine.eagle3_checks import CheckpointError
 from specdec.serving.flags import config_error, parse_service, ready_tier, tier_settings
@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     configs = parse_service(s, DESCRIPTION, argv)
     config, process = ready_tier(s, configs["config"]), configs["process"]
     try:
-        config.target_link()  # unusable TLS settings / files for direct rounds: exit 2 now, not at the first Drive
+        target_link(config)  # unusable TLS settings / files for direct rounds: exit 2 now, not at the first Drive
     except (OSError, ValueError) as e:
         config_error(str(e), DIRECT_TLS_SETTINGS)
     try:

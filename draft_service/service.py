@@ -63,15 +63,16 @@ class DraftConfig:
         if tls and not self.direct_target:
             raise ValueError(f"{' and '.join(tls)} {'needs' if len(tls) == 1 else 'need'} direct_target")
 
-    def target_link(self) -> TargetLink | None:
-        """The channel to the target for direct rounds (not yet opened), or None without --direct-target; raises
-        on unusable TLS settings or files."""
-        if not self.direct_target:
-            return None
-        credentials, options = client_credentials(self.direct_target_ca, self.direct_target_client_cert,
-                                                  self.direct_target_client_key, self.direct_target_server_name,
-                                                  DIRECT_TLS_SETTINGS)
-        return TargetLink(self.direct_target, self.server.max_message_bytes, credentials=credentials, options=options)
+
+def target_link(config: DraftConfig) -> TargetLink | None:
+    """The channel to the target for direct rounds (not yet opened), or None without --direct-target; raises on
+    unusable TLS settings or files."""
+    if not config.direct_target:
+        return None
+    credentials, options = client_credentials(config.direct_target_ca, config.direct_target_client_cert,
+                                              config.direct_target_client_key, config.direct_target_server_name,
+                                              DIRECT_TLS_SETTINGS)
+    return TargetLink(config.direct_target, config.server.max_message_bytes, credentials=credentials, options=options)
 
 
 def load_engine(config: DraftConfig) -> Engine | HeadEngine:
@@ -246,6 +247,6 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
 def build(config: DraftConfig, engine: Engine | None = None) -> TierServer:
     """The draft service's server (not started); loads the model unless `engine` is given."""
     engine = engine or load_engine(config)
-    service = Service(DraftServicer(engine, config.draft_top_n, config.target_link()), draft_pb2_grpc.add_DraftServiceServicer_to_server,
+    service = Service(DraftServicer(engine, config.draft_top_n, target_link(config)), draft_pb2_grpc.add_DraftServiceServicer_to_server,
                       SERVICE_NAME)
     return create_tier_server(engine, service, config.server, "draft")

@@ -404,3 +404,17 @@ def test_tier_entry_point_rejects_missing_tls_files(module, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # exits before loading any model
         main(["--model", "unused", "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")])
     assert e.value.code == 2 and "cannot read TLS certificate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--direct-target", "127.0.0.1:1", "--direct-target-ca", "MISSING"], "cannot read tier CA"),
+    (["--direct-target-ca", "MISSING"], "--direct-target-ca needs --direct-target"),
+    (["--direct-target", "127.0.0.1:1", "--direct-target-server-name", TIER_NAME],
+     "--direct-target-server-name needs --direct-target-ca"),
+])
+def test_draft_entry_point_checks_its_direct_rounds_tls(flags, message, tmp_path, capsys):
+    from draft_service.__main__ import main
+
+    with pytest.raises(SystemExit) as e:  # exits before loading any model
+        main(["--model", "unused", *(str(tmp_path / f) if f == "MISSING" else f for f in flags)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
