@@ -203,13 +203,33 @@ def summarise(results: list[dict]) -> dict:
     per_client = [r["tokens"] / (r["end"] - r["start"]) for r in results]
     ks = [float(r["stats"].get("mean_num_speculative_tokens", 0.0)) for r in results if r["stats"]]
     acc = [float(r["stats"].get("acceptance_rate", 0.0)) for r in results if r["stats"]]
+    rounds, by_proposer = 0, {}  # the burst's rounds, and each proposer's [rounds, drafts, accepted]
+    for r in results:
+        rounds += int(r["stats"].get("rounds", 0)) if r["stats"] else 0
+        for name, p in (r["stats"].get("by_proposer") or {}).items() if r["stats"] else ():
+            counts = by_proposer.setdefault(name, [0, 0, 0])
+            for i, key in enumerate(("rounds", "draft_tokens", "accepted_tokens")):
+                counts[i] += int(p.get(key, 0))
     return {
         "clients": len(results), "tokens": total, "wall_s": end - start, "aggregate_tok_s": total / (end - start),
         "per_client_tok_s": statistics.median(per_client), "client_rates": per_client, "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
         "latency_p50_s": percentile([r["end"] - r["start"] for r in results], 50),
         "mean_k": statistics.mean(ks) if ks else 0.0, "acceptance": statistics.mean(acc) if acc else 0.0,
+        "rounds": rounds, "by_proposer": by_proposer,
     }
+
+
+def proposer_shares(r: dict) -> str:
+    """Who drafted in a burst: each proposer's share of its rounds, with the drafts it had verified and the share
+    accepted; the rest of the rounds were target-only."""
+    rounds, parts = r.get("rounds", 0), r.get("by_proposer") or {}
+    if not rounds:
+        return ""
+    said = [f"{name} {100 * n / rounds:.0f}% of the rounds ({d} drafts, {a / d if d else 0:.2f} accepted)"
+            for name, (n, d, a) in sorted(parts.items(), key=lambda kv: -kv[1][0])]
+    alone = rounds - sum(n for n, _, _ in parts.values())
+    return ", ".join(said + [f"target-only {100 * alone / rounds:.0f}%"])
 
 
 def pipeline_config(args, models: dict):
@@ -367,6 +387,9 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
               if c in spec and c in k0 and "aggregate_tok_s" in spec[c] and "aggregate_tok_s" in k0[c]]
     if ratios:
         L.append(f"- The default request against K = 0 (medians), by clients: {', '.join(ratios)}.")
+    shares = [f"{c} client{'s' if c != 1 else ''}: {proposer_shares(spec[c])}" for c in levels if proposer_shares(spec.get(c, {}))]
+    if shares:
+        L.append(f"- Who drafted for the default request (its median burst): {'; '.join(shares)}.")
     per_request = [f"{c}: {spec[c]['mean_client_tok_s'] / k0[c]['mean_client_tok_s']:.2f}x" for c in levels
                    if c in spec and c in k0 and "mean_client_tok_s" in spec[c] and "mean_client_tok_s" in k0[c]]
     if per_request:

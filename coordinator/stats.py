@@ -55,6 +55,8 @@ class RoundStats:
     reprefills: Counter = field(default_factory=Counter)
     # Failed internal rpcs, by (tier, rpc, status name); the generation may have recovered from them.
     tier_errors: Counter = field(default_factory=Counter)
+    # Per proposer that drafted: [rounds with drafts, draft tokens verified, accepted] (GenerationStats.by_proposer).
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
     trace: RoundTrace = field(default_factory=RoundTrace)  # the round trace (coordinator.trace)
     clock: Callable[[], float] = time.perf_counter  # seconds; a fake in the round loop's unit tests
     # The round in progress: its start and what its rpcs cost so far.
@@ -102,6 +104,9 @@ class RoundStats:
         self.draft_tokens += drafts
         self.accepted_tokens += accepted
         self.committed_before_truncation += committed
+        if drafts:
+            counts = self.by_proposer.setdefault(proposal.source, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + drafts, counts[2] + accepted
         now = self.clock()
         wall_ms = (now - self._round_t0) * 1e3
         record = RoundRecord(
@@ -142,4 +147,6 @@ class RoundStats:
             trace=self.trace.totals(),
             pushed_rounds=self.pushed_rounds,
             direct_rounds=self.direct_rounds,
+            by_proposer={name: generate_pb2.ProposerStats(rounds=r, draft_tokens=d, accepted_tokens=a)
+                         for name, (r, d, a) in self.by_proposer.items()},
         )

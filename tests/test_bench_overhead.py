@@ -31,3 +31,19 @@ def test_the_shaped_goal_is_the_rounds_time_outside_its_forwards():
     said = shaped_goals(rows)
     assert "K = 0: 0.50 ms outside the forwards a round, 5.0% of them (met)" in said
     assert "K = 2: 3.00 ms outside the forwards a round, 30.0% of them (not met)" in said
+
+
+def test_the_concurrency_bench_says_who_drafted():
+    from bench.concurrency import proposer_shares, summarise
+
+    def client(stats):
+        return {"start": 0.0, "first": 0.1, "end": 1.0, "tokens": 10, "stats": stats}
+
+    burst = summarise([
+        client({"rounds": 6, "by_proposer": {"suffix": {"rounds": 2, "draft_tokens": 8, "accepted_tokens": 2}}}),
+        client({"rounds": 4, "by_proposer": {"suffix": {"rounds": 1, "draft_tokens": 4, "accepted_tokens": 1},
+                                             "draft_model": {"rounds": 1, "draft_tokens": 2, "accepted_tokens": 2}}}),
+    ])
+    assert burst["rounds"] == 10 and burst["by_proposer"] == {"suffix": [3, 12, 3], "draft_model": [1, 2, 2]}
+    assert proposer_shares(burst) == ("suffix 30% of the rounds (12 drafts, 0.25 accepted), draft_model 10% of the "
+                                      "rounds (2 drafts, 1.00 accepted), target-only 60%")

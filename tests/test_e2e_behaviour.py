@@ -146,3 +146,23 @@ def test_concurrent_sessions_do_not_disturb_each_other(random_draft_cluster, sel
                 t.join(60)
         assert not errors
         assert together == solo
+
+
+def test_each_proposers_rounds_add_up_to_the_generations(self_draft_cluster):
+    """GenerationStats.by_proposer: each proposer that drafted, its rounds, drafts and accepted tokens; together
+    they are the generation's (target-only rounds are under none)."""
+    repetitive = PROMPT + PROMPT[1:] + PROMPT[1:]  # prompt lookup and suffix decoding find matches
+    with Client(self_draft_cluster.address) as c:
+        fixed = c.generate(token_ids=PROMPT, max_new_tokens=24, temperature=0.0, num_speculative_tokens=3,
+                           proposer="draft").stats
+        lookup = c.generate(token_ids=repetitive, max_new_tokens=24, temperature=0.0, num_speculative_tokens=3,
+                            proposer="prompt_lookup").stats
+        hybrid = c.generate(token_ids=repetitive, max_new_tokens=48, temperature=0.0).stats
+    assert fixed["by_proposer"] == {"draft_model": {"rounds": fixed["rounds"], "draft_tokens": fixed["draft_tokens"],
+                                                    "accepted_tokens": fixed["accepted_tokens"]}}
+    assert set(lookup["by_proposer"]) == {"prompt_lookup"}
+    for stats in (lookup, hybrid):
+        parts = stats["by_proposer"].values()
+        assert sum(p["rounds"] for p in parts) <= stats["rounds"]
+        assert sum(p["draft_tokens"] for p in parts) == stats["draft_tokens"] > 0
+        assert sum(p["accepted_tokens"] for p in parts) == stats["accepted_tokens"]
