@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from coordinator.api.admission import Admission
 from coordinator.stats import RoundRecord, RoundStats
+from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from specdec.serving.metrics import MODEL_LABEL, RpcMetrics
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
@@ -117,10 +118,17 @@ class CoordinatorMetrics:
                           "math), network (rpc round trips minus the tiers' time) and coordinator (the rest of the round).",
                           ROUND_PART_BUCKETS, ("part",))
         self.round_parts = {p: parts.labels(*v, p) for p in ROUND_PARTS}
-        self._by_proposer: dict[str, tuple] = {}  # proposer -> (rounds, k) children, looked up once
+        self._by_proposer: dict[str, tuple] = {}  # proposer -> (rounds, k, drafts, accepted) children, looked up once
         self.rounds = counter("specdec_rounds", "Rounds (one target verify each; a target-only round that runs on spans a forward per token), by the proposer of their drafts.", ("proposer",))
         self.k = histogram("specdec_num_speculative_tokens", "K asked of the proposer per round (after clamping to the "
                            "token budget; 0 = target-only round).", K_BUCKETS, ("proposer",))
+        self.proposer_drafts = counter("specdec_proposer_draft_tokens", "Draft tokens the target verified, by the "
+                                       "proposer that drafted them.", ("proposer",))
+        self.proposer_accepted = counter("specdec_proposer_accepted_tokens", "Draft tokens the target accepted, by the "
+                                         "proposer that drafted them (over specdec_proposer_draft_tokens: its "
+                                         "acceptance rate).", ("proposer",))
+        for name in (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX):  # exported from 0, so a rate sees their first drafts
+            self._proposer(name)
         self.reprefills = counter("specdec_reprefills", "Committed sequences resent in full because a tier had lost the "
                                   "session (evicted, restarted).", ("tier",))
         self.fallbacks = counter("specdec_lookup_fallbacks", "Rounds proposed by prompt lookup because the draft model "
@@ -132,6 +140,14 @@ class CoordinatorMetrics:
                                 "lookup drafts).", [*m, "tier"], registry=registry)
         self.tier_errors = counter("specdec_tier_errors", "Failed internal rpcs to the tiers, by tier, rpc and status "
                                    "(the generation may have recovered).", ("tier", "rpc", "code"))
+
+    def _proposer(self, name: str) -> tuple:
+        """The proposer's (rounds, k, drafts, accepted) children, made at the first look."""
+        found = self._by_proposer.get(name)
+        if found is None:
+            found = self._by_proposer[name] = tuple(m.labels(*self._labels, name) for m in (
+                self.rounds, self.k, self.proposer_drafts, self.proposer_accepted))
+        return found
 
     def watch_reachability(self, tier: str, reachable) -> None:
         """specdec_tier_reachable{tier} reads reachable() (a bool) at every scrape."""
@@ -151,10 +167,12 @@ class CoordinatorMetrics:
                 child.inc()
         for part, ms in zip(ROUND_PARTS, (r.draft_ms, r.verify_ms, r.tier_ms, r.network_ms, r.coordinator_ms)):
             self.round_parts[part].observe(ms / 1e3)
-        rounds, k = self._by_proposer.get(r.proposer) or self._by_proposer.setdefault(
-            r.proposer, (self.rounds.labels(*v, r.proposer), self.k.labels(*v, r.proposer)))
+        rounds, k, drafts, accepted = self._proposer(r.proposer)
         rounds.inc()
         k.observe(r.k)
+        if r.drafts > 0:
+            drafts.inc(r.drafts)
+            accepted.inc(r.accepted)
         if r.fallback:
             self.fallbacks.inc()
         if r.overlapped:

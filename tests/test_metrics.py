@@ -251,6 +251,10 @@ def test_counters_equal_the_generation_statistics_mixed(self_draft_cluster):
     for proposer in ("draft_model", "prompt_lookup", "suffix"):
         assert delta("specdec_rounds_total", proposer=proposer) == sum(r.proposer == proposer for r in records)
         assert delta("specdec_num_speculative_tokens_sum", proposer=proposer) == sum(r.k for r in records if r.proposer == proposer)
+        assert delta("specdec_proposer_draft_tokens_total", proposer=proposer) == sum(
+            r.drafts for r in records if r.proposer == proposer) == st["by_proposer"].get(proposer, {}).get("draft_tokens", 0)
+        assert delta("specdec_proposer_accepted_tokens_total", proposer=proposer) == sum(
+            r.accepted for r in records if r.proposer == proposer) == st["by_proposer"].get(proposer, {}).get("accepted_tokens", 0)
     for part in ("draft", "verify", "tier", "network", "coordinator"):
         assert delta("specdec_round_seconds_count", part=part) == st["rounds"]
     assert delta("specdec_round_seconds_sum", part="verify") * 1e3 == pytest.approx(st["verify_ms"], rel=1e-6)
