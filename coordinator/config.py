@@ -54,7 +54,7 @@ class CoordinatorConfig:
     # With --overlap: the draft tier pushes each pre-drafted next round unasked as soon as it is ready, and a
     # round whose outcome it pushed starts with no Propose round trip (DESIGN.md, The split's cost)
     draft_push: bool = False
-    # A request with a fixed K for the draft model (chains, no grammar) has its rounds run by the draft tier
+    # A request with a fixed K for the draft model or head (chains, no grammar) has its rounds run by the draft tier
     # itself, which sends each proposal to the target and takes the verdict with no hop through the
     # coordinator (DESIGN.md, Direct rounds), where the draft replicas offer it (their --direct-target) and,
     # with --tier-ca, reach the target over TLS themselves (their --direct-target-ca)

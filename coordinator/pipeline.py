@@ -31,11 +31,11 @@ from coordinator.stats import RoundStats
 from coordinator.trace import OtlpRounds, RoundTrace
 from coordinator.tiers.client import TierClient
 from coordinator.tiers.direct import DirectRounds
-from coordinator.tiers.features import SessionFeatures
+from specdec.serving.features import SessionFeatures
 from coordinator.tiers.reachability import TierReachability
 from coordinator.tiers.routing import probe_ring_hash
 from coordinator.tiers.session import DRAFT_RETRY, TARGET_RETRY, TierSession, deadline_clock
-from coordinator.tiers.target import TargetVerifier
+from coordinator.tiers.target import FEATURE_PART_BYTES, TargetVerifier
 from specdec.math.seeds import DRAFT_STREAM, derive_seed
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, target_pb2
@@ -213,10 +213,10 @@ class Pipeline:
                 grammar=params.grammar.text if params.grammar is not None and not head else "", greedy=greedy,
                 priors=priors, push=c.overlap and c.draft_push and not head, features=features))
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
-        if draft is not None and self._direct(params, head):
+        if draft is not None and self._direct(params, features):
             direct = DirectRounds(self.draft, (target.session, draft), key, min(params.num_speculative_tokens, max_k),
                                   sampling, params.seed, eos, params.logprobs, fingerprint, stats, time_left,
-                                  speculate=c.overlap)
+                                  speculate=c.overlap and not head)  # (a head has no speculation cache)
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
         drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
@@ -228,12 +228,14 @@ class Pipeline:
                           max_context=self.target_info.max_context, session_id=session_id, constraint=constraint,
                           direct=direct)
 
-    def _direct(self, params: GenerationParams, head: bool) -> bool:
-        """Whether the draft tier runs the session's rounds (direct_rounds): the draft model alone at the request's
-        own K, proposing chains, with no grammar and no EAGLE-3 head (which needs the target's features)."""
+    def _direct(self, params: GenerationParams, features: SessionFeatures | None) -> bool:
+        """Whether the draft tier runs the session's rounds (direct_rounds): the draft model (or an EAGLE-3 head, its
+        rows going from the target to the draft replica) alone at the request's own K, proposing chains, with no
+        grammar; with a head, a prompt whose rows fit one request (a longer one goes in parts: the loop's own rounds)."""
         nodes = self.config.draft_tree_nodes if params.tree_nodes is None else params.tree_nodes
-        return (self.direct_rounds and params.proposer == DRAFT_MODEL and not head and params.grammar is None
-                and bool(params.num_speculative_tokens) and not nodes)
+        fits = features is None or len(params.prompt_ids) * features.row_bytes <= FEATURE_PART_BYTES
+        return (self.direct_rounds and params.proposer == DRAFT_MODEL and params.grammar is None
+                and bool(params.num_speculative_tokens) and not nodes and fits)
 
     @property
     def direct_rounds(self) -> bool:

@@ -19,6 +19,7 @@ from specdec.core.errors import RequestError
 from specdec.core.prefix import PrefixHashes
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.proto import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
+from specdec.serving.features import SessionFeatures
 from specdec.serving.routing import RoutingConfig
 from specdec.serving.tier import DRAINING
 
@@ -59,15 +60,17 @@ def _target_error(e: grpc.aio.AioRpcError) -> RequestError:
 
 
 async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.ProposeRequest], Awaitable],
-                target: TargetLink, max_context: int,
-                draining: Callable[[], bool] = lambda: False) -> AsyncIterator[draft_pb2.DriveEvent]:
+                target: TargetLink, max_context: int, draining: Callable[[], bool] = lambda: False,
+                features: SessionFeatures | None = None) -> AsyncIterator[draft_pb2.DriveEvent]:
     """The session's rounds; propose(request) is the draft's own Propose (checks, engine, response), max_context
     the draft's (a round that would pass it drafts nothing, as the caller's would not ask). Ends when
     max_new_tokens are committed or an EOS is; raises RequestError on a failed call, and UNAVAILABLE once
     draining() (the replica shuts down: the caller's own rounds go on elsewhere at once, not after the grace).
     A round's event is written to the caller while the target verifies the next round (the first and the last
-    at once): the write takes the replica's interpreter, which the draft's own steps need."""
-    session = DirectSession(request, max_context)
+    at once): the write takes the replica's interpreter, which the draft's own steps need. features: an EAGLE-3
+    head's (this replica serves one): each verify asks the target for its rows, which go to the head with the next
+    proposal, and a round drafts only once they cover the context (the first is the target's alone)."""
+    session = DirectSession(request, max_context, features)
     call = target.stub.VerifyStream(metadata=target.routing.metadata(request.target_routing_key or session.id))
     proposing, ahead, pending, first = session.propose(propose), None, None, True
     try:
@@ -122,8 +125,9 @@ async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.Pr
 class DirectSession:
     """What the driver knows of a session: its committed tokens, and how many of them each tier caches."""
 
-    def __init__(self, request: draft_pb2.DriveRequest, max_context: int) -> None:
-        self.request, self.max_context = request, max_context
+    def __init__(self, request: draft_pb2.DriveRequest, max_context: int,
+                 features: SessionFeatures | None = None) -> None:
+        self.request, self.max_context, self.features = request, max_context, features
         self.id, self.fingerprint = request.context.session_id, request.context.tokenizer_fingerprint
         self.committed = list(request.context.new_tokens)
         self.hashes = PrefixHashes(self.committed)
@@ -142,18 +146,28 @@ class DirectSession:
     def propose(self, propose: Callable[[draft_pb2.ProposeRequest], Awaitable]) -> asyncio.Future | None:
         """The next round's proposal, under way; None where the round drafts nothing."""
         k = self._k(self.produced, len(self.committed))
-        if k == 0:
+        if k == 0 or (self.features is not None and not self.features.ready(len(self.committed))):
             return None
         r = self.request
-        return asyncio.ensure_future(propose(draft_pb2.ProposeRequest(
-            context=self.context(self.draft_at), num_tokens=k, sampling=r.sampling, seed=r.draft_seed)))
+        ask = draft_pb2.ProposeRequest(context=self.context(self.draft_at), num_tokens=k, sampling=r.sampling,
+                                       seed=r.draft_seed)
+        if self.features is None:
+            return asyncio.ensure_future(propose(ask))
+        ask.features_start, ask.features = self.features.for_draft(ask.context.prefix_len)
+
+        async def with_rows() -> draft_pb2.ProposeResponse:
+            response = await propose(ask)
+            self.features.sent()  # the head holds the rows now
+            return response
+
+        return asyncio.ensure_future(with_rows())
 
     def draft_ahead(self, propose, proposed: draft_pb2.ProposeResponse | None) -> asyncio.Future | None:
         """Drafting ahead (module docstring): the chain e_1..e_K'+1 after the proposal's last draft, under way; None
         where not asked, with no proposal, with whole proposals seldom accepted of late, or no next round."""
         r = self.request
-        if r.speculate <= 0 or proposed is None or not proposed.tokens or self.whole < 0.5:
-            return None
+        if r.speculate <= 0 or proposed is None or not proposed.tokens or self.whole < 0.5 or self.features is not None:
+            return None  # (a head has no speculation cache)
         drafts = list(proposed.tokens)
         k_next = self._k(self.produced + len(drafts) + 1, len(self.committed) + len(drafts) + 1)
         if k_next == 0:
@@ -186,6 +200,8 @@ class DirectSession:
         if proposed is not None:
             ask.draft_tokens.extend(proposed.tokens)
             ask.q.extend(proposed.q)
+        if self.features is not None:
+            ask.feature_layers.extend(self.features.layers)
         return ask
 
     def commit(self, proposed: draft_pb2.ProposeResponse | None, verdict: target_pb2.VerifyResponse) -> bool:
@@ -204,7 +220,12 @@ class DirectSession:
             self.draft_at = min(proposed.cached_len, before + n)
             self.whole = 0.8 * self.whole + 0.2 * (n == len(drafts))
         self.target_at = min(verdict.cached_len, before + n)
+        if self.features is not None:  # rows past the ones held: the target is sent the whole sequence, and returns all
+            self.features.absorb(verdict.features_start, verdict.features, on_gap=self._resend_to_target)
         return self.produced >= self.request.max_new_tokens or bool(self.eos.intersection(accepted))
+
+    def _resend_to_target(self) -> None:
+        self.target_at = 0
 
     def context(self, prefix: int, extra: list[int] = ()) -> common_pb2.SessionContext:
         """A request's context over the committed tokens + `extra` (drafting ahead's hypothesis) to a tier caching

@@ -23,6 +23,7 @@ from specdec.engine.propose_tree import ProposeTreeWork, TreeProposeResult
 from specdec.engine.pushed import PushedProposal
 from specdec.proto import draft_pb2, draft_pb2_grpc
 from specdec.serving import draft_probs, draft_tree, sampling_params
+from specdec.serving.features import SessionFeatures
 from specdec.serving.server import Service, ServerConfig, client_credentials, handle_errors
 from specdec.serving.tier_trace import traced
 from specdec.serving.tier import TierRpcs, TierServer, create_tier_server, model_info, serve_session_stream
@@ -97,7 +98,7 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
     @handle_errors
     async def GetModelInfo(self, request, context):
         info = model_info(self.engine)
-        info.direct_rounds = self.target is not None and not self.engine.feature_draft
+        info.direct_rounds = self.target is not None
         info.direct_tls = info.direct_rounds and self.target.tls
         return info
 
@@ -140,9 +141,6 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
             if self.target is None:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "direct rounds: this replica has no "
                                    "--direct-target (the target tier's address)")
-            if self.engine.feature_draft:
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "direct rounds: this replica serves an "
-                                   "EAGLE-3 head, which drafts from the target's features")
             if request.context.prefix_len != 0:
                 raise invalid_argument("context.prefix_len: a Drive sends the whole committed sequence (prefix_len 0)")
             if request.max_new_tokens < 1:
@@ -150,8 +148,10 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
             check_num_tokens(self.engine, request.num_tokens, "num_tokens", minimum=1)
             check_context(self.engine, request.context, extra_tokens=0)
             sampling_params.decode(request.sampling, self.engine.vocab_size, len(request.context.new_tokens))
-            async for event in drive(request, self._propose, self.target, self.engine.max_context,
-                                     draining=lambda: self.draining):
+            engine = self.engine
+            features = SessionFeatures(list(engine.feature_layers), engine.feature_width) if engine.feature_draft else None
+            async for event in drive(request, self._propose, self.target, engine.max_context,
+                                     draining=lambda: self.draining, features=features):
                 await context.write(event)
         except grpc.aio.AbortError:
             raise

@@ -75,6 +75,35 @@ def test_greedy_equals_target_generate_with_the_head(head_cluster, tiny_target_m
     assert 0 < accepted < drafted  # some of it accepted, some not
 
 
+@pytest.fixture(scope="module")
+def head_direct_cluster(repeating):
+    """The head's replica given the target's address: fixed-K sessions run as direct rounds."""
+    cluster = Cluster(*repeating, direct=True)
+    yield cluster
+    cluster.close()
+
+
+def test_direct_rounds_with_the_head_give_the_coordinators_rounds_tokens(head_cluster, head_direct_cluster,
+                                                                           tiny_target_model):
+    """The head's replica runs the session's rounds itself, the target's rows going straight to it (the first round
+    the target's alone, as the coordinator's): greedy output is the target's own, and seeded sampling gives the
+    coordinator's rounds' tokens draw for draw."""
+    assert head_direct_cluster.pipeline.direct_rounds and not head_cluster.pipeline.direct_rounds
+    with Client(head_direct_cluster.address) as direct, Client(head_cluster.address) as own:
+        for prompt in PROMPTS:
+            for k in (1, 3):
+                out = direct.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=k,
+                                      proposer="draft")
+                assert out.token_ids == reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+                s = out.stats
+                assert s["direct_rounds"] == s["rounds"] > 0 and 0 < s["accepted_tokens"] < s["draft_tokens"]
+            kw = dict(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=3, proposer="draft",
+                      temperature=0.9, seed=11)
+            sampled, theirs = direct.generate(**kw), own.generate(**kw)
+            assert sampled.token_ids == theirs.token_ids and sampled.stats["direct_rounds"] == sampled.stats["rounds"]
+            assert theirs.stats["direct_rounds"] == 0
+
+
 def test_adaptive_and_hybrid_and_concurrent_sessions(head_cluster, tiny_target_model):
     def run(i):
         prompt = PROMPTS[i % 2] + [100 + i]

@@ -1,9 +1,9 @@
-"""A session's target rows on their way to a feature draft (coordinator.tiers.features.SessionFeatures), exact cases:
+"""A session's target rows on their way to a feature draft (specdec.serving.features.SessionFeatures), exact cases:
 what each proposal request carries, a full resend, a verdict that restarts the rows, and a gap."""
 
 from __future__ import annotations
 
-from coordinator.tiers.features import SessionFeatures
+from specdec.serving.features import SessionFeatures
 
 ROW = 4  # bytes: two bfloat16 numbers
 

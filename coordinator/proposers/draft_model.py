@@ -17,7 +17,7 @@ from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.strategy import Ask, Outcome, Prediction, Strategy
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
-from coordinator.tiers.features import SessionFeatures
+from specdec.serving.features import SessionFeatures
 from coordinator.tiers.session import TierSession
 from coordinator.tiers.target import Verdict
 from specdec.core.settings import setting

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
-from coordinator.tiers.features import SessionFeatures
+from specdec.serving.features import SessionFeatures
 from coordinator.tiers.session import TierSession
 from specdec.core.prefix import PrefixHashes
 from specdec.math.seeds import TARGET_STREAM, derive_seed

@@ -2,8 +2,9 @@
 
 The target returns, with each verdict, its layer outputs at the positions the round added to its cache
 (VerifyResponse.features: one bfloat16 row per position, from features_start); the head needs a row for every
-committed position but the last before it can draft. The coordinator keeps the session's rows (bytes, as they
-came) and sends the draft tier those it has not yet sent with the next proposal request; a full send to the draft
+committed position but the last before it can draft. Whoever runs the session's rounds (the coordinator, or the
+draft replica in direct rounds) keeps the session's rows (bytes, as they came) and sends the head those it has not
+yet sent with the next proposal request; a full send to the draft
 (context.prefix_len 0: a new replica, or one that lost the session) sends them all again. Rows are facts about
 committed positions, so nothing here ever rolls back. A response whose rows start past the ones held (the reply
 to an earlier request was lost after the target had cached its positions) cannot be filled in: the target's
