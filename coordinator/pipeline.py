@@ -31,7 +31,6 @@ from coordinator.stats import RoundStats
 from coordinator.trace import OtlpRounds, RoundTrace
 from coordinator.tiers.client import TierClient
 from coordinator.tiers.direct import DirectRounds
-from specdec.serving.features import SessionFeatures
 from coordinator.tiers.reachability import TierReachability
 from coordinator.tiers.routing import probe_ring_hash
 from coordinator.tiers.session import DRAFT_RETRY, TARGET_RETRY, TierSession, deadline_clock
@@ -40,6 +39,7 @@ from specdec.math.seeds import DRAFT_STREAM, derive_seed
 from specdec.models import load_tokenizer, tokenizer_fingerprint
 from specdec.proto import common_pb2, draft_pb2, target_pb2
 from specdec.serving import sampling_params
+from specdec.serving.features import SessionFeatures
 from specdec.serving.server import client_credentials
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ def test_the_shaped_goal_is_the_rounds_time_outside_its_forwards():
 
 
 def test_the_concurrency_bench_says_who_drafted():
-    from bench.concurrency import proposer_shares, summarise
+    from bench.concurrency import summarise
+    from bench.concurrency_report import proposer_shares
 
     def client(stats):
         return {"start": 0.0, "first": 0.1, "end": 1.0, "tokens": 10, "stats": stats}

@@ -17,12 +17,12 @@ from specdec.core.proposer_names import DRAFT_MODEL
 from coordinator.proposers.strategy import Ask, Outcome, Prediction, Strategy
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
-from specdec.serving.features import SessionFeatures
 from coordinator.tiers.session import TierSession
 from coordinator.tiers.target import Verdict
 from specdec.core.settings import setting
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, draft_pb2
+from specdec.serving.features import SessionFeatures
 
 # A draft that drafts every round is fed 1-2 committed tokens before its K steps (the correction, or the
 # last draft and the bonus); a larger catch-up (the prompt, or the rounds it sat out) is a one-off cost.

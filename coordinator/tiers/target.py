@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
-from specdec.serving.features import SessionFeatures
 from coordinator.tiers.session import TierSession
 from specdec.core.prefix import PrefixHashes
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.proto import common_pb2, target_pb2
+from specdec.serving.features import SessionFeatures
 
 
 FEATURE_PART_BYTES = 4 << 20  # a request's rows at most: half the tiers' default --max-message-bytes (8 MiB)

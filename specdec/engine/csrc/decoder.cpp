@@ -16,7 +16,8 @@
 // where a layer had made ~20 tensors (outputs, views) and repeated every check: ~10-15 us a layer.
 //
 // Only the form of step the row kernel covers whole (every token a row-attention row: chain feeds, prefill
-// chunks, few-token trees) runs here; the Python decoder keeps every other (a padded group, a long tree, taps).
+// chunks, few-token trees) runs here, taps included (forward_tapped); the Python decoder keeps every other (a
+// padded group, a long tree).
 
 #include <cstring>
 #include "decoder.h"
