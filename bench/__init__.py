@@ -11,5 +11,6 @@ run to the month's log in docs/bench-logs/ and redraws docs/bench_*.png.
                  in-process baselines via inprocess.py, specdec rows via pipeline.py), run_section.py (its
                  markdown), report.py (aggregates, bounds, tables), plots.py
   concurrency.py, replicas.py, overhead.py, self_draft.py, suffix_cost.py, step_cost.py, exactness.py:
-                 one question each (see each module's docstring)
+                 one question each (see each module's docstring); concurrency_report.py writes the
+                 concurrency sweep up
 """
