@@ -202,7 +202,6 @@ def summarise(results: list[dict]) -> dict:
     tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in results if r["first"] is not None and r["tokens"] > 1]
     per_client = [r["tokens"] / (r["end"] - r["start"]) for r in results]
     ks = [float(r["stats"].get("mean_num_speculative_tokens", 0.0)) for r in results if r["stats"]]
-    acc = [float(r["stats"].get("acceptance_rate", 0.0)) for r in results if r["stats"]]
     rounds, by_proposer = 0, {}  # the burst's rounds, and each proposer's [rounds, drafts, accepted]
     for stats in (r["stats"] or {} for r in results):
         rounds += int(stats.get("rounds", 0))
@@ -215,7 +214,9 @@ def summarise(results: list[dict]) -> dict:
         "per_client_tok_s": statistics.median(per_client), "client_rates": per_client, "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
         "latency_p50_s": percentile([r["end"] - r["start"] for r in results], 50),
-        "mean_k": statistics.mean(ks) if ks else 0.0, "acceptance": statistics.mean(acc) if acc else 0.0,
+        "mean_k": statistics.mean(ks) if ks else 0.0,
+        # pooled over the burst: a session that never drafted (or drafted little) does not pull it to 0
+        "acceptance": sum(c[2] for c in by_proposer.values()) / max(sum(c[1] for c in by_proposer.values()), 1),
         "rounds": rounds, "by_proposer": by_proposer,
     }
 

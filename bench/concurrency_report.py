@@ -57,7 +57,7 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
          f"- Each client its own chat prompt, {f'temperature {temperature:g} (seeded per client)' if temperature else 'greedy'}, {max_new} new tokens (EOS ignored), all starting together; "
          "TPOT = (end - first token) / (tokens - 1); the peer's per-client figures are its batch's wall time. "
          "specdec's rows: the median of the repeated bursts by aggregate tok/s (the range in brackets), the rows "
-         "alternating at each level.", ""]
+         "alternating at each level; acceptance is the burst's accepted drafts over its drafts (sessions pooled).", ""]
     table = []
     names = {"specdec": "specdec hybrid, adaptive K", "k0": "specdec K=0", "peer:continuous": "HF generate_batch",
              "peer:padded": "HF padded generate"}
