@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 # The test files that run on a CUDA device (docs/testing.md lists the H100 run of 2026-11-25).
 CUDA_TESTS = ("tests/test_triton_attention.py", "tests/test_triton_row_ops.py", "tests/test_runner.py",
               "tests/test_draft_chain.py", "tests/test_step_program.py", "tests/test_batched_verify.py",
-              "tests/test_tree_engine.py", "tests/test_feature_taps.py", "tests/test_triton_fallback.py")
+              "tests/test_tree_engine.py", "tests/test_feature_taps.py", "tests/test_triton_fallback.py",
+              "tests/test_head_engine.py")
 TOTAL_BUDGET_S = 480  # the whole check: under 8 minutes
 
 
@@ -101,7 +102,7 @@ def extras(device: str, dtype: str, out: str) -> list[Part]:
                                                 f"--target-args=--device {device}", f"--draft-args=--device {device}",
                                                 "--out", out), 150),
             Part("overhead-8b", "bench.overhead", ("--shapes", str(REPO / "bench/shapes/llama-3-8b"), "--ks", "0,2",
-                                                   "--generations", "4", "--max-new-tokens", "32",
+                                                   "--generations", "4", "--max-new-tokens", "128",
                                                    f"--target-args=--device {device} --dtype {dtype}",
                                                    f"--draft-args=--device {device} --dtype {dtype}", "--out", out), 300)]
 

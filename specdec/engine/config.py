@@ -64,6 +64,10 @@ class StepConfig:
     # (a draft only: its q is reported as drawn, so the output stays exact; the target takes only none;
     # specdec.engine.quantize). auto, the draft service's default: q8_0 where the step runs on the block kernel
     quantize: str = setting("none", choices=QUANTIZE)
+    # An EAGLE-3 head off the skinny GEMM: its batched products (the layer's and the LM head's) run on blocks of
+    # exactly this many rows, the batch padded, so a row's result never depends on its batch (0: one step per
+    # session; -1: 64 on CUDA, where padding costs no time, 0 elsewhere)
+    head_rows: int = -1
 
 
 @dataclass(frozen=True)

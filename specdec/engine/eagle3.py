@@ -213,10 +213,14 @@ class Eagle3Head(nn.Module):
         o = _attend(q, [(cache.k[None], cache.v[None], mask)])
         return self.finish(o, residual)[0]
 
-    def step_rows(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, caches: list[HeadCache]) -> torch.Tensor:
+    def step_rows(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, caches: list[HeadCache],
+                  rows: int = 0) -> torch.Tensor:
         """One token for each of B sequences: ids, positions [B], g [B, H], each over its own cache (which grows
-        by one) -> out [B, H]. The products run over the B rows at once, the attention per sequence: row i is
-        step()'s for sequence i alone wherever the products are batch-invariant (specdec's skinny GEMM)."""
+        by one) -> out [B, H]. The products run over the B rows at once (padded to `rows` rows: one shape
+        whatever B), the attention per sequence: row i is step()'s for sequence i alone wherever the products
+        are batch-invariant (specdec's skinny GEMM; a library's at one fixed shape)."""
+        b = ids.shape[0]
+        ids, g, positions = pad_rows(ids, rows), pad_rows(g, rows), pad_rows(positions, rows)
         q, k, v, residual = self.qkv(ids[:, None], g[:, None], positions[:, None])  # q [B, heads, 1, D], k, v [B, kv, 1, D]
         attended = []
         for i, cache in enumerate(caches):
@@ -224,7 +228,14 @@ class Eagle3Head(nn.Module):
             cache.v = v[i] if cache.v is None else torch.cat([cache.v, v[i]], dim=1)
             mask = torch.ones(1, cache.length, dtype=torch.bool, device=ids.device)  # step()'s causal mask, one row
             attended.append(_attend(q[i : i + 1], [(cache.k[None], cache.v[None], mask)]))
-        return self.finish(torch.cat(attended), residual)[:, 0]
+        return self.finish(pad_rows(torch.cat(attended), rows), residual)[:b, 0]
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows` rows (x itself where it has as many or more)."""
+    if x.shape[0] >= rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
 def _attend(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:

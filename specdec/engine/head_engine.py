@@ -22,10 +22,12 @@ are scattered to the full vocabulary (-inf outside the draft vocabulary), and fr
 exactly as the draft model's (specdec.engine.propose.ProposeWork.finish_step: penalties, the DraftSampler's
 keyed draws, q truncated to top_n), so q is 0 outside the draft vocabulary and rejection sampling stays exact.
 Each pass of the engine thread takes every queued request (one per session), and steps them in lockstep: the
-head's layer runs per session, then one LM-head product for the step's sessions. A float32 head on an AVX-512 CPU
-runs every product on specdec's skinny GEMM kernel (specdec.engine.skinny_gemm: fast at a few rows, and
-batch-invariant), elsewhere the LM head runs per session: either way a session's proposal is bitwise the same
-whichever sessions share its steps, so seeded sampling stays reproducible under load.
+layer's products and the LM head's run once for the step's sessions, the attention per session. A float32 head on
+an AVX-512 CPU runs every product on specdec's skinny GEMM kernel (specdec.engine.skinny_gemm: fast at a few rows,
+and batch-invariant); on CUDA the products run on blocks of a fixed number of rows (StepConfig.head_rows, the
+batch padded: one shape, one kernel, each row reduced alone); elsewhere the head steps per session. Either way a
+session's proposal is bitwise the same whichever sessions share its steps, so seeded sampling stays reproducible
+under load.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 from specdec.core.errors import RequestError
 from specdec.engine.config import TierConfig
-from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head
+from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head, pad_rows
 from specdec.engine.engine import EngineStatus, deliver_answers
 from specdec.engine.engine_thread import EngineThread
 from specdec.engine.head_session import FEATURE_DTYPE, HeadSession
@@ -77,7 +79,10 @@ class HeadEngine(EngineThread):
         self.vocab_size = head.vocab_size
         self.feature_layers = head.layer_ids(target_config.num_hidden_layers)
         self.feature_width = head.fc.in_features
-        self.skinny = pack_linears(head, config.step.quantize)  # float32 on an AVX-512 CPU: the batch-invariant kernel
+        # float32 on an AVX-512 CPU (unless --no-skinny-gemm): the batch-invariant kernel
+        self.skinny = config.step.skinny_gemm and pack_linears(head, config.step.quantize)
+        rows = config.step.head_rows if config.step.head_rows >= 0 else 64 if self.device.type == "cuda" else 0
+        self.block_rows = 0 if self.skinny else rows  # elsewhere: products on blocks of this many rows (0: per session)
         self.max_context = min(int(getattr(target_config, "max_position_embeddings", 0) or 1 << 20),
                                config.sessions.max_session_tokens)
         self.eos_token_ids = eos_token_ids
@@ -270,17 +275,26 @@ class HeadEngine(EngineThread):
     def _steps(self, tokens: list[int], outs: list[torch.Tensor], positions: list[int],
                caches: list[HeadCache]) -> list[torch.Tensor]:
         """One head step of one token for each session (its output before [1, H], its position, its cache): one
-        batched step where the products are batch-invariant (the skinny GEMM), else one step per session, so a
-        session's drafts never depend on its batch."""
+        batched step where the products are batch-invariant (the skinny GEMM, or blocks of block_rows rows), else
+        one step per session, so a session's drafts never depend on its batch."""
         ids = torch.tensor(tokens, device=self.device)
         at = torch.tensor(positions, device=self.device)
+        if self.block_rows:
+            r = self.block_rows
+            return [row for i in range(0, len(caches), r) for row in self.head.step_rows(
+                ids[i : i + r], torch.cat(outs[i : i + r]), at[i : i + r], caches[i : i + r], rows=r).split(1)]
         if self.skinny and len(caches) > 1:
             return list(self.head.step_rows(ids, torch.cat(outs), at, caches).split(1))
         return [self.head.step(ids[i : i + 1], o, at[i : i + 1], c) for i, (o, c) in enumerate(zip(outs, caches))]
 
     def _rows(self, lasts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each session's logits [1, V]: one LM-head product for the step's sessions where the products are
-        batch-invariant (the skinny GEMM), else one per session, so a session's logits never depend on its batch."""
+        batch-invariant (the skinny GEMM, or blocks of block_rows rows), else one per session, so a session's
+        logits never depend on its batch."""
+        if self.block_rows:
+            r = self.block_rows
+            return [row for i in range(0, len(lasts), r) for row in
+                    self._logits(pad_rows(torch.cat(lasts[i : i + r]), r))[: len(lasts[i : i + r])].split(1)]
         if self.skinny:
             return list(self._logits(torch.cat(lasts)).split(1))
         return [self._logits(last) for last in lasts]
