@@ -21,6 +21,7 @@ from tests.helpers import device_model
 pytestmark = pytest.mark.servers  # a draft service in this process on a real port (make test-fast leaves it out)
 
 PROMPT = [1, 17, 256, 9, 4001, 33, 712, 88, 5, 61]
+CALL_TIMEOUT_S = 60  # an engine that never answers fails the test instead of hanging it
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +57,18 @@ def propose(stub, sid, committed, prefix_len, k, rows_start, rows, **kw):
     ctx = common_pb2.SessionContext(session_id=sid, prefix_len=prefix_len, prefix_hash=hashes.at(prefix_len),
                                     new_tokens=committed[prefix_len:])
     return stub.Propose(draft_pb2.ProposeRequest(context=ctx, num_tokens=k, features_start=rows_start,
-                                                 features=to_bytes(rows) if rows is not None else b"", **kw))
+                                                 features=to_bytes(rows) if rows is not None else b"", **kw),
+                        timeout=CALL_TIMEOUT_S)
 
 
 def test_model_info_names_the_layers(head_server, tiny_target_model):
     engine, stub = head_server
-    info = stub.GetModelInfo(common_pb2.ModelInfoRequest())
+    info = stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=CALL_TIMEOUT_S)
     layers = tiny_target_model.config.num_hidden_layers
     assert list(info.feature_layers) == [0, layers - 1, layers - 1]
     assert info.feature_width == 3 * tiny_target_model.config.hidden_size
     assert info.vocab_size == tiny_target_model.config.vocab_size
-    assert stub.GetStatus(common_pb2.StatusRequest()).cost_curve  # measured at start
+    assert stub.GetStatus(common_pb2.StatusRequest(), timeout=CALL_TIMEOUT_S).cost_curve  # measured at start
 
 
 def test_greedy_chains_are_the_heads_own_round_after_round(head_server, tiny_head, tiny_target_model):
@@ -115,7 +117,7 @@ def test_a_reduced_vocabulary_has_q_zero_outside_it(tiny_target, tiny_target_mod
         return await asyncio.gather(*(one(s) for s in range(20)))
 
     try:
-        results = asyncio.run(all_())
+        results = asyncio.run(asyncio.wait_for(all_(), CALL_TIMEOUT_S))
     finally:
         engine.close()
     for r in results:
@@ -145,7 +147,7 @@ def test_bad_requests_are_refused_and_the_replica_stays_healthy(head_server, tin
     request = draft_pb2.ProposeRequest(context=common_pb2.SessionContext(session_id="bad", new_tokens=PROMPT),
                                        num_tokens=2, features=data[: len(data) - cut], features_start=start, **fields)
     with pytest.raises(grpc.RpcError) as e:
-        stub.Propose(request)
+        stub.Propose(request, timeout=CALL_TIMEOUT_S)
     assert e.value.code() == code and e.value.details().startswith(message), e.value.details()
     good = propose(stub, "after-bad", PROMPT, 0, 2, 0, rows[:9])  # the replica still serves
     assert len(good.tokens) == 2
@@ -271,7 +273,7 @@ def test_a_sessions_proposal_does_not_depend_on_its_batch(tiny_target, tiny_targ
         return alone, crowd[4]
 
     try:
-        alone, crowded = asyncio.run(run())
+        alone, crowded = asyncio.run(asyncio.wait_for(run(), CALL_TIMEOUT_S))
     finally:
         engine.close()
     assert crowded.batch_sessions > 1  # it did share its steps

@@ -170,6 +170,10 @@ class HeadEngine(EngineThread):
                     started.append(w)
                 except RequestError as e:
                     _answer(w, error=e)
+                except Exception as e:  # not the request's fault: it fails, its session is dropped, the engine goes on
+                    log.exception("head session start failed")
+                    self._sessions.pop(w.session_id, None)
+                    _answer(w, error=RequestError(grpc.StatusCode.INTERNAL, f"head step failed: {type(e).__name__}: {e}"))
         out: dict[int, torch.Tensor] = {}  # id(work) -> the head's output at its last entry [1, H]
         fed: dict[int, int] = {}  # id(work) -> entries its step computed
         t0, lasts, works = time.perf_counter(), [], []
