@@ -75,7 +75,9 @@ def plan(device: str, dtype: str, out: str, smoke: bool = False) -> list[Part]:
     # 75 s in two modes of both models, so it now measures the served mode of the target alone: its cuda-graphs step
     # and its in-process K = 0 loop, 71 s), so that the budgets sum to TOTAL_BUDGET_S.
     return [
-        Part("cuda-tests", "pytest", ("-q", *CUDA_TESTS), 110, {"SPECDEC_TEST_DEVICE": device}),
+        # a test still running after 45 s has every thread's stack printed (a hang shows where it waits)
+        Part("cuda-tests", "pytest", ("-q", "-o", "faulthandler_timeout=45", *CUDA_TESTS), 110,
+             {"SPECDEC_TEST_DEVICE": device}),
         Part("exactness", "bench.exactness", ("--device", device, "--dtypes", f"float32,{dtype}", "--tokens", "64",
                                               "--prompts", "2", "--ks", "1,3", *out_args), 105),
         Part("step-cost", "bench.step_cost", ("--device", device, "--dtype", dtype, "--quick", "--decode-tokens", "32",
