@@ -20,7 +20,7 @@ import pytest
 from coordinator.proposers.policy import PolicyConfig
 from specdec.client import Client
 from specdec.core.prefix import PrefixHashes
-from specdec.engine.config import TierConfig
+from specdec.engine.config import StepConfig, TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.sessions import SessionStoreConfig
 from specdec.engine.verify import VerifyWork
@@ -43,9 +43,10 @@ def parts(tiny_target):
     return load_model(device_model(tiny_target)), load_tokenizer(tiny_target)
 
 
-def engine_of(parts, **sessions) -> Engine:
+def engine_of(parts, run_on_chain: bool = True, **sessions) -> Engine:
     model, tokenizer = parts
-    engine = Engine(TierConfig(ModelConfig("tiny"), sessions=SessionStoreConfig(**sessions)), model, TokenizerSource.of(tokenizer))
+    engine = Engine(TierConfig(ModelConfig("tiny"), sessions=SessionStoreConfig(**sessions),
+                               step=StepConfig(run_on_chain=run_on_chain)), model, TokenizerSource.of(tokenizer))
     engine.start()
     return engine
 
@@ -76,14 +77,20 @@ async def rounds(engine: Engine, sid: str, params: SamplingParams, n: int, logpr
     return tokens, reported, lengths
 
 
+@pytest.mark.parametrize("chain", [True, False], ids=["chain", "steps"])
 @pytest.mark.parametrize("name", list(PARAMS))
-def test_one_request_that_runs_on_is_the_target_only_rounds_it_replaces(parts, name):
+def test_one_request_that_runs_on_is_the_target_only_rounds_it_replaces(parts, name, chain):
+    """(A greedy session stepping alone runs on as one chain on the device, StepConfig.run_on_chain: the same
+    tokens and cache; the others, and every session with the chain off, step by step.)"""
     params, logprobs = PARAMS[name], 3 if name == "penalised" else -1
-    engine = engine_of(parts)
+    engine = engine_of(parts, run_on_chain=chain)
+    chains = []
 
     async def scenario():
         expected, expected_lp, lengths = await rounds(engine, "one-by-one", params, 13, logprobs)
+        chains.append(engine.chains)
         r = await engine.submit(work("run-on", list(PROMPT), 0, params, run_on=11, logprobs=logprobs))
+        chains.append(engine.chains)
         got = [r.next_token, *r.run_on]
         # The session goes on from where the run-on left it, as it would after the rounds.
         committed = PROMPT + got
@@ -95,6 +102,7 @@ def test_one_request_that_runs_on_is_the_target_only_rounds_it_replaces(parts, n
     finally:
         engine.close()
     assert got == expected
+    assert chains[1] - chains[0] == (1 if chain and name == "greedy" else 0)
     assert r.cached_len == lengths[11] == len(PROMPT) + 11  # every token but the last fed
     assert r.num_accepted == 0 and len(r.run_on) == 11
     if logprobs >= 0:
@@ -146,6 +154,7 @@ def test_run_on_stops_after_eos_and_at_the_end_of_the_context(parts):
     finally:
         engine.close()
     assert [r.next_token, *r.run_on] == tokens[:5] and r.cached_len == len(PROMPT) + 4
+    assert engine.chains == 1  # greedy and alone: one chain of 9, its tokens after the EOS dropped
 
     engine = engine_of(parts, max_session_tokens=len(PROMPT) + 6)
     try:
@@ -154,6 +163,7 @@ def test_run_on_stops_after_eos_and_at_the_end_of_the_context(parts):
         engine.close()
     # The context holds 6 more tokens; the last one decoded needs no room (it is not fed).
     assert [r.next_token, *r.run_on] == tokens[:6] and r.cached_len == len(PROMPT) + 5
+    assert engine.chains == 1  # one chain of the 5 forwards the context has room for
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,8 @@ class StepConfig:
     #                         product per linear; specdec.engine.step.graph_decoder)
     draft_chain: bool = True  # draft tier: a proposal's steps after the first run as one chain on the device, one
     #                           host round trip (off: one engine step each; specdec.engine.draft_chain)
+    run_on_chain: bool = True  # target tier: a greedy session stepping alone runs its run-on tokens as one such
+    #                            chain (off, or under load: one engine step each, batched with every session)
     skinny_gemm: bool = True  # packed steps in float32 on an AVX-512 CPU: every linear on specdec's batch-invariant
     #                           kernel, built once with the host's C++ compiler (off: oneDNN's and the library's
     #                           products; specdec.engine.skinny_gemm)

@@ -114,6 +114,7 @@ class Engine(EngineThread):
         self.scheduler = Scheduler(config.batch)
         self.observers: list[StepObserver] = []
         self.steps = 0
+        self.chains = 0  # chains run (a draft's proposal, a lone session's run-on), each of several steps
         self.step_tokens = 0
         self.cost_curve: list[tuple[int, int, float]] = []  # (sessions, tokens, ms) timed at start (load())
         # Answers settled in this pass of the step loop, handed to the event loop together (_hand_back):
@@ -276,6 +277,10 @@ class Engine(EngineThread):
         if work.on_push is not None and results:
             self._answers.append((work, results, PUSH))
 
+    def others_waiting(self) -> bool:
+        """Whether any work waits for a step (lock held: engine thread only)."""
+        return bool(self._inbox or self.scheduler.waiting)
+
     def queued(self, session_id: str) -> Work | None:
         """The first request of this session that waits for a step, if any (lock held: engine thread only)."""
         return next((w for w in [*self.scheduler.waiting, *self._inbox] if w.session_id == session_id), None)
@@ -363,6 +368,7 @@ class Engine(EngineThread):
             seconds = time.perf_counter() - t0
             with self._lock:
                 self.steps += steps
+                self.chains += 1
                 self.step_tokens += steps * len(group)
                 for w in group:
                     w.compute_s += seconds

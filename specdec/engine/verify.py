@@ -32,7 +32,10 @@ drafts (a tree's accepted path), positions prefix_len .. cached_len - 1.
 A target-only work may run on (run_on_seeds): after its verdict it feeds next_token and is verified again in
 the next step as the next target-only round would be (its seed, its penalties and logprobs), up to one token
 per seed, ending early after an EOS token or at the context's end; the result carries the later tokens in
-`run_on`. Each of those steps is an ordinary step of the batch, so run-on sessions batch with every other.
+`run_on`. Each of those steps is an ordinary step of the batch, so run-on sessions batch with every other;
+except that a greedy session stepping alone (nothing else queued) runs its run-on as one chain on the device
+(StepConfig.run_on_chain; specdec.engine.draft_chain with the verdict's own argmax): the same forwards, one
+host round trip instead of one a token, the tokens after an EOS dropped.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import ClassVar
 
 import torch
 
+from specdec.engine.draft_chain import ChainFeed, CheckedArgmax, run_chain
 from specdec.engine.draft_probs import DraftProbs
 from specdec.engine.spec_metadata import SpecDecodeMetadata
 from specdec.engine.work import Work
@@ -135,6 +139,49 @@ class VerifyWork(Work):
         self.seed = self.run_on_seeds.pop(0)
         return True
 
+    def chain_length(self, engine, alone: bool) -> int:
+        """After runs_on: the run-on forwards to take as one chain (0: step by step). Only a greedy session
+        whose logits nothing adjusts or masks, with no logprobs or taps, that stepped alone with nothing
+        queued; as many as its seeds left and the context allow, two at least."""
+        if not (alone and engine.config.step.run_on_chain and self.params.greedy and not self.params.adjusts_logits
+                and self.allowed is None and self.logprobs < 0 and not self.taps):
+            return 0
+        steps = min(1 + len(self.run_on_seeds), engine.max_context - self.committed_len)
+        return steps if steps > 1 else 0  # a chain of one forward saves no round trip
+
+    @classmethod
+    def run_chain(cls, works: list["VerifyWork"], engine) -> None:
+        """The run-on forwards as one chain: each feeds the token the last one's argmax chose."""
+        sampler = CheckedArgmax(len(works), engine.device)
+        feeds = [ChainFeed(w.session.slot, len(w.session), w.pending[0]) for w in works]
+        out = run_chain(engine.runner, feeds, works[0].chain_steps, sampler)
+        if not all(sampler.all_finite()):
+            raise RuntimeError("the model produced non-finite logits")
+        for w, drawn in zip(works, out.tokens):
+            w.verdicts += [([], t, []) for t in drawn]
+
+    @classmethod
+    def finish_chain(cls, works: list["VerifyWork"], engine) -> None:
+        """After run_chain, with the engine's lock: the rounds up to the first EOS kept, the session holding
+        their fed tokens (the last round's token not yet in the cache, as after any verdict)."""
+        for w in works:
+            rounds = w.verdicts[-w.chain_steps:]
+            kept = next((j + 1 for j, (_, t, _) in enumerate(rounds) if t in engine.eos_token_ids), len(rounds))
+            del w.verdicts[len(w.verdicts) - len(rounds) + kept:]
+            engine.sessions.append(w.session, w.pending + [t for _, t, _ in rounds[: kept - 1]])
+            w.pending, w.chain_steps = [], 0
+            w.result = w.final_result(len(w.session), None, 0)
+
+    def final_result(self, keep: int, features: torch.Tensor | None, start: int) -> VerifyResult:
+        """The answer once the last round's verdict is in `verdicts`: the first round's verdict, the run-on rounds'
+        tokens after it; keep: the session's cached length."""
+        sessions, tokens, _ = self.last_step
+        step_ms, compute_ms, queue_ms = self.finished_step()  # the verification counted in the step
+        (path, nxt, reported), *later = self.verdicts
+        return VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, self.reused,
+                            reported + [x for _, _, lp in later for x in lp], tuple(path), self.parents is not None,
+                            features, start, tuple(t for _, t, _ in later))
+
     def feed_tree(self) -> list[int] | None:
         return self.parents
 
@@ -182,8 +229,9 @@ class VerifyWork(Work):
             keep = w.committed_len + len(path)
             if w.parents is None:
                 engine.sessions.crop(w.session, keep)  # the committed prefix plus the accepted drafts
-                if w.runs_on(nxt, keep, engine):  # the next target-only round, in the next step
+                if w.runs_on(nxt, keep, engine):  # the next target-only round, in the next step (or a chain)
                     w.verdicts.append((path, nxt, logprobs.get(i, [])))
+                    w.chain_steps = w.chain_length(engine, alone=w.last_step[0] == 1 and not engine.others_waiting())
                     continue
             else:  # the accepted path's entries moved into place, then the same crop
                 engine.cache.move(w.session.slot, [w.committed_len + j for j in path],
@@ -191,12 +239,8 @@ class VerifyWork(Work):
                 engine.sessions.crop(w.session, w.committed_len)
                 engine.sessions.append(w.session, [w.drafts[j] for j in path])
             features, start = w.committed_features(path, keep) if w.taps else (None, 0)
-            sessions, tokens, _ = w.last_step
-            step_ms, compute_ms, queue_ms = w.finished_step()  # the verification counted in the step
-            (path, nxt, reported), *later = w.verdicts + [(path, nxt, logprobs.get(i, []))]  # run-on: the first round's
-            w.result = VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, w.reused,
-                                    reported + [x for _, _, lp in later for x in lp], tuple(path), w.parents is not None,
-                                    features, start, tuple(t for _, t, _ in later))
+            w.verdicts.append((path, nxt, logprobs.get(i, [])))
+            w.result = w.final_result(keep, features, start)
 
 
 def _row_params(works, num_draft_tokens) -> list[SamplingParams]:
