@@ -72,6 +72,7 @@ class Generation:
                 out.end(FinishReason.FINISH_REASON_CONTEXT)
                 break
             if forced := self.constraint.forced(limit):  # structured output: tokens the grammar forces are free
+                await self.drafter.started()
                 chunk = out.take(forced)
                 committed.extend(chunk)
                 hashes.extend(chunk)
@@ -80,6 +81,7 @@ class Generation:
                 yield out.event(chunk)
                 continue
             if self.direct is not None and self.direct.usable:  # the draft tier runs the rounds itself, until it stops
+                await self.drafter.started()
                 async with contextlib.aclosing(self.direct.rounds(committed, limit)) as rounds:
                     async for proposal, verdict in rounds:
                         chunk = self._commit(proposal, verdict, committed, hashes)
@@ -95,6 +97,7 @@ class Generation:
             verdict = await self.drafter.verify(self.target.verify(  # verify (the draft tier may push meanwhile)
                 committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks, proposal.tree_scheme,
                 proposal.run_on), proposal)
+            await self.drafter.started()  # (the strategies' start ran beside the first round)
             chunk = self._commit(proposal, verdict, committed, hashes)  # accept, commit
             if first_token_at is None:
                 first_token_at = self.clock()

@@ -70,6 +70,7 @@ class FakeTarget:
         self.masks: list[list[bytes]] = []  # the structured-output masks of each verify
         self.fail_on_call = fail_on_call
         self.closed = False
+        self.prompt_len = len(PROMPT)  # where the continuation starts
 
     async def verify(self, committed, hashes, drafts, q, parents=(), masks=(), tree_scheme=0, run_on=0) -> Verdict:
         self.calls.append(list(drafts))
@@ -78,7 +79,7 @@ class FakeTarget:
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise TierError("target", grpc.StatusCode.UNAVAILABLE, "connection refused")
         assert len(hashes) == len(committed)
-        at = len(committed) - len(PROMPT)
+        at = len(committed) - self.prompt_len
         n = 0
         while n < len(drafts) and drafts[n] == self.continuation[at + n]:
             n += 1
@@ -348,3 +349,47 @@ def test_a_round_with_drafts_starts_the_run_on_over():
     drafted = [i for i, d in enumerate(target.calls) if d]
     assert drafted and target.run_ons[drafted[-1] + 1: drafted[-1] + 4] == [0, 1, 3]
     assert all(target.run_ons[i] == 0 for i in drafted)
+
+
+def test_the_suffix_tree_indexes_the_prompt_beside_the_first_round():
+    """The default request's strategies start (the suffix tree indexes the prompt) in a task of their own: the
+    first round's verify goes out before it has run, a strategy not yet ready is not asked, and the prompt is
+    indexed before anything is committed (from the second round the suffix strategy offers, and drafts once it
+    has watched). The output is the target's own."""
+    from coordinator.proposers.suffix import SuffixConfig, SuffixStrategy
+
+    prompt = truth()[:40]  # the continuation repeats the prompt's cycle: suffix decoding finds it
+    cont = truth(260)[40:]
+    suffix = SuffixStrategy(SuffixConfig(), None, prompt)
+    ready_at_verify = []
+
+    class Target(FakeTarget):
+        async def verify(self, committed, hashes, drafts, q, *args, **kw):
+            ready_at_verify.append(suffix.ready)
+            return await super().verify(committed, hashes, drafts, q, *args, **kw)
+
+    params = GenerationParams(prompt_ids=prompt, max_new_tokens=60, sampling=SamplingParams(), seed=1,
+                              num_speculative_tokens=None, proposer=DRAFT_MODEL)
+    stats, lookup = RoundStats(clock=Clock()), LookupStrategy(LookupConfig(), prompt)
+    drafter = Drafter(params, Policy(PolicyConfig(max_k=8)), [suffix], lookup, TierCost(), max_k=16)
+    target = Target(cont)
+    target.prompt_len = len(prompt)
+    gen = Generation(params, target=target, drafter=drafter, output=Output(Tokenizer(), prompt, 60, set(), ()),
+                     stats=stats, max_context=1000, clock=Clock())
+    chunks, result = run(gen)
+    assert tokens(chunks) == cont[:60]
+    assert ready_at_verify[0] is False and all(ready_at_verify[1:])  # indexed beside the first round only
+    assert result.stats.draft_tokens > 0  # and it drafts once it has watched
+
+
+def test_a_probe_keeps_the_run_on_streak():
+    """While K = 0 wins, the policy probes a K = 1 now and then (PolicyConfig.probe_every): a probe is K = 0's
+    exploration, so the target-only rounds after it run on where the streak was, not from one token again."""
+    cont = truth()
+    target = FakeTarget(cont)
+    chunks, result = run(generation(target, FakeDraft([c + 1 for c in cont]), k=None, max_new=150))  # every guess wrong
+    assert tokens(chunks) == cont[:150]
+    # (the first rounds draft on the prior's acceptance until the misses teach it; then K = 0 wins)
+    probes = [i for i, d in enumerate(target.calls) if len(d) == 1 and i > 0 and not target.calls[i - 1]]
+    assert probes  # a K = 1 after target-only rounds
+    assert all(target.run_ons[i - 1] == target.run_ons[i + 1] == 8 for i in probes)  # the cap before and at once after

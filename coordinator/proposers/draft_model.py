@@ -6,7 +6,7 @@ ratio of its proposals' wall time to it, learnt on steady rounds (docs/DESIGN.md
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from coordinator.proposers.base import Proposal
@@ -79,10 +79,15 @@ class DraftModelStrategy(Strategy):
         overhead = self.cost.overhead.predict(0) if self.cost.observations else self.config.prior_overhead_ms
         return overhead + k * self.cost.step_ms(1)
 
-    def propose_ms(self, k: int, measured: bool = True) -> float:
-        """Its predicted time for k draft steps: the price times its measured ratio (not measured: the prior line)."""
+    def propose_ms(self, measured: bool = True) -> Callable[[int], float]:
+        """k -> its predicted time for k draft steps: the price times its measured ratio (not measured: the prior
+        line); the draft tier's prices read once (a round asks it of every k)."""
         c = self.config
-        return self.time_ratio.value * self.price(k) if measured else c.prior_overhead_ms + k * c.prior_step_ms
+        if not measured:
+            return lambda k: c.prior_overhead_ms + k * c.prior_step_ms
+        overhead = self.cost.overhead.predict(0) if self.cost.observations else c.prior_overhead_ms
+        step, ratio = self.cost.step_ms(1), self.time_ratio.value
+        return lambda k: ratio * (overhead + k * step)
 
     def predict(self, ask: Ask) -> list[Prediction]:
         c = self.config
@@ -91,14 +96,14 @@ class DraftModelStrategy(Strategy):
                 or (self.features is not None and not self.features.ready(ask.context))
                 or (c.max_sessions and not ask.fixed and ask.batch > c.max_sessions)):
             return []
-        a, out = self.acceptance.value, []
+        a, out, propose_ms = self.acceptance.value, [], self.propose_ms(ask.measured)
         if ask.fixed and self.trees is not None and (tree := self.trees.fixed(ask.k, a, ask.nodes)) is not None:
-            e, cost = self.trees.expected(a, tree.nodes, tree.depth), ask.verify_ms[tree.nodes] + self.propose_ms(ask.k, ask.measured)
+            e, cost = self.trees.expected(a, tree.nodes, tree.depth), ask.verify_ms[tree.nodes] + propose_ms(ask.k)
             return [Prediction(self, ask.k, e, cost, tree.nodes, tree.branching, calls=2)]  # the request's K, as a tree
         for k in range(ask.k if ask.fixed else 1, ask.k + 1):
-            out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + self.propose_ms(k, ask.measured), calls=2))
+            out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + propose_ms(k), calls=2))
         if self.trees is not None and not ask.fixed and ask.measured:
-            found = self.trees.best(a, lambda d: self.propose_ms(d), ask.verify_ms, ask.k, ask.nodes)
+            found = self.trees.best(a, propose_ms, ask.verify_ms, ask.k, ask.nodes)
             if found is not None:
                 e, cost, tree = found
                 out.append(Prediction(self, tree.depth, e, cost, tree.nodes, tree.branching, calls=2))

@@ -3,6 +3,7 @@ finish, close). If the draft tier is unreachable the model-free strategies stand
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Sequence
 
 from coordinator.params import GenerationParams
@@ -34,21 +35,37 @@ class Drafter:
         self.suffix_cache, self.cache_context = suffix_cache, cache_context
         self._output: list[int] | None = None  # the finished session's tokens, for the shared suffix tree
         self._alone = 0  # target-only rounds in a row, up to this one (the run-on grows with them)
+        self._starting: asyncio.Future | None = None  # the strategies' start, while it runs (start())
 
     async def start(self) -> None:
+        """The strategies' start (the suffix tree's prompt indexing) in a task of its own, so that the first
+        round's request goes out meanwhile: a strategy not yet ready is not asked, and started() must be awaited
+        before the first commit. A request's own K waits for it (its first round is asked of every strategy)."""
         if self.never_drafts:
             return
+        self._starting = asyncio.ensure_future(self._start_all())
+
+    async def _start_all(self) -> None:
         for s in self.every:
             await s.start()
+
+    async def started(self) -> None:
+        """Every strategy has started (its indexes hold the prompt): before anything is committed."""
+        if self._starting is not None:
+            starting, self._starting = self._starting, None
+            await starting
 
     async def propose(self, committed: list[int], hashes: PrefixHashes, limit: int) -> Proposal:
         """The round's drafts with their q rows, for a round that may commit at most `limit` tokens."""
         budget, k = max(min(self.max_k, limit - 1), 0), self.params.num_speculative_tokens  # a round adds one of its own
+        if k is not None or (self._starting is not None and self._starting.done()):
+            await self.started()
         k = min(budget, self.policy.config.max_k if k is None else k)
         draft_down = any(s.source == DRAFT_MODEL and not s.available for s in self.strategies)
         local = [s for s in self.strategies if s.source != DRAFT_MODEL]
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
+        strategies = [s for s in strategies if s.ready]  # (one still indexing the prompt is asked from the next round)
         cap = min(self.policy.config.run_on, max(limit - 1, 0))  # the run-on of target-only rounds in a streak
         run_on = min(cap, 2 ** min(self._alone, 16) - 1)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
@@ -73,7 +90,8 @@ class Drafter:
         if proposal is None:
             return self._target_only(strategies, draft_down, run_on)
         proposal.fallback = draft_down and proposal.source != DRAFT_MODEL
-        self._alone = 0
+        if not self.policy.probing:  # a probe is K = 0's exploration: the run-on goes on where it was after it
+            self._alone = 0
         return proposal
 
     def _target_only(self, strategies: Sequence[Strategy], draft_down: bool, run_on: int) -> Proposal:
@@ -115,6 +133,7 @@ class Drafter:
 
     async def close(self) -> None:
         """Each strategy teaches the shared priors and ends its remote session (best effort)."""
+        await self.started()
         for s in self.every:
             await s.close()
         if self.suffix_cache is not None and self._output is not None:

@@ -30,12 +30,14 @@ class Policy:
         self.config = config
         self._since_probe = 0
         self._probe_every = config.probe_every  # doubles after each probe while K = 0 keeps winning
+        self.probing = False  # the last choice was a probe (K = 0 won it): the target's run-on streak goes on after it
 
     def choose(self, strategies: Sequence[Strategy], ask: Ask) -> Prediction | None:
         """The best prediction of any strategy, or None for K = 0 (the target alone, running on for ask.run_on
         tokens). Drafting must beat K = 0 by min_gain; while K = 0 wins, the best K = 1 is probed every
         probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free. A
         request's own K (ask.fixed) has no K = 0 option."""
+        self.probing = False
         if ask.k <= 0:
             return None
         predictions = [p for s in strategies for p in s.predict(ask)]
@@ -56,4 +58,5 @@ class Policy:
             return None
         self._since_probe = 0
         self._probe_every = min(2 * self._probe_every, max(self.config.probe_max_every, self.config.probe_every))
+        self.probing = True
         return probe

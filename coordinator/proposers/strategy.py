@@ -59,9 +59,10 @@ class Strategy:
 
     source: Proposer  # its name (API, stats, metrics)
     judged_unchosen = False  # it learns from rounds it did not propose (so the policy never probes it)
+    ready = True  # it may be asked: False until start() has run where start() has work to do
 
     async def start(self) -> None:
-        """Before the first round (e.g. index the prompt)."""
+        """Before it is first asked (e.g. index the prompt; the drafter runs it beside the first round)."""
 
     def predict(self, ask: Ask) -> list[Prediction]:
         """The shapes it could propose this round within `ask`, each priced (none: it has nothing to offer)."""

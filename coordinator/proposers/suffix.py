@@ -33,13 +33,15 @@ class SuffixStrategy(LocalStrategy):
         self.cache = cache if cache is not None and cache.enabled else None
         self.tree = SuffixTree(config.max_depth)
         self.tree.extend(self.SEQ, ())
+        self.ready = not self.prompt_ids  # until the prompt is indexed
 
     async def start(self) -> None:
-        """Index the prompt (O(len D): ~4 us per token), yielding to the event loop now and then."""
+        """Index the prompt (O(len D): ~4-6 us per token), yielding to the event loop now and then."""
         for i in range(0, len(self.prompt_ids), self.CHUNK):
             self.tree.extend(self.SEQ, self.prompt_ids[i : i + self.CHUNK])
             if len(self.prompt_ids) > self.CHUNK:
                 await asyncio.sleep(0)
+        self.ready = True
 
     def commit(self, tokens) -> None:
         self.tree.extend(self.SEQ, tokens)

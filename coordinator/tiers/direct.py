@@ -56,6 +56,7 @@ class DirectRounds:
                                      timeout=self.time_left())
         for session in self.sessions:
             session.cursor.reset()  # the Drive holds the session on both tiers; after it, each is sent it whole
+            session.touched = True  # (and close() ends it there)
         try:
             async for event in call:
                 yield self._round(event)

@@ -106,6 +106,7 @@ class TierSession:
         self.cursor = TierCursor(on_reprefill=lambda: stats.reprefills.update((self.tier,)))
         self._failures = 0  # consecutive give-ups (the down back-off grows with them)
         self._down_until = 0.0
+        self.touched = False  # the replica may hold the session (a request went out, or a Drive took it): close() ends it
 
     @property
     def available(self) -> bool:
@@ -135,6 +136,7 @@ class TierSession:
                 code = last_error.code if last_error else grpc.StatusCode.DEADLINE_EXCEEDED
                 raise TierError(self.tier, code, f"no answer before the request's deadline; last error: {last_error or 'none'}")
             t0 = time.perf_counter()
+            self.touched = True
             try:
                 response = await self.calls.call(request(ctx), left)
             except TierError as e:
@@ -182,6 +184,7 @@ class TierSession:
         its reply repeats the push). The cursor records what a tree request's reply says: the committed
         sequence, nothing past it. A failure closes the stream; the next call() recovers as for any failure."""
         ctx = self.context(sequence, hashes)
+        self.touched = True
         try:
             await self.calls.send(request(ctx), self.time_left())
         except TierError as e:
@@ -215,5 +218,9 @@ class TierSession:
                 extra={"session_id": self.session_id, "tier": self.tier, "code": e.code.name, "backoff_s": delay})
 
     async def close(self) -> None:
-        """End the session on its replica (best effort: it may be gone or have evicted the session)."""
+        """End the session on its replica (best effort: it may be gone or have evicted the session); one that was
+        never sent anything (a draft tier the policy never asked) has nothing to end there: no EndSession."""
+        if not self.touched:
+            self.calls.close()
+            return
         await self.calls.end_session()
