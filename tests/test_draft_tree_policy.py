@@ -155,7 +155,7 @@ def test_trees_slower_than_predicted_are_charged_their_measured_time():
     predicted = trees._asked[1]
     assert predicted > 30.0
     for _ in range(20):  # each tree round takes twice its predicted time (its nodes accepted as predicted)
-        _, time_ms, tree = trees.best(d.acceptance.value, d.propose_ms, cost.verify_ms(16), 8, 16)
+        _, time_ms, tree = trees.best(d.acceptance.value, d.propose_ms(), cost.verify_ms(16), 8, 16)
         trees.asked(tree, d.acceptance.value, time_ms)
         trees.observe([-1, -1, -1, -1], [0], round_ms=2 * trees._asked[1])
     assert 1.8 < trees.cost_ratio.value <= 2.0
