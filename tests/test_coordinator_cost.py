@@ -55,6 +55,7 @@ def test_a_saturated_coordinator_turns_draft_model_rounds_off(call_ms, in_flight
     drafts = TwoCalls(DRAFT_MODEL, [(2, 1.6, 2.0)])
     local = Fixed(PROMPT_LOOKUP, [(2, 1.3, 1.7)])
     base = ask()
-    a = dataclasses.replace(base, verify_ms=[1.5] + list(base.verify_ms[1:]), call_ms=call_ms, in_flight=in_flight)
+    verify = [1.5, 1.6, 1.7] + [2.0] * (len(base.verify_ms) - 3)  # a verify of n drafts (the predictions' own)
+    a = dataclasses.replace(base, verify_ms=verify, call_ms=call_ms, in_flight=in_flight)
     assert chosen(Policy(PolicyConfig()).choose([drafts, local], a)) == want
     assert chosen(Policy(PolicyConfig()).choose([drafts], a)) == (None if want[0] == PROMPT_LOOKUP else want)
