@@ -35,7 +35,8 @@ class Policy:
     def choose(self, strategies: Sequence[Strategy], ask: Ask) -> Prediction | None:
         """The best prediction of any strategy, or None for K = 0 (the target alone, running on for ask.run_on
         tokens). Drafting must beat K = 0 by min_gain; while K = 0 wins, the best K = 1 is probed every
-        probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free. A
+        probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free. A round
+        where not even every draft accepted at the cheapest drafting round could win asks no strategy. A
         request's own K (ask.fixed) has no K = 0 option."""
         self.probing = False
         if ask.k <= 0:
