@@ -74,10 +74,15 @@ class DraftModelStrategy(Strategy):
         """False while the draft tier is left alone after a failure (its TierSession's back-off)."""
         return self.session.available
 
+    def price_line(self) -> tuple[float, float]:
+        """(a call's overhead, a draft step) at the draft tier's current load: k steps are priced overhead + k step."""
+        overhead = self.cost.overhead.predict(0) if self.cost.observations else self.config.prior_overhead_ms
+        return overhead, self.cost.step_ms(1)
+
     def price(self, k: int) -> float:
         """k draft steps at the draft tier's current load, and the call's overhead."""
-        overhead = self.cost.overhead.predict(0) if self.cost.observations else self.config.prior_overhead_ms
-        return overhead + k * self.cost.step_ms(1)
+        overhead, step = self.price_line()
+        return overhead + k * step
 
     def propose_ms(self, measured: bool = True) -> Callable[[int], float]:
         """k -> its predicted time for k draft steps: the price times its measured ratio (not measured: the prior
@@ -85,8 +90,7 @@ class DraftModelStrategy(Strategy):
         c = self.config
         if not measured:
             return lambda k: c.prior_overhead_ms + k * c.prior_step_ms
-        overhead = self.cost.overhead.predict(0) if self.cost.observations else c.prior_overhead_ms
-        step, ratio = self.cost.step_ms(1), self.time_ratio.value
+        (overhead, step), ratio = self.price_line(), self.time_ratio.value
         return lambda k: ratio * (overhead + k * step)
 
     def predict(self, ask: Ask) -> list[Prediction]:
