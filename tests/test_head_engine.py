@@ -242,11 +242,13 @@ def test_greedy_trees_hold_the_heads_top_tokens_below_each_node(head_server, tin
     assert spine == greedy_chain(head, torch.tensor(PROMPT), rows.float(), len(spine))
 
 
-@pytest.mark.parametrize("step", [{}, {"skinny_gemm": False, "head_rows": 4}], ids=["default", "blocks-of-4-rows"])
+@pytest.mark.parametrize("step", [{}, {"skinny_gemm": False, "head_rows": 4}, {"skinny_gemm": False, "head_rows": 0}],
+                         ids=["default", "blocks-of-4-rows", "one-session-each"])
 def test_a_sessions_proposal_does_not_depend_on_its_batch(tiny_target, tiny_target_model, tmp_path, step):
     """Seeded sampled proposals, alone and among seven other sessions in the same steps: bitwise the same tokens and q
     (the head's products run on the batch-invariant skinny GEMM where the CPU has it, on blocks of 64 rows on CUDA;
-    here also on blocks of 4 rows off the skinny GEMM, so eight sessions take two blocks, one session one padded)."""
+    here also on blocks of 4 rows off the skinny GEMM, so eight sessions take two blocks, one session one padded,
+    and one session at a time)."""
     import asyncio
 
     from specdec.engine.config import StepConfig
@@ -258,7 +260,7 @@ def test_a_sessions_proposal_does_not_depend_on_its_batch(tiny_target, tiny_targ
     write_checkpoint(small_head(tiny_target_model, vocab=64), tmp_path / "head")
     engine = HeadEngine.load(TierConfig(device_model(str(tmp_path / "head")), cost_curve_s=0, step=StepConfig(**step)),
                              tiny_target)
-    assert engine.block_rows == (4 if step else 64 if engine.device.type == "cuda" and not engine.skinny else 0)
+    assert engine.block_rows == step.get("head_rows", 64 if engine.device.type == "cuda" and not engine.skinny else 0)
     rows = features_of(tiny_target_model, engine.feature_layers, PROMPT)[:-1]
 
     async def one(sid, prompt, seed):

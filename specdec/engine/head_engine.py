@@ -275,33 +275,27 @@ class HeadEngine(EngineThread):
             out[id(w)] = last
         return lasts
 
+    def _blocks(self, n: int) -> list[slice]:
+        """How a step's n sessions share their products, batch-invariantly: blocks of block_rows rows (padded to
+        it), all n at once on the skinny GEMM, else one session each."""
+        size = self.block_rows or (n if self.skinny else 1)
+        return [slice(i, i + size) for i in range(0, n, size)]
+
     @torch.inference_mode()
     def _steps(self, tokens: list[int], outs: list[torch.Tensor], positions: list[int],
                caches: list[HeadCache]) -> list[torch.Tensor]:
-        """One head step of one token for each session (its output before [1, H], its position, its cache): one
-        batched step where the products are batch-invariant (the skinny GEMM, or blocks of block_rows rows), else
-        one step per session, so a session's drafts never depend on its batch."""
+        """One head step of one token for each session (its output before [1, H], its position, its cache), the
+        sessions' products shared as _blocks says, so a session's drafts never depend on its batch."""
         ids = torch.tensor(tokens, device=self.device)
         at = torch.tensor(positions, device=self.device)
-        if self.block_rows:
-            r = self.block_rows
-            return [row for i in range(0, len(caches), r) for row in self.head.step_rows(
-                ids[i : i + r], torch.cat(outs[i : i + r]), at[i : i + r], caches[i : i + r], rows=r).split(1)]
-        if self.skinny and len(caches) > 1:
-            return list(self.head.step_rows(ids, torch.cat(outs), at, caches).split(1))
-        return [self.head.step(ids[i : i + 1], o, at[i : i + 1], c) for i, (o, c) in enumerate(zip(outs, caches))]
+        return [row for s in self._blocks(len(caches)) for row in self.head.step_rows(
+            ids[s], torch.cat(outs[s]), at[s], caches[s], rows=self.block_rows).split(1)]
 
     def _rows(self, lasts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each session's logits [1, V]: one LM-head product for the step's sessions where the products are
-        batch-invariant (the skinny GEMM, or blocks of block_rows rows), else one per session, so a session's
-        logits never depend on its batch."""
-        if self.block_rows:
-            r = self.block_rows
-            return [row for i in range(0, len(lasts), r) for row in
-                    self._logits(pad_rows(torch.cat(lasts[i : i + r]), r))[: len(lasts[i : i + r])].split(1)]
-        if self.skinny:
-            return list(self._logits(torch.cat(lasts)).split(1))
-        return [self._logits(last) for last in lasts]
+        """Each session's logits [1, V], the LM-head products shared as _blocks says, so a session's logits never
+        depend on its batch."""
+        return [row for s in self._blocks(len(lasts)) for row in
+                self._logits(pad_rows(torch.cat(lasts[s]), self.block_rows))[: len(lasts[s])].split(1)]
 
     @torch.inference_mode()
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
