@@ -45,20 +45,22 @@ class Policy:
         def rate(tokens: float, cost_ms: float, calls: int) -> float:  # tokens per ms, the coordinator's time charged
             return tokens / max(round_ms(cost_ms, calls, ask.call_ms, ask.in_flight), 1e-6)
 
+        def rated(p: Prediction) -> float:
+            return rate(p.tokens, p.cost_ms, p.calls)
+
         # K = 0 runs on: its steps and the loaded loop's floor overlap (other sessions' rounds are served meanwhile)
         beat = self.config.min_gain * rate(1 + ask.run_on, ask.verify_ms[0] + ask.run_on * ask.step_ms, 1)
         if not ask.fixed and rate(1 + ask.k, ask.verify_ms[min(1, len(ask.verify_ms) - 1)], 1) <= beat:
             return None  # not even every draft accepted at the least a drafting round costs would win: none asked
         predictions = [p for s in strategies for p in s.predict(ask)]
-        best = max(predictions, key=lambda p: rate(p.tokens, p.cost_ms, p.calls), default=None)
+        best = max(predictions, key=rated, default=None)
         if ask.fixed or best is None:
             return best
-        if rate(best.tokens, best.cost_ms, best.calls) > beat:
+        if rated(best) > beat:
             self._probe_every = self.config.probe_every
             return best
         self._since_probe += 1
-        probe = max((p for p in predictions if p.k == 1 and not p.nodes), key=lambda p: rate(p.tokens, p.cost_ms, p.calls),
-                    default=None)
+        probe = max((p for p in predictions if p.k == 1 and not p.nodes), key=rated, default=None)
         if self._since_probe < self._probe_every or probe is None or probe.by.judged_unchosen:
             return None
         self._since_probe = 0
