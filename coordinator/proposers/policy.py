@@ -35,32 +35,25 @@ class Policy:
     def choose(self, strategies: Sequence[Strategy], ask: Ask) -> Prediction | None:
         """The best prediction of any strategy, or None for K = 0 (the target alone, running on for ask.run_on
         tokens). Drafting must beat K = 0 by min_gain; while K = 0 wins, the best K = 1 is probed every
-        probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free. A round
-        where not even every draft accepted at the cheapest drafting round could win asks no strategy. A
+        probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free. A
         request's own K (ask.fixed) has no K = 0 option."""
         self.probing = False
         if ask.k <= 0:
             return None
-
-        def rate(tokens: float, cost_ms: float, calls: int) -> float:  # tokens per ms, the coordinator's time charged
-            return tokens / max(round_ms(cost_ms, calls, ask.call_ms, ask.in_flight), 1e-6)
-
-        def rated(p: Prediction) -> float:
-            return rate(p.tokens, p.cost_ms, p.calls)
-
-        # K = 0 runs on: its steps and the loaded loop's floor overlap (other sessions' rounds are served meanwhile)
-        beat = self.config.min_gain * rate(1 + ask.run_on, ask.verify_ms[0] + ask.run_on * ask.step_ms, 1)
-        if not ask.fixed and rate(1 + ask.k, ask.verify_ms[min(1, len(ask.verify_ms) - 1)], 1) <= beat:
-            return None  # not even every draft accepted at the least a drafting round costs would win: none asked
         predictions = [p for s in strategies for p in s.predict(ask)]
-        best = max(predictions, key=rated, default=None)
+
+        def rate(p: Prediction) -> float:  # tokens per ms, the coordinator's own time charged
+            return p.tokens / max(round_ms(p.cost_ms, p.calls, ask.call_ms, ask.in_flight), 1e-6)
+
+        best = max(predictions, key=rate, default=None)
         if ask.fixed or best is None:
             return best
-        if rated(best) > beat:
+        alone = round_ms(ask.verify_ms[0], 1, ask.call_ms, ask.in_flight) + ask.run_on * ask.step_ms  # K = 0, run on
+        if rate(best) > self.config.min_gain * (1 + ask.run_on) / alone:
             self._probe_every = self.config.probe_every
             return best
         self._since_probe += 1
-        probe = max((p for p in predictions if p.k == 1 and not p.nodes), key=rated, default=None)
+        probe = max((p for p in predictions if p.k == 1 and not p.nodes), key=rate, default=None)
         if self._since_probe < self._probe_every or probe is None or probe.by.judged_unchosen:
             return None
         self._since_probe = 0

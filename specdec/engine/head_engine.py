@@ -278,7 +278,7 @@ class HeadEngine(EngineThread):
     def _blocks(self, n: int) -> list[slice]:
         """How a step's n sessions share their products, batch-invariantly: blocks of block_rows rows (padded to
         it), all n at once on the skinny GEMM, else one session each."""
-        size = self.block_rows or (n if self.skinny else 1)
+        size = self.block_rows or (max(n, 1) if self.skinny else 1)
         return [slice(i, i + size) for i in range(0, n, size)]
 
     @torch.inference_mode()
