@@ -65,21 +65,6 @@ def test_k0_is_priced_with_the_tokens_its_target_would_run_on_for():
     assert chosen(Policy(PolicyConfig()).choose([b], replace(ask(), run_on=7, step_ms=60.0))) == (DRAFT_MODEL, 3)  # 8/473
 
 
-def test_under_a_loaded_loop_k0s_run_on_overlaps_its_floor_and_no_strategy_is_asked():
-    """A GPU's regime: a verify of 8 drafts costs 2 ms, a step 1 ms, the coordinator 1 ms a call. One session: K = 0
-    running on for 8 tokens takes 2 + 8 + 1 = 11 ms (0.82 tokens a ms), a perfect chain of 8 drafts 3 ms: it drafts.
-    32 sessions on one loop: every round waits for the loop's floor, 32 ms, and K = 0's run-on steps happen within it
-    (the loop serves the other sessions meanwhile), so K = 0 yields 9 tokens in 32 ms and nothing can beat it by
-    min_gain (at most 9 tokens a round): the strategies are not even asked."""
-    from dataclasses import replace
-
-    gpu = replace(ask(), verify_ms=[2.0] * 9, run_on=8, step_ms=1.0, call_ms=1.0)
-    suffix = Fixed(SUFFIX, [(8, 8.0, 2.0)], judged_unchosen=True)
-    assert chosen(Policy(PolicyConfig()).choose([suffix], replace(gpu, in_flight=1))) == (SUFFIX, 8) and suffix.asked == 1
-    assert Policy(PolicyConfig()).choose([suffix], replace(gpu, in_flight=32)) is None and suffix.asked == 1
-    assert chosen(Policy(PolicyConfig()).choose([suffix], replace(gpu, in_flight=32, fixed=True, k=8))) == (SUFFIX, 8)
-
-
 def test_k0_rounds_probe_a_k1_unless_its_strategy_judges_itself_for_free():
     losing = [(1, 1.1, 100.0)]
     policy = Policy(PolicyConfig(probe_every=4))
