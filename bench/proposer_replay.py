@@ -135,7 +135,9 @@ class SuffixReplay:
 
 class LookupReplay:
     def start(self, prompt):
-        return LookupStrategy(LookupConfig(), prompt)
+        s = LookupStrategy(LookupConfig(), prompt)
+        asyncio.run(s.start())
+        return s
 
     @staticmethod
     def offer(s: LookupStrategy, k: int):

@@ -57,6 +57,7 @@ def replay(label: str, tok, prompt: str, output: str, cache: SuffixCache, cfg: S
         own_only = SuffixStrategy(cfg, cache, shared=False)
         own_only.tree = sp.tree
         lookup = LookupStrategy(LookupConfig(), prompt_ids)
+        lookup.index.extend(prompt_ids)  # (its start(), which the drafter runs beside the first round)
         i = 0
         while i < len(out_ids) and len(commit) < rounds:
             n = rng.randint(1, 4)  # tokens committed by the round

@@ -4,6 +4,7 @@ a round would make. The strategies, the policy and the tier prices under test ar
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from coordinator.proposers.base import Proposal
@@ -40,6 +41,12 @@ class DraftTier:
 
     async def close(self) -> None:
         pass
+
+
+def started(strategy):
+    """A strategy after its start() (a prompt indexed), as the drafter runs it beside the first round."""
+    asyncio.run(strategy.start())
+    return strategy
 
 
 def draft(config: DraftModelConfig = DraftModelConfig(), *, greedy: bool = True, priors: SharedPriors | None = None,

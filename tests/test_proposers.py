@@ -13,7 +13,7 @@ from coordinator.proposers.policy import Policy, PolicyConfig
 from coordinator.proposers.strategy import Outcome
 from coordinator.proposers.suffix import SuffixConfig, SuffixStrategy
 from coordinator.proposers.tier_cost import TierCost
-from tests.proposer_fakes import Offer, ask, draft, outcome
+from tests.proposer_fakes import Offer, ask, draft, outcome, started
 
 SOURCES = (SUFFIX, PROMPT_LOOKUP, DRAFT_MODEL)
 
@@ -226,7 +226,7 @@ def test_a_cold_session_watches_its_offers_before_it_drafts():
     assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2, priors=priors).predict(ask())  # taught: no watch
     assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2, greedy=False).predict(ask()) == []  # sampled: watches too
     assert offering(PROMPT_LOOKUP, [5, 6, 7], watch=2).predict(ask(fixed=True))  # the request's own K
-    cold = LookupStrategy(LookupConfig(min_ngram=1), [1, 2, 3, 1, 2])
+    cold = started(LookupStrategy(LookupConfig(min_ngram=1), [1, 2, 3, 1, 2]))
     assert cold.predict(ask()) == [] and cold._offer.tokens == [3, 1, 2]
     assert SuffixStrategy(SuffixConfig(), None).watch == LookupConfig().watch == 2
 

@@ -341,6 +341,18 @@ def test_target_only_rounds_let_the_target_run_on_more_as_they_follow_one_anothe
     assert tokens(chunks) == cont[:7] and result.finish_reason == FR.FINISH_REASON_STOP
 
 
+def test_a_request_that_never_drafts_indexes_nothing():
+    """K = 0 throughout: no strategy starts, so the prompt lookup standing by indexes neither the prompt nor the
+    output (its n-grams were ~10% of the coordinator's time for 64-token requests at 32 clients); a request that
+    drafts has it indexed by the first commit."""
+    gen = generation(FakeTarget(truth()), k=0, max_new=30)
+    chunks, _ = run(gen)
+    assert len(tokens(chunks)) == 30 and gen.drafter.fallback.index.tokens == [] and not gen.drafter.fallback.ready
+    gen = generation(FakeTarget(truth()), k=3, max_new=30, proposer=PROMPT_LOOKUP)
+    chunks, _ = run(gen)
+    assert gen.drafter.fallback.index.tokens == PROMPT + tokens(chunks)
+
+
 def test_a_round_with_drafts_starts_the_run_on_over():
     cont = list(range(5, 25)) + list(range(5, 17)) + list(range(100, 160))  # a repeat prompt lookup finds, then none
     target = FakeTarget(cont)

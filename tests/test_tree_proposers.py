@@ -10,6 +10,7 @@ from coordinator.proposers.ngram_index import NgramIndex
 from coordinator.proposers.suffix import SuffixStrategy
 from coordinator.proposers.suffix_tree import SuffixConfig, SuffixTree, speculate
 from coordinator.proposers.token_tree import TreeBuilder, cut, depths, match
+from tests.proposer_fakes import started
 
 
 def test_tree_builder_merges_shared_prefixes_within_the_budget():
@@ -39,9 +40,9 @@ def test_lookup_offers_every_recent_match_as_a_branch():
     tokens, parents = index.propose_tree(2, 16)
     assert (tokens, parents) == ([3, 7, 5, 6, 4], [-1, 0, -1, 2, 0])
     assert index.propose_tree(2, 3) == ([3, 7, 5], [-1, 0, -1])
-    p = LookupStrategy(LookupConfig(2, 3), seq).offer(2, tree_nodes=4)
+    p = started(LookupStrategy(LookupConfig(2, 3), seq)).offer(2, tree_nodes=4)
     assert (p.tokens, p.parents) == ([3, 7, 5, 6], [-1, 0, -1, 2])
-    assert LookupStrategy(LookupConfig(2, 3), seq).offer(2).parents == []
+    assert started(LookupStrategy(LookupConfig(2, 3), seq)).offer(2).parents == []
 
 
 def test_suffix_tree_expands_best_first_with_the_chain_first():

@@ -34,7 +34,14 @@ class LookupStrategy(LocalStrategy):
                  priors: SharedPriors | None = None) -> None:
         super().__init__(config.prior_acceptance, config.decay, greedy=greedy, tree_nodes=tree_nodes, priors=priors,
                          watch=config.watch)
-        self.index = NgramIndex(config, prompt_ids)
+        self.index = NgramIndex(config)
+        self.prompt_ids = prompt_ids
+        self.ready = not prompt_ids  # until the prompt is indexed (never, for a request that never drafts)
+
+    async def start(self) -> None:
+        """Index the prompt (~1 us a token)."""
+        self.index.extend(self.prompt_ids)
+        self.ready = True
 
     def commit(self, tokens) -> None:
         self.index.extend(tokens)
