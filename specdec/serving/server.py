@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -61,12 +62,19 @@ class ServerConfig:
     # The process's asyncio event loop: "uvloop" (libuv's: less time per rpc, docs/performance.md) or "asyncio"
     # (the standard library's).
     event_loop: str = setting("uvloop", choices=EVENT_LOOPS)
+    # Python's garbage collector once serving: what the process built while it started (modules, the model's or
+    # the tokenizer's objects) is frozen out of its scans, and it collects after this many new objects (Python's
+    # default: 700). A full collection of the coordinator's start-up heap took ~90 ms, every few hundred rounds,
+    # with every session's round waiting (docs/performance.md, The collector). 0: Python's collector as it is.
+    gc_young_objects: int = 10_000
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.gc_young_objects < 0:
+            raise ValueError(f"gc_young_objects must be >= 0, got {self.gc_young_objects}")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
         if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
@@ -172,6 +180,17 @@ async def set_serving(health_servicer: health.aio.HealthServicer, names: list[st
         await health_servicer.set(name, status)
 
 
+def settle_collector(young_objects: int) -> None:
+    """Once started (ServerConfig.gc_young_objects): freeze what the start built out of the collector's scans and
+    collect the young generation after `young_objects` new objects. 0: leave the collector as it is."""
+    if young_objects <= 0:
+        return
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(young_objects, older, oldest)
+
+
 async def serve(
     server: grpc.aio.Server,
     health_servicer: health.aio.HealthServicer,
@@ -184,6 +203,7 @@ async def serve(
     """Start, report SERVING, and run until SIGINT/SIGTERM; then drain for config.grace_s.
     on_draining: drains another server (e.g. HTTP) alongside the gRPC one; on_stop runs after both."""
     await server.start()
+    settle_collector(config.gc_young_objects)
     await set_serving(health_servicer, names, True)
     if on_started is not None:
         on_started()
