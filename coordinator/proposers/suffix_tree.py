@@ -178,16 +178,13 @@ class SuffixTree:
         self._active.pop(seq_id, None)
 
     def _step(self, node: _Node, t: int) -> _Node:
-        """A suffix ending at the end of node's edge grows by t; returns the node it now ends at."""
+        """A suffix ending at the end of node's edge grows by t; returns the node it now ends at. (A suffix alone at
+        a leaf never comes here: extend() keeps its leaf open.)"""
         children = node.children
         child = children.get(t) if children is not None else None
         if child is not None and child.count == 1 and child in self._opened:  # another suffix's open leaf
             self._sync(child, len(self._seq))
         if child is None:
-            if node.count == 1 and node is not self.root:
-                node.label.append(t)  # a leaf only this suffix reaches: it grows in place
-                self.num_label_tokens += 1
-                return node
             leaf = _Node(_label((t,)), 1, 0, None, node)
             if children is None:
                 node.children = {t: leaf}
