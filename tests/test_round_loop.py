@@ -343,8 +343,8 @@ def test_target_only_rounds_let_the_target_run_on_more_as_they_follow_one_anothe
 
 def test_a_request_that_never_drafts_indexes_nothing():
     """K = 0 throughout: no strategy starts, so the prompt lookup standing by indexes neither the prompt nor the
-    output (its n-grams were ~10% of the coordinator's time for 64-token requests at 32 clients); a request that
-    drafts has it indexed by the first commit."""
+    output (py-spy put them at 5-7% of the coordinator's samples for 64-token requests at 32 clients); a request
+    that drafts has it indexed by the first commit."""
     gen = generation(FakeTarget(truth()), k=0, max_new=30)
     chunks, _ = run(gen)
     assert len(tokens(chunks)) == 30 and gen.drafter.fallback.index.tokens == [] and not gen.drafter.fallback.ready

@@ -65,7 +65,7 @@ class ServerConfig:
     # Python's garbage collector once serving: what the process built while it started (modules, the model's or
     # the tokenizer's objects) is frozen out of its scans, and it collects after this many new objects (Python's
     # default: 700). A full collection of the coordinator's start-up heap took ~90 ms, every few hundred rounds,
-    # with every session's round waiting (docs/performance.md, The collector). 0: Python's collector as it is.
+    # with every session's round waiting (docs/performance.md, The coordinator's own time). 0: Python's as it is.
     gc_young_objects: int = 10_000
 
     def __post_init__(self) -> None:
