@@ -161,11 +161,14 @@ def burst(address: str, prompts: list[list[dict]], max_new: int, k: int | None, 
 def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, k: int | None, seconds: float,
            warmup_s: float, temperature: float = 0.0) -> dict:
     """`clients` closed-loop streaming clients for `seconds`: client i sends prompts i, i + clients, ... (cycling)
-    back to back; the tokens that arrive in [warmup_s, seconds] over the window's length."""
+    back to back; the tokens that arrive in [warmup_s, seconds] over the window's length, and the gaps between a
+    request's consecutive chunks that end in the window (what a streaming user waits; a pause of any process
+    shows in their tail)."""
     from specdec.client import Client
 
     barrier = threading.Barrier(clients)
     stamps: list[list[float]] = [[] for _ in range(clients)]
+    gaps: list[list[float]] = [[] for _ in range(clients)]
     start = [0.0]
 
     def one(i: int) -> None:
@@ -179,9 +182,14 @@ def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, 
                           **sampled(temperature, i + j * clients))
                 if k is not None:
                     kw["num_speculative_tokens"] = k
+                last = None
                 for event in client.stream(**kw):
                     if event.HasField("chunk") and event.chunk.token_ids:
-                        stamps[i].extend([time.perf_counter()] * len(event.chunk.token_ids))
+                        now = time.perf_counter()
+                        stamps[i].extend([now] * len(event.chunk.token_ids))
+                        if last is not None and start[0] + warmup_s <= now < start[0] + seconds:
+                            gaps[i].append(now - last)
+                        last = now
                 j += 1
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
@@ -191,7 +199,8 @@ def steady(address: str, prompts: list[list[dict]], clients: int, max_new: int, 
         t.join()
     lo, hi = start[0] + warmup_s, start[0] + seconds
     tokens = sum(lo <= t < hi for ts in stamps for t in ts)
-    return {"clients": clients, "window_s": hi - lo, "tokens": tokens, "steady_tok_s": tokens / (hi - lo)}
+    return {"clients": clients, "window_s": hi - lo, "tokens": tokens, "steady_tok_s": tokens / (hi - lo),
+            "gaps_s": [g for gs in gaps for g in gs]}
 
 
 def summarise(results: list[dict]) -> dict:
@@ -284,8 +293,10 @@ def run_pipeline_rows(args, levels: list[int], rows: list[str], models: dict) ->
                         log(f"{row} C={c} steady: {w['steady_tok_s']:.1f} tok/s over {w['window_s']:.0f} s")
                 for row in rows:
                     rates = [w["steady_tok_s"] for w in windows[row]]
+                    gaps = [g for w in windows[row] for g in w["gaps_s"]]  # every window's, pooled
                     loads[row][c] = {"steady_tok_s": statistics.mean(rates), "range": (min(rates), max(rates)),
-                                     "window_s": windows[row][0]["window_s"], "windows": len(rates)}
+                                     "window_s": windows[row][0]["window_s"], "windows": len(rates),
+                                     "gap_p99_ms": 1e3 * percentile(gaps, 99), "gap_max_ms": 1e3 * max(gaps, default=0.0)}
     return medians(runs, loads, levels, rows)
 
 

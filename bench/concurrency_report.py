@@ -100,15 +100,21 @@ def markdown(results: dict, levels: list[int], command: str, info: str, max_new:
         lo, hi = r["range"]
         return f"{r['steady_tok_s']:.1f}" + (f" ({lo:.0f}-{hi:.0f})" if r["windows"] > 1 else "")
 
+    def gap_cell(r: dict) -> str:
+        return f"{r['gap_p99_ms']:.0f} / {r['gap_max_ms']:.0f}" if "gap_p99_ms" in r else "-"
+
     steady_rows = [[c, load_cell(spec[c]["steady"]), load_cell(k0[c]["steady"]),
-                    f"{spec[c]['steady']['steady_tok_s'] / k0[c]['steady']['steady_tok_s']:.2f}x"]
+                    f"{spec[c]['steady']['steady_tok_s'] / k0[c]['steady']['steady_tok_s']:.2f}x",
+                    gap_cell(spec[c]["steady"]), gap_cell(k0[c]["steady"])]
                    for c in levels if "steady" in spec.get(c, {}) and "steady" in k0.get(c, {})]
     if steady_rows:
         first = spec[levels[0]]["steady"]
         L += ["", f"Steady load (C closed-loop clients, each sending its next request when the last ends; tokens "
                   f"streamed in a {first['window_s']:.0f} s window after the first requests, over the window; the "
-                  f"mean of {first['windows']} windows per row, the rows alternating, range in brackets):", ""]
-        L += md_table(["clients", "specdec tok/s", "K = 0 tok/s", "default / K = 0"], steady_rows)
+                  f"mean of {first['windows']} windows per row, the rows alternating, range in brackets; a chunk gap is "
+                  f"the time between a request's consecutive chunks, every window's pooled):", ""]
+        L += md_table(["clients", "specdec tok/s", "K = 0 tok/s", "default / K = 0",
+                       "specdec chunk gap p99 / max (ms)", "K = 0 chunk gap p99 / max (ms)"], steady_rows)
         L.append("")
     for c in sorted({lv for lv in levels if lv >= 16} | {levels[-1]}):
         if 1 not in spec or c not in spec or c == 1:
