@@ -14,6 +14,7 @@ token for token, the target-only rounds it replaces.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -84,12 +85,14 @@ def test_one_request_that_runs_on_is_the_target_only_rounds_it_replaces(parts, n
     tokens and cache; the others, and every session with the chain off, step by step.)"""
     params, logprobs = PARAMS[name], 3 if name == "penalised" else -1
     engine = engine_of(parts, run_on_chain=chain)
-    chains = []
+    chains, wall = [], []
 
     async def scenario():
         expected, expected_lp, lengths = await rounds(engine, "one-by-one", params, 13, logprobs)
         chains.append(engine.chains)
+        t0 = time.perf_counter()
         r = await engine.submit(work("run-on", list(PROMPT), 0, params, run_on=11, logprobs=logprobs))
+        wall.append((time.perf_counter() - t0) * 1e3)
         chains.append(engine.chains)
         got = [r.next_token, *r.run_on]
         # The session goes on from where the run-on left it, as it would after the rounds.
@@ -105,6 +108,8 @@ def test_one_request_that_runs_on_is_the_target_only_rounds_it_replaces(parts, n
     assert chains[1] - chains[0] == (1 if chain and name == "greedy" else 0)
     assert r.cached_len == lengths[11] == len(PROMPT) + 11  # every token but the last fed
     assert r.num_accepted == 0 and len(r.run_on) == 11
+    # What it reports: its forwards within its own wall time, its step one forward (the policy prices a step from it)
+    assert r.queue_ms >= 0 and r.step_ms <= r.compute_ms <= wall[0] + 0.01
     if logprobs >= 0:
         assert [(x.token_id, x.logprob, x.top_ids) for x in got_lp] == \
                [(x.token_id, x.logprob, x.top_ids) for x in expected_lp]

@@ -372,7 +372,8 @@ class Engine(EngineThread):
                 self.step_tokens += steps * len(group)
                 for w in group:
                     w.compute_s += seconds
-                    w.last_step = (len(group), len(group), seconds / steps)
+                    w.last_step = (len(group), len(group), seconds / steps)  # its last step: the chain's last forward
+                    w.step_started = t0 + seconds * (steps - 1) / steps
                 kind.finish_chain(group, self)
                 for w in group:
                     self._done(w)
