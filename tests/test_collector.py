@@ -1,6 +1,7 @@
 """A serving process's garbage collector (specdec.serving.server.settle_collector, ServerConfig.gc_young_objects):
 run in a fresh interpreter, since it changes the process's collector for good."""
 
+import json
 import subprocess
 import sys
 
@@ -15,8 +16,6 @@ print(json.dumps({"before": before, "after": gc.get_threshold(), "frozen": gc.ge
 
 
 def settled(young: int) -> dict:
-    import json
-
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(young)], check=True, capture_output=True, text=True,
                          timeout=120)
     return json.loads(out.stdout)

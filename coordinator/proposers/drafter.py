@@ -38,9 +38,9 @@ class Drafter:
         self._starting: asyncio.Future | None = None  # the strategies' start, while it runs (start())
 
     async def start(self) -> None:
-        """The strategies' start (the suffix tree's prompt indexing) in a task of its own, so that the first
-        round's request goes out meanwhile: a strategy not yet ready is not asked, and started() must be awaited
-        before the first commit. A request's own K waits for it (its first round is asked of every strategy)."""
+        """The strategies' start (suffix decoding and prompt lookup indexing the prompt) in a task of its own, so
+        that the first round's request goes out meanwhile: a strategy not yet ready is not asked, and started() must
+        be awaited before the first commit. A request's own K waits for it (its first round is asked of every strategy)."""
         if self.never_drafts:
             return
         self._starting = asyncio.ensure_future(self._start_all())
