@@ -188,7 +188,8 @@ class DirectSession:
         self.draft_at = min(ahead.cached_len, len(self.committed))
         ready = draft_pb2.ProposeResponse(
             tokens=ahead.tokens[1:], q=ahead.q[1:], cached_len=ahead.cached_len, compute_ms=ahead.compute_ms,
-            queue_ms=ahead.queue_ms, batch_sessions=ahead.batch_sessions, step_ms=ahead.step_ms, speculated=True)
+            queue_ms=ahead.queue_ms, batch_sessions=ahead.batch_sessions, step_ms=ahead.step_ms, step_id=ahead.step_id,
+            speculated=True)
         ready.trace.CopyFrom(ahead.trace)
         return ready
 

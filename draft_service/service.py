@@ -240,7 +240,8 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
     def to_response(r: ProposeResult) -> draft_pb2.ProposeResponse:
         response = draft_pb2.ProposeResponse(
             tokens=r.tokens, q=draft_probs.encode(r.q), cached_len=r.cached_len, compute_ms=r.compute_ms,
-            batch_sessions=r.batch_sessions, step_ms=r.step_ms, queue_ms=r.queue_ms, prefix_reused=r.reused)
+            batch_sessions=r.batch_sessions, step_ms=r.step_ms, queue_ms=r.queue_ms, prefix_reused=r.reused,
+            step_id=r.step_id)
         return draft_tree.encode(r, response) if isinstance(r, TreeProposeResult) else response
 
 

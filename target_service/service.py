@@ -95,7 +95,7 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                          batch_tokens=r.batch_tokens, step_ms=r.step_ms, queue_ms=r.queue_ms,
                                          prefix_reused=r.reused, accepted_path=r.path if r.tree else (),
                                          features=to_bytes(r.features) if r.features is not None else b"",
-                                         features_start=r.features_start, run_on_tokens=r.run_on,
+                                         features_start=r.features_start, run_on_tokens=r.run_on, step_id=r.step_id,
                                          logprobs=[target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
                                                                             top_token_ids=t.top_ids, top_logprobs=t.top_logprobs)
                                                    for t in r.logprobs])

@@ -101,6 +101,28 @@ def test_the_step_curve_forgets_old_steps():
     assert curve.predict(16) == pytest.approx(60.0)
 
 
+def test_a_step_reported_by_each_of_its_sessions_counts_once():
+    """A step of 32 sessions reaches the coordinator in 32 replies with one step id: the curve counts it once, so
+    its window and its refits span the same steps as at one session (without ids, 64 slow steps' reports would
+    push 64 fast ones out of a 128-report window and set the price alone)."""
+    def fed(ids: bool) -> TierCost:
+        load = TierCost()
+        for step in range(64):  # an earlier, faster regime: steps of 4 sessions
+            for _ in range(4):
+                load.observe(4, 4, 20.0, 22.0, step_id=1000 + step if ids else 0)
+        for step in range(64):  # then the same tier slower at 32 sessions, each step reported 32 times
+            for _ in range(32):
+                load.observe(32, 32, 80.0, 82.0, step_id=5000 + step if ids else 0)
+        return load
+
+    once, every = fed(ids=True), fed(ids=False)
+    assert len(once.step_cost._steps) == 128 and len(every.step_cost._steps) == 128
+    assert once.step_cost.predict(4, 4) == pytest.approx(20.0, rel=0.01), "the fast steps are still on the curve"
+    assert abs(every.step_cost.predict(4, 4) - 20.0) > 5.0, "without ids the slow steps' reports crowded them out"
+    assert once.sessions == pytest.approx(every.sessions), "the batch a call meets is still counted per reply"
+    assert once.step_cost.predict(32, 32) == pytest.approx(80.0, rel=0.01)
+
+
 def test_queueing_is_not_charged_the_calls_own_overhead_is():
     load = TierCost()
     for queued in [0.0, 150.0, 1.0, 400.0, 0.5, 90.0] * 10:  # calls that queued behind others now and then

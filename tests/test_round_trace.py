@@ -91,6 +91,7 @@ def test_one_step_wakes_the_event_loop_once(tiny_target):
     finally:
         engine.close()
     assert [r.batch_sessions for r in results] == [6] * 6, "the six sessions shared one step"
+    assert {r.step_id for r in results} == {engine.step_base + engine.steps}, "and each reply names it"
     assert wakeups == 1, "the step's six answers were handed back together"
     for w in works:  # the round trace's timestamps: submitted <= first step <= answered
         assert 0 < w.submitted_at <= w.first_step_at <= w.settled_at

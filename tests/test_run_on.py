@@ -148,6 +148,9 @@ def test_run_on_sessions_batch_with_others_and_keep_their_solo_results(parts):
     assert (drafts.num_accepted, drafts.next_token) == (verify_alone.num_accepted, verify_alone.next_token)
     assert drafts.batch_sessions == 3, "the verify of drafts shared its step with both run-on sessions"
     assert engine.steps - steps == 7  # the first step for all three, then one step per run-on token
+    # Each reply names the step its batch figures describe, the same number for every session that step batched
+    assert drafts.step_id == engine.step_base + steps + 1
+    assert greedy.step_id == sampled.step_id == engine.step_base + engine.steps != drafts.step_id
 
 
 def test_run_on_stops_after_eos_and_at_the_end_of_the_context(parts):

@@ -150,7 +150,8 @@ class DraftModelStrategy(Strategy):
         if proposal.overlapped:  # the speculation cache had it ready: a draft call's time saved
             self.stats.observe_overlapped(0.0, saved_ms=max(0.0, self._draft_ms - proposal.wall_ms))
             return proposal
-        self.cost.observe(r.batch_sessions, r.batch_sessions, r.step_ms, reply.wall_ms, r.compute_ms, r.queue_ms)  # a token a session
+        self.cost.observe(r.batch_sessions, r.batch_sessions, r.step_ms, reply.wall_ms, r.compute_ms, r.queue_ms,
+                          step_id=r.step_id)  # a token a session
         if proposal.tokens:
             self._draft_ms = 0.8 * self._draft_ms + 0.2 * proposal.wall_ms if self._draft_ms else proposal.wall_ms
         return proposal

@@ -6,12 +6,14 @@ Choosing the proposer and K)."""
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from itertools import accumulate
 
 import numpy as np
 
 from coordinator.proposers.estimates import LinearCost
+
+STEPS_REMEMBERED = 256  # the distinct steps whose ids TierCost keeps, to count each once (its replies arrive together)
 
 
 class StepCurve:
@@ -80,8 +82,9 @@ class StepCurve:
 
 
 class TierCost:
-    """A tier as the coordinator prices it, shared by all of a coordinator's sessions: its step curve, sessions
-    per step, a call's overhead beyond the step (network, serialisation: a line in the drafts it carries), and
+    """A tier as the coordinator prices it, shared by all of a coordinator's sessions: its step curve (each step
+    once, however many of its sessions' replies report it), sessions per step (per reply: the batch a session's
+    call meets), a call's overhead beyond the step (network, serialisation: a line in the drafts it carries), and
     the sessions open on it now."""
 
     def __init__(self, decay: float = 0.98, prior_intercept: float = 50.0, prior_slope: float = 3.0) -> None:
@@ -93,6 +96,7 @@ class TierCost:
         self.observations = 0
         self.live = 0  # sessions this coordinator has open on the tier now (generations in progress)
         self.max_sessions = 0  # the tier's batch limit (ModelInfo.max_batch_sessions; 0 = unknown)
+        self._counted: OrderedDict[int, None] = OrderedDict()  # ids of the steps last put on the curve
 
     def seed(self, status, max_sessions: int = 0) -> None:
         """What the tier reported at start: its StatusResponse (cost_curve) and its batch limit."""
@@ -106,16 +110,29 @@ class TierCost:
         return max(self.sessions, live, 1.0)
 
     def observe(self, batch_sessions: int, batch_tokens: int, step_ms: float, wall_ms: float,
-                compute_ms: float = 0.0, queue_ms: float = 0.0, drafts: int = 0) -> None:
-        """A reply: its step's sessions, tokens and time, and the call's own times. A tier that reports no
-        batching (a fake, an older replica) is taken as running this call alone: a step of its drafts + 1."""
+                compute_ms: float = 0.0, queue_ms: float = 0.0, drafts: int = 0, step_id: int = 0) -> None:
+        """A reply: its step's sessions, tokens, time and id (0: none, the reply counts as a step of its own),
+        and the call's own times. A tier that reports no batching (a fake, an older replica) is taken as
+        running this call alone: a step of its drafts + 1."""
         if batch_sessions <= 0 or batch_tokens <= 0:
             batch_sessions, batch_tokens, step_ms = 1, drafts + 1, wall_ms - queue_ms
         d = self.decay if self.observations else 0.0
-        self.step_cost.observe(batch_tokens, step_ms, batch_sessions)
+        if self._first_report(step_id):
+            self.step_cost.observe(batch_tokens, step_ms, batch_sessions)
         self.sessions = d * self.sessions + (1 - d) * batch_sessions
         self.overhead.observe(drafts, max(0.0, wall_ms - (compute_ms or step_ms) - queue_ms))
         self.observations += 1
+
+    def _first_report(self, step_id: int) -> bool:
+        """No reply has reported this step before (or it has no id)."""
+        if not step_id:
+            return True
+        if step_id in self._counted:
+            return False
+        self._counted[step_id] = None
+        if len(self._counted) > STEPS_REMEMBERED:
+            self._counted.popitem(last=False)
+        return True
 
     def step_ms(self, tokens_each: float) -> float:
         """One step at the current batch with `tokens_each` new tokens per session."""

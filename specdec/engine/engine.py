@@ -39,7 +39,7 @@ from specdec.engine.scheduler import DROPPED, STARTED, WAIT, Planned, Scheduler
 from specdec.engine.sessions import PrefixMismatch, SessionTable
 from specdec.engine.step import resolve_mode
 from specdec.engine.threads import release_thread_pool
-from specdec.engine.work import Work
+from specdec.engine.work import Work, step_id_base
 from specdec.models import TokenizerSource, eos_token_ids, load_model, max_context
 from specdec.core.errors import RequestError
 
@@ -114,6 +114,7 @@ class Engine(EngineThread):
         self.scheduler = Scheduler(config.batch)
         self.observers: list[StepObserver] = []
         self.steps = 0
+        self.step_base = step_id_base()  # + self.steps: the last step's id (Work.step_id)
         self.chains = 0  # chains run (a draft's proposal, a lone session's run-on), each of several steps
         self.step_tokens = 0
         self.cost_curve: list[tuple[int, int, float]] = []  # (sessions, tokens, ms) timed at start (load())
@@ -313,7 +314,7 @@ class Engine(EngineThread):
                 del w.pending[: p.take]
                 w.compute_s += seconds
                 w.last_step = (len(plan), tokens, seconds)
-                w.step_started = t0
+                w.step_started, w.step_id = t0, self.step_base + self.steps
                 w.first_step_at = w.first_step_at or t0
                 if w.cancelled:
                     self._finish(w)
@@ -374,6 +375,7 @@ class Engine(EngineThread):
                     w.compute_s += seconds
                     w.last_step = (len(group), len(group), seconds / steps)  # its last step: the chain's last forward
                     w.step_started = t0 + seconds * (steps - 1) / steps
+                    w.step_id = self.step_base + self.steps
                 kind.finish_chain(group, self)
                 for w in group:
                     self._done(w)

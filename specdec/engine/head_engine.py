@@ -51,6 +51,7 @@ from specdec.engine.head_weights import pack_linears, target_embedding
 from specdec.engine.propose import ProposeWork
 from specdec.engine.propose_tree import ProposeTreeWork, tree_dists
 from specdec.engine.tree_growth import Growth
+from specdec.engine.work import step_id_base
 from specdec.engine.threads import release_thread_pool
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class HeadEngine(EngineThread):
         self.observers: list = []
         self.cost_curve: list[tuple[int, int, float]] = []
         self.steps = self.step_tokens = self.evictions = 0
+        self.step_base = step_id_base()  # + self.steps: the last step's id (Work.step_id)
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
         self._running = 0
 
@@ -239,10 +241,10 @@ class HeadEngine(EngineThread):
         seconds = time.perf_counter() - t0
         with self._lock:
             w.compute_s += seconds
-            w.last_step = (1, tokens, seconds / steps)
-            w.step_started = t0
-            w.result = w._result(g, base, speculated=False)
             self.steps += steps
+            w.last_step = (1, tokens, seconds / steps)
+            w.step_started, w.step_id = t0, self.step_base + self.steps
+            w.result = w._result(g, base, speculated=False)
             self.step_tokens += tokens
             s.cache.truncate(s.exact)
             s.last_used = time.monotonic()
@@ -309,14 +311,14 @@ class HeadEngine(EngineThread):
         t0: when the step's head steps began; tokens: the entries they computed."""
         with self._lock:
             seconds = time.perf_counter() - t0
+            self.steps += 1
             for w in works:
                 if w.tokens:  # the draft just fed: the session holds it, as a draft model's cache would
                     w.session.append(w.pending[-1:])
                 w.compute_s += seconds
                 w.last_step = (len(works), tokens, seconds)
-                w.step_started = t0
+                w.step_started, w.step_id = t0, self.step_base + self.steps
             ProposeWork.finish_step(works, rows, self)
-            self.steps += 1
             self.step_tokens += tokens
             for w in works:
                 if w.done:

@@ -40,6 +40,7 @@ class ProposeResult:
     step_ms: float  # that step's forward time
     queue_ms: float  # waiting, not computing
     reused: int = 0  # leading tokens of a fresh start taken from the prefix cache, not fed
+    step_id: int = 0  # the step batch_sessions and step_ms describe (Work.step_id)
 
 
 @dataclass(eq=False)
@@ -120,7 +121,7 @@ class ProposeWork(Work):
         sessions, _, seconds = self.last_step
         q = DraftProbs.from_rows(self.q_rows) if self.q_rows else None
         self.result = ProposeResult(self.tokens, q, len(self.session), self.compute_s * 1e3, sessions, seconds * 1e3,
-                                    self.queue_ms(), self.reused)
+                                    self.queue_ms(), self.reused, self.step_id)
 
 
 def _mask_grammar(works: list[ProposeWork], rows: torch.Tensor, engine) -> torch.Tensor:

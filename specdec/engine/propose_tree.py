@@ -265,8 +265,8 @@ class ProposeTreeWork(Work):
         sessions, _, seconds = self.last_step
         return TreeProposeResult(
             list(g.tokens), q, base, self.compute_s * 1e3, sessions, seconds * 1e3, self.queue_ms(), self.reused,
-            parents=[] if chain else list(g.parents), scheme=GREEDY if self.params.greedy else g.shape.scheme,
-            speculated=speculated, salvaged=salvaged)
+            self.step_id, parents=[] if chain else list(g.parents),
+            scheme=GREEDY if self.params.greedy else g.shape.scheme, speculated=speculated, salvaged=salvaged)
 
     def _answer(self, engine) -> None:
         """The proposal is complete: answer it; then pre-draft the next round, or finish."""

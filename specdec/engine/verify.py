@@ -94,6 +94,7 @@ class VerifyResult:
     features: torch.Tensor | None = None
     features_start: int = 0  # the position of the first of them: the session's cached length before the request
     run_on: tuple[int, ...] = ()  # run-on: the tokens decoded after next_token, each a target-only round's
+    step_id: int = 0  # the step batch_sessions, batch_tokens and step_ms describe (Work.step_id)
 
 
 @dataclass(eq=False)
@@ -180,7 +181,7 @@ class VerifyWork(Work):
         (path, nxt, reported), *later = self.verdicts
         return VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, self.reused,
                             reported + [x for _, _, lp in later for x in lp], tuple(path), self.parents is not None,
-                            features, start, tuple(t for _, t, _ in later))
+                            features, start, tuple(t for _, t, _ in later), self.step_id)
 
     def feed_tree(self) -> list[int] | None:
         return self.parents

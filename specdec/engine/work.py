@@ -9,6 +9,7 @@ step at once (finish_step), so the math runs batched.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -17,6 +18,12 @@ from typing import Any, ClassVar
 import torch
 
 from specdec.engine.sessions import Session
+
+
+def step_id_base() -> int:
+    """Where an engine's step ids start: a random 64-bit number with room for 2^32 steps above it, so that
+    ids of different replicas' steps do not meet (the coordinator counts each step once by its id)."""
+    return random.SystemRandom().getrandbits(31) << 32
 
 
 @dataclass(eq=False)
@@ -37,6 +44,7 @@ class Work:
     submitted_at: float = 0.0  # time.perf_counter() when the engine got it
     last_step: tuple[int, int, float] = (0, 0, 0.0)  # (sessions, tokens, seconds) of its last step
     step_started: float = 0.0  # time.perf_counter() when its last step's forward began
+    step_id: int = 0  # its last step's id (step_ids): the same for every work that step batched
     first_step_at: float = 0.0  # time.perf_counter() when its first step's forward began (0: none yet)
     settled_at: float = 0.0  # time.perf_counter() when the engine thread answered it (the round trace)
     on_push: Callable[[list], None] | None = None  # given unasked results (specdec.engine.pushed), on the event loop
