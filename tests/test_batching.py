@@ -114,6 +114,13 @@ def test_a_bad_q_row_fails_alone_among_concurrent_verifies(batch_cluster):
     for i in range(8):
         if i != 3:
             assert (together[i].num_accepted, together[i].next_token) == (alone[i].num_accepted, alone[i].next_token)
+    # Each reply names its step: the replies of one step agree on its figures, and counted once per id the steps'
+    # sessions add up to the calls (what the coordinator's cost curve relies on); every call alone was a step of its own
+    steps = {}
+    for r in (together[i] for i in range(8) if i != 3):
+        assert r.step_id and steps.setdefault(r.step_id, (r.batch_sessions, r.batch_tokens)) == (r.batch_sessions, r.batch_tokens)
+    assert sum(sessions for sessions, _ in steps.values()) == 7
+    assert len({r.step_id for r in alone}) == 8 and all(r.batch_sessions == 1 for r in alone)
 
 
 # --- The engine itself ----------------------------------------------------------------------------

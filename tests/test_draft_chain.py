@@ -176,6 +176,8 @@ def test_an_engine_proposes_the_same_with_and_without_the_chain(parts):
         results[chain] = (first, second)
     # per round: the step that drew d_1, and the penalised sessions' second step; the rest ran as chains
     assert (forwards[True], forwards[False]) == (4, 7 + 8)  # off: one step per token of the longest K
+    for first, second in results.values():  # each proposal names its last step (the coordinator counts it once)
+        assert all(r.step_id for r in first + second) and not {r.step_id for r in first} & {r.step_id for r in second}
     for on, off in zip(*(results[c][0] + results[c][1] for c in (True, False))):
         assert (on.tokens, on.cached_len) == (off.tokens, off.cached_len)
         assert (on.q is None) == (off.q is None)
