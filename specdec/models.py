@@ -18,12 +18,12 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.core.settings import setting
+from specdec.model_cache import cache_dir, files_key, publish_dir, publish_json
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +69,6 @@ def _looks_like_hub_id(path: str) -> bool:
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not path.endswith(".gguf")
 
 
-def cache_dir() -> Path:
-    """$SPECDEC_CACHE_DIR, default ~/.cache/specdec: converted GGUF copies live here."""
-    return Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """The model."""
@@ -115,24 +110,6 @@ def _resolve(path: str) -> _Source:
     return _Source(path, None)  # hub id
 
 
-def files_key(files, *extra: str) -> str:
-    """A cache key for `files` as they are now (each one's resolved path, size and modification time), and
-    `extra`: a cached result derived from them is found again until one of them changes."""
-    parts = [f"{Path(f).resolve()}|{Path(f).stat().st_size}|{int(Path(f).stat().st_mtime)}" for f in files]
-    return hashlib.sha256("|".join([*parts, *extra]).encode()).hexdigest()[:16]
-
-
-def publish_dir(where: Path, write: Callable[[Path], None]) -> None:
-    """A cache directory made whole or not at all: write(tmp) fills a directory beside `where`, which then takes
-    its place, unless another process put one there meanwhile (theirs is kept, ours dropped)."""
-    tmp = where.with_name(where.name + f".tmp{os.getpid()}")
-    write(tmp)
-    if where.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(where)
-
-
 def _converted_dir(src: _Source) -> Path:
     f = Path(src.location) / src.gguf_file
     return cache_dir() / f"gguf-{f.stem}-{files_key([f])}"
@@ -158,7 +135,7 @@ def _ensure_converted(src: _Source) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    publish_dir(out, write)  # (another process may have converted it meanwhile)
+    publish_dir(out, write, [Path(src.location) / src.gguf_file])  # (another process may have converted it meanwhile)
     return out
 
 
@@ -200,7 +177,7 @@ def load_tokenizer(path: str):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file)
-        publish_dir(tok_dir, tokenizer.save_pretrained)
+        publish_dir(tok_dir, tokenizer.save_pretrained, [Path(src.location) / src.gguf_file])
     return _from_pretrained(tok_dir)
 
 
@@ -262,10 +239,7 @@ class TokenizerSource:
         tokenizer = load()
         facts = cls(tokenizer_fingerprint(tokenizer), tokenizer.eos_token_id, load)
         try:  # best effort: a read-only cache directory costs the next start a tokenizer load, nothing else
-            where.parent.mkdir(parents=True, exist_ok=True)
-            tmp = where.with_name(where.name + f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"fingerprint": facts.fingerprint, "eos_token_id": facts.eos_token_id}))
-            tmp.replace(where)
+            publish_json(where, {"fingerprint": facts.fingerprint, "eos_token_id": facts.eos_token_id}, files)
         except OSError as e:
             log.info("tokenizer facts not cached in %s: %s", where.parent, e)
         return facts

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import cache_dir
+from specdec.model_cache import cache_dir
 
 log = logging.getLogger(__name__)
 

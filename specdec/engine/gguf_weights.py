@@ -26,7 +26,8 @@ import torch
 
 from specdec.engine import llama_weights, skinny_gemm
 from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, pack
-from specdec.models import ModelConfig, cache_dir, files_key, load_model as load_reference, local_source, publish_dir
+from specdec.model_cache import cache_dir, files_key, publish_dir
+from specdec.models import ModelConfig, load_model as load_reference, local_source
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def _index(path: Path):
             (tmp / "index.json").write_text(json.dumps({"config": parsed, "tensors": tensors, "names": names,
                                                         "orders": orders}, default=str))
 
-        publish_dir(where, write)  # (another process may have indexed it meanwhile)
+        publish_dir(where, write, [path])  # (another process may have indexed it meanwhile)
     index = json.loads((where / "index.json").read_text())
     config = llama_weights.read_config(where)  # ours: transformers' configuration classes not imported
     if config is None:

@@ -180,7 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def default_out(target: str | None = None) -> Path:
     """Where `make eagle-head` writes a target's head (and `make bench` looks for it): the cache's eagle3/<target>."""
-    from specdec.models import cache_dir, default_target, served_model_name
+    from specdec.model_cache import cache_dir
+    from specdec.models import default_target, served_model_name
 
     return cache_dir() / "eagle3" / served_model_name(target or default_target())
 
