@@ -116,9 +116,10 @@ bench: setup
 
 # An EAGLE-3 draft head for the default target (or TARGET=...), trained on the CPU and written in the published
 # layout (config.json + model.safetensors) to ~/.cache/specdec/eagle3/<target> (or EAGLE_OUT=...):
-# specdec.training.eagle3, `EAGLE_ARGS=--help` for the options. The default pair, measured on one shared core:
-# ~20 min of the target answering 632 prompts (~76k tokens), ~5 min of feature passes, then EAGLE_MINUTES
-# (30) of training: under an hour. `EAGLE_ARGS='--data FILE'` keeps the generated data for later runs.
+# specdec.training.eagle3, `EAGLE_ARGS=--help` for the options. The default pair on 2 cores: ~13 min of the
+# target answering 632 prompts greedily and twice sampled (~220k tokens, on specdec's step with the features
+# tapped as it goes), then EAGLE_MINUTES (30) of training: under an hour. `EAGLE_ARGS='--data FILE'` keeps the
+# generated data (~1.4 GB) for later runs.
 eagle-head: setup
 	$(PY) -m specdec.training.eagle3 $${TARGET:+--target "$$TARGET"} $${EAGLE_OUT:+--out "$$EAGLE_OUT"} \
 	    --minutes $${EAGLE_MINUTES:-30} $(EAGLE_ARGS)

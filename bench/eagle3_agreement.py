@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     from specdec.engine.eagle3 import load_head
     from specdec.models import ModelConfig, default_draft, default_target, load_model, load_tokenizer
     from specdec.training.eagle3 import ttt_outputs
-    from specdec.training.eagle3_data import answers, examples
+    from specdec.engine.config import TierConfig
+    from specdec.training.eagle3_data import generated
 
     t0 = time.perf_counter()
     target_path, draft_path = args.target or default_target(), args.draft or default_draft()
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     head = load_head(args.head, target.config, target.get_input_embeddings(), dtype=torch.float32)
     layers = head.layer_ids(target.config.num_hidden_layers)
     prompts = [p.content for p in prompts_for("open", args.prompts or None)]
-    data = examples(target, answers(target, tok, prompts, args.max_new_tokens, batch_size=8), layers)
+    data = generated(TierConfig(ModelConfig(target_path)), tok, prompts, layers, max_new_tokens=args.max_new_tokens)
     k = args.steps
     prefix_hits = [0] * k  # positions whose first j + 1 drafts all match
     draft_hits, positions = 0, 0

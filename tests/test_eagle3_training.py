@@ -7,11 +7,13 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
+from specdec.engine.config import TierConfig
 from specdec.engine.eagle3 import HeadCache, greedy_chain, load_head, write_checkpoint
+from specdec.engine.eagle3_features import target_features
 from specdec.training import eagle3 as trainer
-from specdec.training.eagle3_data import answers, coverage, draft_vocabulary, examples
+from specdec.training.eagle3_data import chat_ids, coverage, draft_vocabulary, generated
 from specdec.training.prompts import training_prompts
-from specdec.models import load_tokenizer
+from specdec.models import ModelConfig, eos_token_ids, load_tokenizer
 
 LAYERS = [0, 1, 1]  # the tiny target has two layers
 
@@ -50,17 +52,40 @@ def test_greedy_chain_drafts_what_training_scores(tiny_target_model):
     assert [int(head.target_ids(head.logits(o[0, 6]).argmax())) for o in outs] == chain
 
 
+def test_the_data_is_the_targets_own_answers_features_and_argmaxes(tiny_target, tiny_target_model):
+    """Generated on specdec's step with taps, sessions at a time: each greedy answer is transformers' greedy
+    generate's, its features the layers' outputs and its argmaxes the logits' of transformers' forward over it;
+    a sampled answer is another, the same from its seed whatever else is generated beside it (one at a time too)."""
+    target, tok, prompts = tiny_target_model, load_tokenizer(tiny_target), training_prompts(5)
+    data = generated(TierConfig(ModelConfig(tiny_target)), tok, prompts, LAYERS, max_new_tokens=12, samples=1, sessions=3)
+    assert len(data) == 10 and all(ex.features.dtype == ex.hidden.dtype == torch.bfloat16 for ex in data)
+    eos = set(eos_token_ids(target, tok))
+    for i, prompt in enumerate(prompts):
+        greedy, sampled = data[2 * i], data[2 * i + 1]
+        ids = chat_ids(tok, prompt)
+        assert greedy.prompt_len == sampled.prompt_len == len(ids) and greedy.ids[: len(ids)].tolist() == ids
+        reference = target.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        cut = next((j + 1 for j, t in enumerate(reference) if t in eos), len(reference))
+        assert greedy.ids[len(ids):].tolist() == reference[:cut]
+        assert not torch.equal(sampled.ids, greedy.ids)
+        with torch.no_grad():
+            features, out = target_features(target.base_model, greedy.ids[None], LAYERS)
+            logits = target(greedy.ids[None]).logits[0]
+        torch.testing.assert_close(greedy.features.float(), features[0].float(), rtol=1e-2, atol=1e-2)  # (bfloat16)
+        torch.testing.assert_close(greedy.hidden.float(), out.last_hidden_state[0], rtol=2e-2, atol=2e-2)
+        assert torch.equal(greedy.best[len(ids) - 1 :], logits[len(ids) - 1 :].argmax(-1))
+    one_at_a_time = generated(TierConfig(ModelConfig(tiny_target)), tok, prompts, LAYERS, max_new_tokens=12, samples=1,
+                              sessions=1)
+    assert [ex.ids.tolist() for ex in one_at_a_time] == [ex.ids.tolist() for ex in data]
+    assert all(torch.equal(a.features, b.features) for a, b in zip(one_at_a_time, data))
+
+
 def test_tiny_run_lowers_the_loss_and_writes_a_loadable_head(tiny_target, tiny_target_model, tmp_path):
     target = tiny_target_model
-    pairs = answers(target, load_tokenizer(tiny_target), training_prompts(8), max_new_tokens=16, batch_size=8)
-    assert len(pairs) == 8 and all(0 < len(a) <= 16 for _, a in pairs)
-    data = examples(target, pairs, LAYERS)
+    data = generated(TierConfig(ModelConfig(tiny_target)), load_tokenizer(tiny_target), training_prompts(8), LAYERS,
+                     max_new_tokens=16)
+    assert len(data) == 8 and all(0 < ex.ids.shape[0] - ex.prompt_len <= 16 for ex in data)
     assert data[0].features.dtype == torch.bfloat16 and data[0].features.shape[-1] == 3 * 64
-    assert torch.equal(data[0].ids, torch.tensor(pairs[0][0] + pairs[0][1]))
-    for one, batched in zip(examples(target, pairs[:3], LAYERS, batch_size=1), data):  # padding changes nothing
-        assert torch.equal(one.ids, batched.ids) and one.prompt_len == batched.prompt_len
-        torch.testing.assert_close(one.features.float(), batched.features.float(), rtol=2e-2, atol=2e-2)
-        assert (one.best == batched.best).float().mean() > 0.95
     d2t = draft_vocabulary(data, 128, target.config.vocab_size)
     assert 0 < coverage(data, d2t) < 1 == coverage(data, draft_vocabulary(data, 4096, target.config.vocab_size))
     head = trainer.new_head(target, 128, LAYERS, d2t)

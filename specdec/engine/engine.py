@@ -75,7 +75,9 @@ StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) 
 _compiled_models: dict = {}
 
 
-def _load_model(config: TierConfig):
+def load_tier_model(config: TierConfig):
+    """The model as a tier of `config` serves it: a GGUF's matrices in their blocks for the packed step, a draft's
+    quantised where asked, the compiled mode's shared per model."""
     mode = resolve_mode(config.step.mode, torch.device(config.model.device))
     packed = mode == "packed" and config.step.skinny_gemm  # float32 on the skinny GEMM: a GGUF served from its blocks
     if mode == "compile" and config.model not in _compiled_models:
@@ -133,7 +135,7 @@ class Engine(EngineThread):
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         t0 = time.perf_counter()
-        engine = cls(config, _load_model(config), TokenizerSource.at(config.model.path))
+        engine = cls(config, load_tier_model(config), TokenizerSource.at(config.model.path))
         engine.warm_up()
         b, t1 = config.batch, time.perf_counter()
         engine.cost_curve = measure_cost_curve(engine.runner, engine.cache, b.max_batch_sessions, b.max_batch_tokens,

@@ -1,8 +1,8 @@
 """Train an EAGLE-3 head for a target: `python -m specdec.training.eagle3 --target PATH --out DIR` (`make eagle-head`).
 
-1. Data: the target answers the training prompts (specdec.training.prompts) itself, greedily, and records its
-   features and last hidden states (specdec.training.eagle3_data); the draft vocabulary is the data's most
-   frequent tokens.
+1. Data: the target answers the training prompts (specdec.training.prompts) itself, greedily and `--samples`
+   times more at `--temperature`, on specdec's own step with its features and last hidden states tapped
+   (specdec.training.eagle3_data); the draft vocabulary is the data's most frequent tokens.
 2. Head: the published EAGLE-3 layout at the target's shapes (specdec.engine.eagle3), the target's embedding
    shared and frozen; lm_head starts from the target's own rows for the draft vocabulary, norm from its final
    norm, the rest random.
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from specdec.engine.eagle3 import (Eagle3Head, default_aux_layers, head_config, mapped_vocabulary, random_head,
                                    ttt_attention, write_checkpoint)
 from specdec.math.draft_vocab import target_ids
-from specdec.training.eagle3_data import Example, answers, coverage, draft_vocabulary, examples, load_data, save_data
+from specdec.training.eagle3_data import Example, coverage, draft_vocabulary, generated, load_data, save_data
 
 log = logging.getLogger(__name__)
 STEP_DECAY = 0.8  # weight of draft step j's loss: 0.8^j (SpecForge's)
@@ -163,7 +163,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="checkpoint directory (default: the cache directory's eagle3/<target name>)")
     p.add_argument("--prompts", type=int, default=0, help="training prompts to use (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="the target's answer length per prompt")
-    p.add_argument("--gen-batch", type=int, default=16, help="prompts per generate batch")
+    p.add_argument("--samples", type=int, default=2, help="answers per prompt drawn at --temperature, beside the greedy one")
+    p.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
+    p.add_argument("--sessions", type=int, default=32, help="answers the target generates at a time")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft_vocab_size (0: the target's full vocabulary)")
     p.add_argument("--layers", default="", help="target layer outputs to read, e.g. 1,14,26 (default: low/middle/high)")
     p.add_argument("--ttt-steps", type=int, default=4, help="draft steps of the training-time test")
@@ -187,6 +189,7 @@ def default_out(target: str | None = None) -> Path:
 
 
 def main(argv=None) -> int:
+    from specdec.engine.config import TierConfig
     from specdec.models import ModelConfig, load_model, load_tokenizer
     from specdec.training.prompts import training_prompts
 
@@ -205,8 +208,9 @@ def main(argv=None) -> int:
         data = load_data(args.data)
     else:
         tokenizer = load_tokenizer(args.target)
-        pairs = answers(target, tokenizer, training_prompts(args.prompts or None), args.max_new_tokens, args.gen_batch)
-        data = examples(target, pairs, layers)
+        data = generated(TierConfig(ModelConfig(args.target)), tokenizer, training_prompts(args.prompts or None), layers,
+                         max_new_tokens=args.max_new_tokens, samples=args.samples, temperature=args.temperature,
+                         sessions=args.sessions, seed=args.seed)
         if args.data:
             save_data(data, args.data)
     size = args.draft_vocab or config.vocab_size
