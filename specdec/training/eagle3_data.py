@@ -87,7 +87,7 @@ def generated(config: TierConfig, tokenizer, prompts: list[str], layer_ids: Sequ
                             [], [], [])
                     for i, x in enumerate(encoded) for s in range(samples + 1))
     running: dict[int, _Answer] = {}  # slot -> answer
-    free, done, start = list(range(sessions)), [], time.monotonic()
+    free, done, start, reported = list(range(sessions)), [], time.monotonic(), 0
     while waiting or running:
         feeds, owners, budget = [], [], config.batch.max_batch_tokens
         for slot, a in running.items():  # each answer's last token, fed for its features and the next one
@@ -117,8 +117,8 @@ def generated(config: TierConfig, tokenizer, prompts: list[str], layer_ids: Sequ
             else:
                 a.ids.append(a.best[-1] if a.generator is None else
                              int(torch.multinomial(torch.softmax(row.float() / temperature, -1), 1, generator=a.generator)))
-        if len(done) and len(done) % 64 == 0:
-            tokens = sum(len(a.ids) - a.prompt_len for a in done)
+        if len(done) // 64 > reported:  # each 64 answers
+            reported, tokens = len(done) // 64, sum(len(a.ids) - a.prompt_len for a in done)
             log.info("generated %d / %d answers, %d tokens, %.0f tokens/s", len(done), len(encoded) * (samples + 1),
                      tokens, tokens / (time.monotonic() - start))
     out = []
