@@ -28,6 +28,7 @@ import torch
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import load_tier_model
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+from specdec.engine.llama import TorchRowOps
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.engine.step import resolve_mode
 from specdec.math.draft_vocab import d2t_from_target_ids, target_ids
@@ -106,7 +107,7 @@ def generated(config: TierConfig, tokenizer, prompts: list[str], layer_ids: Sequ
             a = running[slot]
             a.features.append(f.features[:, : len(layer_ids) * width])
             last = f.features[:, len(layer_ids) * width :].float()
-            a.hidden.append((last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * weight).to(f.features.dtype))
+            a.hidden.append(TorchRowOps.add_rms_norm(last, None, weight, eps).to(f.features.dtype))
             row = logits[-1]
             a.best.append(int(row.argmax()))
             new = len(a.ids) - a.prompt_len
