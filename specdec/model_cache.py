@@ -92,7 +92,7 @@ def _alive(recorded: list) -> bool:
     """Each source file is still there as it was when the entry was written."""
     for path, size, mtime in recorded:
         try:
-            if _stamp(path) != [str(Path(path).resolve()), size, mtime]:
+            if _stamp(path) != [path, size, mtime]:  # (path was recorded resolved)
                 return False
         except OSError:
             return False
