@@ -93,7 +93,7 @@ def test_chain_rounds_cover_the_committed_sequence_once(target_cluster, tiny_tar
 
 def assert_same_tier(cluster, got: torch.Tensor, want: torch.Tensor) -> None:
     """The same tier's features of the same positions, fed in other steps: bitwise equal where its steps run on
-    the batch-invariant kernels (packed float32 on an AVX-512 CPU: skinny GEMM, row ops and row attention: a row's
+    the batch-invariant kernels (packed float32 on an AVX-512 or AVX2 CPU: skinny GEMM, row ops and row attention: a row's
     arithmetic does not depend on what else its step holds), else to one bfloat16 rounding."""
     runner = cluster.target_tier.runner
     if runner.program.skinny and runner.row_attention:

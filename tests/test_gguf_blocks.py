@@ -20,10 +20,11 @@ from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.models import ModelConfig, load_model, load_tokenizer, make_tiny_model
 from bench.gguf_models import tokenizer_fields, write_tiny_gguf
+from specdec.engine import cpu_kernels
 from tests.helpers import TEST_DEVICE, Cluster, reference_greedy
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
-                                reason="GGUF blocks are served on the AVX-512 skinny GEMM")
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or cpu_kernels.isa() is None,
+                                reason="GGUF blocks are served on the skinny GEMM (AVX-512 or AVX2)")
 
 
 @pytest.fixture(scope="module")

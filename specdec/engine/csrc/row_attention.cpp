@@ -1,5 +1,5 @@
 // Row attention: each new token of a step attends to its own session's slot of the KV cache, in float32
-// (AVX-512), with no padding and no mask tensor.
+// (AVX-512 or AVX2, simd.h), with no padding and no mask tensor.
 //
 // A step's chain feeds (decoding 1 token, verifying K + 1, a prefill chunk) and few-token trees have a query
 // row per new token. Row r belongs to the session in slot slots[r] and sees base[r] positions of it whole
@@ -23,36 +23,18 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-
 #include "kernels.h"
 
 #include <algorithm>
 #include <utility>
 #include <vector>
 
-#include "avx512_exp.h"
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t V = 16;  // floats per vector
-
-// Where key j of a block of 16 puts its partial sums so that transpose_reduce16 leaves its score in lane j.
-constexpr int KEY_SLOT[V] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-
-// acc[KEY_SLOT[j]]: key j's 16 partial sums of q.k -> one vector whose lane j is key j's score: halves of the
-// vectors added pairwise (256-bit, 128-bit, then 64- and 32-bit lanes), one fixed order per lane, ~3 instructions
-// a key where a horizontal sum per key takes ~8.
-inline __m512 transpose_reduce16(const __m512 (&acc)[V]) {
-  __m512 r[8], s[4], t[2];
-  for (int j = 0; j < 8; ++j)
-    r[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[j], acc[j + 8], 0x44), _mm512_shuffle_f32x4(acc[j], acc[j + 8], 0xEE));
-  for (int j = 0; j < 4; ++j)
-    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD));
-  for (int j = 0; j < 2; ++j)
-    t[j] = _mm512_add_ps(_mm512_shuffle_ps(s[j], s[j + 2], 0x44), _mm512_shuffle_ps(s[j], s[j + 2], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
-}
+using simd::vec;
+constexpr int64_t V = simd::LANES;  // floats per vector
 
 // GQ heads of one row that share a key / value head (grouped-query attention; GQ = 1 without it): for each,
 // out[0, D) = softmax(q K^T * scale) V over the positions in `pos` (n of them). Each head's arithmetic is the
@@ -65,80 +47,84 @@ template <int NV, int GQ>
 inline void attend_group(const float* q, int64_t q_stride, const float* keys, const float* values, int64_t stride_pos,
                          const int64_t* pos, int64_t n, float scale, float* scores, int64_t scores_stride, float* out,
                          int64_t out_stride) {
-  __m512 most[GQ];
-  for (int g = 0; g < GQ; ++g) most[g] = _mm512_set1_ps(-INFINITY);
+  vec most[GQ];
+  for (int g = 0; g < GQ; ++g) most[g] = simd::set1(-INFINITY);
   for (int64_t i = 0; i < n; i += V) {
     const int64_t m = n - i < V ? n - i : V;
-    const __mmask16 mask = m == V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << m) - 1);
+    const simd::mask mask = simd::tail(m);
     for (int g = 0; g < GQ; ++g) {
-      __m512 qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * q_stride + v * V), _mm512_set1_ps(scale));
-      __m512 acc[V];
+      vec qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = simd::mul(simd::loadu(q + g * q_stride + v * V), simd::set1(scale));
+      vec acc[V];
 #pragma GCC unroll 16
       for (int j = 0; j < V; ++j) {
-        __m512 a = _mm512_setzero_ps();
+        vec a = simd::zero();
         if (j < m) {
           const float* k = keys + pos[i + j] * stride_pos;
-          a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-          for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + v * V), a);
+          a = simd::mul(qv[0], simd::loadu(k));
+          for (int v = 1; v < NV; ++v) a = simd::fmadd(qv[v], simd::loadu(k + v * V), a);
         }
-        acc[KEY_SLOT[j]] = a;
+        acc[simd::KEY_SLOT[j]] = a;
       }
-      const __m512 block = transpose_reduce16(acc);
-      _mm512_mask_storeu_ps(scores + g * scores_stride + i, mask, block);
-      most[g] = _mm512_mask_max_ps(most[g], mask, most[g], block);
+      const vec block = simd::transpose_reduce16(acc);
+      simd::store_tail(scores + g * scores_stride + i, mask, block);
+      most[g] = simd::max_where(most[g], mask, most[g], block);
     }
   }
   float inv[GQ];
   for (int g = 0; g < GQ; ++g) {
     float* sc = scores + g * scores_stride;
-    const __m512 topv = _mm512_set1_ps(_mm512_reduce_max_ps(most[g]));
-    __m512 sumv = _mm512_setzero_ps();
+    const vec topv = simd::set1(simd::reduce_max(most[g]));
+    vec sumv = simd::zero();
     for (int64_t i = 0; i < n; i += V) {
       const int64_t left = n - i;
-      const __mmask16 m = left >= V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-      const __m512 e = specdec::exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + i), topv));
-      _mm512_mask_storeu_ps(sc + i, m, e);
-      sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
+      const simd::mask m = simd::tail(left);
+      const vec e = simd::exp(simd::sub(simd::load_tail(m, sc + i), topv));
+      simd::store_tail(sc + i, m, e);
+      sumv = simd::add(sumv, simd::keep(m, e));
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sumv);
+    inv[g] = 1.0f / simd::reduce_add(sumv);
   }
   // The weighted sum of the values in two interleaved halves (even and odd positions of `pos`, added at the
   // end): two independent chains of multiply-adds per vector where one would wait on each add's latency.
-  __m512 even[GQ][NV], odd[GQ][NV];
+  vec even[GQ][NV], odd[GQ][NV];
   for (int g = 0; g < GQ; ++g)
-    for (int v = 0; v < NV; ++v) even[g][v] = odd[g][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) even[g][v] = odd[g][v] = simd::zero();
   int64_t i = 0;
   for (; i + 1 < n; i += 2) {
     const float* a = values + pos[i] * stride_pos;
     const float* b = values + pos[i + 1] * stride_pos;
     for (int g = 0; g < GQ; ++g) {
-      const __m512 wa = _mm512_set1_ps(scores[g * scores_stride + i]), wb = _mm512_set1_ps(scores[g * scores_stride + i + 1]);
+      const vec wa = simd::set1(scores[g * scores_stride + i]), wb = simd::set1(scores[g * scores_stride + i + 1]);
       for (int v = 0; v < NV; ++v) {
-        even[g][v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[g][v]);
-        odd[g][v] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(b + v * V), odd[g][v]);
+        even[g][v] = simd::fmadd(wa, simd::loadu(a + v * V), even[g][v]);
+        odd[g][v] = simd::fmadd(wb, simd::loadu(b + v * V), odd[g][v]);
       }
     }
   }
   if (i < n) {
     const float* a = values + pos[i] * stride_pos;
     for (int g = 0; g < GQ; ++g) {
-      const __m512 wa = _mm512_set1_ps(scores[g * scores_stride + i]);
-      for (int v = 0; v < NV; ++v) even[g][v] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(a + v * V), even[g][v]);
+      const vec wa = simd::set1(scores[g * scores_stride + i]);
+      for (int v = 0; v < NV; ++v) even[g][v] = simd::fmadd(wa, simd::loadu(a + v * V), even[g][v]);
     }
   }
   for (int g = 0; g < GQ; ++g) {
-    const __m512 invv = _mm512_set1_ps(inv[g]);
+    const vec invv = simd::set1(inv[g]);
     for (int v = 0; v < NV; ++v)
-      _mm512_storeu_ps(out + g * out_stride + v * V, _mm512_mul_ps(_mm512_add_ps(even[g][v], odd[g][v]), invv));
+      simd::storeu(out + g * out_stride + v * V, simd::mul(simd::add(even[g][v], odd[g][v]), invv));
   }
 }
 
 using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t, float,
                           float*, int64_t, float*, int64_t);
 
-// Heads a group call takes at most for NV vectors a head: its sums (2 NV vectors a head) within 24 registers.
-constexpr int most_heads(int nv) { return nv <= 3 ? 4 : nv <= 4 ? 3 : nv <= 6 ? 2 : 1; }
+// Heads a group call takes at most for NV vectors a head: its sums (2 NV vectors a head) within three quarters of
+// the registers (AVX-512: 24 vectors, 4 heads at NV <= 3; AVX2: 6, 3 heads at NV = 1, else 1), at least 1 and at most 4.
+constexpr int most_heads(int nv) {
+  const int fit = simd::REGISTERS * 3 / 4 / (2 * nv);
+  return fit < 1 ? 1 : fit > 4 ? 4 : fit;
+}
 
 template <int NV, int... GQ>
 constexpr AttendFn group_fn(int gq, std::integer_sequence<int, GQ...>) {

@@ -1,4 +1,5 @@
-// Row ops: the small operators of a Llama layer, one call each, row by row, in float32 (AVX-512).
+// Row ops: the small operators of a Llama layer, one call each, row by row, in float32 (AVX-512 or AVX2,
+// simd.h).
 //
 // Around its products and its attention a decoder layer runs ~30 small operators (casts, powers, means,
 // rsqrt, products with cos and sin, a concatenation for rotate_half, SiLU, sums): at decode sizes each is a
@@ -16,19 +17,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-
 #include "kernels.h"
-
-#include "avx512_exp.h"
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t V = 16;
-
-inline __mmask16 tail(int64_t left) {
-  return left >= V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
+using simd::vec;
+constexpr int64_t V = simd::LANES;
 
 void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dtype() == at::kFloat && t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1,
@@ -52,22 +47,22 @@ void add_rms_norm(float* x, int64_t ldx, const float* d, int64_t ldd, const floa
                   int64_t ldh, int64_t T, int64_t N) {
   rows(T, N, [&](int64_t t) {
     float* xr = x + t * ldx;
-    __m512 ss = _mm512_setzero_ps();
+    vec ss = simd::zero();
     for (int64_t j = 0; j < N; j += V) {
-      const __mmask16 m = tail(N - j);
-      __m512 v = _mm512_maskz_loadu_ps(m, xr + j);
+      const simd::mask m = simd::tail(N - j);
+      vec v = simd::load_tail(m, xr + j);
       if (d) {
-        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, d + t * ldd + j));
-        _mm512_mask_storeu_ps(xr + j, m, v);
+        v = simd::add(v, simd::load_tail(m, d + t * ldd + j));
+        simd::store_tail(xr + j, m, v);
       }
-      ss = _mm512_fmadd_ps(v, v, ss);
+      ss = simd::fmadd(v, v, ss);
     }
-    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(N) + static_cast<float>(eps));
-    const __m512 s = _mm512_set1_ps(scale);
+    const float scale = 1.0f / std::sqrt(simd::reduce_add(ss) / static_cast<float>(N) + static_cast<float>(eps));
+    const vec s = simd::set1(scale);
     for (int64_t j = 0; j < N; j += V) {
-      const __mmask16 m = tail(N - j);
-      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), s);
-      _mm512_mask_storeu_ps(h + t * ldh + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), v));
+      const simd::mask m = simd::tail(N - j);
+      const vec v = simd::mul(simd::load_tail(m, xr + j), s);
+      simd::store_tail(h + t * ldh + j, m, simd::mul(simd::load_tail(m, w + j), v));
     }
   });
 }
@@ -82,15 +77,13 @@ void rotary(float* x, int64_t ldx, const float* cos, int64_t ldc, const float* s
       float* a = x + t * ldx + h;  // first half
       float* b = a + half;         // second half
       for (int64_t j = 0; j < half; j += V) {
-        const __mmask16 m = tail(half - j);
-        const __m512 x1 = _mm512_maskz_loadu_ps(m, a + j), x2 = _mm512_maskz_loadu_ps(m, b + j);
+        const simd::mask m = simd::tail(half - j);
+        const vec x1 = simd::load_tail(m, a + j), x2 = simd::load_tail(m, b + j);
         // x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1)
-        const __m512 o1 = _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, c + j)),
-                                        _mm512_mul_ps(x2, _mm512_maskz_loadu_ps(m, s + j)));
-        const __m512 o2 = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_maskz_loadu_ps(m, c + half + j)),
-                                        _mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, s + half + j)));
-        _mm512_mask_storeu_ps(a + j, m, o1);
-        _mm512_mask_storeu_ps(b + j, m, o2);
+        const vec o1 = simd::sub(simd::mul(x1, simd::load_tail(m, c + j)), simd::mul(x2, simd::load_tail(m, s + j)));
+        const vec o2 = simd::add(simd::mul(x2, simd::load_tail(m, c + half + j)), simd::mul(x1, simd::load_tail(m, s + half + j)));
+        simd::store_tail(a + j, m, o1);
+        simd::store_tail(b + j, m, o2);
       }
     }
   });
@@ -98,15 +91,15 @@ void rotary(float* x, int64_t ldx, const float* cos, int64_t ldc, const float* s
 
 void silu_mul(const float* gate, int64_t ldg, const float* up, int64_t ldu, float* out, int64_t ldo, int64_t T,
               int64_t I) {
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const vec one = simd::set1(1.0f);
   rows(T, I, [&](int64_t t) {
     const float* g = gate + t * ldg;
     const float* u = up + t * ldu;
     for (int64_t j = 0; j < I; j += V) {
-      const __mmask16 m = tail(I - j);
-      const __m512 gv = _mm512_maskz_loadu_ps(m, g + j);
-      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, specdec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm512_mask_storeu_ps(out + t * ldo + j, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + j)));
+      const simd::mask m = simd::tail(I - j);
+      const vec gv = simd::load_tail(m, g + j);
+      const vec silu = simd::div(gv, simd::add(one, simd::exp(simd::sub(simd::zero(), gv))));
+      simd::store_tail(out + t * ldo + j, m, simd::mul(silu, simd::load_tail(m, u + j)));
     }
   });
 }

@@ -1,4 +1,5 @@
-// Skinny GEMM: y = x W^T (+ b) in float32 for the few rows of a decode or verify step (AVX-512).
+// Skinny GEMM: y = x W^T (+ b) in float32 for the few rows of a decode or verify step (AVX-512 or AVX2,
+// simd.h).
 //
 // Batch invariance. Every output y[m, n] is one sum over k = 0 .. K-1 in order, one fused multiply-add
 // per term, in a register lane of its own; the bias is added after. How rows and columns are blocked decides
@@ -9,9 +10,11 @@
 // Layout. W [N, K] is packed once into panels of 16 columns: panel p holds W[16p .. 16p+15, :] transposed,
 // [K][16] contiguous (columns past N are zeros), so each panel is one sequential stream.
 //
-// Blocking. The rows of x go in blocks of at most 9, as even as they come (17 = 9 + 8). A block of MB rows
-// against NV panels at a time is the micro-kernel: MB x NV accumulators, NV weight vectors and one
-// broadcast value of x in the 32 vector registers (NV = the most that fit: 8 for 1-2 rows, 3 for 7-9). Per
+// Blocking. The rows of x go in blocks of at most 9 (AVX2: 6), as even as they come (17 = 9 + 8). A block of MB
+// rows against NV panels at a time is the micro-kernel: MB x NV accumulators, NV weight vectors and one
+// broadcast value of x in the vector registers (NV = the most that fit: 8 for 1-2 rows, 3 for 7-9; AVX2, whose
+// 16 ymm registers hold 8 vectors of 16 lanes: 2 for 1-2 rows, 1 for 3-6, where 4 for one row spilled the
+// accumulators and halved a GGUF product's speed). Per
 // k it loads NV weight vectors and broadcasts MB values, then does MB x NV multiply-adds. One row block
 // (M <= 9, a decode or verify step): each of torch's OpenMP threads takes an even share of the panels, NV at
 // a time and the rest in one micro-kernel of its width. More rows: the row blocks take each group of NV
@@ -24,9 +27,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-
 #include "kernels.h"
+#include "simd.h"
 
 #include <cstdlib>
 #include <type_traits>
@@ -34,35 +36,39 @@
 
 namespace {
 
-constexpr int64_t PANEL = 16;   // columns per packed panel (one vector)
-constexpr int64_t MAX_MB = 9;   // rows per block
-constexpr int NV_FOR[MAX_MB + 1] = {0, 8, 8, 6, 6, 5, 4, 3, 3, 3};  // panels per step: MB x NV + NV + 1 <= 32
+using simd::vec;
+constexpr int64_t PANEL = simd::LANES;  // columns per packed panel (one vector)
+// Rows per block, and panels per step for MB rows: MB x NV + NV + 1 vectors within the registers (AVX-512's 32;
+// AVX2's 16 ymm hold 8 vectors of 16 lanes, and a GGUF tile's scales want 2 NV more).
+constexpr int64_t MAX_MB = simd::REGISTERS == 32 ? 9 : 6;
+constexpr int NV_FOR[10] = {0, 8, 8, 6, 6, 5, 4, 3, 3, 3};
+constexpr int NV_FOR_AVX2[10] = {0, 2, 2, 1, 1, 1, 1, 1, 1, 1};
+constexpr int nv_for(int mb) { return simd::REGISTERS == 32 ? NV_FOR[mb] : NV_FOR_AVX2[mb]; }
 
 template <int MB, int NV>
-inline void store(const __m512 (&acc)[MB][NV], const float* __restrict bias, float* __restrict y, int64_t ldy,
+inline void store(const vec (&acc)[MB][NV], const float* __restrict bias, float* __restrict y, int64_t ldy,
                   int64_t cols) {
   for (int v = 0; v < NV; ++v) {
     const int64_t left = cols - PANEL * v;
     if (left <= 0) break;
-    const __mmask16 mask = left >= PANEL ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + PANEL * v) : _mm512_setzero_ps();
-    for (int i = 0; i < MB; ++i)
-      _mm512_mask_storeu_ps(y + i * ldy + PANEL * v, mask, bias ? _mm512_add_ps(acc[i][v], b) : acc[i][v]);
+    const simd::mask mask = simd::tail(left);
+    const vec b = bias ? simd::load_tail(mask, bias + PANEL * v) : simd::zero();
+    for (int i = 0; i < MB; ++i) simd::store_tail(y + i * ldy + PANEL * v, mask, bias ? simd::add(acc[i][v], b) : acc[i][v]);
   }
 }
 
 template <int MB, int NV>
 inline void kernel(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
                    const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols) {
-  __m512 acc[MB][NV];
+  vec acc[MB][NV];
   for (int i = 0; i < MB; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[i][v] = simd::zero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm512_load_ps(w + v * K * PANEL + k * PANEL);
+    vec wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = simd::load(w + v * K * PANEL + k * PANEL);
     for (int i = 0; i < MB; ++i) {
-      const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+      const vec xb = simd::set1(x[i * ldx + k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = simd::fmadd(xb, wv[v], acc[i][v]);
     }
   }
   store<MB, NV>(acc, bias, y, ldy, cols);
@@ -125,63 +131,49 @@ inline void by_format(int64_t fmt, F&& f) {
   }
 }
 
-// A 4-bit quant q as the float the format multiplies by d: a table lookup on each lane's low 4 bits
-// (vpermps ignores the rest, so the nibble needs no mask and no conversion): q for Q4_1, Q4_K and Q2_K, q - 8 for
-// Q4_0 and Q3_K (whose tile holds q + 8).
-template <int64_t FMT>
-inline __m512 nibble_table() {
-  return FMT == Q4_0 || FMT == Q3_K ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
 // One weight vector (16 columns at k) of a tile, dequantised in registers as gguf-py computes it. s: the
-// tile's scales as float32, d then m (the K-quants': D, then M, each per half where the format has two); table:
-// nibble_table<FMT>().
+// tile's scales as float32, d then m (the K-quants': D, then M, each per half where the format has two). A 4-bit
+// quant is q for Q4_1, Q4_K and Q2_K, q - 8 for Q4_0 and Q3_K (whose tile holds q + 8).
 template <int64_t FMT, int K>
-inline __m512 weight(const uint8_t* __restrict t, const float* __restrict s, __m512 table) {
+inline vec weight(const uint8_t* __restrict t, const float* __restrict s) {
   if constexpr (FMT == Q8_0 || FMT == Q6_K) {  // q * d (Q6_K: the half's D)
-    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + quants_at(FMT) + 16 * K)));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_load_ps(s + (FMT == Q6_K && K >= 16 ? PANEL : 0)));
+    return simd::mul(simd::from_int8(t + quants_at(FMT) + 16 * K), simd::load(s + (FMT == Q6_K && K >= 16 ? PANEL : 0)));
   } else if constexpr (FMT == Q5_K) {  // D q + M, q unsigned
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + quants_at(FMT) + 16 * K)));
-    return _mm512_fmadd_ps(_mm512_load_ps(s), _mm512_cvtepi32_ps(q), _mm512_load_ps(s + PANEL));
+    return simd::fmadd(simd::load(s), simd::from_uint8(t + quants_at(FMT) + 16 * K), simd::load(s + PANEL));
   } else {
-    const __m512i words = _mm512_loadu_si512(t + quants_at(FMT) + 64 * (K / 8));
-    const __m512 q = _mm512_permutexvar_ps(K % 8 ? _mm512_srli_epi32(words, 4 * (K % 8)) : words, table);
+    const vec q = simd::nibble<4 * (K % 8), FMT == Q4_0 || FMT == Q3_K>(t + quants_at(FMT) + 64 * (K / 8));
     if constexpr (FMT == Q4_1 || FMT == Q4_K)
-      return _mm512_fmadd_ps(_mm512_load_ps(s), q, _mm512_load_ps(s + PANEL));  // (d q) + m; Q4_K: D q + M
+      return simd::fmadd(simd::load(s), q, simd::load(s + PANEL));  // (d q) + m; Q4_K: D q + M
     constexpr int half = K >= 16 ? PANEL : 0;  // Q2_K, Q3_K: the half's scales
-    if constexpr (FMT == Q2_K) return _mm512_fmadd_ps(_mm512_load_ps(s + half), q, _mm512_load_ps(s + 2 * PANEL + half));
-    if constexpr (FMT == Q3_K) return _mm512_mul_ps(_mm512_load_ps(s + half), q);  // D q, q in [-4, 3]
-    return _mm512_mul_ps(_mm512_load_ps(s), q);  // d (q - 8)
+    if constexpr (FMT == Q2_K) return simd::fmadd(simd::load(s + half), q, simd::load(s + 2 * PANEL + half));
+    if constexpr (FMT == Q3_K) return simd::mul(simd::load(s + half), q);  // D q, q in [-4, 3]
+    return simd::mul(simd::load(s), q);  // d (q - 8)
   }
 }
 
 // The float kernel's sums, term for term, over the tiles' weights dequantised in registers as the k loop
 // reaches them: each weight vector is dequantised once and used by all MB rows.
 template <int MB, int NV, int64_t FMT, int K>
-inline void qstep(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
-                  const float (&scale)[NV][SCALES], __m512 table) {
-  __m512 wv[NV];
-  for (int v = 0; v < NV; ++v) wv[v] = weight<FMT, K>(t[v], scale[v], table);
+inline void qstep(vec (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
+                  const float (&scale)[NV][SCALES]) {
+  vec wv[NV];
+  for (int v = 0; v < NV; ++v) wv[v] = weight<FMT, K>(t[v], scale[v]);
   for (int i = 0; i < MB; ++i) {
-    const __m512 xb = _mm512_set1_ps(x[i * ldx + K]);
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);
+    const vec xb = simd::set1(x[i * ldx + K]);
+    for (int v = 0; v < NV; ++v) acc[i][v] = simd::fmadd(xb, wv[v], acc[i][v]);
   }
 }
 
 template <int MB, int NV, int64_t FMT, int... K>
-inline void qsteps(__m512 (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
+inline void qsteps(vec (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
                    const float (&scale)[NV][SCALES], std::integer_sequence<int, K...>) {
-  const __m512 table = nibble_table<FMT>();
-  (qstep<MB, NV, FMT, K>(acc, x, ldx, t, scale, table), ...);  // k = 0 .. 31 in order
+  (qstep<MB, NV, FMT, K>(acc, x, ldx, t, scale), ...);  // k = 0 .. 31 in order
 }
 
 template <int64_t FMT, int... K>
 inline void dequant_tile(const uint8_t* __restrict t, const float* __restrict s, float* __restrict out,
                          std::integer_sequence<int, K...>) {
-  const __m512 table = nibble_table<FMT>();
-  (_mm512_store_ps(out + PANEL * K, weight<FMT, K>(t, s, table)), ...);
+  (simd::store(out + PANEL * K, weight<FMT, K>(t, s)), ...);
 }
 
 // A tile's float16 scales as float32 into s: d, then m where the format has one (Q4_1); the K-quants' float32
@@ -189,11 +181,11 @@ inline void dequant_tile(const uint8_t* __restrict t, const float* __restrict s,
 inline void tile_scales(int64_t fmt, const uint8_t* __restrict t, float* __restrict s) {
   if (k_quant(fmt)) {
     for (int64_t v = 0; v < quants_at(fmt) / 64; ++v)
-      _mm512_store_ps(s + PANEL * v, _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64 * v)));
+      simd::store(s + PANEL * v, simd::loadu(reinterpret_cast<const float*>(t + 64 * v)));
     return;
   }
-  _mm512_store_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t))));
-  if (fmt == Q4_1) _mm512_store_ps(s + PANEL, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32))));
+  simd::store(s, simd::from_halves(t));
+  if (fmt == Q4_1) simd::store(s + PANEL, simd::from_halves(t + 32));
 }
 
 inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict out) {  // tile -> [32][16]
@@ -208,9 +200,9 @@ inline void qkernel(const float* __restrict x, int64_t ldx, const uint8_t* __res
                     const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols) {
   const int64_t tb = tile_bytes(FMT);
   alignas(64) float scale[NV][SCALES];
-  __m512 acc[MB][NV];
+  vec acc[MB][NV];
   for (int i = 0; i < MB; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[i][v] = simd::zero();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* t[NV];
     for (int v = 0; v < NV; ++v) {
@@ -255,7 +247,7 @@ inline void rest_of(const W& w, const float* x, int64_t ldx, const float* bias, 
 template <int MB, class W>
 inline void panels(const W& w, const float* x, int64_t ldx, const float* bias, float* y, int64_t ldy, int64_t N,
                    int64_t p0, int64_t p1) {
-  constexpr int NV = NV_FOR[MB];
+  constexpr int NV = nv_for(MB);
   int64_t p = p0;
   for (; p + NV <= p1; p += NV)
     w.template run<MB, NV>(x, ldx, p, bias ? bias + p * PANEL : nullptr, y + p * PANEL, ldy, N - p * PANEL);
@@ -289,7 +281,7 @@ void product(const W& w, const float* x, int64_t ldx, int64_t M, int64_t K, int6
     at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) { block(M, w, x, ldx, bias, y, ldy, N, p0, p1); });
     return;
   }
-  const int64_t group = NV_FOR[(M + blocks - 1) / blocks];  // panels per group: the first (largest) block's NV
+  const int64_t group = nv_for(static_cast<int>((M + blocks - 1) / blocks));  // panels per group: the first (largest) block's NV
   const int64_t groups = (count + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     constexpr bool quantised = std::is_same_v<W, Blocks>;
