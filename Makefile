@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 proto: $(GEN)
 
 # specdec's CPU kernels (specdec/engine/cpu_kernels.py: the skinny GEMM, row attention, the row ops, the decoder), compiled once with the
-# host's C++ compiler and cached; prints why not where they cannot be (no AVX-512, no compiler), and the tiers
+# host's C++ compiler and cached; prints why not where they cannot be (neither AVX-512 nor AVX2, no compiler), and the tiers
 # then run without them.
 kernels: $(STAMP)
 	$(PY) -m specdec.engine.cpu_kernels
@@ -125,12 +125,14 @@ eagle-head: setup
 	    --minutes $${EAGLE_MINUTES:-30} $(EAGLE_ARGS)
 
 # The llama.cpp peer of bench.run (the same GGUF and prompts through llama-cpp-python): a source build of
-# llama.cpp with CMake, ~12 min on 2 shared cores, so neither setup nor bench does it. AVX-512 with VNNI and
-# BF16, AMX off: a native build's AMX kernels die of SIGILL where the VM does not grant AMX (these machines);
-# --no-cache-dir, so that pip cannot reuse a wheel built with other flags.
-LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF \
-    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
+# llama.cpp with CMake, ~12 min on 2 shared cores, so neither setup nor bench does it. AVX2, and each AVX-512
+# extension this CPU lists (/proc/cpuinfo), AMX off: a native build's AMX kernels die of SIGILL where the VM does
+# not grant AMX (these machines); --no-cache-dir, so that pip cannot reuse a wheel built with other flags.
+cpu_has = $(if $(shell grep -s -m1 -ow $(1) /proc/cpuinfo),-D$(2)=ON,-D$(2)=OFF)
+LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+    $(call cpu_has,avx512f,GGML_AVX512) $(call cpu_has,avx512_vbmi,GGML_AVX512_VBMI) \
+    $(call cpu_has,avx512_vnni,GGML_AVX512_VNNI) $(call cpu_has,avx512_bf16,GGML_AVX512_BF16) \
+    $(call cpu_has,avx_vnni,GGML_AVX_VNNI) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
 llama-cpp: setup
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
 	    $(PY) -m pip install --no-cache-dir llama-cpp-python==0.3.36 diskcache==5.6.3

@@ -1,5 +1,5 @@
 """What row attention costs a prompt's prefill: the target's prefill time with every chain on specdec's row
-attention kernel (the default on an AVX-512 CPU in float32, so that a prompt split anyhow gives the same bits:
+attention kernel (the default on an AVX-512 or AVX2 CPU in float32, so that a prompt split anyhow gives the same bits:
 docs/DESIGN.md, Step cost) against its prefill chunks on PyTorch's attention (what ran before), interleaved in
 one process, the prompt fed in --chunk-token chunks as the tier feeds it.
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     model = load_model(ModelConfig(target, device="cpu", dtype="float32"), blocks=True)
     runner = ModelRunner(model, SlotKVCache(KVGeometry.of(model), 1, max(lengths) + 8), StepConfig(mode="packed"))
     if not runner.row_attention:
-        print("prefill_cost: row attention does not apply here (an AVX-512 CPU in float32 only)", file=sys.stderr)
+        print("prefill_cost: row attention does not apply here (an AVX-512 or AVX2 CPU in float32 only)", file=sys.stderr)
         return 2
     rows_visibility = attention.row_visibility
 

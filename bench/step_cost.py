@@ -15,12 +15,12 @@ bench times, in one process and interleaved (so a noisy machine shifts every mod
    without the network) against transformers' `generate` eager, and with a static cache and
    torch.compile'd forward (its best settings on this device).
 
-Modes: eager, packed (float32 on an AVX-512 CPU: every linear on specdec's skinny GEMM kernel, a GGUF's
+Modes: eager, packed (float32 on an AVX-512 or AVX2 CPU: every linear on specdec's skinny GEMM kernel, a GGUF's
 matrices in their blocks), packed-float32 (the same over the GGUF dequantised once to float32:
 --no-gguf-blocks), packed-q8_0 (the draft only: its matrices quantised into Q8_0 blocks at load, the draft
 tier's default, --quantize auto, on this kernel), packed-onednn
 (the packed mode without that kernel: the LM head on oneDNN-packed weights, the layers on the library's
-products, as on a CPU without AVX-512), compile (torch.compile, frozen weights) on a CPU; eager and
+products, as on a CPU without AVX-512 or AVX2), compile (torch.compile, frozen weights) on a CPU; eager and
 cuda-graphs (and cuda-graphs-plain, its graphs without fused ops) on CUDA. Writes a section to the month's log in docs/bench-logs/ and docs/bench_step_cost[_gpu_<dtype>].png.
 
 Each mode's row names its weights' format, and its floor is that format's bytes over the bandwidth.

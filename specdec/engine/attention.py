@@ -14,7 +14,7 @@ Two shapes of work, two ways to run them, neither copying a cache:
   are handed out lowest-first, so live sessions sit in a dense range;
 * a **long** segment (a prefill chunk) attends alone to its own slot prefix, also a view.
 
-On an AVX-512 CPU in float32 (the packed step mode, `StepConfig.row_attention`), every chain feed,
+On an AVX-512 or AVX2 CPU in float32 (the packed step mode, `StepConfig.row_attention`), every chain feed,
 prefill chunks included, and every few-token tree take a third way instead: **row attention**
 (csrc/row_attention.cpp), a kernel in which each new token attends to its own slot's visible positions
 (a chain's token: every position up to its own; a tree node: its prefix plus a bit mask of its
@@ -58,7 +58,7 @@ ROW_SPAN = 64  # row attention: a row sees its prefix whole and these many posit
 
 
 def row_kernel():
-    """The row attention kernel's module, or None where it cannot be built (no AVX-512, no compiler)."""
+    """The row attention kernel's module, or None where it cannot be built (neither AVX-512 nor AVX2, no compiler)."""
     return cpu_kernels.load("row_attention")[0]
 
 

@@ -52,10 +52,10 @@ class StepConfig:
     #                           host round trip (off: one engine step each; specdec.engine.draft_chain)
     run_on_chain: bool = True  # target tier: a greedy session stepping alone runs its run-on tokens as one such
     #                            chain (off, or under load: one engine step each, batched with every session)
-    skinny_gemm: bool = True  # packed steps in float32 on an AVX-512 CPU: every linear on specdec's batch-invariant
+    skinny_gemm: bool = True  # packed steps in float32 on an AVX-512 or AVX2 CPU: every linear on specdec's batch-invariant
     #                           kernel, built once with the host's C++ compiler (off: oneDNN's and the library's
     #                           products; specdec.engine.skinny_gemm)
-    row_attention: bool = True  # packed and compile steps in float32 on an AVX-512 CPU: each token (decode, verify,
+    row_attention: bool = True  # packed and compile steps in float32 on an AVX-512 or AVX2 CPU: each token (decode, verify,
     #                             prefill) attends to its own session's cache on specdec's batch-invariant kernel,
     #                             with no padding, so neither batching nor how a prompt is split changes a bit
     #                             (off: PyTorch's attention over padded groups and prefill chunks)

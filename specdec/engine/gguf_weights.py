@@ -1,7 +1,7 @@
 """A GGUF served as it ships: its quantised matrices kept in their blocks (specdec.engine.quant_gemm), no float32 copy.
 
 specdec.models loads a GGUF the reference way: transformers dequantises every tensor to float32 (gguf-py's
-numpy), once, into a cached copy. For the packed step on an AVX-512 CPU in float32 this module builds the
+numpy), once, into a cached copy. For the packed step on an AVX-512 or AVX2 CPU in float32 this module builds the
 same model without that copy: transformers' own config and tensor-name map for the file, its own tensor
 processor for the row order (llama.cpp permutes q and k; transformers undoes it, here applied to the block
 rows, which are whole rows), the norms and any float tensors exactly as transformers loads them, and every

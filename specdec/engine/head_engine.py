@@ -23,7 +23,7 @@ exactly as the draft model's (specdec.engine.propose.ProposeWork.finish_step: pe
 keyed draws, q truncated to top_n), so q is 0 outside the draft vocabulary and rejection sampling stays exact.
 Each pass of the engine thread takes every queued request (one per session), and steps them in lockstep: the
 layer's products and the LM head's run once for the step's sessions, the attention per session. A float32 head on
-an AVX-512 CPU runs every product on specdec's skinny GEMM kernel (specdec.engine.skinny_gemm: fast at a few rows,
+an AVX-512 or AVX2 CPU runs every product on specdec's skinny GEMM kernel (specdec.engine.skinny_gemm: fast at a few rows,
 and batch-invariant); on CUDA the products run on blocks of a fixed number of rows (StepConfig.head_rows, the
 batch padded: one shape, one kernel, each row reduced alone); elsewhere the head steps per session. Either way a
 session's proposal is bitwise the same whichever sessions share its steps, so seeded sampling stays reproducible
@@ -80,7 +80,7 @@ class HeadEngine(EngineThread):
         self.vocab_size = head.vocab_size
         self.feature_layers = head.layer_ids(target_config.num_hidden_layers)
         self.feature_width = head.fc.in_features
-        # float32 on an AVX-512 CPU (unless --no-skinny-gemm): the batch-invariant kernel
+        # float32 on an AVX-512 or AVX2 CPU (unless --no-skinny-gemm): the batch-invariant kernel
         self.skinny = config.step.skinny_gemm and pack_linears(head, config.step.quantize)
         rows = config.step.head_rows if config.step.head_rows >= 0 else 64 if self.device.type == "cuda" else 0
         self.block_rows = 0 if self.skinny else rows  # elsewhere: products on blocks of this many rows (0: per session)

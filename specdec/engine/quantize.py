@@ -5,7 +5,7 @@ rejection sampling keeps the target's distribution for any q (docs/DESIGN.md, Ve
 run a cheaper model than its checkpoint. Q8_0 (ggml's block of 32 weights: a float16 scale d and 32 int8 q,
 value q d) keeps the draft's argmax on ~98% of positions and quarters its bytes; the default draft is mostly
 its tied 49152 x 256 embedding / LM head, which the step streams every time, so the step takes ~0.5x the
-float32 one on an AVX-512 CPU (docs/performance.md, "A quantised draft"). The blocks are what gguf-py's
+float32 one on an AVX-512 or AVX2 CPU (docs/performance.md, "A quantised draft"). The blocks are what gguf-py's
 quantiser writes (a GGUF of the draft in Q8_0 would hold the same), packed for the kernel as a GGUF's are.
 
 A target never runs this: its output must be the reference model's (the target service refuses --quantize).
@@ -32,7 +32,7 @@ def quantize(model, choice: str, cfg, on_kernel: bool):
     warning that says why (for auto, silently: a GPU or bfloat16 draft keeps its weights)."""
     if choice == "none":
         return model
-    why = "" if on_kernel else "the step does not run on the skinny GEMM (--step-mode packed on an AVX-512 CPU)"
+    why = "" if on_kernel else "the step does not run on the skinny GEMM (--step-mode packed on an AVX-512 or AVX2 CPU)"
     if not why and (torch.device(cfg.device).type != "cpu" or cfg.dtype != "float32"):
         why = f"{cfg.dtype} on {cfg.device} (the block kernel is float32 on a CPU)"
     why = why or skinny_gemm.unavailable() or ""

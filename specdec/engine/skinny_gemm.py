@@ -1,4 +1,4 @@
-"""Skinny GEMM: float32 linears of a few rows on an AVX-512 CPU, batch-invariant (csrc/skinny_gemm.cpp).
+"""Skinny GEMM: float32 linears of a few rows on an AVX-512 or AVX2 CPU, batch-invariant (csrc/skinny_gemm.cpp).
 
 A decode step multiplies 1 row by every weight matrix, a verify K + 1 rows, a batched step a few dozen.
 The libraries' float32 products handle those shapes badly on a CPU: measured on this project's 2-core
@@ -20,7 +20,7 @@ greedy output differs only at an exact near-tie (bench/exactness.py counts them)
 
 The same kernel runs a GGUF's quantised matrices in their blocks (specdec.engine.quant_gemm), bitwise what
 it gives over their dequantised float32 weights. The kernel is built once with the host's C++ compiler and then imported with none (specdec.engine.cpu_kernels,
-which `make setup` runs). Without AVX-512 or a compiler, kernel() is None, unavailable() says why, and
+which `make setup` runs). Without AVX-512 or AVX2, or without a compiler, kernel() is None, unavailable() says why, and
 the packed step mode keeps oneDNN's products.
 """
 

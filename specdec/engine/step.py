@@ -7,7 +7,7 @@ head on the rows someone needs. One program per tier, in one of four modes:
   eager        transformers' modules as they are: the reference, and the debugging path;
   packed       the Llama decoder as plain tensor code (specdec.engine.llama; other models: transformers'
                modules) over weights packed once at start, no compile time. In float32 on an AVX-512
-               CPU every linear, LM head included, runs on specdec's skinny GEMM kernel
+               or AVX2 CPU every linear, LM head included, runs on specdec's skinny GEMM kernel
                (specdec.engine.skinny_gemm: q, k, v as one product, gate and up as another;
                batch-invariant; 0.1-0.5x the libraries' time at 1-3 rows); elsewhere the LM head runs
                on oneDNN-packed weights (specdec.engine.packed), and in bfloat16 / float16 the layers
