@@ -55,18 +55,13 @@ inline void attend_group(const float* q, int64_t q_stride, const float* keys, co
     for (int g = 0; g < GQ; ++g) {
       vec qv[NV];
       for (int v = 0; v < NV; ++v) qv[v] = simd::mul(simd::loadu(q + g * q_stride + v * V), simd::set1(scale));
-      vec acc[V];
-#pragma GCC unroll 16
-      for (int j = 0; j < V; ++j) {
-        vec a = simd::zero();
-        if (j < m) {
-          const float* k = keys + pos[i + j] * stride_pos;
-          a = simd::mul(qv[0], simd::loadu(k));
-          for (int v = 1; v < NV; ++v) a = simd::fmadd(qv[v], simd::loadu(k + v * V), a);
-        }
-        acc[simd::KEY_SLOT[j]] = a;
-      }
-      const vec block = simd::transpose_reduce16(acc);
+      const vec block = simd::lane_sums([&](int j) {  // lane j: key j's score
+        if (j >= m) return simd::zero();
+        const float* k = keys + pos[i + j] * stride_pos;
+        vec a = simd::mul(qv[0], simd::loadu(k));
+        for (int v = 1; v < NV; ++v) a = simd::fmadd(qv[v], simd::loadu(k + v * V), a);
+        return a;
+      });
       simd::store_tail(scores + g * scores_stride + i, mask, block);
       most[g] = simd::max_where(most[g], mask, most[g], block);
     }

@@ -7,7 +7,7 @@
 // The kernels' layouts (16-column panels, a GGUF tile's quants) and the order of every sum (one fused multiply-add
 // per term, in its lane) are the same on both, so a kernel's batch invariance holds on each; what differs is how
 // many vectors fit in registers (REGISTERS: the kernels size their micro-kernels from it) and the order within a
-// horizontal reduction (reduce_add, transpose_reduce16: fixed on each, not the same across the two).
+// horizontal reduction (reduce_add, lane_sums: fixed on each, not the same across the two).
 #pragma once
 
 #include <immintrin.h>
@@ -70,13 +70,16 @@ inline vec nibble(const void* p) {
   return _mm512_permutexvar_ps(SHIFT ? _mm512_srli_epi32(words, SHIFT) : words, table);
 }
 
-// Where key j of a block of 16 puts its partial sums so that transpose_reduce16 leaves its score in lane j.
-constexpr int KEY_SLOT[LANES] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-
-// acc[KEY_SLOT[j]]: key j's 16 partial sums -> one vector whose lane j is their sum: halves of the vectors added
-// pairwise (256-bit, 128-bit, then 64- and 32-bit lanes), one fixed order per lane, ~3 instructions a key where a
-// horizontal sum per key takes ~8.
-inline vec transpose_reduce16(const vec (&acc)[LANES]) {
+// One vector whose lane j is the sum of sums(j)'s 16 lanes, j = 0 .. 15 (a block of keys' scores, each from its
+// partial sums): the sixteen vectors' halves added pairwise (256-bit, 128-bit, then 64- and 32-bit lanes), one
+// fixed order per lane, ~3 instructions a vector where a horizontal sum per vector takes ~8. Vector j goes to
+// acc[SLOT[j]], the place from which the shuffles bring its sum to lane j.
+template <class F>
+inline vec lane_sums(F&& sums) {
+  constexpr int SLOT[LANES] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+  vec acc[LANES];
+#pragma GCC unroll 16
+  for (int j = 0; j < LANES; ++j) acc[SLOT[j]] = sums(j);
   vec r[8], s[4], t[2];
   for (int j = 0; j < 8; ++j)
     r[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[j], acc[j + 8], 0x44), _mm512_shuffle_f32x4(acc[j], acc[j + 8], 0xEE));
@@ -178,20 +181,27 @@ inline vec nibble(const void* p) {
   return {nibble8<SHIFT, MINUS8>(p), nibble8<SHIFT, MINUS8>(static_cast<const uint8_t*>(p) + 32)};
 }
 
-// Key j of a block of 16 puts its partial sums in acc[j]: transpose_reduce16 leaves its score in lane j.
-constexpr int KEY_SLOT[LANES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-// Eight vectors' sums, lane j vector j's: each its two halves added, then pairwise horizontal adds (one fixed order
-// per lane).
-inline __m256 transpose_reduce8(const vec* a) {
+// One vector whose lane j is the sum of sums(j)'s 16 lanes, j = 0 .. 15: eight vectors at a time (eight of 8 lanes
+// in registers, where sixteen pairs would spill), each its halves added, then pairwise horizontal adds (one fixed
+// order per lane).
+template <class F>
+inline __m256 lane_sums8(F&& sums, int first) {
   __m256 h[8];
-  for (int j = 0; j < 8; ++j) h[j] = _mm256_add_ps(a[j].lo, a[j].hi);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    const vec a = sums(first + j);
+    h[j] = _mm256_add_ps(a.lo, a.hi);
+  }
   const __m256 t0 = _mm256_hadd_ps(h[0], h[1]), t1 = _mm256_hadd_ps(h[2], h[3]);
   const __m256 t2 = _mm256_hadd_ps(h[4], h[5]), t3 = _mm256_hadd_ps(h[6], h[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [v0..v3 low 128, v4..v7 low] [.. high]
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [0-3 low halves, 0-3 high] [4-7 ...]
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
-inline vec transpose_reduce16(const vec (&acc)[LANES]) { return {transpose_reduce8(acc), transpose_reduce8(acc + 8)}; }
+template <class F>
+inline vec lane_sums(F&& sums) {
+  const __m256 lo = lane_sums8(sums, 0);
+  return {lo, lane_sums8(sums, 8)};
+}
 
 #else
 #error "specdec's CPU kernels need AVX-512 (-mavx512f) or AVX2 with FMA and F16C (-mavx2 -mfma -mf16c)"
