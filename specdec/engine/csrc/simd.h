@@ -21,6 +21,7 @@ constexpr int64_t LANES = 16;
 #if defined(__AVX512F__)
 
 constexpr int REGISTERS = 32;  // vectors that fit in the register file
+constexpr bool NIBBLES_IN_PLACE = false;  // nibble() as the kernels' 4-bit path (below; AVX2: nibble_in_place)
 using vec = __m512;
 using mask = __mmask16;
 
@@ -93,6 +94,7 @@ inline vec lane_sums(F&& sums) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 constexpr int REGISTERS = 8;  // 16 ymm registers, two a vector
+constexpr bool NIBBLES_IN_PLACE = true;  // a 4-bit quant as nibble_in_place() gives it, its scale 2^-SHIFT (below)
 struct vec {
   __m256 lo, hi;
 };
@@ -179,6 +181,23 @@ inline __m256 nibble8(const void* p) {
 template <int SHIFT, bool MINUS8>
 inline vec nibble(const void* p) {
   return {nibble8<SHIFT, MINUS8>(p), nibble8<SHIFT, MINUS8>(static_cast<const uint8_t*>(p) + 32)};
+}
+
+// Of 16 32-bit words, nibble SHIFT / 4 of each (minus 8 where MINUS8) times 2^SHIFT, exact: the nibble masked
+// where it lies and converted, one shift fewer than nibble() (vcvtdq2ps takes any int32; q 2^SHIFT has 4
+// significant bits), for a scale the caller has multiplied by 2^-SHIFT (exact too). The top nibble (SHIFT 28,
+// whose bits reach the sign) is shifted down as nibble() does and comes with no factor.
+template <int SHIFT, bool MINUS8>
+inline __m256 nibble8_in_place(const void* p) {
+  __m256i w = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  constexpr int at = SHIFT == 28 ? 0 : SHIFT;
+  w = SHIFT == 28 ? _mm256_srli_epi32(w, 28) : _mm256_and_si256(w, _mm256_set1_epi32(0xF << at));
+  if (MINUS8) w = _mm256_sub_epi32(w, _mm256_set1_epi32(8 << at));
+  return _mm256_cvtepi32_ps(w);
+}
+template <int SHIFT, bool MINUS8>
+inline vec nibble_in_place(const void* p) {
+  return {nibble8_in_place<SHIFT, MINUS8>(p), nibble8_in_place<SHIFT, MINUS8>(static_cast<const uint8_t*>(p) + 32)};
 }
 
 // One vector whose lane j is the sum of sums(j)'s 16 lanes, j = 0 .. 15: eight vectors at a time (eight of 8 lanes

@@ -96,6 +96,10 @@ inline void kernel(const float* __restrict x, int64_t ldx, const float* __restri
 constexpr int64_t QK = 32;  // k per block
 enum Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's ids
 constexpr int SCALES = 4 * 16;  // a tile's float32 scales at most (Q2_K: D and M for each half), per column
+// Where simd::NIBBLES_IN_PLACE (AVX2), a Q4_0 / Q4_1 / Q4_K tile's scale d (D) is also held as d 2^-4i for the quants
+// of nibble i (i = 0 .. 6; d for the top nibble, i = 7), after the SCALES: one shift fewer a weight vector.
+constexpr int SHIFTED = SCALES, ALL_SCALES = SCALES + (simd::NIBBLES_IN_PLACE ? 8 * 16 : 0);
+constexpr bool in_place(int64_t fmt) { return simd::NIBBLES_IN_PLACE && (fmt == Q4_0 || fmt == Q4_1 || fmt == Q4_K); }
 
 inline bool served(int64_t fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || (fmt >= Q2_K && fmt <= Q6_K); }
 
@@ -140,6 +144,11 @@ inline vec weight(const uint8_t* __restrict t, const float* __restrict s) {
     return simd::mul(simd::from_int8(t + quants_at(FMT) + 16 * K), simd::load(s + (FMT == Q6_K && K >= 16 ? PANEL : 0)));
   } else if constexpr (FMT == Q5_K) {  // D q + M, q unsigned
     return simd::fmadd(simd::load(s), simd::from_uint8(t + quants_at(FMT) + 16 * K), simd::load(s + PANEL));
+  } else if constexpr (in_place(FMT)) {  // q 2^4i times d 2^-4i: d q, exactly
+    const vec q = simd::nibble_in_place<4 * (K % 8), FMT == Q4_0>(t + quants_at(FMT) + 64 * (K / 8));
+    const vec d = simd::load(s + SHIFTED + PANEL * (K % 8));
+    if constexpr (FMT == Q4_0) return simd::mul(d, q);  // d (q - 8)
+    return simd::fmadd(d, q, simd::load(s + PANEL));  // (d q) + m; Q4_K: D q + M
   } else {
     const vec q = simd::nibble<4 * (K % 8), FMT == Q4_0 || FMT == Q3_K>(t + quants_at(FMT) + 64 * (K / 8));
     if constexpr (FMT == Q4_1 || FMT == Q4_K)
@@ -155,7 +164,7 @@ inline vec weight(const uint8_t* __restrict t, const float* __restrict s) {
 // reaches them: each weight vector is dequantised once and used by all MB rows.
 template <int MB, int NV, int64_t FMT, int K>
 inline void qstep(vec (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
-                  const float (&scale)[NV][SCALES]) {
+                  const float (&scale)[NV][ALL_SCALES]) {
   vec wv[NV];
   for (int v = 0; v < NV; ++v) wv[v] = weight<FMT, K>(t[v], scale[v]);
   for (int i = 0; i < MB; ++i) {
@@ -166,7 +175,7 @@ inline void qstep(vec (&acc)[MB][NV], const float* __restrict x, int64_t ldx, co
 
 template <int MB, int NV, int64_t FMT, int... K>
 inline void qsteps(vec (&acc)[MB][NV], const float* __restrict x, int64_t ldx, const uint8_t* const (&t)[NV],
-                   const float (&scale)[NV][SCALES], std::integer_sequence<int, K...>) {
+                   const float (&scale)[NV][ALL_SCALES], std::integer_sequence<int, K...>) {
   (qstep<MB, NV, FMT, K>(acc, x, ldx, t, scale), ...);  // k = 0 .. 31 in order
 }
 
@@ -182,14 +191,19 @@ inline void tile_scales(int64_t fmt, const uint8_t* __restrict t, float* __restr
   if (k_quant(fmt)) {
     for (int64_t v = 0; v < quants_at(fmt) / 64; ++v)
       simd::store(s + PANEL * v, simd::loadu(reinterpret_cast<const float*>(t + 64 * v)));
-    return;
+  } else {
+    simd::store(s, simd::from_halves(t));
+    if (fmt == Q4_1) simd::store(s + PANEL, simd::from_halves(t + 32));
   }
-  simd::store(s, simd::from_halves(t));
-  if (fmt == Q4_1) simd::store(s + PANEL, simd::from_halves(t + 32));
+  if (in_place(fmt)) {  // d 2^-4i: exact (d >= 2^-24, float16's least, so d 2^-24 is far from float32's subnormals)
+    const vec d = simd::load(s);
+    for (int i = 0; i < 7; ++i) simd::store(s + SHIFTED + PANEL * i, simd::mul(d, simd::set1(1.0f / static_cast<float>(1 << (4 * i)))));
+    simd::store(s + SHIFTED + PANEL * 7, d);
+  }
 }
 
 inline void dequant(int64_t fmt, const uint8_t* __restrict t, float* __restrict out) {  // tile -> [32][16]
-  alignas(64) float s[SCALES];
+  alignas(64) float s[ALL_SCALES];
   tile_scales(fmt, t, s);
   constexpr auto ks = std::make_integer_sequence<int, QK>{};
   by_format(fmt, [&](auto format) { dequant_tile<decltype(format)::value>(t, s, out, ks); });
@@ -199,7 +213,7 @@ template <int MB, int NV, int64_t FMT>
 inline void qkernel(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w, int64_t nb,
                     const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols) {
   const int64_t tb = tile_bytes(FMT);
-  alignas(64) float scale[NV][SCALES];
+  alignas(64) float scale[NV][ALL_SCALES];
   vec acc[MB][NV];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = simd::zero();
