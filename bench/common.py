@@ -97,6 +97,7 @@ def machine_info() -> dict:
         info["torch"] = torch.__version__
         info["transformers"] = transformers.__version__
         info["torch_threads_default"] = torch.get_num_threads()
+        info["cpu"] = f"{cpu} ({torch.backends.cpu.get_cpu_capability()})"  # the vector ISA the kernels are built for
     except ImportError:
         pass
     try:
