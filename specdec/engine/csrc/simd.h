@@ -71,6 +71,11 @@ inline vec nibble(const void* p) {
   return _mm512_permutexvar_ps(SHIFT ? _mm512_srli_epi32(words, SHIFT) : words, table);
 }
 
+// AVX2's 4-bit path (below), declared so that code naming it under `if constexpr (NIBBLES_IN_PLACE)` compiles
+// here too; never called on AVX-512.
+template <int SHIFT, bool MINUS8>
+vec nibble_in_place(const void* p);
+
 // One vector whose lane j is the sum of sums(j)'s 16 lanes, j = 0 .. 15 (a block of keys' scores, each from its
 // partial sums): the sixteen vectors' halves added pairwise (256-bit, 128-bit, then 64- and 32-bit lanes), one
 // fixed order per lane, ~3 instructions a vector where a horizontal sum per vector takes ~8. Vector j goes to
