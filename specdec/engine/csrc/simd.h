@@ -111,8 +111,14 @@ inline vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline vec set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
 inline vec load(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }  // 32-byte aligned
 inline vec loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void store(float* p, vec a) { _mm256_store_ps(p, a.lo), _mm256_store_ps(p + 8, a.hi); }
-inline void storeu(float* p, vec a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+inline void store(float* p, vec a) {
+  _mm256_store_ps(p, a.lo);
+  _mm256_store_ps(p + 8, a.hi);
+}
+inline void storeu(float* p, vec a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
 inline mask tail(int64_t left) {  // the first min(left, 16) lanes: lane i where i < left
   const __m256i n = _mm256_set1_epi32(static_cast<int>(left < LANES ? left : LANES));
   return {_mm256_cmpgt_epi32(n, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
@@ -121,7 +127,10 @@ inline mask tail(int64_t left) {  // the first min(left, 16) lanes: lane i where
 inline vec load_tail(mask m, const float* p) {  // lanes outside m: 0, not read (vmaskmovps does not fault on them)
   return {_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi)};
 }
-inline void store_tail(float* p, mask m, vec a) { _mm256_maskstore_ps(p, m.lo, a.lo), _mm256_maskstore_ps(p + 8, m.hi, a.hi); }
+inline void store_tail(float* p, mask m, vec a) {
+  _mm256_maskstore_ps(p, m.lo, a.lo);
+  _mm256_maskstore_ps(p + 8, m.hi, a.hi);
+}
 inline vec keep(mask m, vec a) {  // lanes outside m: 0
   return {_mm256_and_ps(_mm256_castsi256_ps(m.lo), a.lo), _mm256_and_ps(_mm256_castsi256_ps(m.hi), a.hi)};
 }
