@@ -46,6 +46,15 @@ TEST_DTYPE = os.environ.get("SPECDEC_TEST_DTYPE", "float32")  # their dtype (exa
 TEST_COST_CURVE_S = 0.01
 
 
+def needs_cpu_kernels(what: str) -> pytest.MarkDecorator:
+    """Skip a test of specdec's CPU kernels where they do not apply: another test device, or a CPU with neither
+    AVX-512 nor AVX2 (specdec.engine.cpu_kernels.isa). Where they apply, a build that fails fails the test."""
+    from specdec.engine import cpu_kernels
+
+    return pytest.mark.skipif(TEST_DEVICE != "cpu" or cpu_kernels.isa() is None,
+                              reason=f"{what} runs on CPUs with AVX-512 or AVX2")
+
+
 def device_model(path: str, dtype: str | None = None) -> ModelConfig:
     """A ModelConfig on the test device (SPECDEC_TEST_DEVICE) in the test dtype unless one is named."""
     return ModelConfig(path, device=TEST_DEVICE, dtype=dtype or TEST_DTYPE)

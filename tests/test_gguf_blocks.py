@@ -20,11 +20,9 @@ from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.models import ModelConfig, load_model, load_tokenizer, make_tiny_model
 from bench.gguf_models import tokenizer_fields, write_tiny_gguf
-from specdec.engine import cpu_kernels
-from tests.helpers import TEST_DEVICE, Cluster, reference_greedy
+from tests.helpers import Cluster, needs_cpu_kernels, reference_greedy
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or cpu_kernels.isa() is None,
-                                reason="GGUF blocks are served on the skinny GEMM (AVX-512 or AVX2)")
+pytestmark = needs_cpu_kernels("GGUF blocks (served on the skinny GEMM)")
 
 
 @pytest.fixture(scope="module")

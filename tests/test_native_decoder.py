@@ -14,10 +14,9 @@ from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.llama import LlamaDecoder
 from specdec.models import ModelConfig, load_model
 from bench.gguf_models import tokenizer_fields, write_tiny_gguf
-from tests.helpers import TEST_DEVICE
+from tests.helpers import needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or cpu_kernels.isa() is None,
-                                reason="the decoder kernel is for CPUs with AVX-512 or AVX2")
+pytestmark = needs_cpu_kernels("the decoder kernel")
 
 
 class Counted:

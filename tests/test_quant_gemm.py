@@ -14,11 +14,9 @@ from specdec.engine import skinny_gemm
 from specdec.engine.quant_gemm import FORMATS, QuantEmbedding, QuantLinear, dequantize_rows, pack
 from specdec.engine.skinny_gemm import SkinnyLinear, fused_product
 from bench.gguf_models import K_QUANTS, k_quant_blocks
-from specdec.engine import cpu_kernels
-from tests.helpers import TEST_DEVICE
+from tests.helpers import needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or cpu_kernels.isa() is None,
-                                reason="the skinny GEMM kernel is for CPUs with AVX-512 or AVX2")
+pytestmark = needs_cpu_kernels("the skinny GEMM kernel")
 
 
 def gguf_matrix(fmt: str, n: int, k: int, seed: int = 0, values: np.ndarray | None = None):

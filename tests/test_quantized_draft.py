@@ -26,11 +26,9 @@ from specdec.engine.quant_gemm import QuantEmbedding, QuantLinear
 from specdec.engine.quantize import quantize, quantize_model
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.models import ModelConfig, load_model
-from specdec.engine import cpu_kernels
-from tests.helpers import TEST_DEVICE, Cluster, reference_greedy
+from tests.helpers import Cluster, needs_cpu_kernels, reference_greedy
 
-KERNELS = TEST_DEVICE == "cpu" and cpu_kernels.isa() is not None
-needs_kernel = pytest.mark.skipif(not KERNELS, reason="Q8_0 blocks are served on the skinny GEMM (AVX-512 or AVX2)")
+needs_kernel = needs_cpu_kernels("Q8_0 blocks (served on the skinny GEMM)")
 
 PROMPTS = [[1, 9038, 2115, 253, 1345], [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]]
 

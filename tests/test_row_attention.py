@@ -14,11 +14,9 @@ from specdec.engine import attention
 from specdec.engine.attention import ROW_SPAN, build_layout, row_attention_applies, row_kernel, row_visibility
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import Feed
-from specdec.engine import cpu_kernels
-from tests.helpers import TEST_DEVICE
+from tests.helpers import needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or cpu_kernels.isa() is None,
-                                reason="the row attention kernel is for CPUs with AVX-512 or AVX2")
+pytestmark = needs_cpu_kernels("the row attention kernel")
 
 H, H_KV, D, L = 9, 3, 64, 256  # the default target's heads
 

@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engine import cpu_kernels
-from tests.helpers import TEST_DEVICE
+from tests.helpers import needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or cpu_kernels.isa() is None,
-                                reason="the row ops kernel is for CPUs with AVX-512 or AVX2")
+pytestmark = needs_cpu_kernels("the row ops kernel")
 
 
 @pytest.fixture(scope="module")

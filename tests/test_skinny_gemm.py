@@ -11,13 +11,11 @@ from specdec.engine import skinny_gemm
 from specdec.engine.skinny_gemm import SkinnyLinear
 from specdec.engine.step import MovedLinear, StepProgram, skinny_applies
 from specdec.models import ModelConfig, load_model
-from specdec.engine import cpu_kernels
-from tests.helpers import TEST_DEVICE
+from tests.helpers import needs_cpu_kernels
 
 # The kernel needs AVX-512 or AVX2 (every x86-64 CPU of the last decade has one) and a compiler: make setup builds it,
 # and a build that fails fails these tests. Without either the packed mode keeps oneDNN's products (test_step_program).
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or cpu_kernels.isa() is None,
-                                reason="the skinny GEMM kernel is for CPUs with AVX-512 or AVX2")
+pytestmark = needs_cpu_kernels("the skinny GEMM kernel")
 
 
 def linear(n_out: int, n_in: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
