@@ -164,7 +164,7 @@ inline vec round_nearest(vec a) {
   constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
 }
-// p 2^n for integral n in [-126, 127] (all exp_ps asks): 2^n is a normal float, exact, so the one rounding of the
+// p 2^n for integral n in [-126, 127] (all exp() asks): 2^n is a normal float, exact, so the one rounding of the
 // product is vscalefps's.
 inline __m256 pow2(__m256 n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));

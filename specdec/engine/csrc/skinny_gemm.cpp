@@ -195,7 +195,7 @@ inline void tile_scales(int64_t fmt, const uint8_t* __restrict t, float* __restr
     simd::store(s, simd::from_halves(t));
     if (fmt == Q4_1) simd::store(s + PANEL, simd::from_halves(t + 32));
   }
-  if (in_place(fmt)) {  // d 2^-4i: exact (d >= 2^-24, float16's least, so d 2^-24 is far from float32's subnormals)
+  if (in_place(fmt)) {  // d 2^-4i: exact (d, and Q4_K's D = d sc, is 0 or >= 2^-24, float16's least: d 2^-24 is normal)
     const vec d = simd::load(s);
     for (int i = 0; i < 7; ++i) simd::store(s + SHIFTED + PANEL * i, simd::mul(d, simd::set1(1.0f / static_cast<float>(1 << (4 * i)))));
     simd::store(s + SHIFTED + PANEL * 7, d);
