@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from specdec.engine import cpu_kernels
 from specdec.engine.kv_cache import SlotKVCache
+from specdec.engine.longs import longs
 
 ATTENTION = "specdec_ragged"  # the name registered with transformers' AttentionInterface
 GROUP_MAX_NEW = 32  # sessions feeding at most this many tokens in a step attend as one group
@@ -174,7 +175,7 @@ def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor
     """Int lists as int64 tensors on `device`: one host-to-device copy for all of them (from pinned
     memory, asynchronous, on a GPU) rather than one small synchronous copy each."""
     device = torch.device(device)
-    flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long)
+    flat = longs([x for xs in lists for x in xs])
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     elif device.type != "cpu":
@@ -271,7 +272,7 @@ def _rows(feeds) -> Rows | None:
         slot_of.extend([slot] * new)
         base_of.extend(base)
         bits_of.extend(bits)
-    table = torch.tensor([token_index, slot_of, base_of, bits_of], dtype=torch.long)  # one copy for the four
+    table = longs([token_index, slot_of, base_of, bits_of])  # one copy for the four
     return Rows(*table.unbind(0))
 
 

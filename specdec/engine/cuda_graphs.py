@@ -31,6 +31,7 @@ import torch
 
 from specdec.engine.attention import active, tree_layout
 from specdec.engine.kv_cache import SlotKVCache
+from specdec.engine.longs import longs
 from specdec.engine.static_attention import StaticBuffers, StaticLayout
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class CudaGraphStep:
         hidden, tapped = self._replay(bucket, layers)
         for f in feeds:
             self.cache.mark_written(f.slot, f.cached + len(f.tokens))
-        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        index = longs(rows).to(self.device, non_blocking=True)
         if taps:
             taps.update((i, tapped[i][index]) for i in layers)
         return hidden[index]

@@ -29,6 +29,7 @@ import torch
 
 from specdec.engine.attention import active, build_layout
 from specdec.engine.draft_sampler import DraftSampler
+from specdec.engine.longs import longs
 from specdec.math.argmax import argmax
 
 
@@ -71,7 +72,7 @@ def run_chain(runner, feeds: list[ChainFeed], steps: int, sampler: DraftSampler)
 def _device_loop(runner, feeds: list[ChainFeed], steps: int, sampler: DraftSampler):
     """The chain through the step program, one forward per step, nothing waiting on the device."""
     device = runner.device
-    token = torch.tensor([f.first for f in feeds], dtype=torch.long, device=device)  # [B]
+    token = longs([f.first for f in feeds], device)  # [B]
     rows = torch.arange(len(feeds), device=device)
     drawn, q_ids, q_probs = [], [], []
     for j in range(steps):

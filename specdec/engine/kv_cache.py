@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.engine.longs import longs
+
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -147,8 +149,7 @@ class SlotKVCache:
         if source == target:
             return
         device = self.geometry.device
-        src = torch.tensor(source, dtype=torch.long, device=device)
-        dst = torch.tensor(target, dtype=torch.long, device=device)
+        src, dst = longs(source, device), longs(target, device)
         for layer in range(self.geometry.num_layers):
             self.keys[layer][slot, :, dst] = self.keys[layer][slot, :, src]
             self.values[layer][slot, :, dst] = self.values[layer][slot, :, src]

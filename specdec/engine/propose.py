@@ -24,6 +24,7 @@ from specdec.engine.draft_chain import ChainFeed, run_chain
 from specdec.engine.draft_probs import DraftProbs
 from specdec.engine.draft_sampler import DraftSampler
 from specdec.engine.grammar import allowed_row
+from specdec.engine.longs import longs
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
 from specdec.math.penalties import TokenCounts
@@ -77,7 +78,7 @@ class ProposeWork(Work):
         if any(w.grammar for w in works):
             rows = _mask_grammar(works, rows, engine)
         sampler = _sampler(works, engine.vocab_size, rows.device)
-        positions = torch.tensor([len(w.session) for w in works], device=rows.device)  # where each draw lands
+        positions = longs([len(w.session) for w in works], rows.device)  # where each draw lands
         tokens, q_ids, q_probs = sampler(rows, positions)
         tokens = tokens.tolist()
         if q_ids is not None:  # one copy to the host

@@ -19,6 +19,7 @@ from specdec.engine import triton_attention
 from specdec.engine.attention import active, build_layout, row_attention_applies, split_flat, use_step_attention
 from specdec.engine.config import StepConfig
 from specdec.engine.kv_cache import SlotKVCache
+from specdec.engine.longs import longs
 from specdec.engine.step import StepProgram, resolve_mode
 
 
@@ -142,7 +143,7 @@ class ModelRunner:
         for f in feeds:
             rows.extend(range(start + len(f.tokens) - f.num_logits, start + len(f.tokens)))
             start += len(f.tokens)
-        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        index = longs(rows).to(self.device, non_blocking=True)
         return self.head(hidden[index]).float()
 
 

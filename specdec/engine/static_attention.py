@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from specdec.engine.attention import split_flat
 from specdec.engine.kv_cache import SlotKVCache
+from specdec.engine.longs import longs
 from specdec.engine.triton_attention import static_attention
 
 
@@ -59,7 +60,7 @@ class StaticBuffers:
 
     def fill(self, host: list[list[int]]) -> None:
         """Copy eight host lists (in field order, each no longer than its buffer) in with one transfer."""
-        flat = torch.tensor([x for xs in host for x in xs], dtype=torch.long)
+        flat = longs([x for xs in host for x in xs])
         device = self.input_ids.device
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)

@@ -47,6 +47,7 @@ import torch
 
 from specdec.engine.draft_chain import ChainFeed, CheckedArgmax, run_chain
 from specdec.engine.draft_probs import DraftProbs
+from specdec.engine.longs import longs
 from specdec.engine.spec_metadata import SpecDecodeMetadata
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
@@ -319,7 +320,7 @@ def _verify_trees(works: list[VerifyWork], logits: list[torch.Tensor], vocab_siz
             rows = torch.cat([logits[i] for i in subset])  # [N + B, V]
             device = rows.device
             meta = SpecDecodeMetadata.build([w.drafts for w in sub], device)
-            parents = torch.tensor([p for w in sub for p in w.parents], dtype=torch.long, device=device)  # [N]
+            parents = longs([p for w in sub for p in w.parents], device)  # [N]
             verdict = verify(sub, rows, meta, parents, vocab_size)
             paths, counts = verdict.path.tolist(), verdict.num_accepted.tolist()
             for i, path, n, nxt in zip(subset, paths, counts, verdict.next_token.tolist()):
