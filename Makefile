@@ -8,7 +8,7 @@ GEN    := specdec/proto/.generated-stamp
 # Torch first, pinned: this machine's local CPU wheel. A looser pin pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup proto kernels run test test-fast settings-doc bench gpu-check clean prometheus eagle-head llama-cpp
+.PHONY: setup proto kernels run test test-fast settings-doc bench gpu-check clean prometheus eagle-head llama-cpp guidellm
 
 setup: $(STAMP) $(GEN) kernels
 
@@ -113,6 +113,9 @@ bench: setup
 	    $(PY) -m bench.run --draft "$$head" --no-peer --workloads open --placements separate --no-sampled \
 	        --ks 1,2 --prompts 8 --max-new-tokens 64 --plot-dir "$$(mktemp -d)"; \
 	else echo "make bench: no EAGLE-3 head at $$head (make eagle-head, or EAGLE_HEAD=DIR): the head's rows are not measured"; fi
+	@# guidellm against the OpenAI API, where `make guidellm` installed it
+	@if [ -x .venv-guidellm/bin/guidellm ]; then $(PY) -m bench.guidellm_sweep $(GUIDELLM_ARGS); \
+	else echo "make bench: no .venv-guidellm (make guidellm): the guidellm sweep is not measured"; fi
 
 # An EAGLE-3 draft head for the default target (or TARGET=...), trained on the CPU and written in the published
 # layout (config.json + model.safetensors) to ~/.cache/specdec/eagle3/<target> (or EAGLE_OUT=...):
@@ -123,6 +126,12 @@ bench: setup
 eagle-head: setup
 	$(PY) -m specdec.training.eagle3 $${TARGET:+--target "$$TARGET"} $${EAGLE_OUT:+--out "$$EAGLE_OUT"} \
 	    --minutes $${EAGLE_MINUTES:-30} $(EAGLE_ARGS)
+
+# guidellm (the vLLM project's load generator) for bench.guidellm_sweep, in an environment of its own (its pandas,
+# pyarrow and datasets stay out of specdec's), on the same torch pin: ~1.5 GB, so neither setup nor test does it.
+guidellm:
+	test -x .venv-guidellm/bin/python || $(PYTHON) -m venv .venv-guidellm
+	.venv-guidellm/bin/python -m pip install -q "$(TORCH_PIN)" guidellm==0.8.1
 
 # The llama.cpp peer of bench.run (the same GGUF and prompts through llama-cpp-python): a source build of
 # llama.cpp with CMake, ~12 min on 2 shared cores, so neither setup nor bench does it. AVX2, and each AVX-512
@@ -138,4 +147,4 @@ llama-cpp: setup
 	    $(PY) -m pip install --no-cache-dir llama-cpp-python==0.3.36 diskcache==5.6.3
 
 clean:
-	rm -rf $(VENV) specdec/proto/*_pb2*.py* $(GEN) *.egg-info
+	rm -rf $(VENV) .venv-guidellm specdec/proto/*_pb2*.py* $(GEN) *.egg-info

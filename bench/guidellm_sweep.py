@@ -1,0 +1,188 @@
+"""guidellm against specdec's OpenAI API, as a user measures a server.
+
+For each row a fresh `specdec serve` (the default pair unless --serve-args say otherwise) and guidellm's
+concurrent profile at each level of --streams for --seconds: every stream sends a synthetic chat prompt of
+--prompt-tokens and asks for exactly --output-tokens (guidellm sets `ignore_eos`), the next as soon as one ends.
+Rows: `specdec` (the default request: hybrid proposer, adaptive K) and `k0` (`num_speculative_tokens: 0` in each
+request's body, the target alone through the same services). guidellm runs from an environment of its own
+(`make guidellm`: .venv-guidellm), like any client; its JSON report gives the table: the server's output tokens/s,
+TTFT, inter-token latency and request latency (guidellm's medians and p95 over the level's completed requests).
+Its tokenizer (to size the synthetic prompts) is the draft's, the target's own (docs/DESIGN.md, Roles).
+
+    python -m bench.guidellm_sweep [--streams 1,4,16] [--seconds 30] [--rows specdec,k0] [--guidellm PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.common import REPO, log, machine_info, md_table, publish
+
+ROW_BODY = {"specdec": {}, "k0": {"num_speculative_tokens": 0}}  # what each row adds to every request's body
+GUIDELLM_VERSION = "0.8.1"  # `make guidellm` installs this one
+START_TIMEOUT_S = 600
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.guidellm_sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", default="1,4,16", help="comma list of concurrent streams (guidellm's concurrent profile)")
+    p.add_argument("--seconds", type=float, default=30.0, help="each level's duration")
+    p.add_argument("--rows", default="specdec,k0", help="comma list of specdec, k0")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--guidellm", default=str(REPO / ".venv-guidellm" / "bin" / "guidellm"), help="the guidellm CLI")
+    p.add_argument("--tokenizer", default="", help="a tokenizer directory for the prompts (default: the default draft's)")
+    p.add_argument("--serve-args", default="", help="extra flags for `specdec serve` (one string)")
+    p.add_argument("--out", default=None, help="markdown file to append the section to ('' = none)")
+    return p.parse_args(argv)
+
+
+def scenario(target: str, body: dict, streams: list[int], seconds: float, prompt_tokens: int, output_tokens: int,
+             tokenizer: str, report: Path) -> dict:
+    """guidellm's scenario (its `run -c FILE` format): one benchmark per level of concurrent streams."""
+    backend = {"kind": "openai_http", "target": target, "request_format": "/v1/chat/completions"}
+    if body:
+        backend["extras"] = {"body": body}
+    return {"metadata": {"name": "specdec", "description": "bench.guidellm_sweep"},
+            "spec": {"backend": backend, "profile": {"kind": "concurrent"},
+                     "data": [{"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}],
+                     "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
+                     "constraints": [{"kind": "max_duration", "seconds": seconds}],
+                     "outputs": [{"kind": "json", "path": str(report)}]},
+            "benchmarks": [{"profile.streams": s} for s in streams]}
+
+
+def summarise(report: dict) -> list[dict]:
+    """Per benchmark of a guidellm JSON report: its streams and the figures of the table."""
+    out = []
+    for b in report["benchmarks"]:
+        m = b["metrics"]
+        ok = lambda name: m[name]["successful"]  # noqa: E731 (completed requests' distribution)
+        out.append({"streams": b["config"]["strategy"]["streams"], "requests": m["request_totals"]["successful"],
+                    "errored": m["request_totals"]["errored"], "output_tps": ok("output_tokens_per_second")["mean"],
+                    "ttft_p50": ok("time_to_first_token_ms")["median"],
+                    "ttft_p95": ok("time_to_first_token_ms")["percentiles"]["p95"],
+                    "itl_p50": ok("inter_token_latency_ms")["median"],
+                    "latency_p50": ok("request_latency")["median"]})
+    return out
+
+
+class Serve:
+    """`specdec serve` on free ports, until close()."""
+
+    def __init__(self, extra: list[str], logfile: Path) -> None:
+        from specdec.serving.ports import free_port
+
+        self.port, self.http_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.lines: list[str] = []
+        self._log = logfile.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.client.cli", "serve", "--port", str(self.port),
+                                      "--http-port", str(self.http_port), *extra], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._log.write(line)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not any("ready:" in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("specdec serve did not start:\n" + "".join(self.lines[-30:]))
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def run_row(row: str, args, streams: list[int], tokenizer: str, work: Path) -> list[dict]:
+    serve = Serve(shlex.split(args.serve_args), work / f"serve-{row}.log")
+    try:
+        serve.wait_ready()
+        report = work / f"guidellm-{row}.json"
+        spec = work / f"scenario-{row}.json"
+        spec.write_text(json.dumps(scenario(serve.url, ROW_BODY[row], streams, args.seconds, args.prompt_tokens,
+                                            args.output_tokens, tokenizer, report), indent=1))
+        log(f"{row}: guidellm at {streams} streams, {args.seconds:.0f} s each")
+        with (work / f"guidellm-{row}.log").open("w") as out:
+            done = subprocess.run([args.guidellm, "run", "-c", str(spec), "--disable-console-interactive"], stdout=out,
+                                  stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if done.returncode != 0 or not report.exists():
+            raise RuntimeError(f"guidellm failed ({done.returncode}): {(work / f'guidellm-{row}.log').read_text()[-3000:]}")
+        return summarise(json.loads(report.read_text()))
+    finally:
+        serve.close()
+
+
+def section(argv: list[str], args, results: dict[str, list[dict]], wall_s: float) -> str:
+    m = machine_info()
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: guidellm against the OpenAI API", "",
+             f"Command: `python -m bench.guidellm_sweep{''.join(' ' + shlex.quote(a) for a in argv)}`", "",
+             f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; git {m['git']}; guidellm {GUIDELLM_VERSION}; "
+             f"wall {wall_s / 60:.1f} min",
+             f"- `specdec serve`{' ' + args.serve_args if args.serve_args else ''} (a fresh one per row) and guidellm's "
+             f"concurrent profile: each stream a synthetic chat prompt of {args.prompt_tokens} tokens (the chat template "
+             f"adds its own), exactly {args.output_tokens} tokens out, the next request when one ends, {args.seconds:.0f} s a "
+             "level. Output tok/s is guidellm's server throughput (its mean over the level); TTFT, ITL (inter-token "
+             "latency) and latency are over the level's completed requests.", ""]
+    rows = [(row, r["streams"], f"{r['output_tps']:.1f}", r["requests"], r["errored"], f"{r['ttft_p50']:.0f} / {r['ttft_p95']:.0f}",
+             f"{r['itl_p50']:.1f}", f"{r['latency_p50']:.2f}") for row, rs in results.items() for r in rs]
+    lines += md_table(["row", "streams", "output tok/s", "requests", "errored", "TTFT p50 / p95 (ms)", "ITL p50 (ms)",
+                       "latency p50 (s)"], rows)
+    if "specdec" in results and "k0" in results:
+        k0 = {r["streams"]: r["output_tps"] for r in results["k0"]}
+        ratios = [f"{r['streams']}: {r['output_tps'] / k0[r['streams']]:.2f}x" for r in results["specdec"]
+                  if k0.get(r["streams"])]
+        lines += ["", "- The default request against K = 0 (output tok/s), by streams: " + ", ".join(ratios) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not Path(args.guidellm).exists():
+        print(f"bench.guidellm_sweep: no guidellm at {args.guidellm} (`make guidellm` installs {GUIDELLM_VERSION} "
+              "in .venv-guidellm)", file=sys.stderr)
+        return 2
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in ROW_BODY]
+    if unknown:
+        print(f"bench.guidellm_sweep: unknown rows {unknown} (choose from {list(ROW_BODY)})", file=sys.stderr)
+        return 2
+    streams = [int(s) for s in args.streams.split(",") if s]
+    if args.tokenizer:
+        tokenizer = args.tokenizer
+    else:
+        from specdec.models import default_draft
+
+        tokenizer = default_draft()
+    t0, results = time.monotonic(), {}
+    with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
+        for row in rows:
+            results[row] = run_row(row, args, streams, tokenizer, Path(tmp))
+    publish(section(argv, args, results, time.monotonic() - t0), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
