@@ -114,7 +114,8 @@ bench: setup
 	        --ks 1,2 --prompts 8 --max-new-tokens 64 --plot-dir "$$(mktemp -d)"; \
 	else echo "make bench: no EAGLE-3 head at $$head (make eagle-head, or EAGLE_HEAD=DIR): the head's rows are not measured"; fi
 	@# guidellm against the OpenAI API, where `make guidellm` installed it
-	@if [ -x .venv-guidellm/bin/guidellm ]; then $(PY) -m bench.guidellm_sweep $(GUIDELLM_ARGS); \
+	@if [ -x .venv-guidellm/bin/guidellm ]; then $(PY) -m bench.guidellm_sweep $(GUIDELLM_ARGS) && \
+	    $(PY) -m bench.guidellm_sweep --data chat $(GUIDELLM_ARGS); \
 	else echo "make bench: no .venv-guidellm (make guidellm): the guidellm sweep is not measured"; fi
 
 # An EAGLE-3 draft head for the default target (or TARGET=...), trained on the CPU and written in the published

@@ -1,8 +1,11 @@
 """guidellm against specdec's OpenAI API, as a user measures a server.
 
 For each row a fresh `specdec serve` (the default pair unless --serve-args say otherwise) and guidellm's
-concurrent profile at each level of --streams for --seconds: every stream sends a synthetic chat prompt of
---prompt-tokens and asks for exactly --output-tokens (guidellm sets `ignore_eos`), the next as soon as one ends.
+concurrent profile at each level of --streams for --seconds, every stream sending its next request as soon as one
+ends. `--data synthetic` (guidellm's own): random English words, --prompt-tokens of them, and exactly
+--output-tokens out (guidellm then sets `ignore_eos`). `--data chat`: the chat prompts of bench.concurrency (the
+bench's open and grounded prompts, then variants of them), at most --output-tokens out, each answer ending where
+the model ends it.
 Rows: `specdec` (the default request: hybrid proposer, adaptive K) and `k0` (`num_speculative_tokens: 0` in each
 request's body, the target alone through the same services). guidellm runs from an environment of its own
 (`make guidellm`: .venv-guidellm), like any client; its JSON report gives the table: the server's output tokens/s,
@@ -31,6 +34,7 @@ from bench.common import REPO, log, machine_info, md_table, publish
 ROW_BODY = {"specdec": {}, "k0": {"num_speculative_tokens": 0}}  # what each row adds to every request's body
 GUIDELLM_VERSION = "0.8.1"  # `make guidellm` installs this one
 START_TIMEOUT_S = 600
+CHAT_PROMPTS = 2048  # --data chat: distinct prompts, more than any level here sends
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--streams", default="1,4,16", help="comma list of concurrent streams (guidellm's concurrent profile)")
     p.add_argument("--seconds", type=float, default=30.0, help="each level's duration")
     p.add_argument("--rows", default="specdec,k0", help="comma list of specdec, k0")
-    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--data", default="synthetic", choices=["synthetic", "chat"], help="the prompts (module docstring)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="--data synthetic: the prompts' tokens")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--guidellm", default=str(REPO / ".venv-guidellm" / "bin" / "guidellm"), help="the guidellm CLI")
     p.add_argument("--tokenizer", default="", help="a tokenizer directory for the prompts (default: the default draft's)")
@@ -48,14 +53,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def scenario(target: str, body: dict, streams: list[int], seconds: float, prompt_tokens: int, output_tokens: int,
-             tokenizer: str, report: Path) -> dict:
-    """guidellm's scenario (its `run -c FILE` format): one benchmark per level of concurrent streams."""
+             tokenizer: str, report: Path, prompts: Path | None = None) -> dict:
+    """guidellm's scenario (its `run -c FILE` format): one benchmark per level of concurrent streams. prompts: a
+    JSON-lines file of {"prompt": text}, answered up to output_tokens (None: synthetic prompts, exactly that many)."""
     backend = {"kind": "openai_http", "target": target, "request_format": "/v1/chat/completions"}
     if body:
         backend["extras"] = {"body": body}
+    if prompts is None:
+        data = {"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+    else:
+        data, backend["max_tokens"] = {"kind": "json_file", "path": str(prompts)}, output_tokens
     return {"metadata": {"name": "specdec", "description": "bench.guidellm_sweep"},
-            "spec": {"backend": backend, "profile": {"kind": "concurrent"},
-                     "data": [{"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}],
+            "spec": {"backend": backend, "profile": {"kind": "concurrent"}, "data": [data],
                      "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
                      "constraints": [{"kind": "max_duration", "seconds": seconds}],
                      "outputs": [{"kind": "json", "path": str(report)}]},
@@ -115,14 +124,23 @@ class Serve:
         self._log.close()
 
 
+def chat_file(path: Path, n: int) -> Path:
+    """bench.concurrency's n chat prompts as guidellm's JSON lines (its dataset ends the level when it runs out)."""
+    from bench.concurrency import chat_prompts
+
+    path.write_text("".join(json.dumps({"prompt": messages[-1]["content"]}) + "\n" for messages in chat_prompts(n)))
+    return path
+
+
 def run_row(row: str, args, streams: list[int], tokenizer: str, work: Path) -> list[dict]:
     serve = Serve(shlex.split(args.serve_args), work / f"serve-{row}.log")
     try:
         serve.wait_ready()
         report = work / f"guidellm-{row}.json"
         spec = work / f"scenario-{row}.json"
+        prompts = chat_file(work / "chat.jsonl", CHAT_PROMPTS) if args.data == "chat" else None
         spec.write_text(json.dumps(scenario(serve.url, ROW_BODY[row], streams, args.seconds, args.prompt_tokens,
-                                            args.output_tokens, tokenizer, report), indent=1))
+                                            args.output_tokens, tokenizer, report, prompts), indent=1))
         log(f"{row}: guidellm at {streams} streams, {args.seconds:.0f} s each")
         with (work / f"guidellm-{row}.log").open("w") as out:
             done = subprocess.run([args.guidellm, "run", "-c", str(spec), "--disable-console-interactive"], stdout=out,
@@ -136,13 +154,15 @@ def run_row(row: str, args, streams: list[int], tokenizer: str, work: Path) -> l
 
 def section(argv: list[str], args, results: dict[str, list[dict]], wall_s: float) -> str:
     m = machine_info()
+    prompts_said = (f"a synthetic chat prompt of {args.prompt_tokens} tokens (the chat template adds its own), exactly "
+                    f"{args.output_tokens} tokens out (EOS ignored)" if args.data == "synthetic" else
+                    f"a chat prompt of bench.concurrency's, at most {args.output_tokens} tokens out (EOS honoured)")
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: guidellm against the OpenAI API", "",
              f"Command: `python -m bench.guidellm_sweep{''.join(' ' + shlex.quote(a) for a in argv)}`", "",
              f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; git {m['git']}; guidellm {GUIDELLM_VERSION}; "
              f"wall {wall_s / 60:.1f} min",
              f"- `specdec serve`{' ' + args.serve_args if args.serve_args else ''} (a fresh one per row) and guidellm's "
-             f"concurrent profile: each stream a synthetic chat prompt of {args.prompt_tokens} tokens (the chat template "
-             f"adds its own), exactly {args.output_tokens} tokens out, the next request when one ends, {args.seconds:.0f} s a "
+             f"concurrent profile: each stream {prompts_said}, the next request when one ends, {args.seconds:.0f} s a "
              "level. Output tok/s is guidellm's server throughput (its mean over the level); TTFT, ITL (inter-token "
              "latency) and latency are over the level's completed requests.", ""]
     rows = [(row, r["streams"], f"{r['output_tps']:.1f}", r["requests"], r["errored"], f"{r['ttft_p50']:.0f} / {r['ttft_p95']:.0f}",

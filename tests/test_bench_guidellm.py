@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.guidellm_sweep import ROW_BODY, main, scenario, summarise
+from bench.guidellm_sweep import ROW_BODY, chat_file, main, scenario, summarise
 
 
 def test_the_k0_row_asks_every_request_for_k_0_and_the_default_row_adds_nothing(tmp_path):
@@ -18,6 +18,17 @@ def test_the_k0_row_asks_every_request_for_k_0_and_the_default_row_adds_nothing(
         assert spec["spec"]["data"] == [{"kind": "synthetic_text", "prompt_tokens": 128, "output_tokens": 64}]
         assert spec["spec"]["constraints"] == [{"kind": "max_duration", "seconds": 30.0}]
         assert spec["spec"]["outputs"] == [{"kind": "json", "path": str(tmp_path / "r.json")}]
+
+
+def test_chat_prompts_are_distinct_lines_answered_up_to_the_budget_with_eos_honoured(tmp_path):
+    import json
+
+    prompts = chat_file(tmp_path / "chat.jsonl", 40)
+    lines = [json.loads(line) for line in prompts.read_text().splitlines()]
+    assert len(lines) == 40 and len({line["prompt"] for line in lines}) == 40 and all(line["prompt"] for line in lines)
+    spec = scenario("http://h:1", {}, [1], 5.0, 128, 64, "/t", tmp_path / "r.json", prompts)
+    assert spec["spec"]["data"] == [{"kind": "json_file", "path": str(prompts)}]
+    assert spec["spec"]["backend"]["max_tokens"] == 64 and "extras" not in spec["spec"]["backend"]
 
 
 def _distribution(median: float, mean: float, p95: float) -> dict:
