@@ -34,6 +34,7 @@ from bench.common import REPO, log, machine_info, md_table, publish
 ROW_BODY = {"specdec": {}, "k0": {"num_speculative_tokens": 0}}  # what each row adds to every request's body
 GUIDELLM_VERSION = "0.8.1"  # `make guidellm` installs this one
 START_TIMEOUT_S = 600
+GUIDELLM_SLACK_S = 120  # guidellm's start, and a level's requests in flight at its end, beyond the level's seconds
 CHAT_PROMPTS = 2048  # --data chat: distinct prompts, more than any level here sends
 
 
@@ -142,9 +143,10 @@ def run_row(row: str, args, streams: list[int], tokenizer: str, work: Path) -> l
         spec.write_text(json.dumps(scenario(serve.url, ROW_BODY[row], streams, args.seconds, args.prompt_tokens,
                                             args.output_tokens, tokenizer, report, prompts), indent=1))
         log(f"{row}: guidellm at {streams} streams, {args.seconds:.0f} s each")
+        limit = len(streams) * (args.seconds + GUIDELLM_SLACK_S) + GUIDELLM_SLACK_S  # its levels end by themselves
         with (work / f"guidellm-{row}.log").open("w") as out:
             done = subprocess.run([args.guidellm, "run", "-c", str(spec), "--disable-console-interactive"], stdout=out,
-                                  stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                  stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=limit)
         if done.returncode != 0 or not report.exists():
             raise RuntimeError(f"guidellm failed ({done.returncode}): {(work / f'guidellm-{row}.log').read_text()[-3000:]}")
         return summarise(json.loads(report.read_text()))
