@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import REPO, log, machine_info, md_table, publish
+from bench.common import REPO, bench_log, log, machine_info, md_table, plot_dir, publish
 
 ROW_BODY = {"specdec": {}, "k0": {"num_speculative_tokens": 0}}  # what each row adds to every request's body
 GUIDELLM_VERSION = "0.8.1"  # `make guidellm` installs this one
@@ -154,7 +154,35 @@ def run_row(row: str, args, streams: list[int], tokenizer: str, work: Path) -> l
         serve.close()
 
 
-def section(argv: list[str], args, results: dict[str, list[dict]], wall_s: float) -> str:
+def plot(results: dict[str, list[dict]], path: Path, title: str) -> bool:
+    """Output tokens/s and TTFT p50 against streams, a line per row (False: no matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    for row, label in (("specdec", "default request (hybrid, adaptive K)"), ("k0", "K = 0")):
+        rs = results.get(row) or []
+        streams = [r["streams"] for r in rs]
+        left.plot(streams, [r["output_tps"] for r in rs], marker="o", label=label)
+        right.plot(streams, [r["ttft_p50"] for r in rs], marker="o", label=label)
+    for ax, what in ((left, "output tokens / s"), (right, "TTFT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams (guidellm)")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def section(argv: list[str], args, results: dict[str, list[dict]], wall_s: float, plot_link: str | None) -> str:
     m = machine_info()
     prompts_said = (f"a synthetic chat prompt of {args.prompt_tokens} tokens (the chat template adds its own), exactly "
                     f"{args.output_tokens} tokens out (EOS ignored)" if args.data == "synthetic" else
@@ -176,6 +204,8 @@ def section(argv: list[str], args, results: dict[str, list[dict]], wall_s: float
         ratios = [f"{r['streams']}: {r['output_tps'] / k0[r['streams']]:.2f}x" for r in results["specdec"]
                   if k0.get(r["streams"])]
         lines += ["", "- The default request against K = 0 (output tok/s), by streams: " + ", ".join(ratios) + "."]
+    if plot_link:
+        lines += ["", f"![guidellm: output tokens/s and TTFT by streams]({plot_link})"]
     return "\n".join(lines) + "\n"
 
 
@@ -202,7 +232,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
         for row in rows:
             results[row] = run_row(row, args, streams, tokenizer, Path(tmp))
-    publish(section(argv, args, results, time.monotonic() - t0), args.out)
+    out = bench_log() if args.out is None else Path(args.out) if args.out else None  # (--out '': no plot either)
+    link = None
+    if out is not None:
+        png = plot_dir(out) / f"bench_guidellm_{args.data}.png"
+        where = f"{machine_info()['cores']} cores, specdec serve{' ' + args.serve_args if args.serve_args else ''}"
+        if plot(results, png, f"guidellm against the OpenAI API ({args.data} prompts, {where})"):
+            link = os.path.relpath(png, out.resolve().parent)
+    publish(section(argv, args, results, time.monotonic() - t0, link), args.out)
     return 0
 
 

@@ -54,3 +54,11 @@ def test_without_guidellm_the_sweep_says_how_to_install_it(tmp_path, capsys):
     assert main(["--guidellm", str(tmp_path / "none" / "guidellm"), "--out", ""]) == 2
     assert "make guidellm" in capsys.readouterr().err
     assert not Path(tmp_path / "none").exists()
+
+
+def test_the_plot_draws_both_rows(tmp_path):
+    from bench.guidellm_sweep import plot
+
+    rows = lambda tps: [{"streams": s, "output_tps": tps * s, "ttft_p50": 100.0 * s} for s in (1, 4, 16)]  # noqa: E731
+    path = tmp_path / "g.png"
+    assert plot({"specdec": rows(50.0), "k0": rows(45.0)}, path, "t") and path.stat().st_size > 1000
