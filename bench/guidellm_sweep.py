@@ -3,14 +3,16 @@
 For each row a fresh `specdec serve` (the default pair unless --serve-args say otherwise) and guidellm's
 concurrent profile at each level of --streams for --seconds, every stream sending its next request as soon as one
 ends. `--data synthetic` (guidellm's own): random English words, --prompt-tokens of them, and exactly
---output-tokens out (guidellm then sets `ignore_eos`). `--data chat`: the chat prompts of bench.concurrency (the
-bench's open and grounded prompts, then variants of them), at most --output-tokens out, each answer ending where
-the model ends it.
+--output-tokens out (guidellm then sets `ignore_eos`). `--data chat`: 632 distinct open-ended chat requests
+(specdec.training.prompts: a dozen kinds of instruction over fifty topics, and code tasks; none of the bench's
+held-out prompts), at most --output-tokens out, each answer ending where the model ends it. Each level is a
+guidellm run of its own over prompts no earlier level of the row sent (chat: its share of the requests; synthetic:
+its own seed), so neither the prefix cache nor suffix decoding's tree of recent answers has seen them.
 Rows: `specdec` (the default request: hybrid proposer, adaptive K) and `k0` (`num_speculative_tokens: 0` in each
 request's body, the target alone through the same services). guidellm runs from an environment of its own
 (`make guidellm`: .venv-guidellm), like any client; its JSON report gives the table: the server's output tokens/s,
 TTFT, inter-token latency and request latency (guidellm's medians and p95 over the level's completed requests).
-Its tokenizer (to size the synthetic prompts) is the draft's, the target's own (docs/DESIGN.md, Roles).
+guidellm sizes the synthetic prompts with the default draft's tokenizer (the pair shares one; the target is a GGUF).
 
     python -m bench.guidellm_sweep [--streams 1,4,16] [--seconds 30] [--rows specdec,k0] [--guidellm PATH]
 """
@@ -35,7 +37,6 @@ ROW_BODY = {"specdec": {}, "k0": {"num_speculative_tokens": 0}}  # what each row
 GUIDELLM_VERSION = "0.8.1"  # `make guidellm` installs this one
 START_TIMEOUT_S = 600
 GUIDELLM_SLACK_S = 120  # guidellm's start, and a level's requests in flight at its end, beyond the level's seconds
-CHAT_PROMPTS = 2048  # --data chat: distinct prompts, more than any level here sends
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,10 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def scenario(target: str, body: dict, streams: list[int], seconds: float, prompt_tokens: int, output_tokens: int,
-             tokenizer: str, report: Path, prompts: Path | None = None) -> dict:
-    """guidellm's scenario (its `run -c FILE` format): one benchmark per level of concurrent streams. prompts: a
-    JSON-lines file of {"prompt": text}, answered up to output_tokens (None: synthetic prompts, exactly that many)."""
+def scenario(target: str, body: dict, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
+             tokenizer: str, report: Path, prompts: Path | None = None, seed: int = 1) -> dict:
+    """guidellm's scenario (its `run -c FILE` format) for one level of concurrent streams. prompts: a JSON-lines file
+    of {"prompt": text}, answered up to output_tokens (None: synthetic prompts drawn from `seed`, exactly that many)."""
     backend = {"kind": "openai_http", "target": target, "request_format": "/v1/chat/completions"}
     if body:
         backend["extras"] = {"body": body}
@@ -65,11 +66,11 @@ def scenario(target: str, body: dict, streams: list[int], seconds: float, prompt
     else:
         data, backend["max_tokens"] = {"kind": "json_file", "path": str(prompts)}, output_tokens
     return {"metadata": {"name": "specdec", "description": "bench.guidellm_sweep"},
-            "spec": {"backend": backend, "profile": {"kind": "concurrent"}, "data": [data],
+            "spec": {"backend": backend, "profile": {"kind": "concurrent", "streams": streams}, "data": [data],
                      "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
+                     "seed": {"kind": "static", "value": seed},
                      "constraints": [{"kind": "max_duration", "seconds": seconds}],
-                     "outputs": [{"kind": "json", "path": str(report)}]},
-            "benchmarks": [{"profile.streams": s} for s in streams]}
+                     "outputs": [{"kind": "json", "path": str(report)}]}}
 
 
 def summarise(report: dict) -> list[dict]:
@@ -125,31 +126,44 @@ class Serve:
         self._log.close()
 
 
-def chat_file(path: Path, n: int) -> Path:
-    """bench.concurrency's n chat prompts as guidellm's JSON lines (its dataset ends the level when it runs out)."""
-    from bench.concurrency import chat_prompts
+def chat_files(work: Path, levels: int) -> list[Path]:
+    """The chat requests as guidellm's JSON lines, a disjoint share for each level (guidellm starts a level's data
+    from its first line, so one file would send a level the requests an earlier one sent: their answers are then in
+    suffix decoding's tree of recent answers and their prompts in the prefix cache). A level that runs out ends early:
+    632 requests share out to 210 a level for the default three, more than 30 s of 16 streams sends here (~100)."""
+    from specdec.training.prompts import training_prompts
 
-    path.write_text("".join(json.dumps({"prompt": messages[-1]["content"]}) + "\n" for messages in chat_prompts(n)))
-    return path
+    prompts, paths = training_prompts(), []
+    share = len(prompts) // levels
+    for i in range(levels):
+        path = work / f"chat-{i}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[i * share : (i + 1) * share]))
+        paths.append(path)
+    return paths
 
 
 def run_row(row: str, args, streams: list[int], tokenizer: str, work: Path) -> list[dict]:
+    """The row's levels on one fresh server, each its own guidellm run over prompts no earlier level sent (chat: its
+    share of the requests; synthetic: prompts drawn from a seed of its own)."""
     serve = Serve(shlex.split(args.serve_args), work / f"serve-{row}.log")
+    files = chat_files(work, len(streams)) if args.data == "chat" else [None] * len(streams)
+    out = []
     try:
         serve.wait_ready()
-        report = work / f"guidellm-{row}.json"
-        spec = work / f"scenario-{row}.json"
-        prompts = chat_file(work / "chat.jsonl", CHAT_PROMPTS) if args.data == "chat" else None
-        spec.write_text(json.dumps(scenario(serve.url, ROW_BODY[row], streams, args.seconds, args.prompt_tokens,
-                                            args.output_tokens, tokenizer, report, prompts), indent=1))
-        log(f"{row}: guidellm at {streams} streams, {args.seconds:.0f} s each")
-        limit = len(streams) * (args.seconds + GUIDELLM_SLACK_S) + GUIDELLM_SLACK_S  # its levels end by themselves
-        with (work / f"guidellm-{row}.log").open("w") as out:
-            done = subprocess.run([args.guidellm, "run", "-c", str(spec), "--disable-console-interactive"], stdout=out,
-                                  stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=limit)
-        if done.returncode != 0 or not report.exists():
-            raise RuntimeError(f"guidellm failed ({done.returncode}): {(work / f'guidellm-{row}.log').read_text()[-3000:]}")
-        return summarise(json.loads(report.read_text()))
+        for level, (n, prompts) in enumerate(zip(streams, files)):
+            name = f"{row}-{n}"
+            report, spec, logfile = work / f"guidellm-{name}.json", work / f"scenario-{name}.json", work / f"guidellm-{name}.log"
+            spec.write_text(json.dumps(scenario(serve.url, ROW_BODY[row], n, args.seconds, args.prompt_tokens,
+                                                args.output_tokens, tokenizer, report, prompts, seed=level + 1), indent=1))
+            log(f"{row}: guidellm at {n} streams for {args.seconds:.0f} s")
+            with logfile.open("w") as sink:
+                done = subprocess.run([args.guidellm, "run", "-c", str(spec), "--disable-console-interactive"], stdout=sink,
+                                      stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                      timeout=args.seconds + GUIDELLM_SLACK_S)  # a level ends by itself
+            if done.returncode != 0 or not report.exists():
+                raise RuntimeError(f"guidellm failed ({done.returncode}): {logfile.read_text()[-3000:]}")
+            out += summarise(json.loads(report.read_text()))
+        return out
     finally:
         serve.close()
 
@@ -164,6 +178,7 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> bool:
     except ImportError:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    levels = sorted({r["streams"] for rs in results.values() for r in rs})
     for row, label in (("specdec", "default request (hybrid, adaptive K)"), ("k0", "K = 0")):
         rs = results.get(row) or []
         streams = [r["streams"] for r in rs]
@@ -171,6 +186,7 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> bool:
         right.plot(streams, [r["ttft_p50"] for r in rs], marker="o", label=label)
     for ax, what in ((left, "output tokens / s"), (right, "TTFT p50 (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(n) for n in levels])
         ax.set_xlabel("concurrent streams (guidellm)")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
@@ -186,7 +202,8 @@ def section(argv: list[str], args, results: dict[str, list[dict]], wall_s: float
     m = machine_info()
     prompts_said = (f"a synthetic chat prompt of {args.prompt_tokens} tokens (the chat template adds its own), exactly "
                     f"{args.output_tokens} tokens out (EOS ignored)" if args.data == "synthetic" else
-                    f"a chat prompt of bench.concurrency's, at most {args.output_tokens} tokens out (EOS honoured)")
+                    f"one of 632 distinct chat requests (specdec.training.prompts), at most {args.output_tokens} tokens out (EOS "
+                    "honoured)")
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: guidellm against the OpenAI API", "",
              f"Command: `python -m bench.guidellm_sweep{''.join(' ' + shlex.quote(a) for a in argv)}`", "",
              f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; git {m['git']}; guidellm {GUIDELLM_VERSION}; "

@@ -4,30 +4,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.guidellm_sweep import ROW_BODY, chat_file, main, scenario, summarise
+from bench.guidellm_sweep import ROW_BODY, chat_files, main, scenario, summarise
 
 
 def test_the_k0_row_asks_every_request_for_k_0_and_the_default_row_adds_nothing(tmp_path):
     for row, extras in (("k0", {"body": {"num_speculative_tokens": 0}}), ("specdec", None)):
-        spec = scenario("http://127.0.0.1:8000", ROW_BODY[row], [1, 4, 16], 30.0, 128, 64, "/models/draft",
-                        tmp_path / "r.json")
+        spec = scenario("http://127.0.0.1:8000", ROW_BODY[row], 4, 30.0, 128, 64, "/models/draft", tmp_path / "r.json",
+                        seed=2)
         backend = spec["spec"]["backend"]
         assert backend["target"] == "http://127.0.0.1:8000" and backend["request_format"] == "/v1/chat/completions"
         assert backend.get("extras") == extras
-        assert spec["benchmarks"] == [{"profile.streams": 1}, {"profile.streams": 4}, {"profile.streams": 16}]
+        assert spec["spec"]["profile"] == {"kind": "concurrent", "streams": 4}
         assert spec["spec"]["data"] == [{"kind": "synthetic_text", "prompt_tokens": 128, "output_tokens": 64}]
+        assert spec["spec"]["seed"] == {"kind": "static", "value": 2}
         assert spec["spec"]["constraints"] == [{"kind": "max_duration", "seconds": 30.0}]
         assert spec["spec"]["outputs"] == [{"kind": "json", "path": str(tmp_path / "r.json")}]
 
 
-def test_chat_prompts_are_distinct_lines_answered_up_to_the_budget_with_eos_honoured(tmp_path):
+def test_each_level_gets_chat_requests_no_other_level_sends_answered_up_to_the_budget(tmp_path):
     import json
 
-    prompts = chat_file(tmp_path / "chat.jsonl", 40)
-    lines = [json.loads(line) for line in prompts.read_text().splitlines()]
-    assert len(lines) == 40 and len({line["prompt"] for line in lines}) == 40 and all(line["prompt"] for line in lines)
-    spec = scenario("http://h:1", {}, [1], 5.0, 128, 64, "/t", tmp_path / "r.json", prompts)
-    assert spec["spec"]["data"] == [{"kind": "json_file", "path": str(prompts)}]
+    files = chat_files(tmp_path, 3)
+    levels = [[json.loads(line)["prompt"] for line in f.read_text().splitlines()] for f in files]
+    assert [len(x) for x in levels] == [210, 210, 210] and all(p for x in levels for p in x)
+    assert len({p for x in levels for p in x}) == 630  # distinct, within and across the levels
+    spec = scenario("http://h:1", {}, 1, 5.0, 128, 64, "/t", tmp_path / "r.json", files[0])
+    assert spec["spec"]["data"] == [{"kind": "json_file", "path": str(files[0])}]
     assert spec["spec"]["backend"]["max_tokens"] == 64 and "extras" not in spec["spec"]["backend"]
 
 
