@@ -126,15 +126,12 @@ class Serve:
         self._log.close()
 
 
-def chat_files(work: Path, levels: int) -> list[Path]:
+def chat_files(work: Path, levels: int, prompts: list[str]) -> list[Path]:
     """The chat requests as guidellm's JSON lines, a disjoint share for each level (guidellm starts a level's data
     from its first line, so one file would send a level the requests an earlier one sent: their answers are then in
     suffix decoding's tree of recent answers and their prompts in the prefix cache). A level that runs out ends early:
     632 requests share out to 210 a level for the default three, more than 30 s of 16 streams sends here (~100)."""
-    from specdec.training.prompts import training_prompts
-
-    prompts, paths = training_prompts(), []
-    share = len(prompts) // levels
+    paths, share = [], len(prompts) // levels
     for i in range(levels):
         path = work / f"chat-{i}.jsonl"
         path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[i * share : (i + 1) * share]))
@@ -142,11 +139,10 @@ def chat_files(work: Path, levels: int) -> list[Path]:
     return paths
 
 
-def run_row(row: str, args, streams: list[int], tokenizer: str, work: Path) -> list[dict]:
+def run_row(row: str, args, streams: list[int], files: list[Path | None], tokenizer: str, work: Path) -> list[dict]:
     """The row's levels on one fresh server, each its own guidellm run over prompts no earlier level sent (chat: its
-    share of the requests; synthetic: prompts drawn from a seed of its own)."""
+    file of requests, from chat_files; synthetic, None: prompts drawn from a seed of its own)."""
     serve = Serve(shlex.split(args.serve_args), work / f"serve-{row}.log")
-    files = chat_files(work, len(streams)) if args.data == "chat" else [None] * len(streams)
     out = []
     try:
         serve.wait_ready()
@@ -198,12 +194,13 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> bool:
     return True
 
 
-def section(argv: list[str], args, results: dict[str, list[dict]], wall_s: float, plot_link: str | None) -> str:
-    m = machine_info()
+def section(argv: list[str], args, m: dict, chat: int, results: dict[str, list[dict]], wall_s: float,
+            plot_link: str | None) -> str:
+    """The run's section; m: machine_info(); chat: the distinct chat requests (--data chat)."""
     prompts_said = (f"a synthetic chat prompt of {args.prompt_tokens} tokens (the chat template adds its own), exactly "
                     f"{args.output_tokens} tokens out (EOS ignored)" if args.data == "synthetic" else
-                    f"one of 632 distinct chat requests (specdec.training.prompts), at most {args.output_tokens} tokens out (EOS "
-                    "honoured)")
+                    f"one of {chat} distinct chat requests (specdec.training.prompts), at most {args.output_tokens} tokens "
+                    "out (EOS honoured)")
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: guidellm against the OpenAI API", "",
              f"Command: `python -m bench.guidellm_sweep{''.join(' ' + shlex.quote(a) for a in argv)}`", "",
              f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; git {m['git']}; guidellm {GUIDELLM_VERSION}; "
@@ -245,18 +242,23 @@ def main(argv=None) -> int:
         from specdec.models import default_draft
 
         tokenizer = default_draft()
+    from specdec.training.prompts import training_prompts
+
+    chat = training_prompts() if args.data == "chat" else []
     t0, results = time.monotonic(), {}
     with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
+        files = chat_files(Path(tmp), len(streams), chat) if chat else [None] * len(streams)
         for row in rows:
-            results[row] = run_row(row, args, streams, tokenizer, Path(tmp))
+            results[row] = run_row(row, args, streams, files, tokenizer, Path(tmp))
+    m = machine_info()
     out = bench_log() if args.out is None else Path(args.out) if args.out else None  # (--out '': no plot either)
     link = None
     if out is not None:
         png = plot_dir(out) / f"bench_guidellm_{args.data}.png"
-        where = f"{machine_info()['cores']} cores, specdec serve{' ' + args.serve_args if args.serve_args else ''}"
+        where = f"{m['cores']} cores, specdec serve{' ' + args.serve_args if args.serve_args else ''}"
         if plot(results, png, f"guidellm against the OpenAI API ({args.data} prompts, {where})"):
             link = os.path.relpath(png, out.resolve().parent)
-    publish(section(argv, args, results, time.monotonic() - t0, link), args.out)
+    publish(section(argv, args, m, len(chat), results, time.monotonic() - t0, link), args.out)
     return 0
 
 
