@@ -128,6 +128,21 @@ def test_queueing_is_not_charged_the_calls_own_overhead_is():
     for queued in [0.0, 150.0, 1.0, 400.0, 0.5, 90.0] * 10:  # calls that queued behind others now and then
         load.observe(8, 16, 50.0, 50.0 + queued + 2.0, compute_ms=50.0, queue_ms=queued)
     assert load.overhead.predict(0) == pytest.approx(2.0)
+    assert load.wait == 0.0 and load.verify_ms(0)[0] == pytest.approx(2.0 + load.step_cost.predict(8, 8))  # no wait reported
+
+
+def test_the_wait_for_the_step_in_progress_is_charged_once_a_call_at_most_a_step():
+    """A call that arrives while its batch steps waits for that step to end before its own: a round trip's cost
+    that a target-only run-on pays once for many tokens. The wait is priced per call; a longer one (behind another
+    session's prompt) is capped at a step at the batch, since it stalls every session, running on or not."""
+    load = TierCost()
+    for i in range(200):
+        load.observe(4, 4, 20.0, 20.0 + 8.0 + 2.0, compute_ms=20.0, queue_ms=8.0, wait_ms=8.0, step_id=i + 1)
+    assert load.wait == pytest.approx(8.0, rel=0.01)
+    assert load.verify_ms(2) == pytest.approx([8.0 + 2.0 + s for s in load.step_cost.predict_many([4, 8, 12], 4)], rel=0.01)
+    for i in range(200):  # every call behind a 300 ms prompt: at most one step (20 ms) each
+        load.observe(4, 4, 20.0, 20.0 + 300.0 + 2.0, compute_ms=20.0, queue_ms=300.0, wait_ms=300.0, step_id=1000 + i)
+    assert load.wait == pytest.approx(20.0, rel=0.02)
 
 
 def test_a_calls_overhead_grows_with_the_drafts_it_carries():

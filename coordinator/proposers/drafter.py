@@ -79,7 +79,8 @@ class Drafter:
                   # after a drafting round the ramp starts over, and K = 0 priced at one token a round trip made
                   # the next draft look better than it is (docs/performance.md, Cold burst)
                   cap,
-                  self.target.step_ms(1) if measured else verify_ms[0])  # (unmeasured: a step priced as a round)
+                  self.target.step_ms(1) if measured else verify_ms[0],  # (unmeasured: a step priced as a round)
+                  self._alone)
         choice = self.policy.choose(strategies, ask)
         try:
             proposal = await choice.by.propose(choice, committed, hashes) if choice is not None else None

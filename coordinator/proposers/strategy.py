@@ -27,6 +27,7 @@ class Ask:
     in_flight: float = 1.0  # generations running on this coordinator now
     run_on: int = 0  # K = 0's price: the tokens target-only rounds run on for once they follow one another (the cap)
     step_ms: float = 0.0  # each of them: one target step of one token a session at the current batch
+    streak: int = 0  # target-only rounds in a row before this one (a drafting round starts the run-on's ramp over)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a tier's step costs at its current load: the prices the policy and the strategies quote. With B sessions
-per step all sending K, a round takes overhead(K) + T_step(B (K + 1)); B is never fewer than the sessions this
-coordinator has open on the tier, so a burst is priced at its batch from its first round (docs/DESIGN.md,
+per step all sending K, a round takes wait + overhead(K) + T_step(B (K + 1)); B is never fewer than the sessions
+this coordinator has open on the tier, so a burst is priced at its batch from its first round (docs/DESIGN.md,
 Choosing the proposer and K)."""
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class StepCurve:
 class TierCost:
     """A tier as the coordinator prices it, shared by all of a coordinator's sessions: its step curve (each step
     once, however many of its sessions' replies report it), sessions per step (per reply: the batch a session's
-    call meets), a call's overhead beyond the step (network, serialisation: a line in the drafts it carries), and
-    the sessions open on it now."""
+    call meets), the wait a call meets before its first step (the step in progress, at most one step: a longer
+    wait, behind another session's prompt, stalls every session alike), a call's overhead beyond the step
+    (network, serialisation: a line in the drafts it carries), and the sessions open on it now."""
 
     def __init__(self, decay: float = 0.98, prior_intercept: float = 50.0, prior_slope: float = 3.0) -> None:
         self.decay = decay
@@ -93,6 +94,7 @@ class TierCost:
         self.prior = (prior_intercept, prior_slope)  # where no timing may count: the curve's prior line, B = 1
         self.sessions = 1.0  # sessions per step, exponentially weighted over the replies
         self.overhead = LinearCost(decay)
+        self.wait = 0.0  # ms before a call's first step, exponentially weighted, capped at a step at the batch then
         self.observations = 0
         self.live = 0  # sessions this coordinator has open on the tier now (generations in progress)
         self.max_sessions = 0  # the tier's batch limit (ModelInfo.max_batch_sessions; 0 = unknown)
@@ -110,16 +112,18 @@ class TierCost:
         return max(self.sessions, live, 1.0)
 
     def observe(self, batch_sessions: int, batch_tokens: int, step_ms: float, wall_ms: float,
-                compute_ms: float = 0.0, queue_ms: float = 0.0, drafts: int = 0, step_id: int = 0) -> None:
+                compute_ms: float = 0.0, queue_ms: float = 0.0, drafts: int = 0, step_id: int = 0,
+                wait_ms: float = 0.0) -> None:
         """A reply: its step's sessions, tokens, time and id (0: none, the reply counts as a step of its own),
-        and the call's own times. A tier that reports no batching (a fake, an older replica) is taken as
-        running this call alone: a step of its drafts + 1."""
+        and the call's own times (wait_ms: before its first step, part of queue_ms). A tier that reports no
+        batching (a fake, an older replica) is taken as running this call alone: a step of its drafts + 1."""
         if batch_sessions <= 0 or batch_tokens <= 0:
             batch_sessions, batch_tokens, step_ms = 1, drafts + 1, wall_ms - queue_ms
         d = self.decay if self.observations else 0.0
         if self._first_report(step_id):
             self.step_cost.observe(batch_tokens, step_ms, batch_sessions)
         self.sessions = d * self.sessions + (1 - d) * batch_sessions
+        self.wait = d * self.wait + (1 - d) * min(max(wait_ms, 0.0), self.step_ms(1))
         self.overhead.observe(drafts, max(0.0, wall_ms - (compute_ms or step_ms) - queue_ms))
         self.observations += 1
 
@@ -139,10 +143,10 @@ class TierCost:
         return self.step_cost.predict(self.batch * tokens_each, self.batch)
 
     def verify_ms(self, n: int, measured: bool = True) -> list[float]:
-        """A round scoring k = 0..n drafts when the step's B sessions all send k, never falling: the call's
-        overhead and the whole step (measured=False: the prior line)."""
+        """A round scoring k = 0..n drafts when the step's B sessions all send k, never falling: the wait for
+        the step in progress, the call's overhead and the whole step (measured=False: the prior line)."""
         if not measured:
             return [self.prior[0] + self.prior[1] * (k + 1) for k in range(n + 1)]
         b = self.batch
         steps = self.step_cost.predict_many([b * (k + 1) for k in range(n + 1)], b)
-        return list(accumulate((max(self.overhead.predict(k) + steps[k], 1e-6) for k in range(n + 1)), max))
+        return list(accumulate((max(self.wait + self.overhead.predict(k) + steps[k], 1e-6) for k in range(n + 1)), max))

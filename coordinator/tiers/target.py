@@ -75,7 +75,8 @@ class TargetVerifier:
         self.stats.observe_rpc(reply.wall_ms, response.compute_ms, response.queue_ms, is_draft=False)
         if self.load is not None:
             self.load.observe(response.batch_sessions, response.batch_tokens, response.step_ms, reply.wall_ms,
-                              response.compute_ms, response.queue_ms, drafts=len(drafts), step_id=response.step_id)
+                              response.compute_ms, response.queue_ms, drafts=len(drafts), step_id=response.step_id,
+                              wait_ms=response.trace.queue_us / 1e3)
         return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.accepted_path),
                        tuple(response.logprobs), tuple(response.run_on_tokens))
 
