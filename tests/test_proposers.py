@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.estimates import LinearCost, SharedPriors, expected_tokens
+from coordinator.proposers.estimates import Calibration, LinearCost, SharedPriors, expected_tokens
 from coordinator.proposers.lookup import LookupConfig, LookupStrategy
 from coordinator.proposers.ngram_index import NgramIndex
 from specdec.core.proposer_names import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
@@ -184,8 +184,34 @@ def test_a_suffix_tree_that_is_too_confident_is_discounted():
     assert policy.choose([suffix, lookup], ask(cost)).by is suffix
     for _ in range(10):  # the tree promised 4 accepted tokens a round, the target took none (its token: 1)
         play([suffix, lookup], cost, policy.choose([suffix, lookup], ask(cost)), 0, accepted=[1])
-    assert suffix.ratio.value < 0.1
+    assert suffix.calibration(1.0) < 0.1  # drafts it called certain: right 1 time in 10 or less
     assert chosen(policy.choose([suffix, lookup], ask(cost)))[0] == PROMPT_LOOKUP  # judged right every round
+
+
+def test_calibration_multiplies_calibrated_conditionals_down_each_path():
+    """probs are running products: r = p / p_parent. Untaught, each r is read at its level's middle; a chain's
+    chances are products along it, a tree's along each node's parents."""
+    c = Calibration(0.9)
+    mid = dict(zip(range(5), Calibration.middles()))  # 0.125, 0.375, 0.625, 0.85, 0.975
+    assert c.chances([1.0, 1.0, 0.5]) == pytest.approx([mid[4], mid[4] ** 2, mid[4] ** 2 * mid[2]])  # r: 1, 1, 0.5
+    tree = c.chances([0.6, 0.3, 0.6], parents=[-1, -1, 0])  # two children of the root (0.6, 0.3), one below the first
+    assert tree == pytest.approx([mid[2], mid[1], mid[2] * mid[4]])
+
+
+def test_calibration_learns_per_level_from_drafts_whose_parent_was_right():
+    """Drafts the offer called certain (r = 1, a continuation seen once) that were right 1 time in 4, and
+    drafts at r = 0.8 (a branch well trodden) right 4 times in 5: each level learns its own rate; a draft below
+    a miss is not counted (it was never tried)."""
+    c = Calibration(1.0)
+    for right in ({0}, set(), set(), set()):  # a chain of 3 certain drafts: the first right once, then a miss
+        c.observe([1.0, 1.0, 1.0], (), right)
+    assert c(1.0) == pytest.approx((2 * 0.975 + 1) / (2 + 5))  # 4 first drafts and the one below the right one
+    for right in ({0}, {0}, {0}, {0}, set()):
+        c.observe([0.8], (), right)
+    assert c(0.8) == pytest.approx((2 * 0.85 + 4) / (2 + 5)) and c(0.8) > 1.5 * c(1.0)
+    tree = Calibration(1.0)
+    tree.observe([0.6, 0.3, 0.6], [-1, -1, 0], {1})  # the second child held: the first missed, the one below it unseen
+    assert tree.observations == 2 and tree(0.3) > Calibration.middles()[1] and tree(0.6) < Calibration.middles()[2]
 
 
 def test_every_round_judges_the_offers_not_chosen():
@@ -196,7 +222,7 @@ def test_every_round_judges_the_offers_not_chosen():
         s.observe(Outcome(chosen_one, [5, 6, 7, 8], range(3), 50.0))
     assert lookup.acceptance.value == pytest.approx((0.45 + 3) / (0.9 + 3))  # its own round: 3 of 3
     assert suffix.acceptance.value == pytest.approx(0.45 / 1.9)  # 0 of 2: one failed attempt
-    assert suffix.ratio.value == pytest.approx(0.9 / 2.9)  # accepted 0 of an expected 2
+    assert suffix.calibration(1.0) == pytest.approx(0.9 * 2 * 0.975 / (0.9 * 2 + 1))  # its first draft missed (the second: not reached)
     Policy(PolicyConfig()).choose([lookup, suffix], ask())
     lookup.observe(Outcome(Proposal(PROMPT_LOOKUP, []), [5], (), 50.0))  # a target-only round: judged on its token
     assert lookup.acceptance.value == pytest.approx((3.45 * 0.9 + 1) / (3.9 * 0.9 + 1))
@@ -266,19 +292,19 @@ def test_sessions_start_from_what_earlier_sessions_learnt():
                 offering(PROMPT_LOOKUP, [1, 2, 3, 4], greedy=greedy, priors=priors)]
 
     fresh = session()
-    assert fresh[0].acceptance.value == 0.5 and fresh[0].ratio.value == 1.0  # nothing learnt yet
+    assert fresh[0].acceptance.value == 0.5 and fresh[0].calibration.values == Calibration.middles()  # nothing learnt yet
     assert chosen(Policy(PolicyConfig()).choose(fresh, ask(cost))) == (SUFFIX, 4)
     brief = session()
     play(brief, cost, Policy(PolicyConfig(max_k=1)).choose(brief, ask(cost, 1)), 0, accepted=[9])
     asyncio.run(close(brief))  # one judged draft each: below MIN_ATTEMPTS
-    assert priors.get(SUFFIX, True, "ratio") is None
+    assert priors.get(SUFFIX, True, "calibration") is None
     for _ in range(3):  # sessions of open chat: the chains fail
         chat = session()
         for _ in range(6):
             play(chat, cost, Policy(PolicyConfig()).choose(chat, ask(cost)), 0, accepted=[9])
         asyncio.run(close(chat))
-    assert priors.get(SUFFIX, True, "ratio") < 0.15 and priors.get(PROMPT_LOOKUP, True, "acceptance") < 0.15
-    assert priors.get(SUFFIX, False, "ratio") is None  # sampled sessions: apart
+    assert priors.get(SUFFIX, True, "calibration")[-1] < 0.15 and priors.get(PROMPT_LOOKUP, True, "acceptance") < 0.15
+    assert priors.get(SUFFIX, False, "calibration") is None  # sampled sessions: apart
     wary = session()  # (priced with nothing measured: verify(K) = 53 + 3K)
     assert Policy(PolicyConfig()).choose(wary, ask()) is None  # target only
     for _ in range(3):  # its own rounds outweigh the prior: the chains are right this time

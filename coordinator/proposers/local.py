@@ -14,7 +14,7 @@ import dataclasses
 from itertools import accumulate
 
 from coordinator.proposers.base import Proposal
-from coordinator.proposers.estimates import Acceptance, Ratio, SharedPriors
+from coordinator.proposers.estimates import Acceptance, Calibration, SharedPriors
 from coordinator.proposers.strategy import Ask, Outcome, Prediction, Strategy
 from coordinator.proposers.token_tree import cut, match
 from specdec.core.prefix import PrefixHashes
@@ -35,7 +35,7 @@ class LocalStrategy(Strategy):
         taught = priors.get(self.source, greedy, "acceptance") if priors else None
         self.acceptance = Acceptance(decay, prior_acceptance if taught is None else taught)
         self.watch = watch if taught is None else 0
-        self.ratio = Ratio(decay, priors.get(self.source, greedy, "ratio", 1.0) if priors else 1.0)
+        self.calibration = Calibration(decay, priors.get(self.source, greedy, "calibration") if priors else None)
         self._offer: Proposal | None = None  # this round's offer
         self._depth = 0  # this round's depth budget
 
@@ -47,19 +47,19 @@ class LocalStrategy(Strategy):
 
     def predict(self, ask: Ask) -> list[Prediction]:
         """E(k) for the offer's first k tokens: 1 + a + ... + a^k, or where the offer estimates its own chances
-        (probs[i] = P(the first i + 1 drafts right)) 1 + their sum times the measured ratio, at most k."""
+        (probs[i] = P(the first i + 1 drafts right)) 1 + the sum of their calibrated chances (Calibration)."""
         self._offer, self._depth = self.offer(ask.k, min(self.tree_nodes, len(ask.verify_ms) - 1)), ask.k
         offer = self._offer
         if self.acceptance.attempts < self.watch and not ask.fixed:  # still watching: judged, not drafted
             return []
         n_max = min(len(offer.tokens), len(ask.verify_ms) - 1)
-        a, ratio = self.acceptance.value, self.ratio.value
+        a, c = self.acceptance.value, self.calibration
+        chances = c.chances(offer.probs[:n_max], offer.parents[:n_max]) if offer.probs else [a ** (i + 1) for i in range(n_max)]
         out = []
-        for k, cumulative in enumerate(accumulate(offer.probs[:n_max] or [a ** (i + 1) for i in range(n_max)]), 1):
+        for k, cumulative in enumerate(accumulate(chances), 1):
             if ask.fixed and k < n_max:
                 continue
-            expected = 1.0 + (min(float(k), ratio * cumulative) if offer.probs else cumulative)
-            out.append(Prediction(self, k, expected, ask.verify_ms[k]))
+            out.append(Prediction(self, k, 1.0 + min(float(k), cumulative), ask.verify_ms[k]))
         return out
 
     async def propose(self, choice: Prediction, committed: list[int], hashes: PrefixHashes) -> Proposal:
@@ -72,22 +72,24 @@ class LocalStrategy(Strategy):
     def observe(self, outcome: Outcome) -> None:
         proposal = outcome.proposal
         if proposal.source == self.source and proposal.tokens:  # its own round
-            self._judge(proposal, len(proposal.tokens), len(outcome.path))
+            self._judge(proposal, len(proposal.tokens), outcome.path)
         elif self._offer is not None and self._offer.tokens:  # judged against the committed tokens
             offer, accepted = self._offer, outcome.accepted
             if offer.parents:  # a tree: the path the committed tokens spell through it
-                n = len(match(offer.tokens, offer.parents, accepted))
+                path = match(offer.tokens, offer.parents, accepted)
             else:
-                n = next((i for i, (d, t) in enumerate(zip(offer.tokens, accepted)) if d != t), min(len(offer.tokens), len(accepted)))
-            self._judge(offer, min(len(offer.tokens), len(accepted)), n)
+                path = range(next((i for i, (d, t) in enumerate(zip(offer.tokens, accepted)) if d != t),
+                                  min(len(offer.tokens), len(accepted))))
+            self._judge(offer, min(len(offer.tokens), len(accepted)), path)
         self._offer = None
 
-    def _judge(self, proposal: Proposal, k: int, n: int) -> None:
-        self.acceptance.judge(k, n)
+    def _judge(self, proposal: Proposal, k: int, path) -> None:
+        """k of its drafts judged (a tree: its first k nodes), path: those that were right (node indices)."""
+        self.acceptance.judge(k, len(path))
         if proposal.probs:
-            self.ratio.observe(n, sum(proposal.probs[:k]))
+            self.calibration.observe(proposal.probs[:k], proposal.parents[:k], set(path))
 
     async def close(self) -> None:
         if self.priors is not None and self.acceptance.attempts >= MIN_ATTEMPTS:
             self.priors.learn(self.source, self.greedy, acceptance=self.acceptance.value,
-                              ratio=self.ratio.value if self.ratio.observations else None)
+                              calibration=self.calibration.values if self.calibration.observations else None)
