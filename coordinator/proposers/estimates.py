@@ -51,7 +51,7 @@ class Calibration:
     PRIOR_WEIGHT drafts. An offer's probs are its own running products (P(it and every draft above it right)),
     so r = p / p_parent; calibrated, a draft's chance is the product of c(r) down its path. A suffix tree's r
     are count ratios: inside an edge, a continuation seen once, every r is 1 (measured on distinct chat
-    requests, such chains of 8 committed 4.2 of them, chains of 4 1.2)."""
+    requests, such chains of 8 had 4.2 of their drafts accepted, chains of 4 one)."""
 
     EDGES = (0.25, 0.5, 0.75, 0.95, 1.0)
     PRIOR_WEIGHT = 2.0
