@@ -142,10 +142,10 @@ def scraped(tiny_target, tmp_path_factory):
         model = cluster.coordinator.frontend.model_name
         oai = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
-        def stream(i: int) -> str:
+        def stream(i: int) -> str:  # half of them at a fixed K, which drafts whatever the policy would choose
             chunks = oai.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": f"Tell me story number {i}"}], max_tokens=24,
-                stream=True, extra_body={"ignore_eos": True})
+                stream=True, extra_body={"ignore_eos": True, **({"num_speculative_tokens": 2} if i % 2 else {})})
             return [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
         prometheus.wait_up(len(urls))
