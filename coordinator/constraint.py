@@ -207,8 +207,8 @@ class Constraint:
         return out
 
     def check(self, proposal: Proposal, greedy: bool) -> tuple[Proposal, list[bytes]]:
-        """The proposal (cut at its first refused draft where that is exact) and the K + 1 masks. A target-only
-        round does not run on: the positions after its verdict would need masks of their own."""
+        """The proposal (cut at its first refused draft where that is exact) and the K + 1 masks. A round does not
+        run on: the positions after its verdict would need masks of their own."""
         if proposal.run_on:
             proposal = dataclasses.replace(proposal, run_on=0)
         if proposal.parents:

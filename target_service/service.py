@@ -36,7 +36,7 @@ class TargetConfig:
                              "reference, and the output would no longer be the target's: only a draft tier takes it")
 
 
-MAX_RUN_ON = 64  # tokens a target-only request may decode on after its verdict (VerifyRequest.run_on_seeds)
+MAX_RUN_ON = 64  # tokens a request may decode on after its verdict (VerifyRequest.run_on_seeds)
 RESPONSE_HEADROOM = 64 * 1024  # bytes of a VerifyResponse besides its features (17 tokens' top-20 logprobs: ~3 KiB)
 
 
@@ -77,9 +77,9 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
             raise invalid_argument("draft_parents: token trees take no presence, frequency or repetition penalty "
                                    "(send the drafts as a chain)")
         layers = feature_layers(request, engine, self.max_feature_bytes)
-        if request.run_on_seeds and (k or request.token_masks or layers):
-            raise invalid_argument("run_on_seeds: only for a target-only round (no draft_tokens, token_masks or "
-                                   "feature_layers): the target decodes on by itself")
+        if request.run_on_seeds and (request.token_masks or layers):
+            raise invalid_argument("run_on_seeds: not with token_masks or feature_layers (the target decodes on by "
+                                   "itself, with no grammar's masks and no features)")
         if len(request.run_on_seeds) > MAX_RUN_ON:
             raise invalid_argument(f"run_on_seeds: at most {MAX_RUN_ON} tokens a request, got {len(request.run_on_seeds)}")
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),

@@ -61,7 +61,6 @@ VERIFY_INVALID_CASES = [
     ("top_k_negative", lambda: verify_request(top_k=-4), ["top_k"]),
     ("top_p_above_1", lambda: verify_request(top_p=1.5), ["top_p"]),
     ("top_p_nan", lambda: verify_request(top_p=math.nan), ["top_p"]),
-    ("run_on_with_drafts", lambda: _run_on(verify_request(), 3), ["run_on_seeds", "target-only"]),
     ("run_on_with_masks", lambda: _run_on(verify_request(draft_tokens=[]), 3, masks=[b"\xff" * 8]),
      ["run_on_seeds", "token_masks"]),
     ("run_on_with_features", lambda: _run_on(verify_request(draft_tokens=[]), 3, layers=[0]),

@@ -75,21 +75,28 @@ def test_restart_ms_counts_the_ramps_rounds_over_again():
     assert restart_ms(4, 0, 10.0) == 0.0 and restart_ms(4, 8, -3.0) == 0.0  # no run-on; no fixed time
 
 
-def test_a_drafting_round_after_a_streak_is_charged_the_ramp_it_starts_over():
+def test_a_drafting_round_after_a_streak_runs_on_or_is_charged_the_ramp_it_starts_over():
     """verify(0) = 53 ms, a step 23 ms (a round's fixed time 30 ms), run-on cap 8: K = 0 yields 9 / 237 tokens a
-    ms. A chain of 2.6 tokens in 60 ms beats it right after a drafting round, not after a streak of target-only
-    rounds (70 ms more: 2.6 / 130); a chain of 6 tokens in 70 ms beats it either way (6 / 140). Measured through
-    the OpenAI API at 4 streams: drafting on the first kind lost 11% to K = 0."""
+    ms (0.0380; x 1.05: 0.0399). A chain of 2.6 tokens in 60 ms wins right after a drafting round (2.6 / 60, the
+    ramp at its foot: no run-on). After a streak it either starts the ramp over (70 ms more after 4 rounds:
+    2.6 / 130, which lost 11% to K = 0 through the OpenAI API at 4 streams) or runs on as this round's K = 0
+    would, the ramp going on: after 4 rounds 8 tokens, 10.6 / 244 = 0.0434, after one 1 token, 3.6 / 83: it wins
+    running on. A chain of 1.3 tokens in 60 ms loses either way (9.3 / 244 = 0.0381)."""
     from dataclasses import replace
 
     def pick(shapes, streak, fixed=False):
-        return chosen(Policy(PolicyConfig()).choose([Fixed(SUFFIX, shapes)], replace(
-            ask(k=3 if fixed else 8, fixed=fixed), run_on=8, step_ms=23.0, streak=streak)))
+        choice = Policy(PolicyConfig()).choose([Fixed(SUFFIX, shapes)], replace(
+            ask(k=3 if fixed else 8, fixed=fixed), run_on=8, step_ms=23.0, streak=streak))
+        return None if choice is None else (choice.by.source, choice.k, choice.run_on)
 
-    assert pick([(3, 2.6, 60.0)], streak=0) == (SUFFIX, 3)
-    assert pick([(3, 2.6, 60.0)], streak=4) is None and pick([(3, 2.6, 60.0)], streak=1) is None
-    assert pick([(3, 2.6, 60.0), (8, 6.0, 70.0)], streak=4) == (SUFFIX, 8)
-    assert pick([(3, 2.6, 60.0)], streak=4, fixed=True) == (SUFFIX, 3)  # a request's own K: no K = 0, no ramp
+    assert pick([(3, 2.6, 60.0)], streak=0) == (SUFFIX, 3, 0)
+    assert pick([(3, 2.6, 60.0)], streak=4) == (SUFFIX, 3, 8) and pick([(3, 2.6, 60.0)], streak=1) == (SUFFIX, 3, 1)
+    assert pick([(3, 1.3, 60.0)], streak=4) is None and pick([(3, 1.3, 60.0)], streak=0) is None
+    assert pick([(3, 2.6, 60.0), (8, 6.0, 70.0)], streak=4) == (SUFFIX, 8, 8)
+    assert pick([(3, 2.6, 60.0)], streak=4, fixed=True) == (SUFFIX, 3, 0)  # a request's own K: no K = 0, no ramp
+    # With the run-on off nothing runs on, and the ramp's charge is zero
+    assert Policy(PolicyConfig()).choose([Fixed(SUFFIX, [(3, 2.6, 60.0)])], replace(
+        ask(k=8), run_on=0, step_ms=23.0, streak=4)).run_on == 0
 
 
 def test_the_drafter_tells_the_policy_its_streak():

@@ -83,9 +83,8 @@ class FakeTarget:
         n = 0
         while n < len(drafts) and drafts[n] == self.continuation[at + n]:
             n += 1
-        assert not (run_on and drafts), "run-on is for target-only rounds"
-        return Verdict(n, self.continuation[at + n], wall_ms=1.0,
-                       run_on=tuple(self.continuation[at + 1: at + 1 + run_on]))  # (the real target stops at EOS too)
+        return Verdict(n, self.continuation[at + n], wall_ms=1.0,  # (the real target stops at EOS too)
+                       run_on=tuple(self.continuation[at + n + 1: at + n + 1 + run_on]))
 
     async def close(self) -> None:
         self.closed = True
@@ -396,7 +395,8 @@ def test_the_suffix_tree_indexes_the_prompt_beside_the_first_round():
 
 def test_a_probe_keeps_the_run_on_streak():
     """While K = 0 wins, the policy probes a K = 1 now and then (PolicyConfig.probe_every): a probe is K = 0's
-    exploration, so the target-only rounds after it run on where the streak was, not from one token again."""
+    exploration, so it runs on as the target-only round it stands in for would, and those after it run on where
+    the streak was, not from one token again."""
     cont = truth()
     target = FakeTarget(cont)
     chunks, result = run(generation(target, FakeDraft([c + 1 for c in cont]), k=None, max_new=150))  # every guess wrong
@@ -404,4 +404,4 @@ def test_a_probe_keeps_the_run_on_streak():
     # (the first rounds draft on the prior's acceptance until the misses teach it; then K = 0 wins)
     probes = [i for i, d in enumerate(target.calls) if len(d) == 1 and i > 0 and not target.calls[i - 1]]
     assert probes  # a K = 1 after target-only rounds
-    assert all(target.run_ons[i - 1] == target.run_ons[i + 1] == 8 for i in probes)  # the cap before and at once after
+    assert all(target.run_ons[i - 1] == target.run_ons[i] == target.run_ons[i + 1] == 8 for i in probes)  # the cap

@@ -24,7 +24,7 @@ from specdec.core.prefix import PrefixHashes
 from specdec.engine.config import StepConfig, TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.sessions import SessionStoreConfig
-from specdec.engine.verify import VerifyWork
+from specdec.engine.verify import CANDIDATES, VerifyWork
 from specdec.math.params import SamplingParams
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.models import ModelConfig, TokenizerSource, load_model, load_tokenizer
@@ -118,6 +118,59 @@ def test_one_request_that_runs_on_is_the_target_only_rounds_it_replaces(parts, n
         assert got_lp == []
 
 
+def verify_then(sid: str, committed: list[int], cached: int, params: SamplingParams, drafts: list[int],
+                parents: list[int] | None, seeds: list[int], logprobs: int = -1) -> VerifyWork:
+    """A verify of drafts (a chain, or a tree of candidates) after `committed` that runs on with `seeds`."""
+    return VerifyWork.create(sid, cached, PrefixHashes(committed).at(cached), committed[cached:], drafts, None, params,
+                             seed_at(len(committed)), prompt_len=len(PROMPT), logprobs=logprobs, parents=parents,
+                             scheme=CANDIDATES if parents else "", run_on_seeds=seeds)
+
+
+@pytest.mark.parametrize("name,shape", [(n, s) for n in PARAMS for s in ("chain", "tree")
+                                        if not (s == "tree" and PARAMS[n].penalized)])  # (trees take no penalties)
+def test_a_verify_that_runs_on_is_its_verdict_then_the_target_only_rounds(parts, name, shape):
+    """A drafting round may run on too: its verdict on the drafts (a tree's path moved into place), then one
+    target-only round per seed, exactly as if each were its own request, logprobs and cache included."""
+    params, logprobs = PARAMS[name], 3 if name == "penalised" else -1
+    engine = engine_of(parts)
+
+    async def scenario():
+        greedy, _, _ = await rounds(engine, "greedy", PARAMS["greedy"], 3)
+        wrong = (greedy[2] + 1) % 1000
+        if shape == "chain":  # two right (greedily), the third wrong
+            drafts, parents = [greedy[0], greedy[1], wrong], None
+        else:  # the root's right child is the second; below it the right token second again
+            drafts, parents = [wrong, greedy[0], wrong, greedy[1]], [-1, -1, 1, 1]
+        seeds = [seed_at(len(PROMPT)) + 1000 + i for i in range(5)]
+        # Apart: the verify alone, then a target-only round per seed
+        first = await engine.submit(verify_then("apart", list(PROMPT), 0, params, drafts, parents, [], logprobs))
+        kept = [drafts[j] for j in (first.path if parents else range(first.num_accepted))]
+        committed, cached, tokens, reported = PROMPT + kept + [first.next_token], first.cached_len, [], list(first.logprobs)
+        for s in seeds:
+            r = await engine.submit(VerifyWork.create("apart", cached, PrefixHashes(committed).at(cached),
+                                                      committed[cached:], [], None, params, s, prompt_len=len(PROMPT),
+                                                      logprobs=logprobs))
+            tokens.append(r.next_token)
+            reported += r.logprobs
+            committed, cached = committed + [r.next_token], r.cached_len
+        # Together: one request
+        both = await engine.submit(verify_then("together", list(PROMPT), 0, params, drafts, parents, seeds, logprobs))
+        after = [await engine.submit(work(sid, c, n, params)) for sid, c, n in
+                 (("apart", committed, cached), ("together", PROMPT + kept + [both.next_token, *both.run_on], both.cached_len))]
+        return first, tokens, reported, cached, both, after
+
+    try:
+        first, tokens, reported, cached, both, after = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert (both.num_accepted, both.path, both.tree, both.next_token) == \
+           (first.num_accepted, first.path, first.tree, first.next_token)
+    assert both.tree == (shape == "tree") and (name != "greedy" or both.num_accepted == 2)
+    assert list(both.run_on) == tokens and both.cached_len == cached
+    assert [(x.token_id, x.logprob, x.top_ids) for x in both.logprobs] == [(x.token_id, x.logprob, x.top_ids) for x in reported]
+    assert after[0].next_token == after[1].next_token  # the session goes on from the same cache
+
+
 def test_run_on_sessions_batch_with_others_and_keep_their_solo_results(parts):
     solo_engine = engine_of(parts)
     try:
@@ -199,3 +252,17 @@ def test_through_the_servers_run_on_changes_no_token_only_the_rounds(self_draft_
     assert greedy_on.stats["target_forwards"] == 40 and greedy_on.stats["mean_tokens_per_forward"] == 1.0
     assert greedy_on.stats["rounds"] == sampled_on.stats["rounds"] == 7  # 1 + 2 + 4 + 8 + 9 + 9 + 7 tokens: the run-on
     #                                     grows 0, 1, 3, 7 up to the default cap, 8, and the last round is cut to the budget
+
+
+@pytest.mark.servers
+def test_through_the_servers_a_drafting_round_runs_on_and_changes_no_token(random_draft_cluster, tiny_target_model):
+    """The draft model alone, adaptive, a draft the target never agrees with: K = 0 wins, its rounds run on 1, 2,
+    4, 8 then 9 tokens (51 in 8 rounds), then the policy probes a K = 1, which runs on as the K = 0 round it
+    stands in for would (9 tokens: 1 + 8, its draft rejected), and the ramp goes on: 60 tokens left, 7 rounds. 16
+    rounds in all (17 had the probe committed one token); greedy, the target's own output."""
+    ids = PROMPT + [30, 31, 32]
+    with Client(random_draft_cluster.address) as client:
+        out = client.generate(token_ids=ids, max_new_tokens=120, ignore_eos=True, proposer="draft")
+    assert out.token_ids == reference_greedy(tiny_target_model, ids, 120, None)
+    assert (out.stats["draft_tokens"], out.stats["accepted_tokens"], out.stats["target_forwards"]) == (1, 0, 120)
+    assert out.stats["rounds"] == 16

@@ -163,7 +163,8 @@ class DraftModelStrategy(Strategy):
         if p.catch_up <= STEADY_CATCH_UP:  # one draft step per level, as a chain's K
             self.time_ratio.observe(p.wall_ms, self.price(p.k))
         if p.parents and self.trees is not None:  # which sibling held at each level; the round's time
-            self.trees.observe(p.parents, outcome.path, 0.0 if p.overlapped else p.wall_ms + outcome.verify_ms)
+            timed = not (p.overlapped or p.run_on)  # (a run-on's steps are not the tree's)
+            self.trees.observe(p.parents, outcome.path, p.wall_ms + outcome.verify_ms if timed else 0.0)
         else:
             self.acceptance.judge(len(p.tokens), len(outcome.path))
 

@@ -4,6 +4,7 @@ Choosing the proposer and K, has the measurements behind each rule)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,19 +35,24 @@ class Policy:
 
     def choose(self, strategies: Sequence[Strategy], ask: Ask) -> Prediction | None:
         """The best prediction of any strategy, or None for K = 0 (the target alone, running on for ask.run_on
-        tokens). Drafting must beat K = 0 by min_gain, its round charged the run-on ramp it starts over after a
-        streak of target-only rounds (restart_ms); while K = 0 wins, the best K = 1 is probed every probe_every
-        rounds, the interval doubling, unless its strategy judges unchosen offers for free. A request's own K
-        (ask.fixed) has no K = 0 option."""
+        tokens). Drafting must beat K = 0 by min_gain. A drafting round either runs on as this round's K = 0
+        would (the ramp's level now: its tokens and steps added, the ramp going on) or not (the run-on ramp
+        starts over after it, its charge restart_ms). While K = 0 wins, the best K = 1 is probed every
+        probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free. A
+        request's own K (ask.fixed) has no K = 0 option and no run-on."""
         self.probing = False
         if ask.k <= 0:
             return None
         predictions = [p for s in strategies for p in s.predict(ask)]
+        now = min(ask.run_on, 2 ** min(ask.streak, 16) - 1)  # this round's run-on, were it K = 0
+        if not ask.fixed and now > 0:
+            predictions += [dataclasses.replace(p, run_on=now) for p in predictions]
         one = round_ms(ask.verify_ms[0], 1, ask.call_ms, ask.in_flight)  # a target-only round, no run-on
         restart = 0.0 if ask.fixed else restart_ms(ask.streak, ask.run_on, one - ask.step_ms)
 
         def rate(p: Prediction) -> float:  # tokens per ms, the coordinator's own time charged
-            return p.tokens / max(round_ms(p.cost_ms, p.calls, ask.call_ms, ask.in_flight) + restart, 1e-6)
+            round_ = round_ms(p.cost_ms, p.calls, ask.call_ms, ask.in_flight)
+            return (p.tokens + p.run_on) / max(round_ + (p.run_on * ask.step_ms if p.run_on else restart), 1e-6)
 
         best = max(predictions, key=rate, default=None)
         if ask.fixed or best is None:
@@ -56,7 +62,7 @@ class Policy:
             self._probe_every = self.config.probe_every
             return best
         self._since_probe += 1
-        probe = max((p for p in predictions if p.k == 1 and not p.nodes), key=rate, default=None)
+        probe = max((p for p in predictions if p.k == 1 and not p.nodes and p.run_on == now), key=rate, default=None)
         if self._since_probe < self._probe_every or probe is None or probe.by.judged_unchosen:
             return None
         self._since_probe = 0

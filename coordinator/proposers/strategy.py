@@ -41,6 +41,7 @@ class Prediction:
     nodes: int = 0  # a draft-model tree's node budget (0: a chain)
     branching: int = 1  # a draft-model tree's children per expanded node
     calls: int = 1  # tier calls the round makes (a draft-model round: Propose and Verify)
+    run_on: int = 0  # the policy's: the target decodes this many more tokens itself after the verdict
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,9 @@ class TargetVerifier:
                      tree_scheme: int = 0, run_on: int = 0) -> Verdict:
         """Verify drafts (with their q rows; none = one-hot) after the committed tokens; with parents, the
         drafts are a token tree's nodes, drawn as tree_scheme says (0: candidates without q, IID with q); masks:
-        structured output's allowed tokens at each of the K + 1 positions; run_on: with no drafts, the target may
-        decode up to this many more tokens, each with the seed its own target-only round would have (none with
-        a feature draft, whose head needs every position's features). Raises TierError."""
+        structured output's allowed tokens at each of the K + 1 positions; run_on: after its verdict the target may
+        decode up to this many more tokens, the i-th with the seed of a target-only round after len(committed) + i
+        tokens (none with a feature draft, whose head needs every position's features). Raises TierError."""
         if self.features is not None:
             await self._prefill_in_parts(committed, hashes)
             run_on = 0
@@ -67,7 +67,8 @@ class TargetVerifier:
                                                  tree_scheme=tree_scheme if parents else 0,
                                                  feature_layers=self.features.layers if self.features else (),
                                                  run_on_seeds=run_on_seeds),
-            extra=lambda response: ([drafts[i] for i in response.accepted_path] if parents else drafts) + (
+            extra=lambda response: ([drafts[i] for i in response.accepted_path] if parents else
+                                    drafts[: response.num_accepted] if response.run_on_tokens else drafts) + (
                 [response.next_token, *response.run_on_tokens[:-1]] if response.run_on_tokens else []))
         response = reply.message
         if self.features is not None:

@@ -29,10 +29,10 @@ tap them (Work.taps, specdec.engine.runner.Feed.taps) at every token it feeds, p
 result carries the rows of the positions the verdict keeps: the committed tokens it fed, then the accepted
 drafts (a tree's accepted path), positions prefix_len .. cached_len - 1.
 
-A target-only work may run on (run_on_seeds): after its verdict it feeds next_token and is verified again in
-the next step as the next target-only round would be (its seed, its penalties and logprobs), up to one token
-per seed, ending early after an EOS token or at the context's end; the result carries the later tokens in
-`run_on`. Each of those steps is an ordinary step of the batch, so run-on sessions batch with every other;
+A work may run on (run_on_seeds): after its verdict (the accepted drafts kept, a tree's path moved into place)
+it feeds next_token and is verified again in the next step as the next target-only round would be (its seed,
+its penalties and logprobs), up to one token per seed, ending early after an EOS token or at the context's
+end; the result carries the later tokens in `run_on`, and its verdict on the drafts is the first round's. Each of those steps is an ordinary step of the batch, so run-on sessions batch with every other;
 except that a greedy session stepping alone (nothing else queued) runs its run-on as one chain on the device
 (StepConfig.run_on_chain; specdec.engine.draft_chain with the verdict's own argmax): the same forwards, one
 host round trip instead of one a token, the tokens after an EOS dropped.
@@ -108,6 +108,7 @@ class VerifyWork(Work):
     prompt_len: int = 0  # the session's prompt tokens: the penalties count the tokens after them as output
     logprobs: int = -1  # -1: none; n >= 0: the committed tokens' logprobs and the top n alternatives
     parents: list[int] | None = None  # a token tree: each draft's parent (-1 = the root); None = a chain
+    tree: bool = False  # the drafts were a token tree (parents is cleared once the work runs on)
     scheme: str = ""  # a tree's scheme: CANDIDATES (no q), IID or WITHOUT_REPLACEMENT (with q); greedy ignores it
     allowed: torch.Tensor | None = None  # structured output: [K + 1, V] bool, the tokens allowed at each position
     run_on_seeds: list[int] = field(default_factory=list)  # run-on: the seeds of the target-only rounds still to run
@@ -122,22 +123,23 @@ class VerifyWork(Work):
                allowed: torch.Tensor | None = None, feature_layers: list[int] = (),
                run_on_seeds: list[int] = ()) -> "VerifyWork":
         """feature_layers: decoder layers whose outputs (EAGLE-3 features) the result carries at every position
-        the request adds to the session (VerifyResult.features); empty: none. run_on_seeds: a target-only
-        round (no drafts, masks or features) decodes up to this many more tokens, one target-only round each,
-        the i-th with run_on_seeds[i] as its seed (VerifyResult.run_on)."""
+        the request adds to the session (VerifyResult.features); empty: none. run_on_seeds: after its verdict
+        (no masks or features) the work decodes up to this many more tokens, one target-only round each, the
+        i-th with run_on_seeds[i] as its seed (VerifyResult.run_on)."""
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
                    params=params, seed=seed, committed_len=prefix_len + len(new_tokens), prompt_len=prompt_len,
-                   logprobs=logprobs, parents=list(parents) if parents else None, scheme=scheme, allowed=allowed,
-                   taps=tuple(feature_layers) or None, run_on_seeds=list(run_on_seeds))
+                   logprobs=logprobs, parents=list(parents) if parents else None, tree=bool(parents), scheme=scheme,
+                   allowed=allowed, taps=tuple(feature_layers) or None, run_on_seeds=list(run_on_seeds))
 
     def runs_on(self, next_token: int, kept: int, engine) -> bool:
-        """After a target-only verdict (the session holds `kept` tokens), whether the work runs on: it has a seed
-        left, next_token is no EOS and the context has room. If so it becomes the next target-only round:
-        next_token fed, its logits scored with the next seed."""
+        """After a verdict (the session holds `kept` tokens: the committed ones and the accepted drafts), whether
+        the work runs on: it has a seed left, next_token is no EOS and the context has room. If so it becomes the
+        next target-only round: next_token fed, no drafts, its logits scored with the next seed."""
         if not self.run_on_seeds or next_token in engine.eos_token_ids or kept + 1 >= engine.max_context:
             return False
         self.pending, self.num_logits, self.committed_len = [next_token], 1, kept + 1
+        self.drafts, self.q, self.parents = [], None, None
         self.seed = self.run_on_seeds.pop(0)
         return True
 
@@ -181,7 +183,7 @@ class VerifyWork(Work):
         step_ms, compute_ms, queue_ms = self.finished_step()  # the verification counted in the step
         (path, nxt, reported), *later = self.verdicts
         return VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, self.reused,
-                            reported + [x for _, _, lp in later for x in lp], tuple(path), self.parents is not None,
+                            reported + [x for _, _, lp in later for x in lp], tuple(path), self.tree,
                             features, start, tuple(t for _, t, _ in later), self.step_id)
 
     def feed_tree(self) -> list[int] | None:
@@ -231,15 +233,15 @@ class VerifyWork(Work):
             keep = w.committed_len + len(path)
             if w.parents is None:
                 engine.sessions.crop(w.session, keep)  # the committed prefix plus the accepted drafts
-                if w.runs_on(nxt, keep, engine):  # the next target-only round, in the next step (or a chain)
-                    w.verdicts.append((path, nxt, logprobs.get(i, [])))
-                    w.chain_steps = w.chain_length(engine, alone=w.last_step[0] == 1 and not engine.others_waiting())
-                    continue
             else:  # the accepted path's entries moved into place, then the same crop
                 engine.cache.move(w.session.slot, [w.committed_len + j for j in path],
                                   list(range(w.committed_len, keep)))
                 engine.sessions.crop(w.session, w.committed_len)
                 engine.sessions.append(w.session, [w.drafts[j] for j in path])
+            if w.runs_on(nxt, keep, engine):  # the next target-only round, in the next step (or a chain)
+                w.verdicts.append((path, nxt, logprobs.get(i, [])))
+                w.chain_steps = w.chain_length(engine, alone=w.last_step[0] == 1 and not engine.others_waiting())
+                continue
             features, start = w.committed_features(path, keep) if w.taps else (None, 0)
             w.verdicts.append((path, nxt, logprobs.get(i, [])))
             w.result = w.final_result(keep, features, start)
