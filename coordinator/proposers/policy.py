@@ -21,7 +21,7 @@ class PolicyConfig:
     probe_max_every: int = 64  # probes that keep losing back off, the interval doubling up to this
     min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor
     price_coordinator: bool = True  # charge the coordinator's own CPU per tier call, in series and as a floor under load
-    run_on: int = 8  # a target-only round lets the target decode up to this many more tokens itself (1, 3, 7, ... as such rounds follow one another; 0: one token a round)
+    run_on: int = 8  # a round may let the target decode up to this many more tokens itself after its verdict (1, 3, 7, ... as target-only rounds, or drafting ones the policy prices so, follow one another; 0: never)
 
 
 class Policy:
