@@ -91,7 +91,7 @@ class Drafter:
         if proposal is None:
             return self._target_only(strategies, draft_down, run_on)
         proposal.fallback = draft_down and proposal.source != DRAFT_MODEL
-        proposal.run_on = min(choice.run_on, max(limit - 1 - choice.k, 0))  # (its drafts and the run-on within the limit)
+        proposal.run_on = min(choice.run_on, max(limit - 1 - choice.k, 0))  # (drafts and run-on within the limit)
         if choice.run_on:  # it runs on as this round's K = 0 would: the ramp goes on
             self._alone += 1
         elif not self.policy.probing:  # (a probe is K = 0's exploration: the run-on goes on where it was after it)

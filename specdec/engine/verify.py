@@ -32,10 +32,11 @@ drafts (a tree's accepted path), positions prefix_len .. cached_len - 1.
 A work may run on (run_on_seeds): after its verdict (the accepted drafts kept, a tree's path moved into place)
 it feeds next_token and is verified again in the next step as the next target-only round would be (its seed,
 its penalties and logprobs), up to one token per seed, ending early after an EOS token or at the context's
-end; the result carries the later tokens in `run_on`, and its verdict on the drafts is the first round's. Each of those steps is an ordinary step of the batch, so run-on sessions batch with every other;
-except that a greedy session stepping alone (nothing else queued) runs its run-on as one chain on the device
-(StepConfig.run_on_chain; specdec.engine.draft_chain with the verdict's own argmax): the same forwards, one
-host round trip instead of one a token, the tokens after an EOS dropped.
+end; the result carries the later tokens in `run_on`, and its verdict on the drafts is the first round's.
+Each of those steps is an ordinary step of the batch, so run-on sessions batch with every other; except that
+a greedy session stepping alone (nothing else queued) runs its run-on as one chain on the device
+(StepConfig.run_on_chain; specdec.engine.draft_chain with the verdict's own argmax): the same forwards, one host
+round trip instead of one a token, the tokens after an EOS dropped.
 """
 
 from __future__ import annotations
