@@ -23,4 +23,4 @@ class Proposal:
     fallback: bool = False  # prompt lookup standing in for an unreachable draft model
     parents: list[int] = field(default_factory=list)  # a token tree: each node's parent (-1 = root); empty = a chain
     tree_scheme: int = 0  # a tree's target_pb2.TreeScheme (0: candidates without q, IID with q)
-    run_on: int = 0  # a target-only round (no tokens): how many more tokens the target may decode by itself after it
+    run_on: int = 0  # tokens the target may decode by itself after the verdict (the ramp's; none at a request's K > 0)

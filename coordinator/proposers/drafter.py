@@ -66,7 +66,7 @@ class Drafter:
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         strategies = [s for s in strategies if s.ready]  # (one still indexing the prompt is asked from the next round)
-        cap = min(self.policy.config.run_on, max(limit - 1, 0))  # the run-on of target-only rounds in a streak
+        cap = min(self.policy.config.run_on, max(limit - 1, 0))  # the run-on of rounds that run on in a streak
         run_on = min(cap, 2 ** min(self._alone, 16) - 1)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
             return self._target_only(strategies, draft_down, run_on)
