@@ -10,7 +10,7 @@ from coordinator.params import GenerationParams
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.coordinator_cost import CoordinatorCost
 from specdec.core.proposer_names import DRAFT_MODEL
-from coordinator.proposers.policy import Policy
+from coordinator.proposers.policy import Policy, run_on_at
 from coordinator.proposers.strategy import Ask, Outcome, Strategy
 from coordinator.proposers.suffix_cache import SuffixCache
 from coordinator.proposers.tier_cost import TierCost
@@ -67,7 +67,7 @@ class Drafter:
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         strategies = [s for s in strategies if s.ready]  # (one still indexing the prompt is asked from the next round)
         cap = min(self.policy.config.run_on, max(limit - 1, 0))  # the run-on of rounds that run on in a streak
-        run_on = min(cap, 2 ** min(self._alone, 16) - 1)  # this one's, if K = 0
+        run_on = run_on_at(self._alone, cap)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
             return self._target_only(strategies, draft_down, run_on)
         measured = not self.params.reproducible

@@ -44,7 +44,7 @@ class Policy:
         if ask.k <= 0:
             return None
         predictions = [p for s in strategies for p in s.predict(ask)]
-        now = min(ask.run_on, 2 ** min(ask.streak, 16) - 1)  # this round's run-on, were it K = 0
+        now = run_on_at(ask.streak, ask.run_on)  # this round's run-on, were it K = 0
         if not ask.fixed and now > 0:
             predictions += [dataclasses.replace(p, run_on=now) for p in predictions]
         one = round_ms(ask.verify_ms[0], 1, ask.call_ms, ask.in_flight)  # a target-only round, no run-on
@@ -69,6 +69,11 @@ class Policy:
         self._probe_every = min(2 * self._probe_every, max(self.config.probe_max_every, self.config.probe_every))
         self.probing = True
         return probe
+
+
+def run_on_at(streak: int, cap: int) -> int:
+    """The run-on of a round after `streak` rounds in a row that ran on: 0, 1, 3, 7, ... up to cap."""
+    return min(cap, 2 ** min(streak, 16) - 1)
 
 
 def restart_ms(streak: int, cap: int, fixed_ms: float) -> float:

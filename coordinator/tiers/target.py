@@ -68,7 +68,7 @@ class TargetVerifier:
                                                  feature_layers=self.features.layers if self.features else (),
                                                  run_on_seeds=run_on_seeds),
             extra=lambda response: ([drafts[i] for i in response.accepted_path] if parents else
-                                    drafts[: response.num_accepted] if response.run_on_tokens else drafts) + (
+                                    drafts[: response.num_accepted]) + (  # the accepted drafts, then the run-on
                 [response.next_token, *response.run_on_tokens[:-1]] if response.run_on_tokens else []))
         response = reply.message
         if self.features is not None:
