@@ -112,6 +112,32 @@ def test_tiny_run_lowers_the_loss_and_writes_a_loadable_head(tiny_target, tiny_t
     assert trainer.agreement(loaded, data, full) == agree_after
 
 
+def test_bfloat16_products_train_the_float32_weights(tiny_target, tiny_target_model):
+    target = tiny_target_model
+    data = generated(TierConfig(ModelConfig(tiny_target)), load_tokenizer(tiny_target), training_prompts(8), LAYERS,
+                     max_new_tokens=16)
+    d2t = draft_vocabulary(data, 128, target.config.vocab_size)
+    head = trainer.new_head(target, 128, LAYERS, d2t)
+    full = target.get_output_embeddings().weight
+    tensors = trainer.batch(data)
+    with torch.no_grad():
+        before, _ = trainer.ttt_loss(head, *tensors, full, 3)
+    fp32 = trainer.new_head(target, 128, LAYERS, d2t)
+    trainer.train(fp32, data, full, ttt_steps=3, epochs=25, batch_size=4, lr=3e-3)
+    trainer.train(head, data, full, ttt_steps=3, epochs=25, batch_size=4, lr=3e-3, autocast=torch.bfloat16)
+    with torch.no_grad():
+        after, _ = trainer.ttt_loss(head, *tensors, full, 3)
+        fp32_after, _ = trainer.ttt_loss(fp32, *tensors, full, 3)
+    assert all(p.dtype == torch.float32 for p in head.parameters())  # autocast: products only
+    assert float(after) < 0.7 * float(before)
+    assert abs(float(after) - float(fp32_after)) < 0.15 * float(fp32_after)  # the same training, to bfloat16's precision
+    assert not torch.equal(head.fc.weight, fp32.fc.weight)  # (the products really were bfloat16)
+    cpu = torch.device("cpu")
+    assert trainer.autocast_dtype("float32", cpu) is None and trainer.autocast_dtype("bfloat16", cpu) == torch.bfloat16
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert trainer.autocast_dtype("auto", cpu) == (torch.bfloat16 if native else None)
+
+
 def test_the_command_writes_a_checkpoint(tiny_target, tiny_target_model, tmp_path):
     out = tmp_path / "head"
     code = trainer.main(["--target", tiny_target, "--out", str(out), "--prompts", "4", "--max-new-tokens", "8",
