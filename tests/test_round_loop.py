@@ -101,6 +101,7 @@ class FakeDraft:
         self.cache = cache
         self.available = True
         self.proposed = 0  # propose calls
+        self.requests: list[draft_pb2.ProposeRequest] = []  # what each call asked
         self._expected: int | None = None  # committed length if the last proposal was wholly right
 
     async def call(self, committed, hashes, request, extra=None) -> TierReply:
@@ -108,11 +109,15 @@ class FakeDraft:
         if self.fail:
             self.available = False
             raise TierError("draft", grpc.StatusCode.UNAVAILABLE, "connection refused")
-        k = request(common_pb2.SessionContext()).num_tokens
+        self.requests.append(request(common_pb2.SessionContext()))
+        k = self.requests[-1].num_tokens
         at = len(committed) - len(PROMPT)
         hit = self.cache and self._expected == len(committed) and committed[len(PROMPT):] == self.guess[:at]
         self._expected = len(committed) + k + 1
         return TierReply(draft_pb2.ProposeResponse(tokens=self.guess[at:at + k], speculated=hit), 0.1 if hit else 1.0, 1)
+
+    def pushed(self, committed, hashes):  # (no pushes: every proposal is asked for)
+        return None
 
     async def close(self) -> None:
         pass
@@ -224,6 +229,29 @@ def test_rounds_the_speculation_cache_had_ready_are_counted_with_the_time_saved(
     chunks, result = run(gen)
     assert tokens(chunks) == cont[:20] and result.stats.overlapped_rounds == 0 == result.stats.overlap_saved_ms
     assert draft.proposed == result.stats.rounds
+
+
+def test_a_round_that_runs_on_asks_the_draft_for_no_pre_drafting():
+    """With the speculation cache (--overlap), a chain is asked as a tree of branching 1 with `speculate` outcomes
+    to pre-draft the next round for; a round that runs on asks a plain chain with none, since the next round starts
+    past the target's own run-on tokens, which no pre-drafted outcome holds."""
+    from coordinator.proposers.draft_tree import DraftTreeConfig, DraftTrees
+    from coordinator.proposers.strategy import Prediction
+    from specdec.core.prefix import PrefixHashes
+
+    cont = truth()
+    draft = FakeDraft(cont)
+    trees = DraftTrees(DraftTreeConfig(speculate=4), 0.9)
+    strategy = DraftModelStrategy(DraftModelConfig(), draft, common_pb2.SamplingParams(), 1, RoundStats(), trees=trees,
+                                  push=True)
+    committed = list(PROMPT)
+    for run_on in (0, 3):
+        choice = Prediction(strategy, k=2, tokens=2.0, cost_ms=10.0, run_on=run_on)
+        proposal = asyncio.run(strategy.propose(choice, committed, PrefixHashes(committed)))
+        assert proposal.tokens == cont[:2]
+    plain, running_on = draft.requests
+    assert (plain.speculate, plain.push, plain.tree_branching, plain.tree_nodes) == (4, True, 1, 2)
+    assert (running_on.speculate, running_on.push, running_on.tree_nodes, running_on.num_tokens) == (0, False, 0, 2)
 
 
 def test_a_failed_draft_tier_falls_back_to_prompt_lookup():
