@@ -242,9 +242,9 @@ def main(argv=None) -> int:
         from specdec.models import default_draft
 
         tokenizer = default_draft()
-    from specdec.training.prompts import training_prompts
+    from specdec.training.prompts import chat_prompts
 
-    chat = training_prompts() if args.data == "chat" else []
+    chat = chat_prompts() if args.data == "chat" else []
     t0, results = time.monotonic(), {}
     with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
         files = chat_files(Path(tmp), len(streams), chat) if chat else [None] * len(streams)

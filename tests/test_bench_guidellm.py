@@ -24,9 +24,9 @@ def test_the_k0_row_asks_every_request_for_k_0_and_the_default_row_adds_nothing(
 def test_each_level_gets_chat_requests_no_other_level_sends_answered_up_to_the_budget(tmp_path):
     import json
 
-    from specdec.training.prompts import training_prompts
+    from specdec.training.prompts import chat_prompts
 
-    files = chat_files(tmp_path, 3, training_prompts())
+    files = chat_files(tmp_path, 3, chat_prompts())
     levels = [[json.loads(line)["prompt"] for line in f.read_text().splitlines()] for f in files]
     assert [len(x) for x in levels] == [210, 210, 210] and all(p for x in levels for p in x)
     assert len({p for x in levels for p in x}) == 630  # distinct, within and across the levels

@@ -166,7 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="checkpoint directory (default: the cache directory's eagle3/<target name>)")
     p.add_argument("--prompts", type=int, default=0, help="training prompts to use (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="the target's answer length per prompt")
-    p.add_argument("--samples", type=int, default=2, help="answers per prompt drawn at --temperature, beside the greedy one")
+    p.add_argument("--samples", type=int, default=0,
+                   help="answers per prompt drawn at --temperature, beside the greedy one (as many more distinct "
+                        "prompts served as well, and greedy answers are made faster)")
     p.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
     p.add_argument("--sessions", type=int, default=32, help="answers the target generates at a time")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft_vocab_size (0: the target's full vocabulary)")

@@ -4,7 +4,8 @@ compare, advice, poem, dialogue, email, code) over everyday topics.
 The target answers them itself (specdec.training.eagle3_data); the head learns from those answers. They
 are disjoint from the benchmark's prompts (bench/prompts.py: the open workload is the held-out set the
 head's agreement is measured on; tests/test_eagle3_training.py checks that no benchmark prompt is here).
-Deterministic order: `training_prompts(n)` takes an even spread of templates and topics.
+Deterministic order: `training_prompts(n)` takes the first list's 632 first, each list an even spread of templates
+and topics.
 """
 
 from __future__ import annotations
@@ -35,6 +36,48 @@ TOPICS = (
     "meditation", "kites", "maps", "rain gauges", "sourcing local food", "the periodic table",
 )
 
+# The grown list (2026-11-29): more kinds of instruction and more topics, for more training data; each new
+# template over every topic and every template over each new topic. Still nothing near the held-out prompts'
+# subjects.
+MORE_TEMPLATES = (
+    "Teach me the basics of {t} as if I were ten years old.",
+    "Write a blog post introduction about {t} that makes readers want to keep reading.",
+    "What is a common myth about {t}, and what is the truth?",
+    "Give me a short quiz of three questions about {t}, with the answers at the end.",
+    "Compare {t} today with {t} fifty years ago.",
+    "Write a haiku and then a limerick about {t}.",
+    "What questions should I ask an expert on {t}? List five and say why each is useful.",
+    "Write a diary entry from someone who spent the whole day thinking about {t}.",
+    "Explain {t} using an analogy from everyday life.",
+    "Write a product description for a book called 'The Secret Life of {t}'.",
+    "What would happen if {t} suddenly disappeared from the world? Think it through step by step.",
+    "Give a two-minute speech that a teacher could give about {t}.",
+    "Write a conversation between a curious child and a grandparent about {t}.",
+    "Summarise the most important ideas about {t} in five bullet points.",
+    "What are some fun weekend activities related to {t}?",
+    "Write a news headline and a short article about a surprising discovery involving {t}.",
+    "Describe a typical day for a person whose job involves {t}.",
+    "Give me a beginner's glossary of five terms related to {t}, with a one-line definition each.",
+    "Write a motivational message for someone who is struggling with {t}.",
+    "How has technology changed {t}? Give a balanced answer.",
+)
+
+MORE_TOPICS = (
+    "owls", "glaciers", "knitting", "chocolate", "volunteering", "sundials",
+    "the immune system", "podcasts", "paper money", "octopuses", "hot air balloons", "city parks", "rice farming",
+    "the Olympic Games", "birdwatching", "telescopes", "recycling electronics", "street food", "bridges",
+    "the Great Wall of China", "ants", "wool", "public speaking", "tides", "snow", "pottery", "cheese making",
+    "the alphabet", "airports", "coral reefs", "lemons", "first aid", "mushrooms", "sign language", "canals",
+    "deserts", "the violin", "elephants", "skateboarding", "calendars", "soap", "bamboo", "fireflies",
+    "the stock market", "ancient Egypt", "submarines", "cloud types", "pencils",
+    "dinosaurs", "tomatoes", "hiking boots", "the postal service", "bees in cities", "rainbows", "clocks",
+    "chess openings", "fountain pens", "sea turtles", "wildfires", "the metric system", "fermentation",
+    "roller coasters", "houseplants", "the Silk Road", "windmills", "mathematics puzzles", "kindness",
+    "swimming", "glass making", "the ozone layer", "beavers", "radio", "caves", "jigsaw puzzles", "salt",
+    "the Renaissance", "electric guitars", "marathons in history", "lakes", "microscopes", "typewriters",
+    "wolves", "spices", "bicycle repair", "the solar system", "satellites", "handwriting", "forests in autumn",
+)
+
 CODE_TASKS = (
     "Write a Python function that returns the {n} largest numbers in a list, with a docstring.",
     "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
@@ -45,19 +88,28 @@ CODE_TASKS = (
 )
 
 
-def training_prompts(n: int | None = None) -> list[str]:
-    """Up to n prompts (all of them when None): templates x topics interleaved, then the code tasks."""
-    out = []
-    for i, topic in enumerate(TOPICS):
-        for j in range(len(TEMPLATES)):
-            out.append(TEMPLATES[(i + j) % len(TEMPLATES)].format(t=topic))
-    # interleave so that a prefix covers every template and many topics
-    ordered = [out[i * len(TEMPLATES) + j] for j in range(len(TEMPLATES)) for i in range(len(TOPICS))]
+def _interleaved(templates, topics) -> list[str]:
+    """Every template over every topic, ordered so that a prefix covers every template and many topics."""
+    out = [templates[(i + j) % len(templates)].format(t=topic) for i, topic in enumerate(topics) for j in range(len(templates))]
+    return [out[i * len(templates) + j] for j in range(len(templates)) for i in range(len(topics))]
+
+
+def chat_prompts() -> list[str]:
+    """The 632 prompts of the first list: templates x topics interleaved, the code tasks among them (bench.guidellm_sweep's
+    chat requests, kept as they were so that its runs compare across days)."""
     code = list(dict.fromkeys(task.format(n=k) for k in (3, 5) for task in CODE_TASKS))
     mixed = []
-    for i, prompt in enumerate(ordered):
+    for i, prompt in enumerate(_interleaved(TEMPLATES, TOPICS)):
         mixed.append(prompt)
         if i % 10 == 9 and code:
             mixed.append(code.pop(0))
-    mixed += code
-    return mixed[:n] if n else mixed
+    return mixed + code
+
+
+def training_prompts(n: int | None = None) -> list[str]:
+    """Up to n prompts (all 4,488 when None): the first list's 632, then the new templates over every topic and
+    the first templates over the new topics."""
+    grown = _interleaved(TEMPLATES + MORE_TEMPLATES, TOPICS + MORE_TOPICS)
+    first = set(chat_prompts())
+    out = chat_prompts() + [p for p in grown if p not in first]
+    return out[:n] if n else out
