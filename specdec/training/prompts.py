@@ -90,13 +90,14 @@ CODE_TASKS = (
 
 def _interleaved(templates, topics) -> list[str]:
     """Every template over every topic, ordered so that a prefix covers every template and many topics."""
-    out = [templates[(i + j) % len(templates)].format(t=topic) for i, topic in enumerate(topics) for j in range(len(templates))]
-    return [out[i * len(templates) + j] for j in range(len(templates)) for i in range(len(topics))]
+    n = len(templates)
+    out = [templates[(i + j) % n].format(t=topic) for i, topic in enumerate(topics) for j in range(n)]
+    return [out[i * n + j] for j in range(n) for i in range(len(topics))]
 
 
 def chat_prompts() -> list[str]:
-    """The 632 prompts of the first list: templates x topics interleaved, the code tasks among them (bench.guidellm_sweep's
-    chat requests, kept as they were so that its runs compare across days)."""
+    """The 632 prompts of the first list: templates x topics interleaved, the code tasks among them
+    (bench.guidellm_sweep's chat requests, kept as they were so that its runs compare across days)."""
     code = list(dict.fromkeys(task.format(n=k) for k in (3, 5) for task in CODE_TASKS))
     mixed = []
     for i, prompt in enumerate(_interleaved(TEMPLATES, TOPICS)):
