@@ -122,10 +122,8 @@ class DraftModelStrategy(Strategy):
         def request(ctx: common_pb2.SessionContext) -> draft_pb2.ProposeRequest:
             message = draft_pb2.ProposeRequest(context=ctx, num_tokens=k, sampling=self.sampling, seed=self.seed,
                                                grammar=self.grammar)
-            if self.trees is not None and (tree is not None or not choice.run_on):
-                self.trees.request_fields(message, tree, k)
-            if choice.run_on:  # the next round starts past the target's own run-on tokens: nothing to pre-draft for
-                message.speculate = 0
+            if self.trees is not None:
+                self.trees.request_fields(message, tree, k, runs_on=choice.run_on > 0)
             message.push = self.push and message.speculate > 0
             if self.features is not None:
                 message.features_start, message.features = self.features.for_draft(ctx.prefix_len)

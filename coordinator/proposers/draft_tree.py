@@ -205,12 +205,15 @@ class DraftTrees:
             self.priors.learn(DRAFT_MODEL, self.greedy, siblings=self.siblings.conditional(a), rho=self.ratio.value,
                               kappa=self.cost_ratio.value)
 
-    def request_fields(self, request: draft_pb2.ProposeRequest, tree: TreeAsk | None, k: int) -> None:
+    def request_fields(self, request: draft_pb2.ProposeRequest, tree: TreeAsk | None, k: int,
+                       runs_on: bool = False) -> None:
         """A ProposeRequest's tree and speculation fields: the tree, or with the speculation cache on a chain
-        asked as a tree of branching 1 (a chain request has no cache)."""
-        if tree is None and self.config.speculate <= 0:
+        asked as a tree of branching 1 (a chain request has no cache). runs_on: the round lets the target run on,
+        so the next round starts past tokens no pre-drafted outcome holds: no speculation (a chain stays a chain)."""
+        speculate = 0 if runs_on else self.config.speculate
+        if tree is None and speculate <= 0:
             return
         tree = tree or TreeAsk(k, k, 1)
         request.tree_nodes, request.tree_depth, request.tree_branching = tree.nodes, tree.depth, tree.branching
         request.tree_scheme = SCHEMES[self.config.scheme]
-        request.speculate = self.config.speculate
+        request.speculate = speculate

@@ -110,7 +110,7 @@ def chat_prompts() -> list[str]:
 def training_prompts(n: int | None = None) -> list[str]:
     """Up to n prompts (all 4,488 when None): the first list's 632, then the new templates over every topic and
     the first templates over the new topics."""
-    grown = _interleaved(TEMPLATES + MORE_TEMPLATES, TOPICS + MORE_TOPICS)
-    first = set(chat_prompts())
-    out = chat_prompts() + [p for p in grown if p not in first]
+    first = chat_prompts()
+    seen = set(first)
+    out = first + [p for p in _interleaved(TEMPLATES + MORE_TEMPLATES, TOPICS + MORE_TOPICS) if p not in seen]
     return out[:n] if n else out
