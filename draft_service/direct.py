@@ -59,10 +59,11 @@ def _target_error(e: grpc.aio.AioRpcError) -> RequestError:
     return RequestError(e.code(), f"direct rounds: the target tier's VerifyStream: {e.details()}")
 
 
-async def drive(request: draft_pb2.DriveRequest, propose: Callable[[draft_pb2.ProposeRequest], Awaitable],
+async def drive(request: draft_pb2.DriveRequest, propose: Callable[..., Awaitable],
                 target: TargetLink, max_context: int, draining: Callable[[], bool] = lambda: False,
                 features: SessionFeatures | None = None) -> AsyncIterator[draft_pb2.DriveEvent]:
-    """The session's rounds; propose(request) is the draft's own Propose (checks, engine, response), max_context
+    """The session's rounds; propose(request) is the draft's own Propose (checks, engine, response; with
+    inline=False its steps stay on the engine thread, Engine._take_inline), max_context
     the draft's (a round that would pass it drafts nothing, as the caller's would not ask). Ends when
     max_new_tokens are committed or an EOS is; raises RequestError on a failed call, and UNAVAILABLE once
     draining() (the replica shuts down: the caller's own rounds go on elsewhere at once, not after the grace).
@@ -174,7 +175,7 @@ class DirectSession:
             return None
         return asyncio.ensure_future(propose(draft_pb2.ProposeRequest(  # the draft caches the tokens and d_1..d_K-1
             context=self.context(proposed.cached_len, drafts), num_tokens=k_next + 1, sampling=r.sampling,
-            seed=r.draft_seed)))
+            seed=r.draft_seed), inline=False))  # on the engine thread: this one reads the verdict meanwhile
 
     def take_ahead(self, ahead: draft_pb2.ProposeResponse, proposed: draft_pb2.ProposeResponse,
                    verdict: target_pb2.VerifyResponse) -> draft_pb2.ProposeResponse | None:

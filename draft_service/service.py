@@ -162,10 +162,10 @@ class DraftServicer(TierRpcs, draft_pb2_grpc.DraftServiceServicer):
             if request.context.session_id:
                 self.engine.end_session(request.context.session_id)
 
-    async def _propose(self, request: draft_pb2.ProposeRequest, push=None) -> draft_pb2.ProposeResponse:
+    async def _propose(self, request: draft_pb2.ProposeRequest, push=None, inline: bool = True) -> draft_pb2.ProposeResponse:
         def to_work(r: draft_pb2.ProposeRequest):
             work = self.to_work(r)
-            work.on_push = push if r.push else None
+            work.on_push, work.inline = push if r.push else None, inline
             return work
 
         return await traced(request, to_work, self.engine.submit, self.to_response)

@@ -50,6 +50,10 @@ class StepConfig:
     #                         product per linear; specdec.engine.step.graph_decoder)
     draft_chain: bool = True  # draft tier: a proposal's steps after the first run as one chain on the device, one
     #                           host round trip (off: one engine step each; specdec.engine.draft_chain)
+    # A lone session's small step runs on the event loop's thread when the engine is idle, not handed to the engine
+    # thread and back (two thread wake-ups: ~0.2 ms a round on a small CPU): on | off | auto (on a CPU tier that
+    # computes on one torch thread; with more, a second thread's OpenMP team would slow every step)
+    inline_steps: str = setting("auto", choices=("auto", "on", "off"))
     run_on_chain: bool = True  # target tier: a greedy session stepping alone runs its run-on tokens as one such
     #                            chain (off, or under load: one engine step each, batched with every session)
     skinny_gemm: bool = True  # packed steps in float32 on an AVX-512 or AVX2 CPU: every linear on specdec's batch-invariant

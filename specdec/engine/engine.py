@@ -16,13 +16,11 @@ that work alone; the rest of its batch completes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -30,7 +28,7 @@ import torch
 from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
 from specdec.engine.cost_curve import measure as measure_cost_curve
-from specdec.engine.engine_thread import EngineThread
+from specdec.engine.engine_thread import PUSH, EngineStatus, EngineThread, hand_back
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.quantize import quantize
@@ -46,28 +44,7 @@ from specdec.core.errors import RequestError
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineStatus:
-    num_sessions: int  # sessions holding a KV slot
-    cached_tokens: int  # tokens in their caches (not counting the prefix cache's retained slots)
-    evictions: int  # sessions evicted so far (LRU, idle TTL, token budget)
-    num_running: int  # requests being computed
-    num_waiting: int  # requests queued
-    kv_used_bytes: int  # cached_tokens in bytes
-    kv_capacity_bytes: int  # all slots, in bytes
-    kv_capacity_tokens: int
-    kv_resident_bytes: int  # memory the KV pool occupies now (CPU: positions ever written; GPU: all of it)
-    step_mode: str  # eager | compile | cuda-graphs
-    compile_s: float  # seconds spent compiling / capturing
-    steps: int  # forwards run so far
-    step_tokens: int  # tokens fed in them
-    prefix_cache_sessions: int = 0  # retained slots of ended sessions (prefix-cache donors, evictable)
-    prefix_cache_tokens: int = 0  # tokens in them
-    prefix_cache_queries: int = 0  # tokens of fresh starts looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of them, tokens taken from it instead of prefilled
-
-
-PUSH = object()  # in place of an error: a hand-back of unasked results (Engine.push), not an answer
+INLINE_TOKENS = 16  # the most tokens an inline step may feed (a decode, a verify, a proposal's catch-up)
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
 
 # Compiled steps: engines of one process that serve the same model share its weights, and so its compiled graphs
@@ -122,8 +99,12 @@ class Engine(EngineThread):
         self.cost_curve: list[tuple[int, int, float]] = []  # (sessions, tokens, ms) timed at start (load())
         # Answers settled in this pass of the step loop, handed to the event loop together (_hand_back):
         # one wake-up per step and event loop, not one per session. Engine thread only.
-        self._answers: list[tuple[Work, object, object]] = []  # (work, result, error | PUSH)
+        self._answers: list = []  # (work, result, error | PUSH)
         self._paused = False
+        self._busy = False  # a thread holds a plan and runs its step: the engine thread, or a submitter inline
+        self.inline = config.step.inline_steps == "on" or (
+            config.step.inline_steps == "auto" and self.device.type == "cpu" and torch.get_num_threads() == 1)
+        self.inline_steps = 0  # steps run on a submitter's thread
         # Step coalescing: the sessions whose work finished in the last step (and when), and how long
         # sessions take to send their next request (exponentially weighted, seconds; None = not seen yet).
         self._returning: dict[str, float] = {}
@@ -212,32 +193,68 @@ class Engine(EngineThread):
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and (self._paused or not (self._inbox or len(self.scheduler))):
+                while not self._stopping and (self._paused or self._busy or not (self._inbox or len(self.scheduler))):
                     self._wake.wait()
                 if self._stopping:
                     break
                 self._coalesce()
-                self.scheduler.waiting.extend(self._inbox)
-                self._inbox.clear()
-                self._drop_cancelled()
-                plan = self.scheduler.plan(self._start)
-            self._hand_back()  # works answered without a step (a speculation cache hit, a refused prefix)
-            if plan:
-                self._step(plan)
-            else:
-                time.sleep(0.001)  # only works blocked on a busy session or a free slot: let them finish
+                plan = self._plan()
+            self._run_step(plan, idle=0.001)  # nothing to step: only works blocked on a busy session or a free slot
         with self._lock:
             for work in [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]:
                 self._fail(work, grpc.StatusCode.UNAVAILABLE, "the engine shut down")
         self._hand_back()
 
-    def _coalesce(self) -> None:
-        """Hold the next step (lock held) while the last step's sessions are expected back soon."""
+    def _plan(self) -> list[Planned]:
+        """(Lock held) The next step, taken by the calling thread: the inbox queued, the plan made."""
+        self.scheduler.waiting.extend(self._inbox)
+        self._inbox.clear()
+        self._drop_cancelled()
+        self._busy = True
+        return self.scheduler.plan(self._start)
+
+    def _take_inline(self, work: Work) -> Callable[[], None] | None:
+        """(Lock held) The step `work` may run on its submitter's thread, the event loop's: when the engine is
+        idle, the work small and its session the engine's only one, and no step would wait for another session,
+        two thread hand-offs (the work to the engine thread, its answer back: ~0.1 ms each on a small CPU) cost
+        more than such a step. Under load every step stays the engine thread's, batched (docs/DESIGN.md, The
+        split's cost)."""
+        n = len(self.sessions)
+        if (not self.inline or not work.inline or self._busy or self._paused or len(self._inbox) != 1 or len(self.scheduler)
+                or len(work.pending) > INLINE_TOKENS or not (n == 0 or (n == 1 and work.session_id in self.sessions))
+                or (self._coalescing() or 0.0) > time.perf_counter()):
+            return None
+        self.inline_steps += 1
+        plan = self._plan()
+        return lambda: self._run_step(plan)  # one step: a work that needs more goes on in the engine thread
+
+    def _run_step(self, plan: list[Planned], idle: float = 0.0) -> None:
+        """Run a plan's step (or wait `idle` seconds if it has none), then free the engine for the next."""
+        try:
+            self._hand_back()  # works answered without a step (a speculation cache hit, a refused prefix)
+            if plan:
+                self._step(plan)
+            elif idle:
+                time.sleep(idle)
+        finally:
+            with self._wake:
+                self._busy = False
+                if self._inbox or len(self.scheduler):
+                    self._wake.notify()
+
+    def _coalescing(self) -> float | None:
+        """(Lock held) Until when the next step would wait for the last step's sessions (None: it would not)."""
         limit = self.config.batch.coalesce_ms / 1e3
         gap = self._return_gap_s
         if not limit or gap is None or gap >= limit or not self._returning:
+            return None
+        return self._last_step_end + limit
+
+    def _coalesce(self) -> None:
+        """Hold the next step (lock held) while the last step's sessions are expected back soon."""
+        deadline = self._coalescing()
+        if deadline is None:
             return
-        deadline = self._last_step_end + limit
         while self._returning and not self._stopping and not self._paused:
             left = deadline - time.perf_counter()
             if left <= 0:
@@ -413,29 +430,10 @@ class Engine(EngineThread):
         self._answers.append((work, result, error))
 
     def _hand_back(self) -> None:
-        """Hand this pass's answers to their event loops: one call_soon_threadsafe (one wake-up) per loop."""
-        if not self._answers:
-            return
-        answers, self._answers = self._answers, []
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for answer in answers:
-            by_loop.setdefault(answer[0].loop, []).append(answer)
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(deliver_answers, items)
-
-
-def deliver_answers(answers: list[tuple[Work, object, Exception | None]]) -> None:
-    """On the event loop: resolve the answered works' futures (a caller that went away is skipped)."""
-    for work, result, error in answers:
-        if error is PUSH:
-            work.on_push(result)
-            continue
-        if work.future.done():
-            continue
-        if error is not None:
-            work.future.set_exception(error)
-        else:
-            work.future.set_result(result)
+        """Hand this pass's answers to their event loops: one wake-up per loop (none for an inline step's)."""
+        if self._answers:
+            answers, self._answers = self._answers, []
+            hand_back(answers)
 
 
 def _return_free_heap() -> bool:

@@ -44,8 +44,7 @@ import torch
 from specdec.core.errors import RequestError
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head, pad_rows
-from specdec.engine.engine import EngineStatus, deliver_answers
-from specdec.engine.engine_thread import EngineThread
+from specdec.engine.engine_thread import EngineStatus, EngineThread, deliver_answers
 from specdec.engine.head_session import FEATURE_DTYPE, HeadSession
 from specdec.engine.head_weights import pack_linears, target_embedding
 from specdec.engine.propose import ProposeWork

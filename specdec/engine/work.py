@@ -48,6 +48,8 @@ class Work:
     first_step_at: float = 0.0  # time.perf_counter() when its first step's forward began (0: none yet)
     settled_at: float = 0.0  # time.perf_counter() when the engine thread answered it (the round trace)
     on_push: Callable[[list], None] | None = None  # given unasked results (specdec.engine.pushed), on the event loop
+    inline: bool = True  # it may step on its submitter's thread (Engine._take_inline; False: its caller has other
+    #                     work meanwhile, e.g. a draft drafting ahead while it waits for the target's verdict)
     chain_steps: int = 0  # > 0: steps the engine runs as one chain after this step (run_chain)
     taps: tuple[int, ...] | None = None  # decoder layers whose outputs it wants at every token it feeds (Feed.taps);
     #                                      such a work takes nothing from the prefix cache: every token is fed

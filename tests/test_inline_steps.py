@@ -1,0 +1,158 @@
+"""Inline steps (StepConfig.inline_steps): a lone session's small step runs on the submitting event loop's thread
+when the engine is idle, instead of being handed to the engine thread and its answer back.
+
+1. In the engine, exactly: greedy and sampled target-only rounds and a run-on, and a draft's proposals, give the
+   same results inline as through the engine thread, and each of those requests was one inline step; a prompt
+   longer than an inline step is fed by the engine thread.
+2. Under load nothing is inline: while a second session holds a slot, every step is the engine thread's, so
+   sessions still share steps (batching).
+3. Through the real servers, both tiers inline: greedy output is the target's own greedy decode, and the tiers
+   did step inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec.client import Client
+from specdec.core.prefix import PrefixHashes
+from specdec.engine.config import StepConfig, TierConfig
+from specdec.engine.engine import INLINE_TOKENS, Engine
+from specdec.engine.propose import ProposeWork
+from specdec.engine.verify import VerifyWork
+from specdec.math.params import SamplingParams
+from specdec.models import ModelConfig, TokenizerSource, load_model, load_tokenizer
+from tests.helpers import Cluster, device_model, reference_greedy
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
+PARAMS = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.9, top_p=0.95)}
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_target):
+    return load_model(device_model(tiny_target)), load_tokenizer(tiny_target)
+
+
+def engine_of(parts, inline: str) -> Engine:
+    model, tokenizer = parts
+    engine = Engine(TierConfig(ModelConfig("tiny"), step=StepConfig(inline_steps=inline)), model,
+                    TokenizerSource.of(tokenizer))
+    engine.start()
+    return engine
+
+
+def verify(sid: str, committed: list[int], cached: int, params: SamplingParams, seed: int,
+           run_on: int = 0) -> VerifyWork:
+    return VerifyWork.create(sid, cached, PrefixHashes(committed).at(cached), committed[cached:], [], None, params,
+                             seed, prompt_len=len(PROMPT), run_on_seeds=[seed + 1 + i for i in range(run_on)])
+
+
+async def target_rounds(engine: Engine, sid: str, params: SamplingParams, prompt: list[int], n: int):
+    """n target-only rounds and one that runs on for 5 tokens: every token, and the cache's length after each; then
+    the session ends."""
+    committed, cached, out = list(prompt), 0, []
+    for i in range(n + 1):
+        r = await engine.submit(verify(sid, committed, cached, params, seed=1000 + len(committed),
+                                       run_on=5 if i == n else 0))
+        got = [r.next_token, *r.run_on]
+        committed += got
+        cached = r.cached_len
+        out.append((got, r.cached_len))
+    engine.end_session(sid)
+    return out
+
+
+async def proposals(engine: Engine, sid: str, n: int, k: int = 3):
+    """n greedy proposals of k drafts, each round committing the first draft and a fixed next token; then the
+    session ends."""
+    committed, cached, out = list(PROMPT), 0, []
+    for i in range(n):
+        w = ProposeWork.create(sid, cached, PrefixHashes(committed).at(cached), committed[cached:], k,
+                               SamplingParams(), seed=7, top_n=16)
+        r = await engine.submit(w)
+        out.append(list(r.tokens))
+        cached = len(committed)
+        committed += [r.tokens[0], 100 + i]
+    engine.end_session(sid)
+    return out
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_inline_steps_give_the_engine_threads_results(parts, name):
+    results, counts = {}, {}
+    for inline in ("off", "on"):
+        engine = engine_of(parts, inline)
+        try:
+            results[inline] = asyncio.run(target_rounds(engine, "s", PARAMS[name], PROMPT, 6)), \
+                asyncio.run(proposals(engine, "d", 5))
+            counts[inline] = engine.inline_steps
+        finally:
+            engine.close()
+    assert results["on"] == results["off"]
+    assert counts["off"] == 0
+    # Every request of the lone sessions was one inline step (the draft's later steps run as its chain).
+    assert counts["on"] == 7 + 5
+
+
+def test_a_prompt_longer_than_an_inline_step_is_fed_by_the_engine_thread(parts):
+    engine = engine_of(parts, "on")
+    prompt = (PROMPT * 8)[: INLINE_TOKENS + 4]
+    try:
+        out = asyncio.run(target_rounds(engine, "long", PARAMS["greedy"], prompt, 3))
+        assert engine.inline_steps == 3  # of 4 requests: the prompt on the engine thread, the 3 later rounds inline
+    finally:
+        engine.close()
+    reference = engine_of(parts, "off")
+    try:
+        assert asyncio.run(target_rounds(reference, "long", PARAMS["greedy"], prompt, 3)) == out
+    finally:
+        reference.close()
+
+
+def test_with_a_second_session_every_step_is_the_engine_threads(parts):
+    engine = engine_of(parts, "on")
+
+    async def scenario():
+        first = await engine.submit(verify("a", PROMPT, 0, PARAMS["greedy"], seed=1))  # alone: inline
+        inline_alone = engine.inline_steps
+        await engine.submit(verify("b", PROMPT, 0, PARAMS["greedy"], seed=1))  # "a" still holds its slot
+        committed = PROMPT + [first.next_token]
+        # Both sessions' next rounds, sent together, share one step of the engine thread.
+        steps = engine.steps
+        both = await asyncio.gather(*(engine.submit(verify(s, committed, len(PROMPT), PARAMS["greedy"], seed=2))
+                                      for s in ("a", "b")))
+        return inline_alone, engine.inline_steps, engine.steps - steps, both
+
+    try:
+        inline_alone, inline_after, steps, both = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert inline_alone == 1 and inline_after == 1
+    assert steps == 1 and both[0].next_token == both[1].next_token
+
+
+@pytest.mark.servers
+def test_through_the_servers_both_tiers_inline_change_no_token(tiny_target, self_draft_cluster, tiny_target_model):
+    """The target as its own draft (every draft accepted), both tiers stepping inline: greedy at K = 0, 2 and
+    adaptive is the target's own; seeded sampling at K = 0 and 2 the same cluster's stepping on its engine threads
+    (the suite's tiers compute on two threads: auto leaves them off)."""
+    inline = Cluster(tiny_target, tiny_target, step=StepConfig(inline_steps="on"))
+    ids = PROMPT + [30, 31, 32]
+    try:
+        outs = {}
+        for name, cluster in (("inline", inline), ("engine thread", self_draft_cluster)):
+            with Client(cluster.address) as client:
+                outs[name] = [client.generate(token_ids=ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=k,
+                                              **sampling) for k in (0, 2, None)
+                              for sampling in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 77})]
+        assert inline.target_tier.inline_steps > 0 and inline.draft_tier.inline_steps > 0
+        assert self_draft_cluster.target_tier.inline_steps == self_draft_cluster.draft_tier.inline_steps == 0
+    finally:
+        inline.close()
+    expected = reference_greedy(tiny_target_model, ids, 40, None)
+    assert all(out.token_ids == expected for out in outs["inline"][::2])  # the greedy ones
+    # Seeded sampling at a fixed K is reproducible: the same tokens (adaptive sampling never was, DESIGN.md)
+    for got, reference in zip(outs["inline"][1:4:2], outs["engine thread"][1:4:2]):
+        assert got.token_ids == reference.token_ids
