@@ -8,6 +8,7 @@ when the engine is idle, instead of being handed to the engine thread and its an
    sessions still share steps (batching).
 3. Through the real servers, both tiers inline: greedy output is the target's own greedy decode, and the tiers
    did step inline.
+4. An EAGLE-3 head's engine: a lone session's proposal inline is bitwise the engine thread's.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from specdec.client import Client
 from specdec.core.prefix import PrefixHashes
 from specdec.engine.config import StepConfig, TierConfig
-from specdec.engine.engine import INLINE_TOKENS, Engine
+from specdec.engine.engine import Engine
+from specdec.engine.engine_thread import INLINE_TOKENS
 from specdec.engine.propose import ProposeWork
 from specdec.engine.verify import VerifyWork
 from specdec.math.params import SamplingParams
@@ -156,3 +159,38 @@ def test_through_the_servers_both_tiers_inline_change_no_token(tiny_target, self
     # Seeded sampling at a fixed K is reproducible: the same tokens (adaptive sampling never was, DESIGN.md)
     for got, reference in zip(outs["inline"][1:4:2], outs["engine thread"][1:4:2]):
         assert got.token_ids == reference.token_ids
+
+
+def test_an_eagle3_heads_lone_proposal_inline_is_the_engine_threads(tiny_target, tiny_target_model, tmp_path):
+    """The head's engine (one pass per proposal) steps a lone session inline too: seeded sampled proposals, bitwise
+    the same tokens and q; with a second session holding its cache, on the engine thread."""
+    from specdec.engine.eagle3 import write_checkpoint
+    from specdec.engine.head_engine import HeadEngine
+    from tests.test_eagle3_head import small_head
+    from tests.test_head_engine import features_of
+
+    write_checkpoint(small_head(tiny_target_model, vocab=64), tmp_path / "head")
+    vocab, out = tiny_target_model.config.vocab_size, {}
+    for inline in ("off", "on"):
+        engine = HeadEngine.load(TierConfig(device_model(str(tmp_path / "head")), cost_curve_s=0,
+                                            step=StepConfig(inline_steps=inline)), tiny_target)
+        rows = features_of(tiny_target_model, engine.feature_layers, PROMPT)[:-1]
+
+        async def one(sid, prompt, seed):
+            w = ProposeWork.create(sid, 0, 0, prompt, 4, SamplingParams(temperature=0.8), seed, 64)
+            w.features, w.features_start = rows[: len(prompt) - 1], 0
+            return await engine.submit(w)
+
+        async def run():
+            alone = await one("alone", PROMPT, 7)
+            counted = engine.inline_steps
+            await one("second", PROMPT[:5], 3)  # "alone" still holds its cache: not alone any more
+            return alone, counted, engine.inline_steps
+
+        try:
+            alone, counted, after = asyncio.run(run())
+        finally:
+            engine.close()
+        out[inline] = (alone.tokens, alone.q.dense(vocab, "cpu"))
+        assert (counted, after) == ((1, 1) if inline == "on" else (0, 0))
+    assert out["on"][0] == out["off"][0] and torch.equal(out["on"][1], out["off"][1])

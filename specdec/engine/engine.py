@@ -28,7 +28,7 @@ import torch
 from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
 from specdec.engine.cost_curve import measure as measure_cost_curve
-from specdec.engine.engine_thread import PUSH, EngineStatus, EngineThread, hand_back
+from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, EngineStatus, EngineThread, hand_back
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.quantize import quantize
@@ -44,7 +44,6 @@ from specdec.core.errors import RequestError
 log = logging.getLogger(__name__)
 
 
-INLINE_TOKENS = 16  # the most tokens an inline step may feed (a decode, a verify, a proposal's catch-up)
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
 
 # Compiled steps: engines of one process that serve the same model share its weights, and so its compiled graphs

@@ -19,6 +19,7 @@ from specdec.engine.work import Work
 
 PUSH = object()  # in place of an error: a hand-back of unasked results (Engine.push), not an answer
 Answer = tuple[Work, object, object]  # (work, result, error | PUSH)
+INLINE_TOKENS = 16  # the most tokens an inline step may feed (a decode, a verify, a proposal's catch-up)
 
 
 @dataclass(frozen=True)

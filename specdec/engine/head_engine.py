@@ -44,7 +44,7 @@ import torch
 from specdec.core.errors import RequestError
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head, pad_rows
-from specdec.engine.engine_thread import EngineStatus, EngineThread, deliver_answers
+from specdec.engine.engine_thread import INLINE_TOKENS, EngineStatus, EngineThread, hand_back
 from specdec.engine.head_session import FEATURE_DTYPE, HeadSession
 from specdec.engine.head_weights import pack_linears, target_embedding
 from specdec.engine.propose import ProposeWork
@@ -95,7 +95,10 @@ class HeadEngine(EngineThread):
         self.steps = self.step_tokens = self.evictions = 0
         self.step_base = step_id_base()  # + self.steps: the last step's id (Work.step_id)
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
-        self._running = 0
+        self._running = 0  # works in the pass under way (the engine thread's, or a submitter's inline)
+        self.inline = config.step.inline_steps == "on" or (
+            config.step.inline_steps == "auto" and self.device.type == "cpu" and torch.get_num_threads() == 1)
+        self.inline_steps = 0  # passes run on a submitter's thread
 
     @classmethod
     def load(cls, config: TierConfig, target_path: str) -> "HeadEngine":
@@ -142,7 +145,7 @@ class HeadEngine(EngineThread):
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self._inbox:
+                while not self._stopping and (self._running or not self._inbox):  # (an inline pass runs)
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -152,13 +155,30 @@ class HeadEngine(EngineThread):
                     seen.add(w.session_id)
                 self._inbox = later + self._inbox[self.config.batch.max_batch_sessions:]
                 self._running = len(batch)
-            try:
-                self._pass(batch)
-            finally:
-                self._running = 0
+            self._run_pass(batch)
         with self._lock:
             for w in self._inbox:
                 _answer(w, error=RequestError(grpc.StatusCode.UNAVAILABLE, "the engine shut down"))
+
+    def _take_inline(self, work: ProposeWork):
+        """(Lock held) A lone session's pass, for its submitter's thread to run (as Engine's inline steps)."""
+        others = len(self._sessions) - (work.session_id in self._sessions)
+        if (not self.inline or not work.inline or self._running or len(self._inbox) != 1 or others
+                or len(work.pending) > INLINE_TOKENS):
+            return None
+        self._inbox.clear()
+        self._running = 1
+        self.inline_steps += 1
+        return lambda: self._run_pass([work])
+
+    def _run_pass(self, works: list[ProposeWork]) -> None:
+        try:
+            self._pass(works)
+        finally:
+            with self._wake:
+                self._running = 0
+                if self._inbox:
+                    self._wake.notify()
 
     def _pass(self, works: list[ProposeWork]) -> None:
         started = []
@@ -413,6 +433,6 @@ def _joined(cache: HeadCache, entries: list[tuple[torch.Tensor, torch.Tensor]]) 
 def _answer(work: ProposeWork, result=None, error: Exception | None = None) -> None:
     """Resolve a work's future on its event loop, as the model engine does (a caller that went away is skipped)."""
     try:
-        work.loop.call_soon_threadsafe(deliver_answers, [(work, result, error)])
+        hand_back([(work, result, error)])
     except RuntimeError:  # the caller's event loop has closed: nobody is waiting
         pass
