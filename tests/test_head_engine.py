@@ -5,6 +5,8 @@ precise status and the replica stays healthy. The sampled law with the head as t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 import torch
@@ -252,21 +254,9 @@ def test_a_sessions_proposal_does_not_depend_on_its_batch(tiny_target, tiny_targ
     import asyncio
 
     from specdec.engine.config import StepConfig
-    from specdec.engine.eagle3 import write_checkpoint
-    from specdec.engine.propose import ProposeWork
-    from specdec.math.params import SamplingParams
-    from tests.test_eagle3_head import small_head
 
-    write_checkpoint(small_head(tiny_target_model, vocab=64), tmp_path / "head")
-    engine = HeadEngine.load(TierConfig(device_model(str(tmp_path / "head")), cost_curve_s=0, step=StepConfig(**step)),
-                             tiny_target)
+    engine, one = small_head_engine(tiny_target, tiny_target_model, tmp_path, StepConfig(**step))
     assert engine.block_rows == step.get("head_rows", 64 if engine.device.type == "cuda" and not engine.skinny else 0)
-    rows = features_of(tiny_target_model, engine.feature_layers, PROMPT)[:-1]
-
-    async def one(sid, prompt, seed):
-        w = ProposeWork.create(sid, 0, 0, prompt, 4, SamplingParams(temperature=0.8), seed, 64)
-        w.features, w.features_start = rows[: len(prompt) - 1], 0
-        return await engine.submit(w)
 
     async def run():
         alone = await one("alone", PROMPT, 7)
@@ -282,3 +272,23 @@ def test_a_sessions_proposal_does_not_depend_on_its_batch(tiny_target, tiny_targ
     assert alone.tokens == crowded.tokens
     vocab = tiny_target_model.config.vocab_size
     assert torch.equal(alone.q.dense(vocab, "cpu"), crowded.q.dense(vocab, "cpu"))
+
+
+def small_head_engine(tiny_target, tiny_target_model, tmp_path, step) -> tuple[HeadEngine, Callable]:
+    """A small head (64-token draft vocabulary) for the tiny target, its engine started with `step`, and
+    one(sid, prompt, seed): a sampled proposal of 4 drafts after `prompt`, fed the target's rows for it."""
+    from specdec.engine.eagle3 import write_checkpoint
+    from specdec.engine.propose import ProposeWork
+    from specdec.math.params import SamplingParams
+    from tests.test_eagle3_head import small_head
+
+    write_checkpoint(small_head(tiny_target_model, vocab=64), tmp_path / "head")
+    engine = HeadEngine.load(TierConfig(device_model(str(tmp_path / "head")), cost_curve_s=0, step=step), tiny_target)
+    rows = features_of(tiny_target_model, engine.feature_layers, PROMPT)[:-1]
+
+    async def one(sid, prompt, seed):
+        w = ProposeWork.create(sid, 0, 0, prompt, 4, SamplingParams(temperature=0.8), seed, 64)
+        w.features, w.features_start = rows[: len(prompt) - 1], 0
+        return await engine.submit(w)
+
+    return engine, one

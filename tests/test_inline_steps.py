@@ -164,22 +164,11 @@ def test_through_the_servers_both_tiers_inline_change_no_token(tiny_target, self
 def test_an_eagle3_heads_lone_proposal_inline_is_the_engine_threads(tiny_target, tiny_target_model, tmp_path):
     """The head's engine (one pass per proposal) steps a lone session inline too: seeded sampled proposals, bitwise
     the same tokens and q; with a second session holding its cache, on the engine thread."""
-    from specdec.engine.eagle3 import write_checkpoint
-    from specdec.engine.head_engine import HeadEngine
-    from tests.test_eagle3_head import small_head
-    from tests.test_head_engine import features_of
+    from tests.test_head_engine import small_head_engine
 
-    write_checkpoint(small_head(tiny_target_model, vocab=64), tmp_path / "head")
     vocab, out = tiny_target_model.config.vocab_size, {}
     for inline in ("off", "on"):
-        engine = HeadEngine.load(TierConfig(device_model(str(tmp_path / "head")), cost_curve_s=0,
-                                            step=StepConfig(inline_steps=inline)), tiny_target)
-        rows = features_of(tiny_target_model, engine.feature_layers, PROMPT)[:-1]
-
-        async def one(sid, prompt, seed):
-            w = ProposeWork.create(sid, 0, 0, prompt, 4, SamplingParams(temperature=0.8), seed, 64)
-            w.features, w.features_start = rows[: len(prompt) - 1], 0
-            return await engine.submit(w)
+        engine, one = small_head_engine(tiny_target, tiny_target_model, tmp_path, StepConfig(inline_steps=inline))
 
         async def run():
             alone = await one("alone", PROMPT, 7)
