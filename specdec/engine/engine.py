@@ -28,7 +28,7 @@ import torch
 from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
 from specdec.engine.cost_curve import measure as measure_cost_curve
-from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, EngineStatus, EngineThread, hand_back
+from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, EngineStatus, EngineThread, hand_back, inline_steps_on
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.quantize import quantize
@@ -101,8 +101,7 @@ class Engine(EngineThread):
         self._answers: list = []  # (work, result, error | PUSH)
         self._paused = False
         self._busy = False  # a thread holds a plan and runs its step: the engine thread, or a submitter inline
-        self.inline = config.step.inline_steps == "on" or (
-            config.step.inline_steps == "auto" and self.device.type == "cpu" and torch.get_num_threads() == 1)
+        self.inline = inline_steps_on(config.step.inline_steps, self.device)
         self.inline_steps = 0  # steps run on a submitter's thread
         # Step coalescing: the sessions whose work finished in the last step (and when), and how long
         # sessions take to send their next request (exponentially weighted, seconds; None = not seen yet).
@@ -219,8 +218,9 @@ class Engine(EngineThread):
         more than such a step. Under load every step stays the engine thread's, batched (docs/DESIGN.md, The
         split's cost)."""
         n = len(self.sessions)
-        if (not self.inline or not work.inline or self._busy or self._paused or len(self._inbox) != 1 or len(self.scheduler)
-                or len(work.pending) > INLINE_TOKENS or not (n == 0 or (n == 1 and work.session_id in self.sessions))
+        alone = n == 0 or (n == 1 and work.session_id in self.sessions)
+        if (not (self.inline and work.inline and alone) or self._busy or self._paused or len(self._inbox) != 1
+                or len(self.scheduler) or len(work.pending) > INLINE_TOKENS
                 or (self._coalescing() or 0.0) > time.perf_counter()):
             return None
         self.inline_steps += 1

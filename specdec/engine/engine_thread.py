@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from specdec.core.errors import RequestError
 from specdec.engine.work import Work
@@ -103,6 +104,12 @@ class EngineThread:
 
     def _run(self) -> None:
         raise NotImplementedError
+
+
+def inline_steps_on(setting: str, device) -> bool:
+    """StepConfig.inline_steps: on, off, or auto, on for a CPU tier computing on one torch thread (with more, the
+    submitting thread's own OpenMP team beside the engine thread's would slow every step: specdec.engine.threads)."""
+    return setting == "on" or (setting == "auto" and device.type == "cpu" and torch.get_num_threads() == 1)
 
 
 def hand_back(answers: list[Answer]) -> None:

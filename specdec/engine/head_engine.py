@@ -44,7 +44,7 @@ import torch
 from specdec.core.errors import RequestError
 from specdec.engine.config import TierConfig
 from specdec.engine.eagle3 import Eagle3Head, HeadCache, load_head, pad_rows
-from specdec.engine.engine_thread import INLINE_TOKENS, EngineStatus, EngineThread, hand_back
+from specdec.engine.engine_thread import INLINE_TOKENS, EngineStatus, EngineThread, hand_back, inline_steps_on
 from specdec.engine.head_session import FEATURE_DTYPE, HeadSession
 from specdec.engine.head_weights import pack_linears, target_embedding
 from specdec.engine.propose import ProposeWork
@@ -96,8 +96,7 @@ class HeadEngine(EngineThread):
         self.step_base = step_id_base()  # + self.steps: the last step's id (Work.step_id)
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()
         self._running = 0  # works in the pass under way (the engine thread's, or a submitter's inline)
-        self.inline = config.step.inline_steps == "on" or (
-            config.step.inline_steps == "auto" and self.device.type == "cpu" and torch.get_num_threads() == 1)
+        self.inline = inline_steps_on(config.step.inline_steps, self.device)
         self.inline_steps = 0  # passes run on a submitter's thread
 
     @classmethod
