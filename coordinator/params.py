@@ -30,6 +30,7 @@ class GenerationParams:
     response_format: generate_pb2.ResponseFormat | None = None  # structured output (coordinator.constraint); None: free
     grammar: Any = None  # response_format compiled (a coordinator.constraint.Grammar); set with it
     tree_nodes: int | None = None  # N, each round's token-tree node budget (0: chains); None = the server's defaults
+    whole_result: bool = False  # the caller reads only the final result: rounds may run on further (PolicyConfig)
 
     @property
     def reproducible(self) -> bool:

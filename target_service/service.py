@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.core.errors import check_token_ids, invalid_argument
+from specdec.core.limits import MAX_RUN_ON
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.eagle3_features import to_bytes
@@ -36,7 +37,6 @@ class TargetConfig:
                              "reference, and the output would no longer be the target's: only a draft tier takes it")
 
 
-MAX_RUN_ON = 64  # tokens a request may decode on after its verdict (VerifyRequest.run_on_seeds)
 RESPONSE_HEADROOM = 64 * 1024  # bytes of a VerifyResponse besides its features (17 tokens' top-20 logprobs: ~3 KiB)
 
 

@@ -266,3 +266,35 @@ def test_through_the_servers_a_drafting_round_runs_on_and_changes_no_token(rando
     assert out.token_ids == reference_greedy(tiny_target_model, ids, 120, None)
     assert (out.stats["draft_tokens"], out.stats["accepted_tokens"], out.stats["target_forwards"]) == (1, 0, 120)
     assert out.stats["rounds"] == 16
+
+
+@pytest.mark.servers
+def test_a_whole_result_request_runs_on_further_and_changes_no_token(self_draft_cluster, tiny_target_model):
+    """GenerateRequest.whole_result (OpenAI's stream false): no reader waits on the rounds, so the run-on grows to
+    PolicyConfig.run_on_whole (32) instead of run_on (8): 40 tokens in 6 rounds (1 + 2 + 4 + 8 + 16 + 9) instead
+    of 7, greedy and seeded sampling giving the same tokens."""
+    ids = PROMPT + [30, 31, 32]
+    request = dict(token_ids=ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=0)
+    outs = {}
+    with Client(self_draft_cluster.address) as client:
+        for whole in (False, True):
+            outs[whole] = [client.generate(**request, whole_result=whole, **sampling)
+                           for sampling in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 77})]
+    assert outs[True][0].token_ids == outs[False][0].token_ids == reference_greedy(tiny_target_model, ids, 40, None)
+    assert outs[True][1].token_ids == outs[False][1].token_ids
+    assert [o.stats["rounds"] for o in outs[False]] == [7, 7] and [o.stats["rounds"] for o in outs[True]] == [6, 6]
+    assert outs[True][0].stats["target_forwards"] == 40
+
+
+def test_the_openai_apis_unstreamed_requests_are_whole_results_and_run_ons_are_bounded():
+    from coordinator.api.openai_schema import ChatCompletionRequest, CompletionRequest
+
+    chat = dict(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert [ChatCompletionRequest(**chat, stream=s).to_generate_requests()[0].whole_result for s in (False, True)] == \
+           [True, False]
+    assert [CompletionRequest(model="m", prompt="hi", stream=s).to_generate_requests()[0].whole_result
+            for s in (False, True)] == [True, False]
+    for name in ("run_on", "run_on_whole"):
+        with pytest.raises(ValueError, match=name):
+            PolicyConfig(**{name: 65})  # past the target's limit (specdec.core.limits.MAX_RUN_ON)
+        assert getattr(PolicyConfig(**{name: 64}), name) == 64

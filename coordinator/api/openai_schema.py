@@ -113,6 +113,7 @@ class _Common(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         req.stop.extend(stop)
         req.ignore_eos = self.ignore_eos
+        req.whole_result = not self.stream  # nothing reads the tokens before the end: rounds may run on further
         key_field = "prompt_cache_key" if self.prompt_cache_key else "user"
         key = self.prompt_cache_key or self.user or ""
         if len(key) > MAX_CACHE_KEY_LEN:

@@ -107,7 +107,8 @@ class RequestValidator:
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
                                 cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
-                                response_format=response_format, grammar=grammar, tree_nodes=nodes)
+                                response_format=response_format, grammar=grammar, tree_nodes=nodes,
+                                whole_result=r.whole_result)
 
     def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
         tok = self.pipeline.tokenizer

@@ -66,7 +66,8 @@ class Drafter:
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         strategies = [s for s in strategies if s.ready]  # (one still indexing the prompt is asked from the next round)
-        cap = min(self.policy.config.run_on, max(limit - 1, 0))  # the run-on of rounds that run on in a streak
+        c = self.policy.config  # the run-on of rounds that run on in a streak (no reader waiting: further)
+        cap = min(c.run_on_whole if self.params.whole_result else c.run_on, max(limit - 1, 0))
         run_on = run_on_at(self._alone, cap)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
             return self._target_only(strategies, draft_down, run_on)

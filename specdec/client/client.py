@@ -58,17 +58,20 @@ def build_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     response_format: dict | None = None,
+    whole_result: bool = False,
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
     proposer: a name or alias of specdec.core.proposer_names (e.g. "suffix", "draft_model" or its alias "draft").
     prompt_cache_key: requests with the same key reach the same replicas (and their prefix caches).
     response_format: structured output, one of {"json_object": True}, {"json_schema": "<schema JSON>"},
-    {"regex": "..."}, {"lark": "..."} (generate.proto's ResponseFormat)."""
+    {"regex": "..."}, {"lark": "..."} (generate.proto's ResponseFormat). whole_result: nothing reads the tokens
+    before the end, so rounds may commit more of them (generate.proto)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos, prompt_cache_key=prompt_cache_key,
                                        proposer=Proposer.parse(proposer).proto if proposer is not None else 0,
-                                       logit_bias=logit_bias or {}, logprobs=logprobs, top_logprobs=top_logprobs)
+                                       logit_bias=logit_bias or {}, logprobs=logprobs, top_logprobs=top_logprobs,
+                                       whole_result=whole_result)
     if response_format:
         req.response_format.CopyFrom(generate_pb2.ResponseFormat(**response_format))
     if prompt is not None:
