@@ -86,25 +86,30 @@ async def proposals(engine: Engine, sid: str, n: int, k: int = 3):
 def test_inline_steps_give_the_engine_threads_results(parts, name):
     results, counts = {}, {}
     for inline in ("off", "on"):
-        engine = engine_of(parts, inline)
-        try:
-            results[inline] = asyncio.run(target_rounds(engine, "s", PARAMS[name], PROMPT, 6)), \
-                asyncio.run(proposals(engine, "d", 5))
-            counts[inline] = engine.inline_steps
-        finally:
-            engine.close()
-    assert results["on"] == results["off"]
-    assert counts["off"] == 0
-    # Every request of the lone sessions was one inline step (the draft's later steps run as its chain).
-    assert counts["on"] == 7 + 5
+        for what, run in (("target", lambda e: target_rounds(e, "s", PARAMS[name], PROMPT, 6)),
+                          ("draft", lambda e: proposals(e, "d", 5))):
+            engine = engine_of(parts, inline)  # (one per phase: a sampled run-on ends on the engine thread)
+            try:
+                results[inline, what] = asyncio.run(run(engine))
+                counts[inline, what] = engine.inline_steps
+            finally:
+                engine.close()
+    for what in ("target", "draft"):
+        assert results["on", what] == results["off", what]
+        assert counts["off", what] == 0
+    # Each request of the lone sessions was one inline step: a greedy run-on and the draft's later steps run as
+    # one chain within it; a sampled run-on's later steps go on in the engine thread.
+    assert counts["on", "target"] == 7 and counts["on", "draft"] == 5
 
 
 def test_a_prompt_longer_than_an_inline_step_is_fed_by_the_engine_thread(parts):
     engine = engine_of(parts, "on")
     prompt = (PROMPT * 8)[: INLINE_TOKENS + 4]
     try:
+        first = asyncio.run(engine.submit(verify("long", prompt, 0, PARAMS["greedy"], seed=1)))
+        assert engine.inline_steps == 0  # its 20 tokens: the engine thread's step
+        engine.end_session("long")
         out = asyncio.run(target_rounds(engine, "long", PARAMS["greedy"], prompt, 3))
-        assert engine.inline_steps == 3  # of 4 requests: the prompt on the engine thread, the 3 later rounds inline
     finally:
         engine.close()
     reference = engine_of(parts, "off")
@@ -112,28 +117,35 @@ def test_a_prompt_longer_than_an_inline_step_is_fed_by_the_engine_thread(parts):
         assert asyncio.run(target_rounds(reference, "long", PARAMS["greedy"], prompt, 3)) == out
     finally:
         reference.close()
+    assert out[0][0][0] == first.next_token
 
 
 def test_with_a_second_session_every_step_is_the_engine_threads(parts):
     engine = engine_of(parts, "on")
 
     async def scenario():
-        first = await engine.submit(verify("a", PROMPT, 0, PARAMS["greedy"], seed=1))  # alone: inline
+        g = PARAMS["greedy"]
+        a1 = await engine.submit(verify("a", PROMPT, 0, g, seed=1))  # alone: inline
         inline_alone = engine.inline_steps
-        await engine.submit(verify("b", PROMPT, 0, PARAMS["greedy"], seed=1))  # "a" still holds its slot
-        committed = PROMPT + [first.next_token]
-        # Both sessions' next rounds, sent together, share one step of the engine thread.
+        b1 = await engine.submit(verify("b", PROMPT, 0, g, seed=1))  # "a" still holds its slot
+        ca, cb = PROMPT + [a1.next_token], PROMPT + [b1.next_token]
+        a2 = await engine.submit(verify("a", ca, a1.cached_len, g, seed=2))  # and "b" holds one
+        inline_after = engine.inline_steps
+        # Both sessions' next rounds, queued together, share one step of the engine thread.
         steps = engine.steps
-        both = await asyncio.gather(*(engine.submit(verify(s, committed, len(PROMPT), PARAMS["greedy"], seed=2))
-                                      for s in ("a", "b")))
-        return inline_alone, engine.inline_steps, engine.steps - steps, both
+        with engine.paused():
+            tasks = [asyncio.ensure_future(engine.submit(w)) for w in (
+                verify("a", ca + [a2.next_token], a2.cached_len, g, seed=3), verify("b", cb, b1.cached_len, g, seed=2))]
+            await asyncio.sleep(0)
+        both = await asyncio.gather(*tasks)
+        return inline_alone, inline_after, engine.steps - steps, both
 
     try:
         inline_alone, inline_after, steps, both = asyncio.run(scenario())
     finally:
         engine.close()
     assert inline_alone == 1 and inline_after == 1
-    assert steps == 1 and both[0].next_token == both[1].next_token
+    assert steps == 1 and both[0].batch_sessions == 2
 
 
 @pytest.mark.servers
