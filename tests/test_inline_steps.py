@@ -163,6 +163,7 @@ def test_through_the_servers_both_tiers_inline_change_no_token(tiny_target, self
                                               **sampling) for k in (0, 2, None)
                               for sampling in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 77})]
         assert inline.target_tier.inline_steps > 0 and inline.draft_tier.inline_steps > 0
+        assert inline.target_tier.status().inline_steps == inline.target_tier.inline_steps  # (metrics read it)
         assert self_draft_cluster.target_tier.inline_steps == self_draft_cluster.draft_tier.inline_steps == 0
     finally:
         inline.close()

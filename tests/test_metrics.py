@@ -51,7 +51,7 @@ def names(samples: list) -> set[str]:
 def test_tier_metrics_scrape_reads_the_load_at_scrape_time():
     registry = CollectorRegistry()
     load = SimpleNamespace(num_sessions=3, cached_tokens=120, evictions=2, num_running=2, num_waiting=1,
-                           kv_used_bytes=256, kv_capacity_bytes=1024, kv_resident_bytes=512)
+                           kv_used_bytes=256, kv_capacity_bytes=1024, kv_resident_bytes=512, inline_steps=7)
     tm = TierMetrics(registry, "target", "m1", load=lambda: load)
     tm.observe_step(num_sessions=2, num_tokens=9, seconds=0.004)
     tm.observe_step(num_sessions=4, num_tokens=20, seconds=0.02)
@@ -67,6 +67,7 @@ def test_tier_metrics_scrape_reads_the_load_at_scrape_time():
         assert value(s, "specdec_tier_sessions", **labels) == 3
         assert value(s, "specdec_tier_cached_tokens", **labels) == 120
         assert value(s, "specdec_tier_evictions_total", **labels) == 2
+        assert value(s, "specdec_tier_inline_steps_total", **labels) == 7
         assert value(s, "specdec_tier_queue_depth", **labels) == 1
         assert value(s, "specdec_tier_kv_capacity_bytes", **labels) == 1024
         assert value(s, "specdec_tier_kv_resident_bytes", **labels) == 512

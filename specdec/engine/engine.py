@@ -184,7 +184,8 @@ class Engine(EngineThread):
                 kv_capacity_bytes=self.cache.capacity_bytes, kv_capacity_tokens=self.cache.capacity_tokens,
                 kv_resident_bytes=self.cache.resident_bytes, step_mode=self.runner.mode, compile_s=self.runner.compile_s,
                 steps=self.steps, step_tokens=self.step_tokens, prefix_cache_sessions=s.retained,
-                prefix_cache_tokens=s.retained_tokens, prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits)
+                prefix_cache_tokens=s.retained_tokens, prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
+                inline_steps=self.inline_steps)
 
     # --- the engine thread --------------------------------------------------------------------------
 

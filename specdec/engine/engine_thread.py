@@ -42,6 +42,7 @@ class EngineStatus:
     prefix_cache_tokens: int = 0  # tokens in them
     prefix_cache_queries: int = 0  # tokens of fresh starts looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, tokens taken from it instead of prefilled
+    inline_steps: int = 0  # steps (a head: proposals) run on a submitter's thread (StepConfig.inline_steps)
 
 
 class EngineThread:

@@ -138,7 +138,8 @@ class HeadEngine(EngineThread):
                 num_sessions=len(sessions), cached_tokens=sum(len(s) for s in sessions), evictions=self.evictions,
                 num_running=self._running, num_waiting=len(self._inbox), kv_used_bytes=used, kv_capacity_bytes=0,
                 kv_capacity_tokens=self.cache.num_slots * self.max_context, kv_resident_bytes=used,
-                step_mode="eagle3-head", compile_s=0.0, steps=self.steps, step_tokens=self.step_tokens)
+                step_mode="eagle3-head", compile_s=0.0, steps=self.steps, step_tokens=self.step_tokens,
+                inline_steps=self.inline_steps)
 
     # --- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:

@@ -67,6 +67,7 @@ class LoadReading(Protocol):
     # Optional (read with getattr, 0 when absent): the prefix cache's counters, tokens, monotonic.
     # prefix_cache_queries: int  # tokens of full sends looked up in it
     # prefix_cache_hits: int  # of them, tokens it supplied instead of a forward
+    # inline_steps: int  # steps a lone session ran on the tier's event loop (--inline-steps), monotonic
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,10 @@ class _LoadCollector(Collector):
         c = CounterMetricFamily("specdec_tier_evictions", "Sessions evicted (LRU, idle TTL, capacity), not counting EndSession.",
                                 labels=self.names)
         c.add_metric(self.values, float(s.evictions))
+        yield c
+        c = CounterMetricFamily("specdec_tier_inline_steps", "Steps a lone session ran on the tier's event loop, not "
+                                "handed to its engine thread (--inline-steps).", labels=self.names)
+        c.add_metric(self.values, float(getattr(s, "inline_steps", 0)))
         yield c
 
 
