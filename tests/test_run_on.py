@@ -284,6 +284,11 @@ def test_a_whole_result_request_runs_on_further_and_changes_no_token(self_draft_
     assert outs[True][1].token_ids == outs[False][1].token_ids
     assert [o.stats["rounds"] for o in outs[False]] == [7, 7] and [o.stats["rounds"] for o in outs[True]] == [6, 6]
     assert outs[True][0].stats["target_forwards"] == 40
+    # With a stop string (here one the output never holds) the run-on stays the stream's: past a stop string, which
+    # only the coordinator sees, a long run-on would be steps wasted.
+    with Client(self_draft_cluster.address) as client:
+        stopped = client.generate(**request, whole_result=True, stop=["never in this output"])
+    assert stopped.token_ids == outs[False][0].token_ids and stopped.stats["rounds"] == 7
 
 
 def test_the_openai_apis_unstreamed_requests_are_whole_results_and_run_ons_are_bounded():

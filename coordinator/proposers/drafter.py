@@ -66,8 +66,10 @@ class Drafter:
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         strategies = [s for s in strategies if s.ready]  # (one still indexing the prompt is asked from the next round)
-        c = self.policy.config  # the run-on of rounds that run on in a streak (no reader waiting: further)
-        cap = min(c.run_on_whole if self.params.whole_result else c.run_on, max(limit - 1, 0))
+        # The run-on of rounds that run on in a streak: further where no reader waits on the rounds, unless a stop
+        # string (which only the coordinator sees) may end the answer inside a long run-on, its steps then wasted
+        c, whole = self.policy.config, self.params.whole_result and not self.params.stop
+        cap = min(c.run_on_whole if whole else c.run_on, max(limit - 1, 0))
         run_on = run_on_at(self._alone, cap)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
             return self._target_only(strategies, draft_down, run_on)

@@ -23,7 +23,7 @@ class PolicyConfig:
     min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor
     price_coordinator: bool = True  # charge the coordinator's own CPU per tier call, in series and as a floor under load
     run_on: int = 8  # a round may let the target decode up to this many more tokens itself after its verdict (1, 3, 7, ... as target-only rounds, or drafting ones the policy prices so, follow one another; 0: never)
-    run_on_whole: int = 32  # the same for a request whose caller reads only the whole result (GenerateRequest.whole_result, OpenAI's stream false): no reader waits on its rounds' tokens
+    run_on_whole: int = 32  # the same for a request whose caller reads only the whole result (GenerateRequest.whole_result, OpenAI's stream false) and no stop strings: no reader waits on its rounds' tokens
 
     def __post_init__(self) -> None:
         for name in ("run_on", "run_on_whole"):
