@@ -28,7 +28,7 @@ import torch
 from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
 from specdec.engine.cost_curve import measure as measure_cost_curve
-from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, EngineStatus, EngineThread, hand_back, inline_steps_on
+from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, Answer, EngineStatus, EngineThread, hand_back, inline_steps_on
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.quantize import quantize
@@ -98,7 +98,7 @@ class Engine(EngineThread):
         self.cost_curve: list[tuple[int, int, float]] = []  # (sessions, tokens, ms) timed at start (load())
         # Answers settled in this pass of the step loop, handed to the event loop together (_hand_back):
         # one wake-up per step and event loop, not one per session. Engine thread only.
-        self._answers: list = []  # (work, result, error | PUSH)
+        self._answers: list[Answer] = []  # (work, result, error | PUSH)
         self._paused = False
         self._busy = False  # a thread holds a plan and runs its step: the engine thread, or a submitter inline
         self.inline = inline_steps_on(config.step.inline_steps, self.device)
