@@ -38,6 +38,7 @@ class DraftTier:
     """The draft tier as the draft-model strategy's session, reachable; the policy tests never call it."""
 
     available = True
+    cached = 0  # committed tokens it holds (the rounds these tests ask have no context)
 
     async def close(self) -> None:
         pass

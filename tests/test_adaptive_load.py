@@ -229,9 +229,9 @@ def test_no_session_probes_a_local_chain_it_judges_for_free():
     """K = 0 wins: a session's local chains are judged against the committed tokens every round, greedy or
     sampled (a one-hot draft matched has its acceptance's law), so no round spends a verify row probing them;
     the draft model, which is not judged so, is probed: one K = 1 after probe_every rounds, then after twice
-    as many while K = 0 keeps winning, greedy or sampled."""
+    as many while K = 0 keeps winning, greedy or sampled (a budget of all the time: the schedule alone decides)."""
     def ks(greedy: bool, with_draft: bool) -> list[int]:
-        policy, load = Policy(PolicyConfig(max_k=8, probe_every=4)), loaded(16, step=hinge)
+        policy, load = Policy(PolicyConfig(max_k=8, probe_every=4, probe_budget=1.0)), loaded(16, step=hinge)
         strategy = draft(greedy=greedy) if with_draft else lookup(None, rounds=20, accepted=0)[0]
         strategy.greedy = greedy
         for _ in range(20):
@@ -246,7 +246,7 @@ def test_no_session_probes_a_local_chain_it_judges_for_free():
 
 
 def test_probing_returns_to_its_first_interval_once_drafting_wins():
-    policy, load = Policy(PolicyConfig(max_k=8, probe_every=2, probe_max_every=8)), loaded(16, step=hinge)
+    policy, load = Policy(PolicyConfig(max_k=8, probe_every=2, probe_max_every=8, probe_budget=1.0)), loaded(16, step=hinge)
     strategy = draft(greedy=True)
     for _ in range(20):
         strategy.acceptance.judge(4, 0)

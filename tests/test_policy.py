@@ -122,12 +122,52 @@ def test_the_drafter_tells_the_policy_its_streak():
 
 
 def test_k0_rounds_probe_a_k1_unless_its_strategy_judges_itself_for_free():
+    """(A budget of all the time: the schedule alone decides.)"""
     losing = [(1, 1.1, 100.0)]
-    policy = Policy(PolicyConfig(probe_every=4))
+    policy = Policy(PolicyConfig(probe_every=4, probe_budget=1.0))
     picks = [chosen(policy.choose([Fixed(DRAFT_MODEL, losing)], ask())) for _ in range(12)]
     assert picks == [None, None, None, (DRAFT_MODEL, 1)] + [None] * 7 + [(DRAFT_MODEL, 1)]  # then twice as long
-    free = Policy(PolicyConfig(probe_every=4))
+    free = Policy(PolicyConfig(probe_every=4, probe_budget=1.0))
     assert [free.choose([Fixed(PROMPT_LOOKUP, losing, judged_unchosen=True)], ask()) for _ in range(8)] == [None] * 8
+
+
+def test_a_probe_waits_until_the_budget_covers_its_loss():
+    """K = 0 rounds of 53 ms; a K = 1 of 1.1 tokens in 100 ms loses 100 - 1.1 x 53 = 41.7 ms against them. At
+    probe_budget 0.02 each K = 0 round earns 1.06 ms: the probe waits for the 40th round, not the 4th, and the
+    next, twice the interval later, for 40 rounds more. A probe losing nothing goes on the schedule's turn."""
+    losing = [(1, 1.1, 100.0)]
+    policy = Policy(PolicyConfig(probe_every=4, probe_budget=0.02))
+    picks = [chosen(policy.choose([Fixed(DRAFT_MODEL, losing)], ask())) for _ in range(80)]
+    assert [i for i, p in enumerate(picks) if p] == [39, 79]
+    assert all(p in (None, (DRAFT_MODEL, 1)) for p in picks)
+    cheap = [(1, 1.0, 53.0)]  # the same tokens in the same time as K = 0 (not the margin's 1.05x, so a probe)
+    policy = Policy(PolicyConfig(probe_every=4, probe_budget=0.02))
+    picks = [chosen(policy.choose([Fixed(DRAFT_MODEL, cheap)], ask())) for _ in range(12)]
+    assert [i for i, p in enumerate(picks) if p] == [3, 11]
+    with pytest.raises(ValueError, match="probe_budget"):
+        PolicyConfig(probe_budget=1.5)
+
+
+def test_a_draft_that_sat_out_rounds_is_priced_with_feeding_them():
+    """The draft tier's curve: a step of n tokens 2 + 0.05 n ms. A draft holding 98 of 100 committed tokens (it
+    drafted last round) is priced at its steps alone; one holding none (a cold start, or rounds of K = 0) also
+    feeds the 100 with its first step: 0.05 x 99 = 4.95 ms more on every shape it offers. A reproducible request
+    (nothing timed) is priced from priors alone."""
+    from dataclasses import replace
+
+    cost = TierCost()
+    cost.seed(status(lambda n, b: 2.0 + 0.05 * n))
+    strategy = draft(cost=cost)
+    at = replace(ask(k=3), context=100)
+
+    def costs(cached: int, a=at) -> list[float]:
+        strategy.session.cached = cached
+        return [p.cost_ms for p in strategy.predict(a)]
+
+    following, cold = costs(98), costs(0)
+    assert len(cold) == 3 and [c - f for c, f in zip(cold, following)] == pytest.approx([4.95] * 3, abs=1e-6)
+    unmeasured = replace(ask(k=3, measured=False), context=100)
+    assert costs(0, unmeasured) == costs(98, unmeasured)
 
 
 def test_a_requests_k_is_honoured_and_a_zero_budget_asks_nobody():

@@ -100,6 +100,7 @@ class FakeDraft:
         self.fail = fail
         self.cache = cache
         self.available = True
+        self.cached = 0  # committed tokens it holds (those of its last call)
         self.proposed = 0  # propose calls
         self.requests: list[draft_pb2.ProposeRequest] = []  # what each call asked
         self._expected: int | None = None  # committed length if the last proposal was wholly right
@@ -110,6 +111,7 @@ class FakeDraft:
             self.available = False
             raise TierError("draft", grpc.StatusCode.UNAVAILABLE, "connection refused")
         self.requests.append(request(common_pb2.SessionContext()))
+        self.cached = len(committed)
         k = self.requests[-1].num_tokens
         at = len(committed) - len(PROMPT)
         hit = self.cache and self._expected == len(committed) and committed[len(PROMPT):] == self.guess[:at]

@@ -93,6 +93,16 @@ class DraftModelStrategy(Strategy):
         (overhead, step), ratio = self.price_line(), self.time_ratio.value
         return lambda k: ratio * (overhead + k * step)
 
+    def catch_up_ms(self, ask: Ask) -> float:
+        """What the committed tokens the draft tier has not seen add to its first step (fed with it, at its curve's
+        price), beyond the 1-2 of a draft that drafts every round, which its measured ratio holds: a draft that
+        sat out rounds pays for them when it drafts again. 0 where timings may not count."""
+        feed = ask.context - self.session.cached
+        if not ask.measured or feed <= STEADY_CATCH_UP:
+            return 0.0
+        b, curve = self.cost.batch, self.cost.step_cost
+        return max(curve.predict(b + feed - 1, b) - curve.predict(b, b), 0.0)
+
     def predict(self, ask: Ask) -> list[Prediction]:
         c = self.config
         self._fixed = ask.fixed
@@ -100,7 +110,9 @@ class DraftModelStrategy(Strategy):
                 or (self.features is not None and not self.features.ready(ask.context))
                 or (c.max_sessions and not ask.fixed and ask.batch > c.max_sessions)):
             return []
-        a, out, propose_ms = self.acceptance.value, [], self.propose_ms(ask.measured)
+        a, out, steps_ms = self.acceptance.value, [], self.propose_ms(ask.measured)
+        feed_ms = self.catch_up_ms(ask)
+        propose_ms = (lambda k: steps_ms(k) + feed_ms) if feed_ms else steps_ms
         if ask.fixed and self.trees is not None and (tree := self.trees.fixed(ask.k, a, ask.nodes)) is not None:
             e, cost = self.trees.expected(a, tree.nodes, tree.depth), ask.verify_ms[tree.nodes] + propose_ms(ask.k)
             return [Prediction(self, ask.k, e, cost, tree.nodes, tree.branching, calls=2)]  # the request's K, as a tree

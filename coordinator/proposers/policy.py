@@ -20,12 +20,15 @@ class PolicyConfig:
     max_k: int = 8  # the deepest proposal tried (drafts per path)
     probe_every: int = 8  # when K = 0 wins, probe a K = 1 this often
     probe_max_every: int = 64  # probes that keep losing back off, the interval doubling up to this
+    probe_budget: float = 0.02  # and a probe waits until its predicted loss against K = 0 is within this share of the target-only time since the last one
     min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor
     price_coordinator: bool = True  # charge the coordinator's own CPU per tier call, in series and as a floor under load
     run_on: int = 8  # a round may let the target decode up to this many more tokens itself after its verdict (1, 3, 7, ... as target-only rounds, or drafting ones the policy prices so, follow one another; 0: never)
     run_on_whole: int = 32  # the same for a request whose caller reads only the whole result (GenerateRequest.whole_result, OpenAI's stream false) and no stop strings: no reader waits on its rounds' tokens
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.probe_budget <= 1.0:
+            raise ValueError(f"probe_budget must be in [0, 1], got {self.probe_budget}")
         for name in ("run_on", "run_on_whole"):
             if not 0 <= getattr(self, name) <= MAX_RUN_ON:
                 raise ValueError(f"{name} must be in [0, {MAX_RUN_ON}], got {getattr(self, name)}")
@@ -39,14 +42,18 @@ class Policy:
         self._since_probe = 0
         self._probe_every = config.probe_every  # doubles after each probe while K = 0 keeps winning
         self.probing = False  # the last choice was a probe (K = 0 won it): the target's run-on streak goes on after it
+        self._credit = 0.0  # ms a probe may lose: probe_budget of the target-only rounds' predicted time since the last
 
     def choose(self, strategies: Sequence[Strategy], ask: Ask) -> Prediction | None:
         """The best prediction of any strategy, or None for K = 0 (the target alone, running on for ask.run_on
         tokens). Drafting must beat K = 0 by min_gain. A drafting round either runs on as this round's K = 0
         would (the ramp's level now: its tokens and steps added, the ramp going on) or not (the run-on ramp
         starts over after it, its charge restart_ms). While K = 0 wins, the best K = 1 is probed every
-        probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free. A
-        request's own K (ask.fixed) has no K = 0 option and no run-on."""
+        probe_every rounds, the interval doubling, unless its strategy judges unchosen offers for free, and only
+        once its predicted loss (its time less K = 0's for as many tokens) is within probe_budget of the
+        target-only time since the last probe: a draft that must first be fed the whole context (the cold start)
+        is probed later, not in a short request it would slow. A request's own K (ask.fixed) has no K = 0 option
+        and no run-on."""
         self.probing = False
         if ask.k <= 0:
             return None
@@ -69,10 +76,14 @@ class Policy:
             self._probe_every = self.config.probe_every
             return best
         self._since_probe += 1
+        self._credit += self.config.probe_budget * (one + now * ask.step_ms)  # this round, K = 0 at its run-on
         probe = max((p for p in predictions if p.k == 1 and not p.nodes and p.run_on == now), key=rate, default=None)
         if self._since_probe < self._probe_every or probe is None or probe.by.judged_unchosen:
             return None
-        self._since_probe = 0
+        loss = (probe.tokens + probe.run_on) * (1 / rate(probe) - alone / (1 + ask.run_on))
+        if loss > self._credit:
+            return None
+        self._credit, self._since_probe = 0.0, 0
         self._probe_every = min(2 * self._probe_every, max(self.config.probe_max_every, self.config.probe_every))
         self.probing = True
         return probe

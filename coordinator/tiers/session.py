@@ -115,6 +115,11 @@ class TierSession:
         reachable = self.reachability is None or self.reachability.reachable
         return reachable and time.monotonic() >= self._down_until
 
+    @property
+    def cached(self) -> int:
+        """The committed tokens the tier caches for the session, as far as the coordinator knows."""
+        return self.cursor.base
+
     def context(self, sequence: list[int], hashes: PrefixHashes) -> common_pb2.SessionContext:
         """The SessionContext of a request over `sequence` (committed, or a hypothetical extension)."""
         ctx = self.cursor.context(self.session_id, sequence, hashes)
