@@ -1,6 +1,7 @@
 """A tier's step cost curve, measured at start (specdec/engine/cost_curve.py) and reported in its status: the
 points it times (coarse grid first, within the budget, at least MIN_POINTS), the scratch slots given back, and
-both tiers of a real cluster reporting it (StatusResponse.cost_curve), which the coordinator prices from."""
+both tiers of a real cluster reporting it (StatusResponse.cost_curve, and the prefills of feed_cost), which the
+coordinator prices from."""
 
 from __future__ import annotations
 
@@ -47,6 +48,20 @@ def test_the_first_points_are_timed_again_last(engine, monkeypatch):
     assert calls == [16, *per_point, *[b for b in firsts for _ in range(cost_curve.REPEATS)]]  # context, grid, again
 
 
+def test_prefills_are_timed_scoring_only_their_last_token(engine, monkeypatch):
+    """measure_feed: one session fed each of FEEDS tokens (within max_tokens), one logit row, its slot given back."""
+    feeds = []
+    forward = engine.runner.forward_checked
+    monkeypatch.setattr(engine.runner, "forward_checked", lambda f: feeds.extend(f) or forward(f))
+    free = engine.cache.free_slots
+    points = cost_curve.measure_feed(engine.runner, engine.cache, 64)
+    assert [(b, n) for b, n, _ in points] == [(1, n) for n in cost_curve.FEEDS] and all(ms > 0 for *_, ms in points)
+    assert [(len(f.tokens), f.num_logits, f.cached) for f in feeds] == [
+        (n, 1, 0) for n in cost_curve.FEEDS for _ in range(cost_curve.REPEATS)]
+    assert engine.cache.free_slots == free
+    assert [n for _, n, _ in cost_curve.measure_feed(engine.runner, engine.cache, 32)] == [16]
+
+
 def test_a_point_slower_than_a_larger_one_takes_its_time():
     """A step with more tokens is never faster: measured beside a starting tier, a one-token step timed at 85 ms
     where two tokens took 7.3."""
@@ -63,3 +78,5 @@ def test_both_tiers_report_their_curve(self_draft_cluster):
         curve = self_draft_cluster.status(tier).cost_curve
         assert len(curve) >= cost_curve.MIN_POINTS and curve[0].sessions == 1 and curve[0].tokens == 1
         assert all(p.ms > 0 for p in curve)
+        feeds = self_draft_cluster.status(tier).feed_cost
+        assert [(p.sessions, p.tokens) for p in feeds] == [(1, n) for n in cost_curve.FEEDS] and all(p.ms > 0 for p in feeds)

@@ -149,14 +149,18 @@ def test_a_probe_waits_until_the_budget_covers_its_loss():
 
 
 def test_a_draft_that_sat_out_rounds_is_priced_with_feeding_them():
-    """The draft tier's curve: a step of n tokens 2 + 0.05 n ms. A draft holding 98 of 100 committed tokens (it
-    drafted last round) is priced at its steps alone; one holding none (a cold start, or rounds of K = 0) also
-    feeds the 100 with its first step: 0.05 x 99 = 4.95 ms more on every shape it offers. A reproducible request
-    (nothing timed) is priced from priors alone."""
+    """The draft tier timed prefills of 16 and 64 tokens at start (StatusResponse.feed_cost): 1.8 and 4.2 ms,
+    0.05 ms a token fed. A draft holding 98 of 100 committed tokens (it drafted last round) is priced at its steps
+    alone; one holding none (a cold start, or rounds of K = 0) also feeds the 100 with its first step: 5 ms more
+    on every shape it offers. A reproducible request (nothing timed) is priced from priors alone."""
     from dataclasses import replace
 
-    cost = TierCost()
-    cost.seed(status(lambda n, b: 2.0 + 0.05 * n))
+    from specdec.proto import common_pb2
+
+    cost, reported = TierCost(), status(lambda n, b: 2.0 + 0.5 * n)
+    reported.feed_cost.extend([common_pb2.StepCost(sessions=1, tokens=64, ms=4.2),
+                               common_pb2.StepCost(sessions=1, tokens=16, ms=1.8)])
+    cost.seed(reported)
     strategy = draft(cost=cost)
     at = replace(ask(k=3), context=100)
 
@@ -165,7 +169,7 @@ def test_a_draft_that_sat_out_rounds_is_priced_with_feeding_them():
         return [p.cost_ms for p in strategy.predict(a)]
 
     following, cold = costs(98), costs(0)
-    assert len(cold) == 3 and [c - f for c, f in zip(cold, following)] == pytest.approx([4.95] * 3, abs=1e-6)
+    assert len(cold) == 3 and [c - f for c, f in zip(cold, following)] == pytest.approx([5.0] * 3, abs=1e-6)
     unmeasured = replace(ask(k=3, measured=False), context=100)
     assert costs(0, unmeasured) == costs(98, unmeasured)
 

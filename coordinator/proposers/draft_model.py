@@ -94,14 +94,12 @@ class DraftModelStrategy(Strategy):
         return lambda k: ratio * (overhead + k * step)
 
     def catch_up_ms(self, ask: Ask) -> float:
-        """What the committed tokens the draft tier has not seen add to its first step (fed with it, at its curve's
-        price), beyond the 1-2 of a draft that drafts every round, which its measured ratio holds: a draft that
-        sat out rounds pays for them when it drafts again. 0 where timings may not count."""
+        """What the committed tokens the draft tier has not seen add to its first step (fed with it, at the price
+        of a token fed the tier timed at start), beyond the 1-2 of a draft that drafts every round, which its
+        measured ratio holds: a draft that sat out rounds pays for them when it drafts again. 0 where timings
+        may not count."""
         feed = ask.context - self.session.cached
-        if not ask.measured or feed <= STEADY_CATCH_UP:
-            return 0.0
-        b, curve = self.cost.batch, self.cost.step_cost
-        return max(curve.predict(b + feed - 1, b) - curve.predict(b, b), 0.0)
+        return feed * self.cost.feed_token_ms if ask.measured and feed > STEADY_CATCH_UP else 0.0
 
     def predict(self, ask: Ask) -> list[Prediction]:
         c = self.config

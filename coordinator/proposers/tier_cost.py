@@ -98,11 +98,16 @@ class TierCost:
         self.observations = 0
         self.live = 0  # sessions this coordinator has open on the tier now (generations in progress)
         self.max_sessions = 0  # the tier's batch limit (ModelInfo.max_batch_sessions; 0 = unknown)
+        self.feed_token_ms = 0.0  # a token fed and not scored (a catch-up), from the tier's feed_cost (0: unknown)
         self._counted: OrderedDict[int, None] = OrderedDict()  # ids of the steps last put on the curve
 
     def seed(self, status, max_sessions: int = 0) -> None:
-        """What the tier reported at start: its StatusResponse (cost_curve) and its batch limit."""
+        """What the tier reported at start: its StatusResponse (cost_curve, feed_cost) and its batch limit."""
         self.step_cost.seed([(p.sessions, p.tokens, p.ms) for p in status.cost_curve])
+        feeds = sorted((p.tokens, p.ms) for p in status.feed_cost)
+        if len(feeds) >= 2:  # the slope between the smallest and the largest prefill
+            (n0, ms0), (n1, ms1) = feeds[0], feeds[-1]
+            self.feed_token_ms = max(ms1 - ms0, 0.0) / max(n1 - n0, 1)
         self.max_sessions = max_sessions
 
     @property

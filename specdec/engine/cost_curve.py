@@ -29,6 +29,17 @@ GRID = [(1, 1), (16, 1), (1, 4), (16, 4)] + [(b, t) for t in (1, 4) for b in (4,
 MIN_POINTS = 4  # measured whatever the budget: a decode step and a verify of K = 3, alone and in a batch of 16
 CONTEXT = 4  # tokens each scratch session holds before the timed forwards
 REPEATS = 2  # each point is the fastest of this many forwards
+FEEDS = (16, 64)  # measure_feed's forwards: one session fed this many tokens, only the last one scored
+
+
+def _time(runner, feeds: list[Feed]) -> float:
+    """The fastest of REPEATS forwards of `feeds`, ms."""
+    best = float("inf")
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        runner.forward_checked(feeds)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 def measure(runner, cache, max_sessions: int, max_tokens: int, budget_s: float) -> list[tuple[int, int, float]]:
@@ -36,16 +47,6 @@ def measure(runner, cache, max_sessions: int, max_tokens: int, budget_s: float) 
     sessions and max_tokens tokens each, stopping once budget_s seconds are spent (0: none at all)."""
     if budget_s <= 0:
         return []
-
-    def _time(feeds: list[Feed]) -> float:
-        """The fastest of REPEATS forwards of `feeds`, ms."""
-        best = float("inf")
-        for _ in range(REPEATS):
-            t0 = time.perf_counter()
-            runner.forward_checked(feeds)
-            best = min(best, time.perf_counter() - t0)
-        return best * 1e3
-
     slots: list[int] = []
     while len(slots) < min(max(b for b, _ in GRID), max_sessions) and (slot := cache.allocate()) is not None:
         slots.append(slot)
@@ -54,15 +55,28 @@ def measure(runner, cache, max_sessions: int, max_tokens: int, budget_s: float) 
         deadline = time.perf_counter() + budget_s
         runner.forward_checked([Feed(slot, 0, [0] * CONTEXT, 1) for slot in slots])  # the scratch sessions' context
         for b, t in ((b, t) for b, t in GRID if b <= len(slots) and b * t <= max_tokens):
-            points.append((b, b * t, _time([Feed(slot, CONTEXT, [0] * t, t) for slot in slots[:b]])))
+            points.append((b, b * t, _time(runner, [Feed(slot, CONTEXT, [0] * t, t) for slot in slots[:b]])))
             if len(points) >= MIN_POINTS and time.perf_counter() > deadline:
                 break
         for i, (b, n, ms) in enumerate(points[:MIN_POINTS]):  # again, now that the tiers beside it have started
-            points[i] = (b, n, min(ms, _time([Feed(slot, CONTEXT, [0] * (n // b), n // b) for slot in slots[:b]])))
+            points[i] = (b, n, min(ms, _time(runner, [Feed(slot, CONTEXT, [0] * (n // b), n // b) for slot in slots[:b]])))
         return monotone(points)
     finally:
         for slot in slots:
             cache.release(slot)
+
+
+def measure_feed(runner, cache, max_tokens: int) -> list[tuple[int, int, float]]:
+    """(1, tokens, ms) of forwards feeding one session FEEDS tokens (at most max_tokens), only the last scored: what
+    catching a session up costs (a prefill; a step's points above score every token, and a small model's LM head
+    is most of its cost), which the coordinator prices a draft's return after rounds it sat out from."""
+    slot = cache.allocate()
+    if slot is None:
+        return []
+    try:
+        return [(1, n, _time(runner, [Feed(slot, 0, [0] * n, 1)])) for n in FEEDS if n <= max_tokens]
+    finally:
+        cache.release(slot)
 
 
 def monotone(points: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:

@@ -27,7 +27,7 @@ import torch
 
 from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
-from specdec.engine.cost_curve import measure as measure_cost_curve
+from specdec.engine.cost_curve import measure as measure_cost_curve, measure_feed
 from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, Answer, EngineStatus, EngineThread, hand_back, inline_steps_on
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
@@ -96,6 +96,7 @@ class Engine(EngineThread):
         self.chains = 0  # chains run (a draft's proposal, a lone session's run-on), each of several steps
         self.step_tokens = 0
         self.cost_curve: list[tuple[int, int, float]] = []  # (sessions, tokens, ms) timed at start (load())
+        self.feed_cost: list[tuple[int, int, float]] = []  # (1, tokens, ms): prefills timed at start (load())
         # Answers settled in this pass of the step loop, handed to the event loop together (_hand_back):
         # one wake-up per step and event loop, not one per session. Engine thread only.
         self._answers: list[Answer] = []  # (work, result, error | PUSH)
@@ -119,6 +120,7 @@ class Engine(EngineThread):
         b, t1 = config.batch, time.perf_counter()
         engine.cost_curve = measure_cost_curve(engine.runner, engine.cache, b.max_batch_sessions, b.max_batch_tokens,
                                                config.cost_curve_s)
+        engine.feed_cost = measure_feed(engine.runner, engine.cache, b.max_batch_tokens) if engine.cost_curve else []
         log.info("step cost measured at %d batch sizes in %.1fs", len(engine.cost_curve), time.perf_counter() - t1)
         release_thread_pool()  # this thread is done computing: the engine thread's team is the only one
         _return_free_heap()

@@ -92,6 +92,7 @@ class HeadEngine(EngineThread):
         self._draft_ids = head.target_ids(torch.arange(head.draft_vocab_size, device=self.device))  # [Vd]
         self.observers: list = []
         self.cost_curve: list[tuple[int, int, float]] = []
+        self.feed_cost: list[tuple[int, int, float]] = []  # not measured: a head's catch-up is priced as nothing
         self.steps = self.step_tokens = self.evictions = 0
         self.step_base = step_id_base()  # + self.steps: the last step's id (Work.step_id)
         self._sessions: OrderedDict[str, HeadSession] = OrderedDict()

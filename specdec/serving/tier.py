@@ -93,7 +93,8 @@ class TierRpcs:
             compile_seconds=s.compile_s, prefix_cache_sessions=s.prefix_cache_sessions,
             prefix_cache_tokens=s.prefix_cache_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            cost_curve=[common_pb2.StepCost(sessions=b, tokens=n, ms=ms) for b, n, ms in self.engine.cost_curve])
+            cost_curve=[common_pb2.StepCost(sessions=b, tokens=n, ms=ms) for b, n, ms in self.engine.cost_curve],
+            feed_cost=[common_pb2.StepCost(sessions=b, tokens=n, ms=ms) for b, n, ms in self.engine.feed_cost])
 
 
 @dataclass
