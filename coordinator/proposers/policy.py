@@ -20,7 +20,7 @@ class PolicyConfig:
     max_k: int = 8  # the deepest proposal tried (drafts per path)
     probe_every: int = 8  # when K = 0 wins, probe a K = 1 this often
     probe_max_every: int = 64  # probes that keep losing back off, the interval doubling up to this
-    probe_budget: float = 0.02  # and a probe waits until its predicted loss against K = 0 is within this share of the target-only time since the last one
+    probe_budget: float = 0.02  # a probe, on its turn, waits until its predicted loss against K = 0 is within this share of the target-only time since the last one
     min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor
     price_coordinator: bool = True  # charge the coordinator's own CPU per tier call, in series and as a floor under load
     run_on: int = 8  # a round may let the target decode up to this many more tokens itself after its verdict (1, 3, 7, ... as target-only rounds, or drafting ones the policy prices so, follow one another; 0: never)
