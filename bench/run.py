@@ -21,6 +21,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,9 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--long", action="store_true", help="the full matrix: K 1..8 everywhere, all prompts, 2 repeats, N=128")
     mode.add_argument("--smoke", action="store_true", help="tiny run for development: 1 prompt, 2 K values, N=16")
-    p.add_argument("--out", default=str(bench_log()), help="markdown file to append the run's section to")
+    p.add_argument("--out", default=str(bench_log()), help="markdown file to append the run's section to ('' = none: "
+                                                               "printed only)")
     p.add_argument("--plot-dir", default=None,
-                   help="where the PNGs go (default: docs/ for a log under docs/, else the directory of --out)")
+                   help="where the PNGs go (default: docs/ for a log under docs/, else the directory of --out; with "
+                        "--out '' a temporary directory)")
     p.add_argument("--json", default=None, help="also write every raw sample (token ids, stats) to this JSON file")
     p.add_argument("--placements", default=None,
                    help="comma list of shared, separate (CPU; the default there) or gpu (the default with --device cuda)")
@@ -173,20 +176,23 @@ def main(argv=None) -> int:
     summary = report.summarise(all_rows, aggs, bounds, plan["placements"], plan["workloads"])
 
     # --- the markdown section ---
-    out_path = Path(args.out)
+    # --out '': the section printed only, its plots drawn outside the repository (the committed ones untouched)
+    plots = Path(args.plot_dir) if args.plot_dir else plot_dir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-run-"))
+    out_path = Path(args.out) if args.out else plots / "run.md"
     section = build_section(plan=plan, models=models, prompts=prompts, info=info, started=started, command=command,
                             elapsed=elapsed, waited=waited, other=other, all_rows=all_rows, aggs=aggs, bounds=bounds,
                             summary=summary, per_placement=per_placement, baseline_meta=baseline_meta, out_path=out_path,
-                            plot_dir=Path(args.plot_dir) if args.plot_dir else plot_dir(out_path))
+                            plot_dir=plots)
     if plan["device"] == "cpu":  # the llama.cpp peer on the same GGUF and prompts (where it is installed)
         section = section.rstrip("\n") + "\n\n" + "\n".join(llama_cpp_row(plan, models, prompts, all_rows, aggs))
-    append_section(section, out_path, header=log_header(Path(out_path)) + "\n" + report.HEADER)
+    if args.out:
+        append_section(section, out_path, header=log_header(Path(out_path)) + "\n" + report.HEADER)
     if args.json:
         Path(args.json).write_text(json.dumps({"plan": plan, "machine": info, "rows": all_rows, "aggregates": aggs,
                                                "bounds": bounds, "placements": per_placement, "baselines": baseline_meta},
                                               default=str))
     print(section)
-    log(f"done in {elapsed / 60:.1f} min; appended to {out_path}")
+    log(f"done in {elapsed / 60:.1f} min; " + (f"appended to {out_path}" if args.out else f"not logged (plots in {plots})"))
     return 0
 
 
