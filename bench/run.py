@@ -177,7 +177,8 @@ def main(argv=None) -> int:
 
     # --- the markdown section ---
     # --out '': the section printed only, its plots drawn outside the repository (the committed ones untouched)
-    plots = Path(args.plot_dir) if args.plot_dir else plot_dir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-run-"))
+    plots = (Path(args.plot_dir) if args.plot_dir else plot_dir(args.out) if args.out
+             else Path(tempfile.mkdtemp(prefix="bench-run-")))
     out_path = Path(args.out) if args.out else plots / "run.md"
     section = build_section(plan=plan, models=models, prompts=prompts, info=info, started=started, command=command,
                             elapsed=elapsed, waited=waited, other=other, all_rows=all_rows, aggs=aggs, bounds=bounds,
