@@ -16,11 +16,10 @@ that work alone; the rest of its batch completes.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -100,7 +99,6 @@ class Engine(EngineThread):
         # Answers settled in this pass of the step loop, handed to the event loop together (_hand_back):
         # one wake-up per step and event loop, not one per session. Engine thread only.
         self._answers: list[Answer] = []  # (work, result, error | PUSH)
-        self._paused = False
         self._busy = False  # a thread holds a plan and runs its step: the engine thread, or a submitter inline
         self.inline = inline_steps_on(config.step.inline_steps, self.device)
         self.inline_steps = 0  # steps run on a submitter's thread
@@ -146,18 +144,6 @@ class Engine(EngineThread):
                 self.runner.graphs.capture_at_start()
         finally:
             self.cache.release(slot)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No new step starts inside this block (the one running finishes); requests keep queueing."""
-        with self._wake:
-            self._paused = True
-        try:
-            yield
-        finally:
-            with self._wake:
-                self._paused = False
-                self._wake.notify()
 
     # --- the event loop's side ----------------------------------------------------------------------
 

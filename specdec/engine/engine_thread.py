@@ -7,9 +7,10 @@ small step on a one-thread CPU tier)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -46,9 +47,9 @@ class EngineStatus:
 
 
 class EngineThread:
-    """Subclasses run their step loop in _run() (waiting on _wake for the inbox) and may count queued works
-    beyond the inbox (_queued), note each submission under the lock (_submitted), and hand a step to the
-    submitting thread (_take_inline)."""
+    """Subclasses run their step loop in _run() (waiting on _wake for the inbox, and starting no step while
+    _paused) and may count queued works beyond the inbox (_queued), note each submission under the lock
+    (_submitted), and hand a step to the submitting thread (_take_inline, never while _paused)."""
 
     def __init__(self, max_queue: int, name: str = "engine") -> None:
         self._max_queue = max_queue
@@ -56,6 +57,7 @@ class EngineThread:
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Work] = []
         self._stopping = False
+        self._paused = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -66,6 +68,18 @@ class EngineThread:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout=30)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No new step starts inside this block (the one running finishes); requests keep queueing."""
+        with self._wake:
+            self._paused = True
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._paused = False
+                self._wake.notify()
 
     async def submit(self, work: Work):
         """Queue a work and await its result (RequestError on its own failure)."""
@@ -115,7 +129,7 @@ def inline_steps_on(setting: str, device) -> bool:
 
 def hand_back(answers: list[Answer]) -> None:
     """Answers to their event loops: delivered at once where this thread runs that loop (an inline step), else
-    with one call_soon_threadsafe (one wake-up) per loop."""
+    with one call_soon_threadsafe (one wake-up) per loop; a loop that has closed is skipped (nobody waits there)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Answer]] = {}
     for answer in answers:
         by_loop.setdefault(answer[0].loop, []).append(answer)
@@ -124,7 +138,10 @@ def hand_back(answers: list[Answer]) -> None:
         if loop is here:
             deliver_answers(items)
         else:
-            loop.call_soon_threadsafe(deliver_answers, items)
+            try:
+                loop.call_soon_threadsafe(deliver_answers, items)
+            except RuntimeError:  # the loop is closed
+                pass
 
 
 def deliver_answers(answers: list[Answer]) -> None:

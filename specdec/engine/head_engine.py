@@ -146,7 +146,7 @@ class HeadEngine(EngineThread):
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and (self._running or not self._inbox):  # (an inline pass runs)
+                while not self._stopping and (self._paused or self._running or not self._inbox):  # (an inline pass runs)
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -164,7 +164,7 @@ class HeadEngine(EngineThread):
     def _take_inline(self, work: ProposeWork):
         """(Lock held) A lone session's pass, for its submitter's thread to run (as Engine's inline steps)."""
         others = len(self._sessions) - (work.session_id in self._sessions)
-        if (not self.inline or not work.inline or self._running or len(self._inbox) != 1 or others
+        if (not self.inline or not work.inline or self._running or self._paused or len(self._inbox) != 1 or others
                 or len(work.pending) > INLINE_TOKENS):
             return None
         self._inbox.clear()
@@ -340,12 +340,14 @@ class HeadEngine(EngineThread):
                 w.step_started, w.step_id = t0, self.step_base + self.steps
             ProposeWork.finish_step(works, rows, self)
             self.step_tokens += tokens
+            answers = []
             for w in works:
                 if w.done:
                     s = w.session
                     s.cache.truncate(s.exact)  # the drafts' entries go; an accepted one is recomputed from features
                     s.last_used = time.monotonic()
-                    _answer(w, result=w.result)
+                    answers.append((w, w.result, None))
+            hand_back(answers)  # together: one wake-up per event loop, not one per session
         for observe in self.observers:
             observe(len(works), tokens, seconds)
 
@@ -433,7 +435,4 @@ def _joined(cache: HeadCache, entries: list[tuple[torch.Tensor, torch.Tensor]]) 
 
 def _answer(work: ProposeWork, result=None, error: Exception | None = None) -> None:
     """Resolve a work's future on its event loop, as the model engine does (a caller that went away is skipped)."""
-    try:
-        hand_back([(work, result, error)])
-    except RuntimeError:  # the caller's event loop has closed: nobody is waiting
-        pass
+    hand_back([(work, result, error)])
