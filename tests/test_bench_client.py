@@ -43,3 +43,12 @@ def test_percentile():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+
+
+def test_the_cli_prints_no_acceptance_rate_where_nothing_was_drafted():
+    from specdec.client.cli import format_stats
+
+    none = format_stats({"generated_tokens": 12, "draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0})
+    assert "acceptance rate" in none and "nothing drafted" in none and "0.000" not in none.split("acceptance rate")[1].split("\n")[0]
+    some = format_stats({"draft_tokens": 8, "accepted_tokens": 0, "acceptance_rate": 0.0})
+    assert [line.split()[-1] for line in some.splitlines() if "acceptance rate" in line] == ["0.000"]

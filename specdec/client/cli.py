@@ -115,8 +115,15 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
 
 
 def format_stats(stats: dict) -> str:
+    """The stats as the CLI prints them; a rate over no drafts reads as none, not as 0.000."""
     width = max(len(label) for label, _, _ in STAT_ROWS)
-    return "\n".join(f"  {label:<{width}}  {fmt.format(stats.get(key, 0))}" for label, key, fmt in STAT_ROWS)
+
+    def value(key: str, fmt: str) -> str:
+        if key == "acceptance_rate" and not stats.get("draft_tokens", 0):
+            return "- (nothing drafted: every round was the target's alone)"
+        return fmt.format(stats.get(key, 0))
+
+    return "\n".join(f"  {label:<{width}}  {value(key, fmt)}" for label, key, fmt in STAT_ROWS)
 
 
 def run_generation(address: str, args: argparse.Namespace) -> int:
