@@ -2,14 +2,15 @@
 
     python -m bench.proposer_replay                       # ~3 min: template (20) + grounded (6), 128 tokens
     python -m bench.proposer_replay --outputs o.json      # keep the outputs (reused if the file exists)
+    python -m bench.proposer_replay --workloads open      # the held-out chat prompts (their outputs added to the file)
 
 Greedy speculative decoding commits exactly the target's greedy output, so a proposer's acceptance on a
 workload can be computed without serving it: generate the output once (transformers `generate`,
 greedy), then replay it round by round, each round proposing from the committed tokens and accepting
 the longest prefix (or tree path) that matches the output, plus one token. No timing enters the count,
 so it is exact and repeatable, and a proposer setting can be compared with another in seconds. The
-template workload is replayed in request order with the coordinator's shared suffix tree (each output
-joins it after its request, as in serving); grounded with the shared tree off (as bench.run does).
+template and open workloads are replayed in request order with the coordinator's shared suffix tree (each
+output joins it after its request, as in serving); grounded with the shared tree off (as bench.run does).
 
 Every round proposes the whole chain (or tree) the proposer offers, up to K; the serving policy may pick
 fewer. Beside tokens per forward the table gives tokens per unit of verify cost: the same rounds charged
@@ -23,10 +24,12 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
-from bench.common import bench_log
+from bench.common import bench_log, machine_info
 from bench.prompts import prompts_for
 from coordinator.proposers.lookup import LookupConfig, LookupStrategy
 from coordinator.proposers.suffix import SuffixCache, SuffixConfig, SuffixStrategy
@@ -39,7 +42,9 @@ SETTINGS = [("suffix, limit m (ArcticInference)", dict(max_spec_factor=1.0, max_
             ("suffix, limit 2m", dict(max_spec_factor=2.0, max_spec_offset=0.0)),
             ("suffix, limit 2m + 2 (default)", dict(max_spec_factor=2.0, max_spec_offset=2.0)),
             ("suffix, limit 3m", dict(max_spec_factor=3.0, max_spec_offset=0.0)),
-            ("suffix, limit 4m + 4", dict(max_spec_factor=4.0, max_spec_offset=4.0))]
+            ("suffix, limit 4m + 4", dict(max_spec_factor=4.0, max_spec_offset=4.0)),
+            ("suffix, matches of 2+ tokens", dict(min_match=2)),
+            ("suffix, matches of 3+ tokens", dict(min_match=3))]
 
 
 def greedy_outputs(target: str, workloads: dict[str, int], n_new: int) -> list[dict]:
@@ -154,9 +159,12 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--grounded-prompts", type=int, default=6)
+    p.add_argument("--workloads", default="template,grounded",
+                   help="comma list of template, grounded, open (open: the 8 held-out chat prompts in order, the shared "
+                        "tree on, as served)")
     p.add_argument("--max-k", type=int, default=8, help="the most drafts per round (the coordinator's default cap)")
     p.add_argument("--outputs", default=None, help="JSON file of the greedy outputs: written, or read if it exists")
-    p.add_argument("--out", default=str(bench_log()))
+    p.add_argument("--out", default=str(bench_log()), help="markdown file to append to ('' = none)")
     args = p.parse_args(argv)
     from specdec.models import default_target
 
@@ -164,17 +172,20 @@ def main(argv=None) -> int:
     t0 = time.time()
     path = Path(args.outputs) if args.outputs else None
     reused = path is not None and path.exists()
-    if reused:
-        records = json.loads(path.read_text())
-    else:
-        records = greedy_outputs(target, {"template": 0, "grounded": args.grounded_prompts}, args.max_new_tokens)
+    workloads = args.workloads.split(",")
+    records = json.loads(path.read_text()) if reused else []
+    missing = {wl: args.grounded_prompts if wl == "grounded" else 0 for wl in workloads
+               if not any(r["workload"] == wl for r in records)}
+    if missing:
+        records += greedy_outputs(target, missing, args.max_new_tokens)
         if path is not None:
             path.write_text(json.dumps(records))
     curve = verify_curve(target)
+    machine = machine_info()
     rows = []
-    for wl in ("template", "grounded"):
+    for wl in workloads:
         recs = [r for r in records if r["workload"] == wl]
-        shared = wl == "template"
+        shared = wl != "grounded"
         rows.append((wl, "prompt lookup", replay(recs, LookupReplay(), None, args.max_k, curve)))
         for label, change in SETTINGS:
             for tree in (0, 8):
@@ -183,21 +194,24 @@ def main(argv=None) -> int:
                 name = label + (f", tree of {tree} nodes" if tree else "")
                 rows.append((wl, name, replay(recs, SuffixReplay(cfg, cache, tree), cache, args.max_k, curve)))
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: suffix decoding's chain limit, replayed offline",
-             "", f"Command: `python -m bench.proposer_replay` ({time.time() - t0:.0f} s"
+             "", f"Command: `{shlex.join(['python', '-m', 'bench.proposer_replay', *(sys.argv[1:] if argv is None else argv)])}` "
+             f"({time.time() - t0:.0f} s"
              + (", the outputs read from an earlier run's file" if reused else "") + "). The target's greedy outputs "
              f"({args.max_new_tokens} tokens at most; template: all {sum(r['workload'] == 'template' for r in records)} "
              f"requests in order, the shared suffix tree on; grounded: the first {args.grounded_prompts} prompts, the "
-             f"shared tree off) replayed round by round, each round proposing the whole chain or tree offered, K <= "
+             f"shared tree off; open: its prompts in order, the shared tree on; these here: {args.workloads}) replayed round by round, each round proposing the whole chain or tree offered, K <= "
              f"{args.max_k}. Verify cost: the packed target step scoring T tokens, x one token, measured in this run: "
-             + ", ".join(f"T={t} {v:.2f}" for t, v in curve.items()) + ".", "",
+             + ", ".join(f"T={t} {v:.2f}" for t, v in curve.items()) + f". Machine: {machine['cpu']}, {machine['cores']} "
+             f"cores; git {machine['git']}.", "",
              "| workload | proposer | tokens / target forward | drafts scored / round | tokens / verify cost (x K = 0) |",
              "|---|---|---|---|---|"]
     for wl, name, r in rows:
         lines.append(f"| {wl} | {name} | {r['tok_per_fwd']:.2f} | {r['nodes_per_round']:.2f} | {r['per_cost']:.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text)
-    with open(args.out, "a") as f:
-        f.write("\n" + text)
+    if args.out:  # '' = print only
+        with open(args.out, "a") as f:
+            f.write("\n" + text)
     return 0
 
 

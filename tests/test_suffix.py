@@ -57,6 +57,8 @@ def brute_speculate(seqs, context, max_tokens: int, cfg: SuffixConfig) -> tuple[
         occ = [(q, s) for q, seq in enumerate(seqs) for s in range(len(seq) - m + 1) if list(seq[s : s + m]) == pattern]
         if not occ:
             break
+        if m < cfg.min_match:
+            continue
         limit = min(max_tokens, int(m * cfg.max_spec_factor + cfg.max_spec_offset + 1e-6))
         tokens, probs, p, length = [], [], 1.0, m
         while len(tokens) < limit and length < depth:
@@ -191,6 +193,14 @@ def test_proposal_follows_the_most_frequent_continuation():
     d = speculate(tree, array("i", [9, 1, 2]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0, max_spec_factor=0.0,
                                                               max_spec_offset=1.0))
     assert d.tokens == [3]
+    # min_match: a match shorter than that proposes nothing (the 1-token match above), a longer one as before
+    assert speculate(tree, array("i", [5]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0, min_match=2)).tokens == []
+    assert speculate(tree, array("i", [4, 5]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0, min_match=2)).tokens == []
+    d = speculate(tree, array("i", [9, 1, 2]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0, min_match=2))
+    assert d.tokens == [3, 7] and d.match_len == 2
+    assert speculate(tree, array("i", [9, 1, 2]), 8, SuffixConfig(max_depth=8, min_token_prob=0.0, min_match=3)).tokens == []
+    with pytest.raises(ValueError, match="min_match"):
+        SuffixConfig(min_match=0)
     # min_token_prob: a continuation less likely than that is not proposed
     assert speculate(tree, array("i", [9, 1, 2]), 8, SuffixConfig(max_depth=8, min_token_prob=0.8)).tokens == []
     # max_tokens
@@ -228,7 +238,8 @@ def test_proposals_equal_brute_force():
     compared = 0
     for _ in range(200):
         cfg = SuffixConfig(max_depth=rng.choice([3, 5, 8]), max_spec_factor=rng.choice([0.5, 1.0, 2.0]),
-                           max_spec_offset=rng.choice([0.0, 1.0]), min_token_prob=rng.choice([0.0, 0.1, 0.4]))
+                           max_spec_offset=rng.choice([0.0, 1.0]), min_token_prob=rng.choice([0.0, 0.1, 0.4]),
+                           min_match=rng.choice([1, 1, 2, 3]))
         alphabet = rng.choice([2, 3, 5])
         seqs = [[rng.randrange(alphabet) for _ in range(rng.randint(1, 25))] for _ in range(rng.randint(1, 4))]
         tree = SuffixTree(cfg.max_depth)

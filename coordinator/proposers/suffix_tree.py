@@ -39,6 +39,7 @@ class SuffixConfig:
     max_spec_factor: float = 2.0
     max_spec_offset: float = 2.0  # see --suffix-max-spec-factor
     min_token_prob: float = 0.1  # stop the chain when its estimated probability falls below this
+    min_match: int = 1  # the shortest match (the context's last tokens found in a tree) that proposes
     cache_entries: int = 1024  # finished outputs kept in the tree shared by all sessions (0 = no shared tree)
     cache_bytes: int = setting(64 << 20, flag="suffix-cache-mb", parse=lambda mib: int(float(mib) * 2**20),
                                show=lambda b: f"{b / 2**20:g}")  # estimated memory bound of the shared tree, MiB
@@ -52,6 +53,8 @@ class SuffixConfig:
             raise ValueError(f"suffix max_depth must be >= 2, got {self.max_depth}")
         if self.max_spec_factor < 0 or self.max_spec_offset < -self.max_depth:
             raise ValueError("suffix max_spec_factor must be >= 0 (and max_spec_offset > -max_depth)")
+        if self.min_match < 1:
+            raise ValueError(f"suffix min_match must be >= 1, got {self.min_match}")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"suffix min_token_prob must be in [0, 1], got {self.min_token_prob}")
         if self.cache_entries < 0 or self.cache_bytes < 0 or self.cache_context < 0:
@@ -384,7 +387,8 @@ def _count(node: _Node) -> int:
 
 def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, seq_id: int | None = None,
               matches: list | None = None) -> SuffixDraft:
-    """The best chain continuing context (an array('i') of token ids) in tree, over match lengths 1..D-1.
+    """The best chain continuing context (an array('i') of token ids) in tree, over match lengths
+    config.min_match..D-1.
     seq_id: context *is* that open sequence of the tree (its own suffixes are located for free);
     None: match context's suffixes by walking from the root. matches: if given, receives (spot, limit)
     of every match length, longest first (for a token tree's other branches)."""
@@ -409,10 +413,11 @@ def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, 
     # Longest match first: a match of m tokens proposes at most limit(m) tokens and scores at most
     # that, so stop once it cannot beat the best score (ties, to rounding, go to the longer match).
     best, best_score = SuffixDraft(), 0.0
+    shortest = max(config.min_match, 1)
     if matches is not None:
-        for m in range(len(spots), 0, -1):
+        for m in range(len(spots), shortest - 1, -1):
             matches.append((spots[m - 1], min(max_tokens, int(m * config.max_spec_factor + config.max_spec_offset + 1e-6))))
-    for m in range(len(spots), 0, -1):
+    for m in range(len(spots), shortest - 1, -1):
         limit = min(max_tokens, int(m * config.max_spec_factor + config.max_spec_offset + 1e-6))
         if limit <= best_score + 1e-9:
             break
