@@ -18,14 +18,17 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+import grpc
+
 from coordinator.constraint import Constraint, NoConstraint
 from coordinator.output import FinishReason, Output
 from coordinator.params import GenerationParams
 from coordinator.proposers.base import Proposal
 from coordinator.proposers.drafter import Drafter
 from coordinator.stats import RoundStats
+from coordinator.tiers.client import TierError
 from coordinator.tiers.direct import DirectRounds
-from coordinator.tiers.target import Verdict
+from coordinator.tiers.target import RoundParts, Verdict
 from specdec.core.prefix import PrefixHashes
 from specdec.proto import common_pb2, generate_pb2
 
@@ -35,7 +38,7 @@ class Target(Protocol):
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
                      q: list[common_pb2.DraftDistribution], parents: list[int] = (), masks: list[bytes] = (),
-                     tree_scheme: int = 0, run_on: int = 0) -> Verdict: ...
+                     tree_scheme: int = 0, run_on: int = 0, parts: RoundParts | None = None) -> Verdict: ...
 
     async def close(self) -> None: ...
 
@@ -94,11 +97,21 @@ class Generation:
                 continue
             proposal = await self.drafter.propose(committed, hashes, limit)  # propose
             proposal, masks = self.constraint.check(proposal, p.sampling.greedy)  # (the grammar's masks)
-            verdict = await self.drafter.verify(self.target.verify(  # verify (the draft tier may push meanwhile)
+            parts = RoundParts(proposal.run_on_part) if proposal.run_on_part else None
+            verifying = self.drafter.verify(self.target.verify(  # verify (the draft tier may push meanwhile)
                 committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks, proposal.tree_scheme,
-                proposal.run_on), proposal)
+                proposal.run_on, **({"parts": parts} if parts else {})), proposal)
+            if parts is not None:  # a long run-on: its tokens emitted in parts as the target decodes them
+                async for tokens in parts.until(verifying):
+                    await self.drafter.started()
+                    if chunk := self._commit_tokens(tokens, committed, hashes):
+                        first_token_at = first_token_at or self.clock()
+                        yield out.event(chunk)
+                verdict = parts.verdict
+            else:
+                verdict = await verifying
             await self.drafter.started()  # (the strategies' start ran beside the first round)
-            chunk = self._commit(proposal, verdict, committed, hashes)  # accept, commit
+            chunk = self._commit(proposal, verdict, committed, hashes, parts.given if parts else [])  # accept, commit
             if first_token_at is None:
                 first_token_at = self.clock()
             yield out.event(chunk, verdict.logprobs[: len(chunk)])  # emit
@@ -110,19 +123,28 @@ class Generation:
             len(p.prompt_ids), out.generated, elapsed, None if first_token_at is None else first_token_at - t_start,
             p.num_speculative_tokens, p.proposer)))
 
-    def _commit(self, proposal: Proposal, verdict: Verdict, committed: list[int], hashes: PrefixHashes) -> list[int]:
+    def _commit(self, proposal: Proposal, verdict: Verdict, committed: list[int], hashes: PrefixHashes,
+                given: list[int]) -> list[int]:
         """The round's outcome: the accepted drafts (a tree's accepted path) + the next token + the target's run-on,
-        cut at EOS, the budget or a stop string, committed; returns the chunk to emit."""
+        less the tokens its parts gave already, committed; returns the chunk to emit."""
         n = verdict.num_accepted
         path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
         accepted = [proposal.tokens[i] for i in path] + [verdict.next_token] + list(verdict.run_on)
+        if accepted[: len(given)] != given:
+            raise TierError("target", grpc.StatusCode.INTERNAL, "the round's verdict does not extend the tokens its "
+                            "parts gave (a retried call's replica decoded other tokens)")
         self.drafter.observe(proposal, verdict, accepted)
-        chunk = self.output.take(accepted)
+        chunk = self._commit_tokens(accepted[len(given):], committed, hashes)
+        self.stats.end_round(proposal, len(proposal.tokens), n, len(accepted), forwards=1 + len(verdict.run_on))
+        return chunk
+
+    def _commit_tokens(self, tokens: list[int], committed: list[int], hashes: PrefixHashes) -> list[int]:
+        """Tokens of the round cut at EOS, the budget or a stop string (none once the output ended), committed."""
+        chunk = self.output.take(tokens) if not self.output.finished else []
         self.constraint.commit(chunk)
         committed.extend(chunk)
         hashes.extend(chunk)
         self.drafter.commit(chunk)
-        self.stats.end_round(proposal, len(proposal.tokens), n, len(accepted), forwards=1 + len(verdict.run_on))
         return chunk
 
     async def close(self) -> None:

@@ -5,6 +5,8 @@ the wire codec; a token tree through specdec.serving.token_tree) and its convers
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from specdec.core.errors import check_token_ids, invalid_argument
@@ -52,11 +54,44 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         return await self._verify(request)
 
     async def VerifyStream(self, request_iterator, context):
-        async for response in serve_session_stream(self, request_iterator, context, self._verify):
+        async for response in serve_session_stream(self, request_iterator, context, self._verify, self._in_parts):
             yield response
 
     async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        return await traced(request, self.to_work, self.engine.submit, self.to_response)
+        return await traced(request, self._unparted, self.engine.submit, self.to_response)
+
+    def _unparted(self, request: target_pb2.VerifyRequest) -> VerifyWork:
+        work = self.to_work(request)
+        work.part = 0  # (a unary Verify has no stream to send parts on)
+        return work
+
+    def _in_parts(self, request: target_pb2.VerifyRequest) -> AsyncIterator[target_pb2.VerifyResponse] | None:
+        """A request that asks for its run-on in parts: its partial responses as the engine pushes them, then its
+        response (None: any other request)."""
+        return self._parts_then_response(request) if request.run_on_part > 0 and request.run_on_seeds else None
+
+    async def _parts_then_response(self, request: target_pb2.VerifyRequest) -> AsyncIterator[target_pb2.VerifyResponse]:
+        parts: asyncio.Queue = asyncio.Queue()
+
+        def to_work(r: target_pb2.VerifyRequest) -> VerifyWork:
+            work = self.to_work(r)
+            work.on_push = lambda results: [parts.put_nowait(x) for x in results]
+            return work
+
+        answer = asyncio.ensure_future(traced(request, to_work, self.engine.submit, self.to_response))
+        try:
+            while True:
+                part = asyncio.ensure_future(parts.get())
+                await asyncio.wait((part, answer), return_when=asyncio.FIRST_COMPLETED)
+                if not part.done():
+                    part.cancel()
+                    break
+                response = self.to_response(part.result())
+                response.partial = True
+                yield response
+            yield answer.result()  # (the parts still queued are in it: dropped)
+        finally:
+            answer.cancel()
 
     def to_work(self, request: target_pb2.VerifyRequest) -> VerifyWork:
         """The request as the engine's work, or RequestError(INVALID_ARGUMENT) naming the field."""
@@ -82,11 +117,13 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                    "itself, with no grammar's masks and no features)")
         if len(request.run_on_seeds) > MAX_RUN_ON:
             raise invalid_argument(f"run_on_seeds: at most {MAX_RUN_ON} tokens a request, got {len(request.run_on_seeds)}")
+        if request.run_on_part < 0:
+            raise invalid_argument(f"run_on_part must be >= 0, got {request.run_on_part}")
         return VerifyWork.create(ctx.session_id, ctx.prefix_len, ctx.prefix_hash, list(ctx.new_tokens),
                                  list(request.draft_tokens), q, params, request.seed, prompt_len=prompt_len,
                                  logprobs=request.top_logprobs if request.logprobs else -1, parents=parents,
                                  scheme=scheme, allowed=allowed, feature_layers=layers,
-                                 run_on_seeds=list(request.run_on_seeds))
+                                 run_on_seeds=list(request.run_on_seeds), run_on_part=request.run_on_part)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:

@@ -66,7 +66,13 @@ VERIFY_INVALID_CASES = [
     ("run_on_with_features", lambda: _run_on(verify_request(draft_tokens=[]), 3, layers=[0]),
      ["run_on_seeds", "feature_layers"]),
     ("run_on_above_cap", lambda: _run_on(verify_request(draft_tokens=[]), 65), ["run_on_seeds", "64", "65"]),
+    ("run_on_part_negative", lambda: _parted(_run_on(verify_request(draft_tokens=[]), 3), -2), ["run_on_part", "-2"]),
 ]
+
+
+def _parted(request: target_pb2.VerifyRequest, part: int) -> target_pb2.VerifyRequest:
+    request.run_on_part = part
+    return request
 
 
 def _run_on(request: target_pb2.VerifyRequest, n: int, masks=(), layers=()) -> target_pb2.VerifyRequest:

@@ -118,6 +118,33 @@ def test_one_request_that_runs_on_is_the_target_only_rounds_it_replaces(parts, n
         assert got_lp == []
 
 
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_a_run_on_in_parts_pushes_each_part_ahead_and_changes_no_token(parts, name):
+    """run_on_part = 4: the work pushes the round's tokens known so far each time 4 more are and more are to come
+    (next_token and 3, then 7 run-on tokens), ahead of its result, which is the one without parts; it steps one
+    token at a time (no chain, even greedy and alone)."""
+    params = PARAMS[name]
+    engine = engine_of(parts)
+    pushed = []
+
+    async def scenario():
+        plain = await engine.submit(work("plain", list(PROMPT), 0, params, run_on=11))
+        w = work("parted", list(PROMPT), 0, params, run_on=11)
+        w.part, w.on_push = 4, pushed.extend
+        chains = engine.chains
+        r = await engine.submit(w)
+        return plain, r, engine.chains - chains
+
+    try:
+        plain, r, chains = asyncio.run(scenario())
+    finally:
+        engine.close()
+    tokens = [r.next_token, *r.run_on]
+    assert tokens == [plain.next_token, *plain.run_on] and len(tokens) == 12 and r.cached_len == plain.cached_len
+    assert [[p.next_token, *p.run_on] for p in pushed] == [tokens[:4], tokens[:8]]
+    assert all(p.num_accepted == 0 for p in pushed) and chains == 0
+
+
 def verify_then(sid: str, committed: list[int], cached: int, params: SamplingParams, drafts: list[int],
                 parents: list[int] | None, seeds: list[int], logprobs: int = -1) -> VerifyWork:
     """A verify of drafts (a chain, or a tree of candidates) after `committed` that runs on with `seeds`."""
@@ -299,6 +326,38 @@ def test_a_whole_result_request_runs_on_further_and_changes_no_token(self_draft_
     with Client(self_draft_cluster.address) as client:
         stopped = client.generate(**request, whole_result=True, stop=["never in this output"])
     assert stopped.token_ids == outs[False][0].token_ids and stopped.stats["rounds"] == 7
+
+
+@pytest.fixture(scope="module")
+def run_on_in_parts(tiny_target):
+    """A target-only pipeline whose streams get their run-on in parts of 4 tokens (so it grows to run_on_whole)."""
+    cluster = Cluster(tiny_target, None, coordinator_overrides={"adaptive": PolicyConfig(run_on_part=4)})
+    yield cluster
+    cluster.close()
+
+
+@pytest.mark.servers
+def test_a_stream_gets_its_run_on_in_parts_and_no_token_changes(run_on_in_parts, run_on_off, tiny_target_model):
+    """With parts of 4 a stream's run-on grows as a whole result's does (32 at most: 40 tokens in rounds of 1, 2, 4,
+    8, 16 and 9), and every round of more than 4 tokens reaches the client in parts as the target decodes them:
+    the round of 8 in 2 chunks, of 16 in 4, of 9 in 3; 12 chunks for 6 rounds. Greedy and seeded sampling give the
+    tokens of one-token rounds; asked for logprobs a stream gets no parts, and its run-on stays the stream's (8)."""
+    ids = PROMPT + [30, 31, 32]
+    request = dict(token_ids=ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=0)
+    with Client(run_on_off.address) as client:
+        reference = [client.generate(**request, **sampling).token_ids
+                     for sampling in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 77})]
+    assert reference[0] == reference_greedy(tiny_target_model, ids, 40, None)
+    with Client(run_on_in_parts.address) as client:
+        for sampling, want in zip(({}, {"temperature": 0.9, "top_p": 0.95, "seed": 77}), reference):
+            events = list(client.stream(**request, **sampling))
+            chunks = [list(e.chunk.token_ids) for e in events if e.HasField("chunk") and e.chunk.token_ids]
+            stats = events[-1].result.stats
+            assert [t for c in chunks for t in c] == want
+            assert (stats.rounds, len(chunks)) == (6, 12)
+            assert [len(c) for c in chunks] == [1, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 1]
+        logged = client.generate(**request, logprobs=True)
+    assert logged.token_ids == reference[0] and logged.stats["rounds"] == 7
 
 
 def test_the_openai_apis_unstreamed_requests_are_whole_results_and_run_ons_are_bounded():

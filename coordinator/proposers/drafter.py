@@ -66,13 +66,16 @@ class Drafter:
         # Draft mode with the draft down, or with no draft tier at all: prompt lookup.
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         strategies = [s for s in strategies if s.ready]  # (one still indexing the prompt is asked from the next round)
-        # The run-on of rounds that run on in a streak: further where no reader waits on the rounds, unless a stop
-        # string (which only the coordinator sees) may end the answer inside a long run-on, its steps then wasted
-        c, whole = self.policy.config, self.params.whole_result and not self.params.stop
-        cap = min(c.run_on_whole if whole else c.run_on, max(limit - 1, 0))
+        # The run-on of rounds that run on in a streak: further where no reader waits on a round's end (the whole
+        # result read, or the run-on streamed in parts), unless a stop string (which only the coordinator sees) may
+        # end the answer inside a long run-on, its steps then wasted
+        c = self.policy.config
+        parts = c.run_on_part if not self.params.whole_result and self.params.logprobs < 0 else 0
+        long = (self.params.whole_result or parts > 0) and not self.params.stop
+        cap = min(c.run_on_whole if long else c.run_on, max(limit - 1, 0))
         run_on = run_on_at(self._alone, cap)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
-            return self._target_only(strategies, draft_down, run_on)
+            return self._target_only(strategies, draft_down, run_on, parts)
         measured = not self.params.reproducible
         call_ms = self.coordinator.call_ms if self.coordinator is not None and measured else 0.0
         verify_ms = self.target.verify_ms(max(k, self.max_k), measured)
@@ -92,20 +95,22 @@ class Drafter:
             choice = self.policy.choose(strategies, ask)
             proposal = await choice.by.propose(choice, committed, hashes) if choice is not None else None
         if proposal is None:
-            return self._target_only(strategies, draft_down, run_on)
+            return self._target_only(strategies, draft_down, run_on, parts)
         proposal.fallback = draft_down and proposal.source != DRAFT_MODEL
         proposal.run_on = min(choice.run_on, max(limit - 1 - choice.k, 0))  # (drafts and run-on within the limit)
+        proposal.run_on_part = parts if len(proposal.tokens) + 1 + proposal.run_on > parts else 0
         if choice.run_on:  # it runs on as this round's K = 0 would: the ramp goes on
             self._alone += 1
         elif not self.policy.probing:  # (a probe is K = 0's exploration: the run-on goes on where it was after it)
             self._alone = 0
         return proposal
 
-    def _target_only(self, strategies: Sequence[Strategy], draft_down: bool, run_on: int) -> Proposal:
+    def _target_only(self, strategies: Sequence[Strategy], draft_down: bool, run_on: int, parts: int) -> Proposal:
         """A K = 0 round, charged to the first strategy; the target runs on by itself for 0, 1, 3, 7, ... tokens
-        (up to PolicyConfig.run_on and the budget) as such rounds follow one another."""
+        (up to the policy's cap and the budget) as such rounds follow one another, sent in parts where asked."""
         self._alone += 1
-        return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down, run_on=run_on)
+        return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down, run_on=run_on,
+                        run_on_part=parts if 1 + run_on > parts else 0)
 
     async def verify(self, verifying: Awaitable[Verdict], proposal: Proposal) -> Verdict:
         """The target's verdict on `proposal`; its strategy may use the wait (the draft model files its pushes)."""

@@ -24,12 +24,13 @@ class PolicyConfig:
     min_gain: float = 1.05  # draft only where the predicted tokens per unit of time beat K = 0's by this factor
     price_coordinator: bool = True  # charge the coordinator's own CPU per tier call, in series and as a floor under load
     run_on: int = 8  # a round may let the target decode up to this many more tokens itself after its verdict (1, 3, 7, ... as target-only rounds, or drafting ones the policy prices so, follow one another; 0: never)
-    run_on_whole: int = 32  # the same for a request whose caller reads only the whole result (GenerateRequest.whole_result, OpenAI's stream false) and no stop strings: no reader waits on its rounds' tokens
+    run_on_whole: int = 32  # the same for a request with no stop strings whose caller reads only the whole result (GenerateRequest.whole_result, OpenAI's stream false), or gets the run-on in parts (run_on_part): no reader waits on a round's end
+    run_on_part: int = 0  # a stream's round sends its tokens in parts of this many as the target decodes them (no logprobs asked), so its run-on may be run_on_whole long; 0: with the verdict, run_on long
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.probe_budget <= 1.0:
             raise ValueError(f"probe_budget must be in [0, 1], got {self.probe_budget}")
-        for name in ("run_on", "run_on_whole"):
+        for name in ("run_on", "run_on_whole", "run_on_part"):
             if not 0 <= getattr(self, name) <= MAX_RUN_ON:
                 raise ValueError(f"{name} must be in [0, {MAX_RUN_ON}], got {getattr(self, name)}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -65,6 +66,7 @@ class SessionStream:
         self.pending = 0  # requests sent whose replies were not read yet
         self.pushes = PushedProposals()  # the draft's unasked proposals (ProposeResponse.pushed), as they arrive
         self._reading: asyncio.Task | None = None  # the read in flight, if one outlived its reader (pushes_until)
+        self.on_part: Callable[[Any], None] | None = None  # given the parts of the reply awaited (VerifyResponse.partial)
 
     async def _io(self, call: grpc.aio.StreamStreamCall, awaitable, limit_s: float | None):
         """One stream operation under the per-call timeout; any failure closes the stream."""
@@ -134,8 +136,14 @@ class SessionStream:
         call = self._call
         if call is None or self.pending == 0:
             raise TierError(self.tier, grpc.StatusCode.INTERNAL, f"no request in flight on the {self.rpc} stream", self.rpc)
-        while (response := await self._next(call, limit_s)) is not None and getattr(response, "pushed", False):
-            self.pushes.add(response)  # filed for the round it holds for; the reply comes after it
+        while (response := await self._next(call, limit_s)) is not None:
+            if getattr(response, "pushed", False):
+                self.pushes.add(response)  # filed for the round it holds for; the reply comes after it
+            elif getattr(response, "partial", False):
+                if self.on_part is not None:
+                    self.on_part(response)
+            else:
+                break
         self.pending -= 1
         return response
 
@@ -168,9 +176,13 @@ class SessionStream:
                 main.cancel()
 
     async def call(self, request, limit_s: float | None = None):
-        """Drain replies nobody wants any more, then one request / reply."""
-        while self.pending:
-            await self.recv(limit_s)
+        """Drain replies nobody wants any more (their parts dropped), then one request / reply."""
+        on_part, self.on_part = self.on_part, None
+        try:
+            while self.pending:
+                await self.recv(limit_s)
+        finally:
+            self.on_part = on_part
         await self.send(request, limit_s)
         return await self.recv(limit_s)
 

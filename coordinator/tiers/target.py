@@ -4,6 +4,8 @@ replica that lacks the session)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from coordinator.proposers.tier_cost import TierCost
@@ -28,6 +30,41 @@ class Verdict:
     run_on: tuple[int, ...] = ()  # the tokens the target decoded by itself after next_token (a target-only round's run-on)
 
 
+class RoundParts:
+    """A round's tokens as the target sends them in parts, ahead of its verdict (VerifyRequest.run_on_part): the
+    accepted drafts, next_token and the run-on so far, each part repeating the earlier ones' tokens."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size  # tokens a part adds
+        self.given: list[int] = []  # the tokens yielded so far
+        self.verdict: Verdict | None = None  # once until() is done
+        self._parts: asyncio.Queue = asyncio.Queue()
+
+    def add(self, tokens: list[int]) -> None:
+        self._parts.put_nowait(tokens)
+
+    async def until(self, verifying: Awaitable[Verdict]) -> AsyncIterator[list[int]]:
+        """Each part's new tokens as it comes, until the verdict (then in .verdict). A part that does not extend
+        the tokens given (a retried call's replica disagreeing) yields nothing; the verdict is checked."""
+        main = asyncio.ensure_future(verifying)
+        try:
+            while True:
+                part = asyncio.ensure_future(self._parts.get())
+                await asyncio.wait((part, main), return_when=asyncio.FIRST_COMPLETED)
+                if not part.done():
+                    part.cancel()
+                    break
+                tokens = part.result()
+                if tokens[: len(self.given)] == self.given and len(tokens) > len(self.given):
+                    new = tokens[len(self.given):]
+                    self.given += new
+                    yield new
+            self.verdict = await main
+        finally:
+            if not main.done():
+                main.cancel()
+
+
 class TargetVerifier:
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int, stats: RoundStats,
                  load: TierCost | None = None, logprobs: int = -1, features: SessionFeatures | None = None) -> None:
@@ -48,28 +85,37 @@ class TargetVerifier:
 
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
                      q: list[common_pb2.DraftDistribution], parents: list[int] = (), masks: list[bytes] = (),
-                     tree_scheme: int = 0, run_on: int = 0) -> Verdict:
+                     tree_scheme: int = 0, run_on: int = 0, parts: RoundParts | None = None) -> Verdict:
         """Verify drafts (with their q rows; none = one-hot) after the committed tokens; with parents, the
         drafts are a token tree's nodes, drawn as tree_scheme says (0: candidates without q, IID with q); masks:
         structured output's allowed tokens at each of the K + 1 positions; run_on: after its verdict the target may
         decode up to this many more tokens, the i-th with the seed of a target-only round after len(committed) + i
-        tokens (none with a feature draft, whose head needs every position's features). Raises TierError."""
+        tokens (none with a feature draft, whose head needs every position's features); parts: given the round's
+        tokens in parts of parts.size as the target decodes them. Raises TierError."""
         if self.features is not None:
             await self._prefill_in_parts(committed, hashes)
             run_on = 0
         seed = derive_seed(self.seed, len(committed), TARGET_STREAM)
         run_on_seeds = [derive_seed(self.seed, len(committed) + i, TARGET_STREAM) for i in range(1, run_on + 1)]
-        reply = await self.session.call(
-            committed, hashes,
-            lambda ctx: target_pb2.VerifyRequest(context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
-                                                 logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0),
-                                                 draft_parents=parents, token_masks=masks,
-                                                 tree_scheme=tree_scheme if parents else 0,
-                                                 feature_layers=self.features.layers if self.features else (),
-                                                 run_on_seeds=run_on_seeds),
-            extra=lambda response: ([drafts[i] for i in response.accepted_path] if parents else
-                                    drafts[: response.num_accepted]) + (  # the accepted drafts, then the run-on
-                [response.next_token, *response.run_on_tokens[:-1]] if response.run_on_tokens else []))
+        def accepted(response) -> list[int]:
+            return [drafts[i] for i in response.accepted_path] if parents else list(drafts[: response.num_accepted])
+
+        part = parts.size if parts is not None and run_on_seeds else 0
+        if part:
+            self.session.calls.on_part = lambda r: parts.add(accepted(r) + [r.next_token, *r.run_on_tokens])
+        try:
+            reply = await self.session.call(
+                committed, hashes,
+                lambda ctx: target_pb2.VerifyRequest(
+                    context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
+                    logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0), draft_parents=parents,
+                    token_masks=masks, tree_scheme=tree_scheme if parents else 0,
+                    feature_layers=self.features.layers if self.features else (), run_on_seeds=run_on_seeds,
+                    run_on_part=part),
+                extra=lambda response: accepted(response) + (  # the accepted drafts, then the run-on
+                    [response.next_token, *response.run_on_tokens[:-1]] if response.run_on_tokens else []))
+        finally:
+            self.session.calls.on_part = None
         response = reply.message
         if self.features is not None:
             self.features.absorb(response.features_start, response.features, on_gap=self.session.cursor.reset)

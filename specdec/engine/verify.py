@@ -36,7 +36,9 @@ end; the result carries the later tokens in `run_on`, and its verdict on the dra
 Each of those steps is an ordinary step of the batch, so run-on sessions batch with every other; except that
 a greedy session stepping alone (nothing else queued) runs its run-on as one chain on the device
 (StepConfig.run_on_chain; specdec.engine.draft_chain with the verdict's own argmax): the same forwards, one host
-round trip instead of one a token, the tokens after an EOS dropped.
+round trip instead of one a token, the tokens after an EOS dropped. A work asked for parts (`part`) pushes
+a partial result (Engine.push) each time `part` more of its tokens are known and more are to come, so its
+caller can pass them on while the run-on goes on; such a work steps one token at a time (no chain).
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class VerifyWork(Work):
     scheme: str = ""  # a tree's scheme: CANDIDATES (no q), IID or WITHOUT_REPLACEMENT (with q); greedy ignores it
     allowed: torch.Tensor | None = None  # structured output: [K + 1, V] bool, the tokens allowed at each position
     run_on_seeds: list[int] = field(default_factory=list)  # run-on: the seeds of the target-only rounds still to run
+    part: int = 0  # run-on: push a partial result each time this many more of the round's tokens are known (0: none)
+    parted: int = 0  # the round's tokens the last partial result held
     verdicts: list[tuple[list[int], int, list[TokenLogprobs]]] = field(default_factory=list)  # run-on: the rounds so far
 
     kind: ClassVar[str] = "verify"
@@ -122,16 +126,18 @@ class VerifyWork(Work):
                q: DraftProbs | None, params: SamplingParams, seed: int, prompt_len: int = 0,
                logprobs: int = -1, parents: list[int] | None = None, scheme: str = "",
                allowed: torch.Tensor | None = None, feature_layers: list[int] = (),
-               run_on_seeds: list[int] = ()) -> "VerifyWork":
+               run_on_seeds: list[int] = (), run_on_part: int = 0) -> "VerifyWork":
         """feature_layers: decoder layers whose outputs (EAGLE-3 features) the result carries at every position
         the request adds to the session (VerifyResult.features); empty: none. run_on_seeds: after its verdict
         (no masks or features) the work decodes up to this many more tokens, one target-only round each, the
-        i-th with run_on_seeds[i] as its seed (VerifyResult.run_on)."""
+        i-th with run_on_seeds[i] as its seed (VerifyResult.run_on). run_on_part: push a partial result each
+        time this many more of the round's tokens are known (0: none; needs an on_push)."""
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
                    params=params, seed=seed, committed_len=prefix_len + len(new_tokens), prompt_len=prompt_len,
                    logprobs=logprobs, parents=list(parents) if parents else None, tree=bool(parents), scheme=scheme,
-                   allowed=allowed, taps=tuple(feature_layers) or None, run_on_seeds=list(run_on_seeds))
+                   allowed=allowed, taps=tuple(feature_layers) or None, run_on_seeds=list(run_on_seeds),
+                   part=run_on_part if run_on_seeds else 0)
 
     def runs_on(self, next_token: int, kept: int, engine) -> bool:
         """After a verdict (the session holds `kept` tokens: the committed ones and the accepted drafts), whether
@@ -149,7 +155,7 @@ class VerifyWork(Work):
         whose logits nothing adjusts or masks, with no logprobs or taps, that stepped alone with nothing
         queued; as many as its seeds left and the context allow, two at least."""
         if not (alone and engine.config.step.run_on_chain and self.params.greedy and not self.params.adjusts_logits
-                and self.allowed is None and self.logprobs < 0 and not self.taps):
+                and self.allowed is None and self.logprobs < 0 and not self.taps and not self.part):
             return 0
         steps = min(1 + len(self.run_on_seeds), engine.max_context - self.committed_len)
         return steps if steps > 1 else 0  # a chain of one forward saves no round trip
@@ -186,6 +192,14 @@ class VerifyWork(Work):
         return VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, self.reused,
                             reported + [x for _, _, lp in later for x in lp], tuple(path), self.tree,
                             features, start, tuple(t for _, t, _ in later), self.step_id)
+
+    def partial_result(self, cached_len: int) -> VerifyResult:
+        """A part of the round ahead of its result: the first round's verdict and the run-on tokens so far (the
+        timings and the logprobs are the final result's alone)."""
+        self.parted = len(self.verdicts)
+        (path, nxt, _), *later = self.verdicts
+        return VerifyResult(len(path), nxt, cached_len, 0.0, 0, 0, 0.0, 0.0, self.reused, path=tuple(path),
+                            tree=self.tree, run_on=tuple(t for _, t, _ in later))
 
     def feed_tree(self) -> list[int] | None:
         return self.parents
@@ -242,6 +256,8 @@ class VerifyWork(Work):
             if w.runs_on(nxt, keep, engine):  # the next target-only round, in the next step (or a chain)
                 w.verdicts.append((path, nxt, logprobs.get(i, [])))
                 w.chain_steps = w.chain_length(engine, alone=w.last_step[0] == 1 and not engine.others_waiting())
+                if w.part and len(w.verdicts) - w.parted >= w.part:
+                    engine.push(w, [w.partial_result(keep)])
                 continue
             features, start = w.committed_features(path, keep) if w.taps else (None, 0)
             w.verdicts.append((path, nxt, logprobs.get(i, [])))

@@ -39,9 +39,11 @@ DRAINING = "replica draining: open a new stream (it reaches another replica)"
 
 
 async def serve_session_stream(servicer: "TierRpcs", requests: AsyncIterator, context,
-                               handle: Callable[[Any], Awaitable[Any]]) -> AsyncIterator[Any]:
+                               handle: Callable[[Any], Awaitable[Any]],
+                               parts: Callable[[Any], AsyncIterator[Any] | None] | None = None) -> AsyncIterator[Any]:
     """The loop of a per-session bidirectional stream (ProposeStream, VerifyStream): one response per
-    request, in order, each from handle(request). A failed request ends the stream with its status (the
+    request, in order, each from handle(request); or, where parts(request) gives an iterator, its messages
+    (partial responses, then the response). A failed request ends the stream with its status (the
     caller opens a new one). The stream pins the sessions it served: when it ends (done, failed,
     cancelled, the coordinator gone) the tier drops them, so a vanished coordinator leaks no KV memory.
     Once the replica drains (SIGTERM), the stream's next request ends it with UNAVAILABLE instead of
@@ -53,7 +55,12 @@ async def serve_session_stream(servicer: "TierRpcs", requests: AsyncIterator, co
             if servicer.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING, TIER_STATUS_METADATA)
             sessions.add(request.context.session_id)
+            many = parts(request) if parts is not None else None
             try:
+                if many is not None:
+                    async for message in many:
+                        yield message
+                    continue
                 response = await handle(request)
             except Exception as e:
                 err = as_request_error(e)
