@@ -111,7 +111,7 @@ class Generation:
             else:
                 verdict = await verifying
             await self.drafter.started()  # (the strategies' start ran beside the first round)
-            chunk = self._commit(proposal, verdict, committed, hashes, parts.given if parts else [])  # accept, commit
+            chunk = self._commit(proposal, verdict, committed, hashes, parts.given if parts else None)  # accept, commit
             if first_token_at is None:
                 first_token_at = self.clock()
             yield out.event(chunk, verdict.logprobs[: len(chunk)])  # emit
@@ -124,12 +124,13 @@ class Generation:
             p.num_speculative_tokens, p.proposer)))
 
     def _commit(self, proposal: Proposal, verdict: Verdict, committed: list[int], hashes: PrefixHashes,
-                given: list[int]) -> list[int]:
+                given: list[int] | None = None) -> list[int]:
         """The round's outcome: the accepted drafts (a tree's accepted path) + the next token + the target's run-on,
         less the tokens its parts gave already, committed; returns the chunk to emit."""
         n = verdict.num_accepted
         path = verdict.path if proposal.parents else range(n)  # a token tree: the accepted path's nodes
         accepted = [proposal.tokens[i] for i in path] + [verdict.next_token] + list(verdict.run_on)
+        given = given or []
         if accepted[: len(given)] != given:
             raise TierError("target", grpc.StatusCode.INTERNAL, "the round's verdict does not extend the tokens its "
                             "parts gave (a retried call's replica decoded other tokens)")
