@@ -100,7 +100,7 @@ class Generation:
             parts = RoundParts(proposal.run_on_part) if proposal.run_on_part else None
             verifying = self.drafter.verify(self.target.verify(  # verify (the draft tier may push meanwhile)
                 committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks, proposal.tree_scheme,
-                proposal.run_on, **({"parts": parts} if parts else {})), proposal)
+                proposal.run_on, parts), proposal)
             if parts is not None:  # a long run-on: its tokens emitted in parts as the target decodes them
                 async for tokens in parts.until(verifying):
                     await self.drafter.started()
@@ -112,9 +112,9 @@ class Generation:
                 verdict = await verifying
             await self.drafter.started()  # (the strategies' start ran beside the first round)
             chunk = self._commit(proposal, verdict, committed, hashes, parts.given if parts else None)  # accept, commit
-            if first_token_at is None:
-                first_token_at = self.clock()
-            yield out.event(chunk, verdict.logprobs[: len(chunk)])  # emit
+            if chunk:  # (none where a part ended the output)
+                first_token_at = first_token_at or self.clock()
+                yield out.event(chunk, verdict.logprobs[: len(chunk)])  # emit
         self.drafter.finish(committed)
         if (tail := out.tail()) is not None:
             yield tail

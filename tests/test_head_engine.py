@@ -277,25 +277,11 @@ def test_a_sessions_proposal_does_not_depend_on_its_batch(tiny_target, tiny_targ
 def test_a_pass_wakes_the_event_loop_once(tiny_target, tiny_target_model, tmp_path):
     """Six sessions queued while the engine is paused share one pass, and their six answers are handed back together:
     one wake-up of the event loop, not one per session (as the model engine's step: test_round_trace)."""
-    import asyncio
-
     from specdec.engine.config import StepConfig
-    from tests.test_round_trace import CountingLoop
+    from tests.test_round_trace import paused_batch
 
     engine, one = small_head_engine(tiny_target, tiny_target_model, tmp_path, StepConfig())
-
-    async def batch():
-        with engine.paused():  # every proposal queued before the engine looks: one pass takes them all
-            tasks = [asyncio.ensure_future(one(f"s{i}", PROMPT[: 4 + i], i)) for i in range(6)]
-            await asyncio.sleep(0)
-        return await asyncio.wait_for(asyncio.gather(*tasks), CALL_TIMEOUT_S)
-
-    try:
-        with asyncio.Runner(loop_factory=CountingLoop) as runner:
-            results = runner.run(batch())
-            wakeups = runner.get_loop().wakeups
-    finally:
-        engine.close()
+    results, wakeups = paused_batch(engine, [one(f"s{i}", PROMPT[: 4 + i], i) for i in range(6)])  # one pass
     assert [r.batch_sessions for r in results] == [6] * 6, "the six sessions shared their steps"
     assert all(len(r.tokens) == 4 for r in results)
     assert wakeups == 1, "the pass's six answers were handed back together"

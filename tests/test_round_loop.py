@@ -72,7 +72,8 @@ class FakeTarget:
         self.closed = False
         self.prompt_len = len(PROMPT)  # where the continuation starts
 
-    async def verify(self, committed, hashes, drafts, q, parents=(), masks=(), tree_scheme=0, run_on=0) -> Verdict:
+    async def verify(self, committed, hashes, drafts, q, parents=(), masks=(), tree_scheme=0, run_on=0,
+                     parts=None) -> Verdict:
         self.calls.append(list(drafts))
         self.run_ons.append(run_on)
         self.masks.append(list(masks))
@@ -83,8 +84,14 @@ class FakeTarget:
         n = 0
         while n < len(drafts) and drafts[n] == self.continuation[at + n]:
             n += 1
-        return Verdict(n, self.continuation[at + n], wall_ms=1.0,  # (the real target stops at EOS too)
-                       run_on=tuple(self.continuation[at + n + 1: at + n + 1 + run_on]))
+        verdict = Verdict(n, self.continuation[at + n], wall_ms=1.0,  # (the real target stops at EOS too)
+                          run_on=tuple(self.continuation[at + n + 1: at + n + 1 + run_on]))
+        if parts is not None:  # each time parts.size more tokens are known and more are to come: a part, then a pause
+            tokens = list(drafts[:n]) + [verdict.next_token, *verdict.run_on]
+            for known in range(parts.size, len(tokens), parts.size):
+                parts.add(tokens[:known])
+                await asyncio.sleep(0)
+        return verdict
 
     async def close(self) -> None:
         self.closed = True
@@ -128,7 +135,7 @@ class FakeDraft:
 def generation(target, draft=None, *, k: int | None = 3, max_new: int = 20, proposer: Proposer = DRAFT_MODEL,
                stop=(), eos=frozenset(), max_context: int = 1000, prompt=PROMPT,
                constraint=None, draft_config: DraftModelConfig = DraftModelConfig(),
-               load: TierCost | None = None) -> Generation:
+               load: TierCost | None = None, policy: PolicyConfig = PolicyConfig(max_k=8)) -> Generation:
     params = GenerationParams(prompt_ids=list(prompt), max_new_tokens=max_new, sampling=SamplingParams(), seed=1,
                               num_speculative_tokens=k, proposer=proposer, stop=tuple(stop))
     clock = Clock()
@@ -138,7 +145,7 @@ def generation(target, draft=None, *, k: int | None = 3, max_new: int = 20, prop
     if draft is not None:
         strategies.append(DraftModelStrategy(draft_config, draft, common_pb2.SamplingParams(), 1, stats,
                                              max_context=max_context))
-    drafter = Drafter(params, Policy(PolicyConfig(max_k=8)), strategies, lookup, load or TierCost(), max_k=16)
+    drafter = Drafter(params, Policy(policy), strategies, lookup, load or TierCost(), max_k=16)
     output = Output(Tokenizer(), params.prompt_ids, max_new, set(eos), stop)
     extra = {"constraint": constraint} if constraint is not None else {}
     return Generation(params, target=target, drafter=drafter, output=output, stats=stats, max_context=max_context,
@@ -368,6 +375,27 @@ def test_target_only_rounds_let_the_target_run_on_more_as_they_follow_one_anothe
     target = FakeTarget(truth())
     chunks, result = run(generation(target, k=0, max_new=30, stop=[text[5:7]]))  # a stop string inside a run-on
     assert tokens(chunks) == cont[:7] and result.finish_reason == FR.FINISH_REASON_STOP
+
+
+def test_a_run_on_in_parts_streams_each_part_and_runs_on_as_a_whole_result_does():
+    """PolicyConfig.run_on_part = 4: a stream's rounds run on up to run_on_whole (32), and a round of more than 4
+    tokens is emitted a part at a time as the target sends them (here: 40 tokens in rounds of 1, 2, 4, 8, 16, 9, in
+    12 chunks), the tokens the target's own; with a stop string the stream's cap (8) and its parts, cut at the stop
+    inside a part, the round's rest not emitted."""
+    cont = truth()
+    target = FakeTarget(cont)
+    chunks, result = run(generation(target, k=0, max_new=40, policy=PolicyConfig(max_k=8, run_on_part=4)))
+    assert tokens(chunks) == cont[:40] and result.stats.rounds == 6
+    assert target.run_ons == [0, 1, 3, 7, 15, 8]
+    assert [len(c.token_ids) for c in chunks] == [1, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 1]
+
+    text = Tokenizer().decode(cont)
+    target = FakeTarget(truth())
+    chunks, result = run(generation(target, k=0, max_new=30, stop=[text[9:11]],  # inside the 4th round's first part
+                                    policy=PolicyConfig(max_k=8, run_on_part=4)))
+    assert target.run_ons == [0, 1, 3, 7]  # the stream's cap: the run-on of a stop-string request stays short
+    assert tokens(chunks) == cont[:11] and result.finish_reason == FR.FINISH_REASON_STOP
+    assert [len(c.token_ids) for c in chunks] == [1, 2, 4, 4]  # the part that held the stop, then nothing
 
 
 def test_a_request_that_never_drafts_indexes_nothing():

@@ -72,24 +72,31 @@ class CountingLoop(asyncio.SelectorEventLoop):
         return super().call_soon_threadsafe(*args, **kwargs)
 
 
+def paused_batch(engine, submits) -> tuple[list, int]:
+    """The coroutines `submits` started while `engine` is paused (every work queued before a step or pass looks),
+    run to their results on an event loop that counts the wake-ups other threads ask of it; the engine closed
+    after. Returns (results, wake-ups)."""
+
+    async def batch():
+        with engine.paused():
+            tasks = [asyncio.ensure_future(s) for s in submits]
+            await asyncio.sleep(0)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    try:
+        with asyncio.Runner(loop_factory=CountingLoop) as runner:
+            return runner.run(batch()), runner.get_loop().wakeups
+    finally:
+        engine.close()
+
+
 def test_one_step_wakes_the_event_loop_once(tiny_target):
     engine = Engine(TierConfig(ModelConfig("tiny")), load_model(device_model(tiny_target)), TokenizerSource.of(load_tokenizer(tiny_target)))
     engine.start()
     works = [VerifyWork.create(f"s{i}", 0, PrefixHashes([]).at(0), [1, 100 + i, 200 + i], [7], None, SamplingParams(), i)
              for i in range(6)]
 
-    async def batch():
-        with engine.paused():  # every work queued before the step loop looks: one step plans them all
-            tasks = [asyncio.ensure_future(engine.submit(w)) for w in works]
-            await asyncio.sleep(0)
-        return await asyncio.gather(*tasks)
-
-    try:
-        with asyncio.Runner(loop_factory=CountingLoop) as runner:
-            results = runner.run(batch())
-            wakeups = runner.get_loop().wakeups
-    finally:
-        engine.close()
+    results, wakeups = paused_batch(engine, [engine.submit(w) for w in works])  # one step plans them all
     assert [r.batch_sessions for r in results] == [6] * 6, "the six sessions shared one step"
     assert {r.step_id for r in results} == {engine.step_base + engine.steps}, "and each reply names it"
     assert wakeups == 1, "the step's six answers were handed back together"
