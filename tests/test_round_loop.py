@@ -377,27 +377,6 @@ def test_target_only_rounds_let_the_target_run_on_more_as_they_follow_one_anothe
     assert tokens(chunks) == cont[:7] and result.finish_reason == FR.FINISH_REASON_STOP
 
 
-def test_a_run_on_in_parts_streams_each_part_and_runs_on_as_a_whole_result_does():
-    """PolicyConfig.run_on_part = 4: a stream's rounds run on up to run_on_whole (32), and a round of more than 4
-    tokens is emitted a part at a time as the target sends them (here: 40 tokens in rounds of 1, 2, 4, 8, 16, 9, in
-    12 chunks), the tokens the target's own; with a stop string the stream's cap (8) and its parts, cut at the stop
-    inside a part, the round's rest not emitted."""
-    cont = truth()
-    target = FakeTarget(cont)
-    chunks, result = run(generation(target, k=0, max_new=40, policy=PolicyConfig(max_k=8, run_on_part=4)))
-    assert tokens(chunks) == cont[:40] and result.stats.rounds == 6
-    assert target.run_ons == [0, 1, 3, 7, 15, 8]
-    assert [len(c.token_ids) for c in chunks] == [1, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 1]
-
-    text = Tokenizer().decode(cont)
-    target = FakeTarget(truth())
-    chunks, result = run(generation(target, k=0, max_new=30, stop=[text[9:11]],  # inside the 4th round's first part
-                                    policy=PolicyConfig(max_k=8, run_on_part=4)))
-    assert target.run_ons == [0, 1, 3, 7]  # the stream's cap: the run-on of a stop-string request stays short
-    assert tokens(chunks) == cont[:11] and result.finish_reason == FR.FINISH_REASON_STOP
-    assert [len(c.token_ids) for c in chunks] == [1, 2, 4, 4]  # the part that held the stop, then nothing
-
-
 def test_a_request_that_never_drafts_indexes_nothing():
     """K = 0 throughout: no strategy starts, so the prompt lookup standing by indexes neither the prompt nor the
     output (py-spy put them at 5-7% of the coordinator's samples for 64-token requests at 32 clients); a request

@@ -9,6 +9,9 @@ token for token, the target-only rounds it replaces.
 3. Through the real servers: a sampled, seeded generation at K = 0 streams the same tokens whatever the
    coordinator's run-on setting (PolicyConfig.run_on), the rounds fewer with it on; greedy equals the target's
    own generate(). (Bad requests: tests/test_bad_input_verify.py, run_on_*.)
+4. In parts (VerifyRequest.run_on_part, PolicyConfig.run_on_part): the engine pushes each part ahead of its result,
+   which is unchanged; the round loop emits each part's tokens; through the servers a stream gets exactly the
+   chunks its parts make, and the same tokens.
 """
 
 from __future__ import annotations
@@ -143,6 +146,29 @@ def test_a_run_on_in_parts_pushes_each_part_ahead_and_changes_no_token(parts, na
     assert tokens == [plain.next_token, *plain.run_on] and len(tokens) == 12 and r.cached_len == plain.cached_len
     assert [[p.next_token, *p.run_on] for p in pushed] == [tokens[:4], tokens[:8]]
     assert all(p.num_accepted == 0 for p in pushed) and chains == 0
+
+
+def test_a_run_on_in_parts_streams_each_part_and_runs_on_as_a_whole_result_does():
+    """PolicyConfig.run_on_part = 4: a stream's rounds run on up to run_on_whole (32), and a round of more than 4
+    tokens is emitted a part at a time as the target sends them (here: 40 tokens in rounds of 1, 2, 4, 8, 16, 9, in
+    12 chunks), the tokens the target's own; with a stop string the stream's cap (8) and its parts, cut at the stop
+    inside a part, the round's rest not emitted. (The round loop with a fake target: tests/test_round_loop.py's.)"""
+    from tests.test_round_loop import FR, FakeTarget, Tokenizer, generation, run, tokens, truth
+
+    cont = truth()
+    target = FakeTarget(cont)
+    chunks, result = run(generation(target, k=0, max_new=40, policy=PolicyConfig(max_k=8, run_on_part=4)))
+    assert tokens(chunks) == cont[:40] and result.stats.rounds == 6
+    assert target.run_ons == [0, 1, 3, 7, 15, 8]
+    assert [len(c.token_ids) for c in chunks] == [1, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 1]
+
+    text = Tokenizer().decode(cont)
+    target = FakeTarget(truth())
+    chunks, result = run(generation(target, k=0, max_new=30, stop=[text[9:11]],  # inside the 4th round's first part
+                                    policy=PolicyConfig(max_k=8, run_on_part=4)))
+    assert target.run_ons == [0, 1, 3, 7]  # the stream's cap: the run-on of a stop-string request stays short
+    assert tokens(chunks) == cont[:11] and result.finish_reason == FR.FINISH_REASON_STOP
+    assert [len(c.token_ids) for c in chunks] == [1, 2, 4, 4]  # the part that held the stop, then nothing
 
 
 def verify_then(sid: str, committed: list[int], cached: int, params: SamplingParams, drafts: list[int],
