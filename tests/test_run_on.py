@@ -171,6 +171,30 @@ def test_a_run_on_in_parts_streams_each_part_and_runs_on_as_a_whole_result_does(
     assert [len(c.token_ids) for c in chunks] == [1, 2, 4, 4]  # the part that held the stop, then nothing
 
 
+def test_round_parts_yield_each_token_once_and_only_what_extends_them():
+    """coordinator.tiers.target.RoundParts: parts repeat the earlier parts' tokens, and a retried call (another
+    replica) sends its parts from the start again: each token is yielded once; a part that does not extend what was
+    given (a replica that decoded otherwise) yields nothing; the verdict comes after every part delivered before it."""
+    from coordinator.tiers.target import RoundParts, Verdict
+
+    async def scenario():
+        parts = RoundParts(2)
+        verdict = Verdict(0, 5, wall_ms=1.0, run_on=(6, 7, 8, 9, 10))
+
+        async def target():
+            for tokens in ([5, 6], [5, 6, 7, 8], [5, 6], [5, 6, 7, 8], [5, 1, 2, 3, 4, 0], [5, 6, 7, 8, 9, 10]):
+                parts.add(tokens)  # the second call from [5, 6] again; then a disagreeing part; then one more token
+                await asyncio.sleep(0)
+            return verdict
+
+        got = [tokens async for tokens in parts.until(target())]
+        return got, parts
+
+    got, parts = asyncio.run(scenario())
+    assert got == [[5, 6], [7, 8], [9, 10]] and parts.given == [5, 6, 7, 8, 9, 10]
+    assert parts.verdict is not None and [5, *parts.verdict.run_on] == parts.given
+
+
 def verify_then(sid: str, committed: list[int], cached: int, params: SamplingParams, drafts: list[int],
                 parents: list[int] | None, seeds: list[int], logprobs: int = -1) -> VerifyWork:
     """A verify of drafts (a chain, or a tree of candidates) after `committed` that runs on with `seeds`."""
