@@ -97,7 +97,8 @@ class Generation:
                 continue
             proposal = await self.drafter.propose(committed, hashes, limit)  # propose
             proposal, masks = self.constraint.check(proposal, p.sampling.greedy)  # (the grammar's masks)
-            parts = RoundParts(proposal.run_on_part) if proposal.run_on_part else None
+            most = len(proposal.tokens) + 1 + proposal.run_on  # the round's tokens at the most
+            parts = RoundParts(proposal.run_on_part) if 0 < proposal.run_on_part < most else None
             verifying = self.drafter.verify(self.target.verify(  # verify (the draft tier may push meanwhile)
                 committed, hashes, proposal.tokens, proposal.q, proposal.parents, masks, proposal.tree_scheme,
                 proposal.run_on, parts), proposal)

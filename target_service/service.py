@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from specdec.core.errors import check_token_ids, invalid_argument
+from specdec.core.items_until import items_until
 from specdec.core.limits import MAX_RUN_ON
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
@@ -80,13 +81,8 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
 
         answer = asyncio.ensure_future(traced(request, to_work, self.engine.submit, self.to_response))
         try:
-            while True:
-                part = asyncio.ensure_future(parts.get())
-                await asyncio.wait((part, answer), return_when=asyncio.FIRST_COMPLETED)
-                if not part.done():
-                    part.cancel()
-                    break
-                response = self.to_response(part.result())
+            async for part in items_until(parts, answer):
+                response = self.to_response(part)
                 response.partial = True
                 yield response
             yield answer.result()  # (the parts still queued are in it: dropped)

@@ -304,12 +304,17 @@ def test_run_on_stops_after_eos_and_at_the_end_of_the_context(parts):
     assert engine.chains == 1  # one chain of the 5 forwards the context has room for
 
 
+def target_only(tiny_target, **policy):
+    """A target-only pipeline whose coordinator's policy is PolicyConfig(**policy), for a fixture to yield from."""
+    cluster = Cluster(tiny_target, None, coordinator_overrides={"adaptive": PolicyConfig(**policy)})
+    yield cluster
+    cluster.close()
+
+
 @pytest.fixture(scope="module")
 def run_on_off(tiny_target):
     """A target-only pipeline whose coordinator never lets the target run on."""
-    cluster = Cluster(tiny_target, None, coordinator_overrides={"adaptive": PolicyConfig(run_on=0)})
-    yield cluster
-    cluster.close()
+    yield from target_only(tiny_target, run_on=0)
 
 
 @pytest.mark.servers
@@ -381,9 +386,7 @@ def test_a_whole_result_request_runs_on_further_and_changes_no_token(self_draft_
 @pytest.fixture(scope="module")
 def run_on_in_parts(tiny_target):
     """A target-only pipeline whose streams get their run-on in parts of 4 tokens (so it grows to run_on_whole)."""
-    cluster = Cluster(tiny_target, None, coordinator_overrides={"adaptive": PolicyConfig(run_on_part=4)})
-    yield cluster
-    cluster.close()
+    yield from target_only(tiny_target, run_on_part=4)
 
 
 @pytest.mark.servers

@@ -24,4 +24,4 @@ class Proposal:
     parents: list[int] = field(default_factory=list)  # a token tree: each node's parent (-1 = root); empty = a chain
     tree_scheme: int = 0  # a tree's target_pb2.TreeScheme (0: candidates without q, IID with q)
     run_on: int = 0  # tokens the target may decode by itself after the verdict (the ramp's; none at a request's K > 0)
-    run_on_part: int = 0  # stream the round's tokens in parts of this many as the target decodes them (0: with the verdict)
+    run_on_part: int = 0  # stream the round's tokens in parts of this many as the target decodes them, where it has more (0: with the verdict)

@@ -98,7 +98,7 @@ class Drafter:
             return self._target_only(strategies, draft_down, run_on, parts)
         proposal.fallback = draft_down and proposal.source != DRAFT_MODEL
         proposal.run_on = min(choice.run_on, max(limit - 1 - choice.k, 0))  # (drafts and run-on within the limit)
-        proposal.run_on_part = parts if len(proposal.tokens) + 1 + proposal.run_on > parts else 0
+        proposal.run_on_part = parts
         if choice.run_on:  # it runs on as this round's K = 0 would: the ramp goes on
             self._alone += 1
         elif not self.policy.probing:  # (a probe is K = 0's exploration: the run-on goes on where it was after it)
@@ -110,7 +110,7 @@ class Drafter:
         (up to the policy's cap and the budget) as such rounds follow one another, sent in parts where asked."""
         self._alone += 1
         return Proposal(strategies[0].source if strategies else DRAFT_MODEL, [], k=0, fallback=draft_down, run_on=run_on,
-                        run_on_part=parts if 1 + run_on > parts else 0)
+                        run_on_part=parts)
 
     async def verify(self, verifying: Awaitable[Verdict], proposal: Proposal) -> Verdict:
         """The target's verdict on `proposal`; its strategy may use the wait (the draft model files its pushes)."""

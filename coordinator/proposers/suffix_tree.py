@@ -413,11 +413,10 @@ def speculate(tree: SuffixTree, context, max_tokens: int, config: SuffixConfig, 
     # Longest match first: a match of m tokens proposes at most limit(m) tokens and scores at most
     # that, so stop once it cannot beat the best score (ties, to rounding, go to the longer match).
     best, best_score = SuffixDraft(), 0.0
-    shortest = max(config.min_match, 1)
     if matches is not None:
-        for m in range(len(spots), shortest - 1, -1):
+        for m in range(len(spots), config.min_match - 1, -1):
             matches.append((spots[m - 1], min(max_tokens, int(m * config.max_spec_factor + config.max_spec_offset + 1e-6))))
-    for m in range(len(spots), shortest - 1, -1):
+    for m in range(len(spots), config.min_match - 1, -1):
         limit = min(max_tokens, int(m * config.max_spec_factor + config.max_spec_offset + 1e-6))
         if limit <= best_score + 1e-9:
             break

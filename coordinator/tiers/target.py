@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from coordinator.proposers.tier_cost import TierCost
 from coordinator.stats import RoundStats
 from coordinator.tiers.session import TierSession
+from specdec.core.items_until import items_until
 from specdec.core.prefix import PrefixHashes
 from specdec.math.seeds import TARGET_STREAM, derive_seed
 from specdec.proto import common_pb2, target_pb2
@@ -48,13 +49,7 @@ class RoundParts:
         the tokens given (a retried call's replica disagreeing) yields nothing; the verdict is checked."""
         main = asyncio.ensure_future(verifying)
         try:
-            while True:
-                part = asyncio.ensure_future(self._parts.get())
-                await asyncio.wait((part, main), return_when=asyncio.FIRST_COMPLETED)
-                if not part.done():
-                    part.cancel()
-                    break
-                tokens = part.result()
+            async for tokens in items_until(self._parts, main):
                 if tokens[: len(self.given)] == self.given and len(tokens) > len(self.given):
                     new = tokens[len(self.given):]
                     self.given += new
