@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from transformers import AutoConfig, AutoTokenizer
 
-from bench.overhead import shaped_goals, shaped_model
+from bench.overhead import pair_goals, parse_args, shaped_goals, shaped_model
 from specdec.models import default_draft
 
 
@@ -31,6 +33,22 @@ def test_the_shaped_goal_is_the_rounds_time_outside_its_forwards():
     said = shaped_goals(rows)
     assert "K = 0: 0.50 ms outside the forwards a round, 5.0% of them (met)" in said
     assert "K = 2: 3.00 ms outside the forwards a round, 30.0% of them (not met)" in said
+
+
+def test_the_pair_goal_is_the_share_of_the_clients_round_outside_the_forwards():
+    rows = {0: [{"client_round": 40.0, "compute": 38.4}] * 3, 2: [{"client_round": 20.0, "compute": 17.0}]}
+    said = pair_goals(rows)
+    assert "K = 0: 1.60 ms of a 40.00 ms round outside the forwards, 4.0% (met)" in said
+    assert "K = 2: 3.00 ms of a 20.00 ms round outside the forwards, 15.0% (not met)" in said
+
+
+@pytest.mark.parametrize("other", [["--head"], ["--byte-vocab"], ["--shapes", "x"]])
+def test_the_pair_is_not_a_random_model(other):
+    from bench.overhead import main
+
+    assert parse_args(["--pair"]).pair and not parse_args([]).pair
+    with pytest.raises(SystemExit, match="--pair runs the default pair"):
+        main(["--pair", *other, "--out", ""])
 
 
 def test_the_concurrency_bench_says_who_drafted():
