@@ -226,35 +226,25 @@ def goals(results: dict[int, list[dict]]) -> str:
 
 
 PAIR_GOAL = 0.05  # issue 35: the default pair on this CPU, one client: time outside the forwards, at most this share of a round
-
-
-def pair_goals(results: dict) -> str:
-    """For --pair: each K's time outside the forwards (the client's round less the forwards' time) as a share of the
-    client's round (median over generations)."""
-    said = []
-    for k, rows in results.items():
-        outside = statistics.median(r["client_round"] - r["compute"] for r in rows)
-        share = statistics.median((r["client_round"] - r["compute"]) / max(r["client_round"], 1e-9) for r in rows)
-        said.append(f"K = {k}: {outside:.2f} ms of a {statistics.median(r['client_round'] for r in rows):.2f} ms round "
-                    f"outside the forwards, {100 * share:.1f}% ({'met' if share <= PAIR_GOAL else 'not met'})")
-    return (f"Goal (the default pair, one client, this CPU: time outside the forwards <= {100 * PAIR_GOAL:.0f}% of a "
-            "round): " + "; ".join(said) + ".")
-
-
 SHAPED_GOAL = 0.10  # issue 35: an 8B-shaped target's round outside its forwards, at most this share of them (a GPU)
 
 
-def shaped_goals(results: dict) -> str:
-    """For a --shapes model: each K's round outside its forwards (the client's round less the forwards' time), as a
-    share of the forwards (median over generations)."""
+def outside_goals(results: dict, shaped: bool = False) -> str:
+    """Each K's time outside the forwards a round (the client's round less the forwards' time; medians over
+    generations) against its goal: for --pair as a share of the client's round, for a --shapes model (shaped) as a
+    share of the forwards."""
+    goal, of = (SHAPED_GOAL, "compute") if shaped else (PAIR_GOAL, "client_round")
     said = []
     for k, rows in results.items():
-        outside = statistics.median(r["client_round"] - r["compute"] for r in rows)
-        share = statistics.median((r["client_round"] - r["compute"]) / max(r["compute"], 1e-9) for r in rows)
-        said.append(f"K = {k}: {outside:.2f} ms outside the forwards a round, {100 * share:.1f}% of them "
-                    f"({'met' if share <= SHAPED_GOAL else 'not met'})")
-    return (f"Goal (an 8B-shaped target on a GPU: a round outside its forwards <= {100 * SHAPED_GOAL:.0f}% of them): "
-            + "; ".join(said) + ".")
+        ms = statistics.median(r["client_round"] - r["compute"] for r in rows)
+        share = statistics.median((r["client_round"] - r["compute"]) / max(r[of], 1e-9) for r in rows)
+        what = (f"{ms:.2f} ms outside the forwards a round, {100 * share:.1f}% of them" if shaped else
+                f"{ms:.2f} ms of a {statistics.median(r['client_round'] for r in rows):.2f} ms round outside the "
+                f"forwards, {100 * share:.1f}%")
+        said.append(f"K = {k}: {what} ({'met' if share <= goal else 'not met'})")
+    title = (f"an 8B-shaped target on a GPU: a round outside its forwards <= {100 * goal:.0f}% of them" if shaped else
+             f"the default pair, one client, this CPU: time outside the forwards <= {100 * goal:.0f}% of a round")
+    return f"Goal ({title}): " + "; ".join(said) + "."
 
 
 def measure_pipeline(config: LocalPipelineConfig, affinity, ks: list[int], label: str, args) -> dict:
@@ -361,7 +351,7 @@ def main(argv=None) -> int:
                                                                        for part in TRACE_PARTS), "direct rounds",
                        "proposal ready at the verdict (pushed, or drafted ahead)"], trace)
     floor = grpc_floor.measure()  # after the pipeline is gone: the same cores, nothing beside it
-    said = shaped_goals(results) if args.shapes else pair_goals(results) if args.pair else goals(results)
+    said = outside_goals(results, shaped=True) if args.shapes else outside_goals(results) if args.pair else goals(results)
     lines += ["", said, "", f"gRPC's own floor on this machine (`python -m bench.grpc_floor`, measured after the "
               f"rows): a write and a read on an open stream between two processes take {floor['stream_us']:.0f} us "
               f"back to back, {floor['stream_idle_us']:.0f} us after the processes idled {grpc_floor.IDLE_S * 1e3:.0f} ms "

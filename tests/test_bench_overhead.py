@@ -8,7 +8,7 @@ import pytest
 
 from transformers import AutoConfig, AutoTokenizer
 
-from bench.overhead import pair_goals, parse_args, shaped_goals, shaped_model
+from bench.overhead import outside_goals, parse_args, shaped_model
 from specdec.models import default_draft
 
 
@@ -30,14 +30,14 @@ def test_a_shaped_model_has_the_shapes_and_the_real_tokenizer(tmp_path):
 
 def test_the_shaped_goal_is_the_rounds_time_outside_its_forwards():
     rows = {0: [{"client_round": 10.5, "compute": 10.0}] * 3, 2: [{"client_round": 13.0, "compute": 10.0}]}
-    said = shaped_goals(rows)
+    said = outside_goals(rows, shaped=True)
     assert "K = 0: 0.50 ms outside the forwards a round, 5.0% of them (met)" in said
     assert "K = 2: 3.00 ms outside the forwards a round, 30.0% of them (not met)" in said
 
 
 def test_the_pair_goal_is_the_share_of_the_clients_round_outside_the_forwards():
     rows = {0: [{"client_round": 40.0, "compute": 38.4}] * 3, 2: [{"client_round": 20.0, "compute": 17.0}]}
-    said = pair_goals(rows)
+    said = outside_goals(rows)
     assert "K = 0: 1.60 ms of a 40.00 ms round outside the forwards, 4.0% (met)" in said
     assert "K = 2: 3.00 ms of a 20.00 ms round outside the forwards, 15.0% (not met)" in said
 
