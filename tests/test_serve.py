@@ -7,6 +7,7 @@ SIGTERM stops everything with no child left behind; a crash loop makes serve giv
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from specdec.client import Client
 from specdec.serving.ports import free_port
 from tests.helpers import tier_device_args
 
@@ -52,8 +54,10 @@ def alive(pid: int) -> bool:
 
 
 class Serve:
-    def __init__(self, tmp_path: Path, *args: str) -> None:
-        self.http_port, self.port = free_port(), free_port()
+    """specdec serve as a user starts it; with any_ports its ports are 0 (any free ones), read off its ready line."""
+
+    def __init__(self, tmp_path: Path, *args: str, any_ports: bool = False) -> None:
+        self.http_port, self.port = (0, 0) if any_ports else (free_port(), free_port())
         self.log_path = tmp_path / "serve.log"
         self.log = open(self.log_path, "w")
         device = tier_device_args()
@@ -69,8 +73,11 @@ class Serve:
         while True:
             assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}:\n{self.output()}"
             self.children.update(children(self.proc.pid))
+            ready = re.search(r"ready: OpenAI API at (http://[\d.]+:(\d+))/v1 .*gRPC at [\d.]+:(\d+)", self.output())
+            if ready and not self.port:  # ports given as 0: the ones serve chose, as it names them
+                self.url, self.http_port, self.port = ready[1], int(ready[2]), int(ready[3])
             try:  # healthy, and serve has said so (it says "ready" once its start-up checks return)
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and "ready:" in self.output():
+                if ready and httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.children.update(children(self.proc.pid))
                     return
             except httpx.HTTPError:
@@ -97,8 +104,8 @@ class Serve:
 def serve_factory(tmp_path):
     started = []
 
-    def start(*args: str) -> Serve:
-        s = Serve(tmp_path, *args)
+    def start(*args: str, any_ports: bool = False) -> Serve:
+        s = Serve(tmp_path, *args, any_ports=any_ports)
         started.append(s)
         s.wait_ready()
         return s
@@ -113,7 +120,11 @@ def child_name(cmd: str) -> str:
 
 
 def test_serve_answers_restarts_and_stops_cleanly(serve_factory, tiny_target):
-    s = serve_factory("--target-model", tiny_target, "--draft-model", tiny_target, "--served-model-name", "smollm2")
+    s = serve_factory("--target-model", tiny_target, "--draft-model", tiny_target, "--served-model-name", "smollm2",
+                      any_ports=True)  # --port 0 --http-port 0: the ready line names the ports chosen
+    assert 0 not in (s.port, s.http_port) and s.port != s.http_port
+    with Client(f"127.0.0.1:{s.port}") as grpc_client:  # the gRPC API on the port the ready line names
+        assert grpc_client.info()["target"]["model"]
     assert sorted(child_name(cmd) for cmd in s.children.values()) == ["coordinator", "draft_service", "target_service"]
     oai = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 

@@ -32,7 +32,7 @@ import socket
 import sys
 import time
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdec.client.local import LocalPipeline, LocalPipelineConfig, sharing
 from specdec.core.settings import Settings, setting
@@ -62,9 +62,9 @@ class ServeConfig:
     draft_dtype: str = setting("float32", choices=DTYPES)  # the draft's dtype
     threads: int = 0  # torch threads per tier (0 = torch's default)
     host: str = "127.0.0.1"  # where the coordinator listens (0.0.0.0: every interface)
-    port: int = 50051  # the gRPC API's port
-    http_port: int = 8000  # the OpenAI-compatible API's port
-    metrics_port: int | None = None  # the coordinator's Prometheus /metrics port (default: none)
+    port: int = 50051  # the gRPC API's port (0: a free one, named in the ready line)
+    http_port: int = 8000  # the OpenAI-compatible API's port (0: a free one, named in the ready line)
+    metrics_port: int | None = None  # the coordinator's Prometheus /metrics port (default: none; 0: a free one)
     served_model_name: str | None = None  # the model's id in the OpenAI API and the metrics (default: derived from --target-model)
     target_args: str = ""  # more flags for python -m target_service, one string (e.g. "--max-batch-sessions 8")
     draft_args: str = ""  # more flags for python -m draft_service, one string
@@ -103,7 +103,7 @@ def pipeline_config(args: ServeConfig) -> LocalPipelineConfig:
 
 
 def cmd_serve(namespace: argparse.Namespace) -> int:
-    args = settings().load(namespace)["serve"]
+    args = with_free_ports(settings().load(namespace)["serve"])
     config = pipeline_config(args)
     name = args.served_model_name or served_model_name(args.target_model)
 
@@ -120,8 +120,9 @@ def cmd_serve(namespace: argparse.Namespace) -> int:
         say(f"starting target ({config.target_model}), draft ({config.draft_model or 'none: target-only'}) "
             f"and coordinator...")
         pipeline.start()
+        metrics = f", metrics at http://{args.host}:{args.metrics_port}/metrics" if args.metrics_port is not None else ""
         say(f"ready: OpenAI API at http://{args.host}:{args.http_port}/v1 (model {name!r}), "
-            f"gRPC at {args.host}:{args.port}; SIGTERM or Ctrl-C stops")
+            f"gRPC at {args.host}:{args.port}{metrics}; SIGTERM or Ctrl-C stops")
         supervisor = Supervisor(pipeline, health_timeout_s=args.health_timeout_s)
         while supervisor.tick():
             time.sleep(POLL_S)
@@ -142,6 +143,23 @@ def cmd_serve(namespace: argparse.Namespace) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def with_free_ports(args: ServeConfig) -> ServeConfig:
+    """args with each port given as 0 replaced by one free on args.host now (as the local runner picks the tiers'),
+    so that the ready line can name it and the three APIs never share one."""
+    def free(port: int | None, taken: set[int]) -> int | None:
+        while port == 0:
+            with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
+                sock.bind((args.host, 0))
+                candidate = sock.getsockname()[1]
+            port = 0 if candidate in taken else candidate
+        return port
+
+    taken = {p for p in (args.port, args.http_port, args.metrics_port) if p}
+    port = free(args.port, taken)
+    http_port = free(args.http_port, taken | {port})
+    return replace(args, port=port, http_port=http_port, metrics_port=free(args.metrics_port, taken | {port, http_port}))
 
 
 def port_clash(host: str, ports: list[int]) -> str | None:
