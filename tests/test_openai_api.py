@@ -140,8 +140,8 @@ def test_more_bad_requests(cluster, oai, model):
         oai.completions.create(model=model, prompt="hi", extra_body={"num_speculative_tokens": 99})
     with pytest.raises(openai.BadRequestError, match="role"):
         oai.chat.completions.create(model=model, messages=[{"role": "function", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="batch"):
-        oai.completions.create(model=model, prompt=["a", "b"])
+    with pytest.raises(openai.BadRequestError, match="a batch of 9 prompts x n = 2 is 18 generations; at most 16"):
+        oai.completions.create(model=model, prompt=["a"] * 9, n=2)
     with pytest.raises(openai.NotFoundError) as e:
         oai.completions.create(model="gpt-4o", prompt="hi")
     assert e.value.body["code"] == "model_not_found"
@@ -149,6 +149,33 @@ def test_more_bad_requests(cluster, oai, model):
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(cluster.http_url + "/v1/nothing-here", json={})
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_a_batch_of_prompts_gets_each_prompts_own_choices(cluster, oai, model):
+    texts = [PROMPT, "The capital of France is"]
+    refs = [grpc_generate(cluster, prompt=p, max_new_tokens=6, ignore_eos=True) for p in texts]
+    r = oai.completions.create(model=model, prompt=texts, max_tokens=6, n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]  # OpenAI's numbering: prompt by prompt, n each
+    assert [c.text for c in r.choices] == [refs[0].text] * 2 + [refs[1].text] * 2  # greedy: each as it alone gets
+    assert r.usage.prompt_tokens == sum(ref.stats["prompt_tokens"] for ref in refs)  # each prompt once
+    assert r.usage.completion_tokens == 24
+
+    # token arrays, streamed with usage: each index's deltas are its prompt's text
+    ids = [[1, 9690, 198, 2683, 359], [1, 4093, 198, 504]]
+    refs = [grpc_generate(cluster, token_ids=p, max_new_tokens=5, ignore_eos=True) for p in ids]
+    chunks = list(oai.completions.create(model=model, prompt=ids, max_tokens=5, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            text[choice.index] += choice.text
+    assert text == {0: refs[0].text, 1: refs[1].text}
+    assert chunks[-1].usage.prompt_tokens == 9 and chunks[-1].usage.completion_tokens == 10
+
+    # sampled with a seed and a fixed K: a prompt in a batch draws what it draws alone
+    kw = {"max_tokens": 8, "temperature": 1.0, "seed": 5, "extra_body": {"ignore_eos": True, "num_speculative_tokens": 2}}
+    alone = oai.completions.create(model=model, prompt=texts[1], **kw).choices[0].text
+    assert oai.completions.create(model=model, prompt=texts, **kw).choices[1].text == alone
 
 
 def test_client_disconnect_mid_stream_frees_sessions_on_both_tiers(cluster, model):

@@ -208,7 +208,7 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{frontend.model_name}`",
                        param="model", code="model_not_found")
     try:
-        greqs = body.to_generate_requests()  # one per choice (n)
+        greqs = body.to_generate_requests()  # one per choice (n per prompt)
     except BadRequest as e:
         raise ApiError(400, str(e), param=e.param, code="invalid_argument") from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -226,7 +226,7 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
     tools = body.tool_use() if chat else None
     reply = Reply(rid, frontend.model_name, chat, frontend.pipeline.tokenizer, logprobs=greqs[0].logprobs,
                   max_context=frontend.pipeline.target_info.max_context,
-                  tools=tools if tools is not None and tools.active else None)
+                  tools=tools if tools is not None and tools.active else None, per_prompt=body.n)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(reply.stream(len(greqs), events, usage, request.scope, STREAM_ERROR, _stream_error))

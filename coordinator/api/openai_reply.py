@@ -42,13 +42,14 @@ class Reply:
     """OpenAI response objects for one request: chat.completion(.chunk) or text_completion."""
 
     def __init__(self, rid: str, model: str, chat: bool, tokenizer, logprobs: bool = False,
-                 max_context: int = 0, tools: ToolUse | None = None) -> None:
-        """logprobs: the request asked for them (each choice then carries a logprobs object); max_context:
+                 max_context: int = 0, tools: ToolUse | None = None, per_prompt: int = 1) -> None:
+        """per_prompt: choices per prompt (n; a batch of prompts numbers its choices prompt by prompt);
+        logprobs: the request asked for them (each choice then carries a logprobs object); max_context:
         the target's context (prompt + generated tokens), for the message of a generation it ended; tools:
         the request's tools (coordinator.api.openai_tools): an answer that is a call becomes tool_calls, and
         a stream holds each choice's text back until its end, when it is known whether it is a call."""
         self.rid, self.model, self.chat = rid, model, chat
-        self.tools = tools
+        self.tools, self.per_prompt = tools, per_prompt
         self.max_context = max_context
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.created = int(time.time())
@@ -58,11 +59,11 @@ class Reply:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
 
-    @staticmethod
-    def usage(results: Sequence[generate_pb2.GenerationResult]) -> dict:
-        """The prompt counted once, the completions of every choice summed (OpenAI's n > 1 usage)."""
-        prompt = results[0].stats.prompt_tokens
-        completion = sum(r.stats.generated_tokens for r in results)
+    def usage(self, results: dict[int, generate_pb2.GenerationResult]) -> dict:
+        """Choice index -> result: each prompt counted once (its n choices share it; a batch's prompts summed),
+        the completions of every choice summed (OpenAI's usage)."""
+        prompt = sum(r.stats.prompt_tokens for i, r in results.items() if i % self.per_prompt == 0)
+        completion = sum(r.stats.generated_tokens for r in results.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # --- logprobs ---------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ class Reply:
             text = "".join(c.text)
             out.append(self._final(i, text, c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs),
                                    calls=self._calls(text)))
-        return {**self._envelope(False), "choices": out, "usage": self.usage([c.result for c in choices])}
+        return {**self._envelope(False), "choices": out, "usage": self.usage({i: c.result for i, c in enumerate(choices)})}
 
     async def stream(self, n: int, events: AsyncIterator[Indexed], include_usage: bool, scope: dict,
                      error_key: str, on_error) -> AsyncIterator[str]:
@@ -148,7 +149,7 @@ class Reply:
         RequestError inside the stream becomes one error event (on_error(e) -> (status, body)); its status
         is left in scope[error_key] for the metrics."""
         extra = {"usage": None} if include_usage else {}
-        results: list[generate_pb2.GenerationResult] = []
+        results: dict[int, generate_pb2.GenerationResult] = {}
         try:
             if self.chat:  # OpenAI's first chunk of each choice announces the role
                 for i in range(n):
@@ -164,7 +165,7 @@ class Reply:
                         choice = self._choice(i, c.text, None, True, logprobs=self._logprobs(i, c.logprobs))
                         yield sse({**self._envelope(True), "choices": [choice], **extra})
                 else:
-                    results.append(event.result)
+                    results[i] = event.result
                     calls = None
                     if self.tools is not None:
                         h = held.pop(i, Choice())

@@ -26,7 +26,7 @@ from specdec.proto import generate_pb2
 ProposerName = Literal[NAMES]  # every name and alias the gRPC API accepts
 # OpenAI's newer "developer" role is the system prompt of older models.
 ROLE_ALIASES = {"developer": "system"}
-MAX_N = 16  # choices per request (each a generation: a session on both tiers)
+MAX_N = 16  # generations per request, choices x prompts (each a session on both tiers)
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs (the gRPC API's too)
 
 
@@ -208,14 +208,22 @@ def _response_format(fmt: dict[str, Any] | None, req: generate_pb2.GenerateReque
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or a batch (texts or token ids)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch's in order (OpenAI's array of strings or of token arrays)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]  # an empty list is refused below as an empty prompt
+        return list(prompt)
+
     def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
-        """One GenerateRequest per choice."""
+        """One GenerateRequest per choice: n per prompt, prompt by prompt (choice index = prompt index * n + i, as
+        OpenAI numbers a batch's choices; each prompt's choices are what the prompt alone would get)."""
         self._check_common()
         if self.echo:
             raise BadRequest("echo is not supported", "echo")
@@ -225,20 +233,22 @@ class CompletionRequest(_Common):
             raise BadRequest("best_of: only 1 is supported", "best_of")
         if self.suffix:
             raise BadRequest("suffix is not supported", "suffix")
-        req = generate_pb2.GenerateRequest()
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise BadRequest(f"prompt: one prompt per request (n=1), got a batch of {len(prompt)}", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.SetInParent()
-            try:
-                req.token_ids.ids.extend(prompt)
-            except (ValueError, TypeError):
-                raise BadRequest("prompt: token ids must be 32-bit integers", "prompt") from None
-        if self.logprobs is not None:  # OpenAI's completions: the number of alternatives, 0 = the chosen token only
-            req.logprobs, req.top_logprobs = True, self.logprobs
-        return self._per_choice(self._fill(req, self.max_tokens))
+        prompts = self.prompts()
+        if len(prompts) * self.n > MAX_N:
+            raise BadRequest(f"prompt: a batch of {len(prompts)} prompts x n = {self.n} is {len(prompts) * self.n} "
+                             f"generations; at most {MAX_N} a request", "prompt")
+        reqs = []
+        for prompt in prompts:
+            req = generate_pb2.GenerateRequest()
+            if isinstance(prompt, str):
+                req.text = prompt
+            else:
+                req.token_ids.SetInParent()
+                try:
+                    req.token_ids.ids.extend(prompt)
+                except (ValueError, TypeError):
+                    raise BadRequest("prompt: token ids must be 32-bit integers", "prompt") from None
+            if self.logprobs is not None:  # OpenAI's completions: the number of alternatives, 0 = the chosen token only
+                req.logprobs, req.top_logprobs = True, self.logprobs
+            reqs += self._per_choice(self._fill(req, self.max_tokens))
+        return reqs
