@@ -67,7 +67,8 @@ prometheus:
 #  bench.self_draft   the target's own bfloat16 / float16 / int8 copies as drafts (~2 min), then the float16
 #                     copy as the draft end to end (bench.run, separate cores, open workload, 128 tokens; ~2 min)
 #  bench.replicas     1 vs 2 target replicas under the same load (~4 min; BENCH_REPLICAS_ARGS=--help)
-#  bench.overhead     per-round gRPC + coordinator time on a tiny model (~1 min; OVERHEAD_ARGS=--help)
+#  bench.overhead     per-round gRPC + coordinator time on a tiny model, then on the default pair against its
+#                     goal, <= 5% of a round outside the forwards (~2 min; OVERHEAD_ARGS, OVERHEAD_PAIR_ARGS=--help)
 #  bench.step_cost    forward time against tokens scored and batch size per step mode, the memory-bandwidth
 #                     floor, the K = 0 loop vs HF generate eager and compiled (~10 min; STEP_COST_ARGS=--help)
 #  bench.exactness    argmax flips between forward shapes and step modes (~6 min; EXACTNESS_ARGS=--help)
@@ -93,6 +94,7 @@ bench: setup
 	$(PY) -m bench.quant_formats $(QUANT_FORMATS_ARGS)
 	$(PY) -m bench.exactness --dtypes float32 --tokens 64 --prompts 6 $(EXACTNESS_ARGS)
 	$(PY) -m bench.overhead --own-rounds $(OVERHEAD_ARGS)
+	$(PY) -m bench.overhead --pair --ks 0,2 --generations 6 $(OVERHEAD_PAIR_ARGS)
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.concurrency $(CONCURRENCY_ARGS)
 	$(PY) -m bench.self_draft $(SELF_DRAFT_ARGS)
