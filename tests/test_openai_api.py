@@ -178,6 +178,24 @@ def test_a_batch_of_prompts_gets_each_prompts_own_choices(cluster, oai, model):
     assert oai.completions.create(model=model, prompt=texts, **kw).choices[1].text == alone
 
 
+def test_echo_puts_each_prompt_before_its_completion(cluster, oai, model):
+    """echo (OpenAI's completions): the prompt, then the completion, whole or streamed; token ids echoed as their
+    text; with logprobs refused (the prompt's own logprobs are not computed)."""
+    kw = {"max_tokens": 6, "extra_body": {"ignore_eos": True}}
+    plain = oai.completions.create(model=model, prompt=PROMPT, **kw).choices[0].text
+    assert oai.completions.create(model=model, prompt=PROMPT, echo=True, **kw).choices[0].text == PROMPT + plain
+    chunks = list(oai.completions.create(model=model, prompt=PROMPT, echo=True, stream=True, **kw))
+    assert chunks[0].choices[0].text == PROMPT and "".join(c.choices[0].text for c in chunks) == PROMPT + plain
+    ids = [1, 9690, 198, 2683, 359]
+    with Client(cluster.address) as client:
+        ref = client.generate(token_ids=ids, max_new_tokens=6, ignore_eos=True)
+    text = cluster.pipeline.tokenizer.decode(ids)
+    r = oai.completions.create(model=model, prompt=[ids, ids], n=1, echo=True, **kw)
+    assert [c.text for c in r.choices] == [text + ref.text] * 2
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        oai.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=1, **kw)
+
+
 def test_client_disconnect_mid_stream_frees_sessions_on_both_tiers(cluster, model):
     before = scrape(cluster.metrics_url)
     body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,

@@ -42,14 +42,16 @@ class Reply:
     """OpenAI response objects for one request: chat.completion(.chunk) or text_completion."""
 
     def __init__(self, rid: str, model: str, chat: bool, tokenizer, logprobs: bool = False,
-                 max_context: int = 0, tools: ToolUse | None = None, per_prompt: int = 1) -> None:
-        """per_prompt: choices per prompt (n; a batch of prompts numbers its choices prompt by prompt);
+                 max_context: int = 0, tools: ToolUse | None = None, per_prompt: int = 1,
+                 echoed: dict[int, str] | None = None) -> None:
+        """per_prompt: choices per prompt (n; a batch of prompts numbers its choices prompt by prompt); echoed:
+        completions' echo, each choice's prompt text, sent before its completion (whole: prepended);
         logprobs: the request asked for them (each choice then carries a logprobs object); max_context:
         the target's context (prompt + generated tokens), for the message of a generation it ended; tools:
         the request's tools (coordinator.api.openai_tools): an answer that is a call becomes tool_calls, and
         a stream holds each choice's text back until its end, when it is known whether it is a call."""
         self.rid, self.model, self.chat = rid, model, chat
-        self.tools, self.per_prompt = tools, per_prompt
+        self.tools, self.per_prompt, self.echoed = tools, per_prompt, echoed or {}
         self.max_context = max_context
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.created = int(time.time())
@@ -138,7 +140,7 @@ class Reply:
     def whole(self, choices: Sequence[Choice]) -> dict:
         out = []
         for i, c in enumerate(choices):
-            text = "".join(c.text)
+            text = self.echoed.get(i, "") + "".join(c.text)
             out.append(self._final(i, text, c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs),
                                    calls=self._calls(text)))
         return {**self._envelope(False), "choices": out, "usage": self.usage({i: c.result for i, c in enumerate(choices)})}
@@ -154,6 +156,8 @@ class Reply:
             if self.chat:  # OpenAI's first chunk of each choice announces the role
                 for i in range(n):
                     yield sse({**self._envelope(True), "choices": [self._choice(i, "", None, True, role=True)], **extra})
+            for i, prompt in self.echoed.items():  # completions' echo: each choice's prompt first
+                yield sse({**self._envelope(True), "choices": [self._choice(i, prompt, None, True)], **extra})
             held: dict[int, Choice] = {}  # with tools: each choice's text and logprobs until its end
             async for i, event in events:
                 if event.HasField("chunk"):

@@ -214,6 +214,14 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    def echoed(self, tokenizer) -> dict[int, str]:
+        """With echo: each choice's prompt as text, which its completion follows (a text prompt as given, token
+        ids decoded as they are); without: none."""
+        if not self.echo:
+            return {}
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in self.prompts()]
+        return {i: texts[i // self.n] for i in range(len(texts) * self.n)}
+
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch's in order (OpenAI's array of strings or of token arrays)."""
         prompt = self.prompt
@@ -225,8 +233,8 @@ class CompletionRequest(_Common):
         """One GenerateRequest per choice: n per prompt, prompt by prompt (choice index = prompt index * n + i, as
         OpenAI numbers a batch's choices; each prompt's choices are what the prompt alone would get)."""
         self._check_common()
-        if self.echo:
-            raise BadRequest("echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise BadRequest("echo with logprobs is not supported: the prompt's own logprobs are not computed", "echo")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.best_of not in (None, 1):
