@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from specdec.client.local import LocalPipeline, LocalPipelineConfig, sharing
 from specdec.core.settings import Settings, setting
 from specdec.models import DTYPES, default_draft, default_target, served_model_name
+from specdec.serving.ports import free_port
 
 POLL_S = 0.2  # how often serve looks at its children
 MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before serve gives up (exit 1)
@@ -146,20 +147,19 @@ def cmd_serve(namespace: argparse.Namespace) -> int:
 
 
 def with_free_ports(args: ServeConfig) -> ServeConfig:
-    """args with each port given as 0 replaced by one free on args.host now (as the local runner picks the tiers'),
-    so that the ready line can name it and the three APIs never share one."""
-    def free(port: int | None, taken: set[int]) -> int | None:
-        while port == 0:
-            with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
-                sock.bind((args.host, 0))
-                candidate = sock.getsockname()[1]
-            port = 0 if candidate in taken else candidate
+    """args with each port given as 0 replaced by one free on args.host now (free_port, as the local runner picks
+    the tiers'), so that the ready line can name it and the three APIs never share one."""
+    chosen = {p for p in (args.port, args.http_port, args.metrics_port) if p}
+
+    def free(port: int | None) -> int | None:
+        if port != 0:
+            return port
+        while (port := free_port((args.host,))) in chosen:
+            pass
+        chosen.add(port)
         return port
 
-    taken = {p for p in (args.port, args.http_port, args.metrics_port) if p}
-    port = free(args.port, taken)
-    http_port = free(args.http_port, taken | {port})
-    return replace(args, port=port, http_port=http_port, metrics_port=free(args.metrics_port, taken | {port, http_port}))
+    return replace(args, port=free(args.port), http_port=free(args.http_port), metrics_port=free(args.metrics_port))
 
 
 def port_clash(host: str, ports: list[int]) -> str | None:
