@@ -187,8 +187,7 @@ def test_echo_puts_each_prompt_before_its_completion(cluster, oai, model):
     chunks = list(oai.completions.create(model=model, prompt=PROMPT, echo=True, stream=True, **kw))
     assert chunks[0].choices[0].text == PROMPT and "".join(c.choices[0].text for c in chunks) == PROMPT + plain
     ids = [1, 9690, 198, 2683, 359]
-    with Client(cluster.address) as client:
-        ref = client.generate(token_ids=ids, max_new_tokens=6, ignore_eos=True)
+    ref = grpc_generate(cluster, token_ids=ids, max_new_tokens=6, ignore_eos=True)
     text = cluster.pipeline.tokenizer.decode(ids)
     r = oai.completions.create(model=model, prompt=[ids, ids], n=1, echo=True, **kw)
     assert [c.text for c in r.choices] == [text + ref.text] * 2

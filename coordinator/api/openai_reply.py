@@ -43,15 +43,15 @@ class Reply:
 
     def __init__(self, rid: str, model: str, chat: bool, tokenizer, logprobs: bool = False,
                  max_context: int = 0, tools: ToolUse | None = None, per_prompt: int = 1,
-                 echoed: dict[int, str] | None = None) -> None:
+                 echoed: Sequence[str] = ()) -> None:
         """per_prompt: choices per prompt (n; a batch of prompts numbers its choices prompt by prompt); echoed:
-        completions' echo, each choice's prompt text, sent before its completion (whole: prepended);
+        completions' echo, each prompt's text, sent before its choices' completions (whole: prepended);
         logprobs: the request asked for them (each choice then carries a logprobs object); max_context:
         the target's context (prompt + generated tokens), for the message of a generation it ended; tools:
         the request's tools (coordinator.api.openai_tools): an answer that is a call becomes tool_calls, and
         a stream holds each choice's text back until its end, when it is known whether it is a call."""
         self.rid, self.model, self.chat = rid, model, chat
-        self.tools, self.per_prompt, self.echoed = tools, per_prompt, echoed or {}
+        self.tools, self.per_prompt, self.echoed = tools, per_prompt, list(echoed)
         self.max_context = max_context
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.created = int(time.time())
@@ -67,6 +67,10 @@ class Reply:
         prompt = sum(r.stats.prompt_tokens for i, r in results.items() if i % self.per_prompt == 0)
         completion = sum(r.stats.generated_tokens for r in results.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _echo(self, index: int) -> str:
+        """Choice `index`'s echoed prompt ("" without echo)."""
+        return self.echoed[index // self.per_prompt] if self.echoed else ""
 
     # --- logprobs ---------------------------------------------------------------------------------
 
@@ -140,7 +144,7 @@ class Reply:
     def whole(self, choices: Sequence[Choice]) -> dict:
         out = []
         for i, c in enumerate(choices):
-            text = self.echoed.get(i, "") + "".join(c.text)
+            text = self._echo(i) + "".join(c.text)
             out.append(self._final(i, text, c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs),
                                    calls=self._calls(text)))
         return {**self._envelope(False), "choices": out, "usage": self.usage({i: c.result for i, c in enumerate(choices)})}
@@ -156,8 +160,8 @@ class Reply:
             if self.chat:  # OpenAI's first chunk of each choice announces the role
                 for i in range(n):
                     yield sse({**self._envelope(True), "choices": [self._choice(i, "", None, True, role=True)], **extra})
-            for i, prompt in self.echoed.items():  # completions' echo: each choice's prompt first
-                yield sse({**self._envelope(True), "choices": [self._choice(i, prompt, None, True)], **extra})
+            for i in range(n if self.echoed else 0):  # completions' echo: each choice's prompt first
+                yield sse({**self._envelope(True), "choices": [self._choice(i, self._echo(i), None, True)], **extra})
             held: dict[int, Choice] = {}  # with tools: each choice's text and logprobs until its end
             async for i, event in events:
                 if event.HasField("chunk"):

@@ -214,13 +214,10 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    def echoed(self, tokenizer) -> dict[int, str]:
-        """With echo: each choice's prompt as text, which its completion follows (a text prompt as given, token
-        ids decoded as they are); without: none."""
-        if not self.echo:
-            return {}
-        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in self.prompts()]
-        return {i: texts[i // self.n] for i in range(len(texts) * self.n)}
+    def echoed(self, tokenizer) -> list[str]:
+        """With echo: each prompt as text, which its choices' completions follow (a text prompt as given, token ids
+        decoded as they are); without: none."""
+        return [p if isinstance(p, str) else tokenizer.decode(p) for p in self.prompts()] if self.echo else []
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch's in order (OpenAI's array of strings or of token arrays)."""
