@@ -286,15 +286,20 @@ def main(argv=None) -> int:
     if args.pair:
         from specdec.models import default_draft, default_target
 
-        model, pair_draft = default_target(), default_draft()
-        what = f"the default pair (target {Path(model).name}, draft {Path(pair_draft).name})"
-    elif args.shapes:
-        model, what = shaped_model(work / "model", args.shapes, args.shapes_dtype)
+        model, draft = default_target(), default_draft()
+        what = f"the default pair (target {Path(model).name}, draft {Path(draft).name}), "
     else:
-        model = random_model(work / "model", hidden, layers, args.byte_vocab)
-        what = (f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2; " +
-                ("a byte-level tokenizer of 259 tokens" if args.byte_vocab else "the real tokenizer, 49,152 tokens") + ")")
-    draft = head_for(model, work / "head") if args.head else pair_draft if args.pair else model
+        if args.shapes:
+            model, what = shaped_model(work / "model", args.shapes, args.shapes_dtype)
+        else:
+            model = random_model(work / "model", hidden, layers, args.byte_vocab)
+            what = (f"A random model (hidden {hidden}, {layers} layers; the tests' tiny model at 64,2; " +
+                    ("a byte-level tokenizer of 259 tokens" if args.byte_vocab else "the real tokenizer, 49,152 tokens") + ")")
+        draft = head_for(model, work / "head") if args.head else model  # (--pair takes no --head)
+        what += " as target and " + (
+            "an EAGLE-3 head for it as the draft (specdec.engine.eagle3.echo_head: the target's rows of 3 x "
+            f"{hidden} bfloat16 numbers, {6 * hidden} bytes, cross the wire for each committed position), "
+            if args.head else "as its own draft (every draft accepted), ")
     results: dict = {}  # K (or "K (own rounds)") -> one row a generation
     loop = ["--event-loop", args.event_loop] if args.event_loop else []
     place = PLACEMENTS[args.placement]
@@ -316,10 +321,7 @@ def main(argv=None) -> int:
     lines = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: per-round overhead", "",
              f"Command: `{shlex.join(['python', '-m', 'bench.overhead', *(argv if argv is not None else sys.argv[1:])])}`",
              "",
-             what[0].upper() + what[1:] + (", " if args.pair else " as target and ") + (
-                 "" if args.pair else "an EAGLE-3 head for it as the draft (specdec.engine.eagle3.echo_head: the target's rows of 3 x "
-                 f"{hidden} bfloat16 numbers, {6 * hidden} bytes, cross the wire for each committed position), "
-                 if args.head else "as its own draft (every draft accepted), ") + "three processes on "
+             what[0].upper() + what[1:] + "three processes on "
              f"loopback" + (" (the target on CPU 0, the draft and the coordinator on CPU 1, one thread a tier)"
                             if args.placement == "separate" else "") + f", temperature {args.temperature:g}, {args.generations} generations of {args.max_new_tokens} tokens per K; per round, median over "
              "generations (ms):", ""]
