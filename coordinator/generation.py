@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 import grpc
@@ -39,6 +39,8 @@ class Target(Protocol):
     async def verify(self, committed: list[int], hashes: PrefixHashes, drafts: list[int],
                      q: list[common_pb2.DraftDistribution], parents: list[int] = (), masks: list[bytes] = (),
                      tree_scheme: int = 0, run_on: int = 0, parts: RoundParts | None = None) -> Verdict: ...
+
+    async def score(self, prompt: list[int], hashes: PrefixHashes, top: int) -> Sequence: ...
 
     async def close(self) -> None: ...
 
@@ -68,6 +70,8 @@ class Generation:
         committed = list(p.prompt_ids)
         hashes = PrefixHashes(committed)
         await self.drafter.start()
+        if p.prompt_logprobs >= 0:  # the prompt scored first: one target call over it, which leaves it cached
+            yield out.prompt_event(p.prompt_ids, await self.target.score(committed, hashes, p.prompt_logprobs))
         while not out.finished:
             stats.begin_round()
             limit = min(out.remaining, self.max_context - len(committed))  # tokens this round may commit

@@ -24,7 +24,7 @@ class Output:
         self.text = ""  # the output's text so far (cut at a stop string)
         self.streamed = 0  # characters of it already streamed
         self.generated = 0  # tokens committed
-        self.finish = UNFINISHED
+        self.finish = UNFINISHED if max_new_tokens > 0 else FinishReason.FINISH_REASON_LENGTH  # (0: the prompt scored only)
 
     @property
     def finished(self) -> bool:
@@ -71,11 +71,15 @@ class Output:
         upto = len(self.text) if self.finished else self.stop.safe_len(self.text)
         delta = self.text[self.streamed:upto] if upto > self.streamed else ""
         self.streamed = max(self.streamed, upto)
-        reported = [generate_pb2.TokenLogprob(
-            token_id=t.token_id, logprob=t.logprob,
-            top_logprobs=[generate_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(t.top_token_ids, t.top_logprobs)])
-            for t in logprobs]
-        return generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(token_ids=chunk, text=delta, logprobs=reported))
+        return generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(token_ids=chunk, text=delta,
+                                                                          logprobs=_reported(logprobs)))
+
+    @staticmethod
+    def prompt_event(prompt_ids: Sequence[int], scores: Sequence) -> generate_pb2.GenerateResponse:
+        """The prompt's scores (target_pb2.TokenLogprobs, one per prompt token after the first) as the stream's first
+        message."""
+        return generate_pb2.GenerateResponse(prompt_logprobs=generate_pb2.PromptLogprobs(
+            token_ids=prompt_ids, logprobs=_reported(scores)))
 
     def tail(self) -> generate_pb2.GenerateResponse | None:
         """Text held back until the end, if any."""
@@ -83,3 +87,11 @@ class Output:
             return None
         text, self.streamed = self.text[self.streamed:], len(self.text)
         return generate_pb2.GenerateResponse(chunk=generate_pb2.TokenChunk(text=text))
+
+
+def _reported(logprobs: Sequence) -> list[generate_pb2.TokenLogprob]:
+    """The target's TokenLogprobs as the public API's."""
+    return [generate_pb2.TokenLogprob(
+        token_id=t.token_id, logprob=t.logprob,
+        top_logprobs=[generate_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(t.top_token_ids, t.top_logprobs)])
+        for t in logprobs]

@@ -31,6 +31,7 @@ class GenerationParams:
     grammar: Any = None  # response_format compiled (a coordinator.constraint.Grammar); set with it
     tree_nodes: int | None = None  # N, each round's token-tree node budget (0: chains); None = the server's defaults
     whole_result: bool = False  # the caller reads only the final result: rounds may run on further (PolicyConfig)
+    prompt_logprobs: int = -1  # -1: none; n >= 0: the prompt scored first, each token's logprob and the top n alternatives
 
     @property
     def reproducible(self) -> bool:

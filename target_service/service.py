@@ -15,7 +15,7 @@ from specdec.core.limits import MAX_RUN_ON
 from specdec.engine.config import TierConfig
 from specdec.engine.engine import Engine
 from specdec.engine.eagle3_features import to_bytes
-from specdec.engine.verify import MAX_FEATURE_LAYERS, MAX_TOP_LOGPROBS, VerifyResult, VerifyWork
+from specdec.engine.verify import MAX_FEATURE_LAYERS, MAX_TOP_LOGPROBS, TokenLogprobs, VerifyResult, VerifyWork
 from specdec.proto import target_pb2, target_pb2_grpc
 from specdec.serving import draft_probs, sampling_params, token_masks
 from specdec.serving.token_tree import tree_of
@@ -97,9 +97,11 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         check_context(engine, request.context, extra_tokens=k)
         check_token_ids(request.draft_tokens, engine.vocab_size, "draft_tokens")
         q = draft_probs.decode(request.q, k, engine.vocab_size)
-        if request.logprobs and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        if (request.logprobs or request.prompt_logprobs) and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise invalid_argument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         ctx = request.context
+        if request.prompt_logprobs:
+            check_prompt_logprobs(request, self.max_feature_bytes)
         params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
                                                      ctx.prefix_len + len(ctx.new_tokens))
         parents, scheme = tree_of(request, q is not None, params.greedy, engine)
@@ -119,7 +121,8 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                  list(request.draft_tokens), q, params, request.seed, prompt_len=prompt_len,
                                  logprobs=request.top_logprobs if request.logprobs else -1, parents=parents,
                                  scheme=scheme, allowed=allowed, feature_layers=layers,
-                                 run_on_seeds=list(request.run_on_seeds), run_on_part=request.run_on_part)
+                                 run_on_seeds=list(request.run_on_seeds), run_on_part=request.run_on_part,
+                                 prompt_logprobs=request.top_logprobs if request.prompt_logprobs else -1)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:
@@ -129,9 +132,24 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                          prefix_reused=r.reused, accepted_path=r.path if r.tree else (),
                                          features=to_bytes(r.features) if r.features is not None else b"",
                                          features_start=r.features_start, run_on_tokens=r.run_on, step_id=r.step_id,
-                                         logprobs=[target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
-                                                                            top_token_ids=t.top_ids, top_logprobs=t.top_logprobs)
-                                                   for t in r.logprobs])
+                                         logprobs=wire_logprobs(r.logprobs),
+                                         prompt_logprobs=wire_logprobs(r.prompt_logprobs))
+
+
+def wire_logprobs(items: list[TokenLogprobs]) -> list[target_pb2.TokenLogprobs]:
+    return [target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob, top_token_ids=t.top_ids,
+                                     top_logprobs=t.top_logprobs) for t in items]
+
+
+def check_prompt_logprobs(request: target_pb2.VerifyRequest, max_bytes: int) -> None:
+    """INVALID_ARGUMENT naming prompt_logprobs: not on a full send, or more scores than one response can carry."""
+    if request.context.prefix_len:
+        raise invalid_argument(f"prompt_logprobs: only on a full send (context.prefix_len 0, got "
+                               f"{request.context.prefix_len}): the first new token's score needs the row before it")
+    per_token = 24 + 10 * request.top_logprobs  # a TokenLogprobs on the wire at the most (varints, floats, tags)
+    if len(request.context.new_tokens) * per_token > max_bytes:
+        raise invalid_argument(f"prompt_logprobs: the scores of {len(request.context.new_tokens)} tokens would not fit "
+                               f"in one response ({max_bytes} bytes) at top_logprobs {request.top_logprobs}")
 
 
 def feature_layers(request: target_pb2.VerifyRequest, engine: Engine, max_bytes: int) -> list[int]:

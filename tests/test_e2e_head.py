@@ -1,7 +1,7 @@
 """An EAGLE-3 head as the draft tier, through real servers: the target returns its features with each verdict, the
 coordinator forwards them, the head drafts chains and trees from them, and greedy output equals the target's own
 generate(), token for token, at a fixed K, with the adaptive policy, in the hybrid proposer, under several sessions at
-once, with a prompt sent in parts, and after the draft replica lost its sessions.
+once, with a prompt sent in parts, after the prompt was scored, and after the draft replica lost its sessions.
 
 The target here is the tiny random model with its layers' outputs scaled down (its residual stream stays near the
 token's embedding, and its LM head is the embedding, tied), so it often repeats its last token and sometimes does not;
@@ -102,6 +102,25 @@ def test_direct_rounds_with_the_head_give_the_coordinators_rounds_tokens(head_cl
             sampled, theirs = direct.generate(**kw), own.generate(**kw)
             assert sampled.token_ids == theirs.token_ids and sampled.stats["direct_rounds"] == sampled.stats["rounds"]
             assert theirs.stats["direct_rounds"] == 0
+
+
+def test_a_scored_prompt_leaves_the_head_every_row(head_cluster, head_direct_cluster, tiny_target_model):
+    """Prompt logprobs first (a target call that asks no features): the next round sends the prompt again for its
+    rows, so the head drafts as without scoring, in the coordinator's rounds and in direct rounds, with no resend
+    counted as a lost session's; greedy output is the target's own and the scores are the plain forward's."""
+    from tests.test_metrics import scrape, value
+    from tests.test_prompt_logprobs import assert_scores, reference
+    for cluster in (head_cluster, head_direct_cluster):
+        resent = lambda: value(scrape(cluster.metrics_url), "specdec_reprefills_total", tier="target")  # noqa: E731
+        before = resent()
+        with Client(cluster.address) as client:
+            for prompt in PROMPTS:
+                out = client.generate(token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=3,
+                                      proposer="draft", prompt_logprobs=True, top_logprobs=2)
+                assert out.token_ids == reference_greedy(tiny_target_model, prompt, MAX_NEW, [2])
+                assert 0 < out.stats["accepted_tokens"] < out.stats["draft_tokens"]
+                assert_scores(out.prompt_logprobs.logprobs, reference(tiny_target_model, prompt, top=2))
+        assert resent() == before
 
 
 def test_adaptive_and_hybrid_and_concurrent_sessions(head_cluster, tiny_target_model):

@@ -180,7 +180,7 @@ def test_a_batch_of_prompts_gets_each_prompts_own_choices(cluster, oai, model):
 
 def test_echo_puts_each_prompt_before_its_completion(cluster, oai, model):
     """echo (OpenAI's completions): the prompt, then the completion, whole or streamed; token ids echoed as their
-    text; with logprobs refused (the prompt's own logprobs are not computed)."""
+    text; with logprobs, the prompt's tokens' first."""
     kw = {"max_tokens": 6, "extra_body": {"ignore_eos": True}}
     plain = oai.completions.create(model=model, prompt=PROMPT, **kw).choices[0].text
     assert oai.completions.create(model=model, prompt=PROMPT, echo=True, **kw).choices[0].text == PROMPT + plain
@@ -191,8 +191,11 @@ def test_echo_puts_each_prompt_before_its_completion(cluster, oai, model):
     text = cluster.pipeline.tokenizer.decode(ids)
     r = oai.completions.create(model=model, prompt=[ids, ids], n=1, echo=True, **kw)
     assert [c.text for c in r.choices] == [text + ref.text] * 2
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        oai.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=1, **kw)
+    scored = oai.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=1, **kw).choices[0]
+    assert scored.text == PROMPT + plain  # with logprobs the prompt comes scored (tests/test_prompt_logprobs.py)
+    lp, prompt_len = scored.logprobs, len(cluster.pipeline.tokenizer(PROMPT)["input_ids"])
+    assert len(lp.tokens) == prompt_len + 6 and lp.token_logprobs[0] is None
+    assert "".join(lp.tokens) == scored.text and lp.text_offset[-1] == len(scored.text) - len(lp.tokens[-1])
 
 
 def test_client_disconnect_mid_stream_frees_sessions_on_both_tiers(cluster, model):

@@ -95,7 +95,7 @@ class Frontend:
                             for r in rounds:
                                 log.debug("round", extra={**fields, "round": r.index, "proposer": r.proposer, "k": r.k,
                                                           "drafts": r.drafts, "accepted": r.accepted, "fallback": r.fallback})
-                    else:
+                    elif event.HasField("result"):
                         finish = finish_reason_name(event.result.finish_reason)
                         outcome = "finished"
                         self._log_finished(fields, finish, event.result.stats)

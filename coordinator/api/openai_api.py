@@ -302,6 +302,8 @@ async def _collect(n: int, events: AsyncIterator[Indexed]) -> list[Choice]:
         if event.HasField("chunk"):
             choices[i].text.append(event.chunk.text)
             choices[i].logprobs.extend(event.chunk.logprobs)
+        elif event.HasField("prompt_logprobs"):
+            choices[i].prompt = event.prompt_logprobs
         else:
             choices[i].result = event.result
     return choices

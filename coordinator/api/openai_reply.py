@@ -35,6 +35,7 @@ class Choice:
     def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: list[generate_pb2.TokenLogprob] = []
+        self.prompt: generate_pb2.PromptLogprobs | None = None  # completions' echo with logprobs: the prompt's scores
         self.result: generate_pb2.GenerationResult | None = None
 
 
@@ -46,12 +47,14 @@ class Reply:
                  echoed: Sequence[str] = ()) -> None:
         """per_prompt: choices per prompt (n; a batch of prompts numbers its choices prompt by prompt); echoed:
         completions' echo, each prompt's text, sent before its choices' completions (whole: prepended);
-        logprobs: the request asked for them (each choice then carries a logprobs object); max_context:
+        logprobs: the request asked for them (each choice then carries a logprobs object; with echo, the prompt's
+        tokens first, the first with none, as OpenAI's echo gives them); max_context:
         the target's context (prompt + generated tokens), for the message of a generation it ended; tools:
         the request's tools (coordinator.api.openai_tools): an answer that is a call becomes tool_calls, and
         a stream holds each choice's text back until its end, when it is known whether it is a call."""
         self.rid, self.model, self.chat = rid, model, chat
         self.tools, self.per_prompt, self.echoed = tools, per_prompt, list(echoed)
+        self.scored = bool(self.echoed) and logprobs  # echo with logprobs: each prompt comes scored (PromptLogprobs)
         self.max_context = max_context
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.created = int(time.time())
@@ -82,8 +85,10 @@ class Reply:
     def _value(logprob: float) -> float:
         return logprob if math.isfinite(logprob) else NEG_INF_LOGPROB
 
-    def _logprobs(self, index: int, items: Sequence[generate_pb2.TokenLogprob]) -> dict | None:
-        """The logprobs object of a choice (or of a chunk's tokens), None when not asked for."""
+    def _logprobs(self, index: int, items: Sequence[generate_pb2.TokenLogprob],
+                  prompt: generate_pb2.PromptLogprobs | None = None) -> dict | None:
+        """The logprobs object of a choice (or of a chunk's tokens), None when not asked for; prompt: completions'
+        echo, the prompt's scores, whose tokens come first (the first one unscored: null)."""
         if not self.logprobs:
             return None
         if self.chat:
@@ -96,17 +101,20 @@ class Reply:
                     top.append({"token": alt_text, "logprob": self._value(alt.logprob), "bytes": alt_raw})
                 content.append({"token": text, "logprob": self._value(t.logprob), "bytes": raw, "top_logprobs": top})
             return {"content": content, "refusal": None}
+        scored = list(prompt.logprobs) if prompt is not None else []
+        ids = ([prompt.token_ids[0]] if prompt is not None else []) + [t.token_id for t in [*scored, *items]]
         tokens, offsets = [], []
         offset = self._offsets.get(index, 0)
-        for t in items:
-            text, _ = self._token(t.token_id)
+        for token_id in ids:
+            text, _ = self._token(token_id)
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
         self._offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": [self._value(t.logprob) for t in items],
-                "top_logprobs": [{self._token(a.token_id)[0]: self._value(a.logprob) for a in t.top_logprobs}
-                                 for t in items],
+        first = [None] if prompt is not None else []
+        return {"tokens": tokens, "token_logprobs": first + [self._value(t.logprob) for t in [*scored, *items]],
+                "top_logprobs": first + [{self._token(a.token_id)[0]: self._value(a.logprob) for a in t.top_logprobs}
+                                         for t in [*scored, *items]],
                 "text_offset": offsets}
 
     # --- choices ----------------------------------------------------------------------------------
@@ -145,7 +153,7 @@ class Reply:
         out = []
         for i, c in enumerate(choices):
             text = self._echo(i) + "".join(c.text)
-            out.append(self._final(i, text, c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs),
+            out.append(self._final(i, text, c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs, c.prompt),
                                    calls=self._calls(text)))
         return {**self._envelope(False), "choices": out, "usage": self.usage({i: c.result for i, c in enumerate(choices)})}
 
@@ -160,11 +168,14 @@ class Reply:
             if self.chat:  # OpenAI's first chunk of each choice announces the role
                 for i in range(n):
                     yield sse({**self._envelope(True), "choices": [self._choice(i, "", None, True, role=True)], **extra})
-            for i in range(n if self.echoed else 0):  # completions' echo: each choice's prompt first
+            for i in range(n if self.echoed and not self.scored else 0):  # completions' echo: each choice's prompt first
                 yield sse({**self._envelope(True), "choices": [self._choice(i, self._echo(i), None, True)], **extra})
             held: dict[int, Choice] = {}  # with tools: each choice's text and logprobs until its end
             async for i, event in events:
-                if event.HasField("chunk"):
+                if event.HasField("prompt_logprobs"):  # completions' echo with logprobs: the prompt, scored, first
+                    logprobs = self._logprobs(i, [], event.prompt_logprobs)
+                    yield sse({**self._envelope(True), "choices": [self._choice(i, self._echo(i), None, True, logprobs=logprobs)], **extra})
+                elif event.HasField("chunk"):
                     c = event.chunk
                     if self.tools is not None:
                         held.setdefault(i, Choice()).text.append(c.text)

@@ -209,6 +209,7 @@ def _response_format(fmt: dict[str, Any] | None, req: generate_pb2.GenerateReque
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or a batch (texts or token ids)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt scored only (echo with logprobs)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -230,8 +231,8 @@ class CompletionRequest(_Common):
         """One GenerateRequest per choice: n per prompt, prompt by prompt (choice index = prompt index * n + i, as
         OpenAI numbers a batch's choices; each prompt's choices are what the prompt alone would get)."""
         self._check_common()
-        if self.echo and self.logprobs is not None:
-            raise BadRequest("echo with logprobs is not supported: the prompt's own logprobs are not computed", "echo")
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise BadRequest("max_tokens 0 scores the prompt only: it needs echo and logprobs", "max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.best_of not in (None, 1):
@@ -255,5 +256,6 @@ class CompletionRequest(_Common):
                     raise BadRequest("prompt: token ids must be 32-bit integers", "prompt") from None
             if self.logprobs is not None:  # OpenAI's completions: the number of alternatives, 0 = the chosen token only
                 req.logprobs, req.top_logprobs = True, self.logprobs
+                req.prompt_logprobs = self.echo  # echo with logprobs: the prompt's tokens scored too
             reqs += self._per_choice(self._fill(req, self.max_tokens))
         return reqs

@@ -42,8 +42,9 @@ class RequestValidator:
         if len(prompt_ids) >= context:
             raise invalid_argument(f"prompt has {len(prompt_ids)} tokens; the target's context is {context}, leaving no room to generate", "prompt")
         max_new = r.max_new_tokens if r.HasField("max_new_tokens") else c.default_max_new_tokens
-        if not 1 <= max_new <= c.max_new_tokens_cap:
-            raise invalid_argument(f"max_new_tokens must be in [1, {c.max_new_tokens_cap}], got {max_new}", "max_new_tokens")
+        least = 0 if r.prompt_logprobs else 1  # (0: the prompt scored only)
+        if not least <= max_new <= c.max_new_tokens_cap:
+            raise invalid_argument(f"max_new_tokens must be in [{least}, {c.max_new_tokens_cap}], got {max_new}", "max_new_tokens")
         sampling = SamplingParams(
             temperature=r.temperature if r.HasField("temperature") else 0.0,
             top_k=r.top_k if r.HasField("top_k") else 0,
@@ -58,8 +59,8 @@ class RequestValidator:
             sampling.validate(self.pipeline.target_info.vocab_size)
         except ValueError as e:
             raise invalid_argument(str(e), str(e).split()[0]) from None  # the message starts with the field
-        if r.top_logprobs and not r.logprobs:
-            raise invalid_argument("top_logprobs needs logprobs")
+        if r.top_logprobs and not (r.logprobs or r.prompt_logprobs):
+            raise invalid_argument("top_logprobs needs logprobs or prompt_logprobs")
         if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
             raise invalid_argument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {r.top_logprobs}")
         if r.HasField("num_speculative_tokens"):
@@ -108,7 +109,7 @@ class RequestValidator:
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
                                 cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
                                 response_format=response_format, grammar=grammar, tree_nodes=nodes,
-                                whole_result=r.whole_result)
+                                whole_result=r.whole_result, prompt_logprobs=r.top_logprobs if r.prompt_logprobs else -1)
 
     def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
         tok = self.pipeline.tokenizer

@@ -52,8 +52,10 @@ class TierCursor:
         self._lost = False
         self._on_reprefill = on_reprefill
 
-    def reset(self) -> None:
-        self._lost = self._lost or self.base > 0 or bool(self.tail)
+    def reset(self, lost: bool = True) -> None:
+        """Send the whole sequence next time: the tier lost it (or may have), or (lost False) the next request must
+        feed it all again for what it asks of every position."""
+        self._lost = self._lost or (lost and (self.base > 0 or bool(self.tail)))
         self.base, self.tail = 0, []
 
     def prefix(self, sequence: list[int]) -> int:

@@ -122,6 +122,20 @@ class TargetVerifier:
         return Verdict(response.num_accepted, response.next_token, reply.wall_ms, tuple(response.accepted_path),
                        tuple(response.logprobs), tuple(response.run_on_tokens))
 
+    async def score(self, prompt: list[int], hashes: PrefixHashes, top: int) -> tuple[target_pb2.TokenLogprobs, ...]:
+        """The prompt's scores (each token's after the first, with its top alternatives): a call over the whole prompt
+        before the first round, its verdict dropped. The target then holds the prompt as the first round's verify
+        would have left it; with a feature draft (whose rows this call does not ask for) it is sent again, asking."""
+        reply = await self.session.call(
+            prompt, hashes,
+            lambda ctx: target_pb2.VerifyRequest(context=ctx, sampling=self.sampling, prompt_logprobs=True,
+                                                 top_logprobs=top),
+            extra=lambda response: [])
+        if self.features is not None:
+            self.session.cursor.reset(lost=False)
+        self.stats.observe_rpc(reply.wall_ms, reply.message.compute_ms, reply.message.queue_ms, is_draft=False)
+        return tuple(reply.message.prompt_logprobs)
+
     async def _prefill_in_parts(self, committed: list[int], hashes: PrefixHashes) -> None:
         """With features asked, a request feeds at most FEATURE_PART_BYTES of rows (the target refuses a request
         whose rows could exceed one response): a longer uncached part (a prompt, a re-prefill) goes first in parts,

@@ -139,7 +139,7 @@ def run_generation(address: str, args: argparse.Namespace) -> int:
                 if event.HasField("chunk"):
                     sys.stdout.write(event.chunk.text)
                     sys.stdout.flush()
-                else:
+                elif event.HasField("result"):
                     result = event.result
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -28,6 +28,7 @@ class GenerationOutput:
     finish_reason: str  # "length" | "eos" | "stop" | "context"
     stats: dict = field(default_factory=dict)
     logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)  # per token, when asked for
+    prompt_logprobs: generate_pb2.PromptLogprobs | None = None  # the prompt's scores, when asked for
 
 
 def finish_reason_name(value: int) -> str:
@@ -59,19 +60,21 @@ def build_request(
     top_logprobs: int = 0,
     response_format: dict | None = None,
     whole_result: bool = False,
+    prompt_logprobs: bool = False,
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
     proposer: a name or alias of specdec.core.proposer_names (e.g. "suffix", "draft_model" or its alias "draft").
     prompt_cache_key: requests with the same key reach the same replicas (and their prefix caches).
     response_format: structured output, one of {"json_object": True}, {"json_schema": "<schema JSON>"},
     {"regex": "..."}, {"lark": "..."} (generate.proto's ResponseFormat). whole_result: nothing reads the tokens
-    before the end, so rounds may commit more of them (generate.proto)."""
+    before the end, so rounds may commit more of them (generate.proto). prompt_logprobs: score the prompt first
+    (with max_new_tokens 0, only that)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos, prompt_cache_key=prompt_cache_key,
                                        proposer=Proposer.parse(proposer).proto if proposer is not None else 0,
                                        logit_bias=logit_bias or {}, logprobs=logprobs, top_logprobs=top_logprobs,
-                                       whole_result=whole_result)
+                                       whole_result=whole_result, prompt_logprobs=prompt_logprobs)
     if response_format:
         req.response_format.CopyFrom(generate_pb2.ResponseFormat(**response_format))
     if prompt is not None:
@@ -141,18 +144,20 @@ class Client:
         return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s, metadata=self.metadata)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:
-        text, ids, logprobs, result = [], [], [], None
+        text, ids, logprobs, result, scores = [], [], [], None, None
         for event in self.stream(prompt, **kwargs):
             if event.HasField("chunk"):
                 ids.extend(event.chunk.token_ids)
                 logprobs.extend(event.chunk.logprobs)
                 text.append(event.chunk.text)
+            elif event.HasField("prompt_logprobs"):
+                scores = event.prompt_logprobs
             else:
                 result = event.result
         if result is None:
             raise RuntimeError("stream ended without a result")
         stats = MessageToDict(result.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-        return GenerationOutput("".join(text), ids, finish_reason_name(result.finish_reason), stats, logprobs)
+        return GenerationOutput("".join(text), ids, finish_reason_name(result.finish_reason), stats, logprobs, scores)
 
     def info(self) -> dict:
         resp = self.stub.GetInfo(generate_pb2.GetInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)

@@ -255,8 +255,9 @@ class Engine(EngineThread):
             return DROPPED
         try:
             # A fresh start may take a cached prefix of its tokens, leaving those it needs logits of (and
-            # features of: a work with taps takes none).
-            reusable = len(work.pending) - work.num_logits if work.prefix_len == 0 and not work.taps else 0
+            # features of: a work with taps or wanting every row takes none).
+            fresh = work.prefix_len == 0 and not (work.taps or work.all_rows)
+            reusable = len(work.pending) - work.num_logits if fresh else 0
             session = self.sessions.acquire(work.session_id, work.prefix_len, work.prefix_hash, work.pending, reusable)
         except PrefixMismatch as e:
             self._settle(work, error=RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)))
@@ -295,7 +296,7 @@ class Engine(EngineThread):
 
     def _step(self, plan: list[Planned]) -> None:
         feeds = [Feed(p.work.session.slot, len(p.work.session), p.work.pending[: p.take], p.num_logits,
-                      p.work.feed_tree() if p.num_logits else None, p.work.taps) for p in plan]
+                      p.work.feed_tree() if p.complete else None, p.work.taps) for p in plan]
         tokens = sum(p.take for p in plan)
         t0 = time.perf_counter()
         try:
@@ -328,7 +329,15 @@ class Engine(EngineThread):
                 elif p.num_logits and not ok:
                     self._fail(w, grpc.StatusCode.INTERNAL, "model produced non-finite logits; session dropped", drop=True)
                 elif p.num_logits:
-                    completed.setdefault(type(w), []).append((w, rows))
+                    if w.all_rows:  # its rows before the feed's last num_logits (a prefill chunk's: all) scored now
+                        try:
+                            rows = w.score_fed(rows, p.complete)
+                        except Exception as e:
+                            log.exception("scoring the fed tokens failed")
+                            self._fail(w, grpc.StatusCode.INTERNAL, f"scoring failed: {type(e).__name__}: {e}", drop=True)
+                            continue
+                    if p.complete:
+                        completed.setdefault(type(w), []).append((w, rows))
             for kind, items in completed.items():
                 works = [w for w, _ in items]
                 try:

@@ -3,7 +3,8 @@
 Works already running (a draft proposing its next token, a prefill part-way through) come first, then
 waiting works in arrival order, within the step's budget of sessions and tokens. A work feeds at most
 prefill_chunk_tokens per step, so a long prompt is spread over several steps and never holds up the
-sessions that are decoding; its last chunk always holds every token whose logits it needs. A session
+sessions that are decoding; its last chunk always holds every token whose logits it needs (a work that wants
+the logits of every token, Work.all_rows, gets each chunk's too). A session
 has at most one work running: a later request of the same session waits for the earlier one.
 """
 
@@ -23,7 +24,8 @@ STARTED, WAIT, DROPPED = "started", "wait", "dropped"
 class Planned:
     work: Work
     take: int  # pending tokens fed this step
-    num_logits: int  # logits rows wanted this step (0 unless the feed completes)
+    num_logits: int  # logits rows wanted this step (0 unless the feed completes or the work wants all rows)
+    complete: bool = False  # the step feeds the rest of the work's pending tokens
 
 
 class Scheduler:
@@ -80,10 +82,10 @@ class Scheduler:
     def _portion(self, work: Work, tokens_left: int) -> Planned | None:
         n, m = len(work.pending), work.num_logits
         limit = min(max(self.config.prefill_chunk_tokens, m), tokens_left)
-        if n <= limit:
-            return Planned(work, n, m)  # the whole feed: its logits come back this step
+        if n <= limit:  # the whole feed: its logits come back this step
+            return Planned(work, n, n if work.all_rows else m, complete=True)
         take = min(limit, n - m)  # a chunk; the last one must hold every row we need logits of
-        return Planned(work, take, 0) if take > 0 else None
+        return Planned(work, take, take if work.all_rows else 0) if take > 0 else None
 
     def finished(self, work: Work) -> None:
         self.running.remove(work)

@@ -39,6 +39,12 @@ a greedy session stepping alone (nothing else queued) runs its run-on as one cha
 round trip instead of one a token, the tokens after an EOS dropped. A work asked for parts (`part`) pushes
 a partial result (Engine.push) each time `part` more of its tokens are known and more are to come, so its
 caller can pass them on while the run-on goes on; such a work steps one token at a time (no chain).
+
+A work may ask for its prompt's logprobs (prompt_logprobs: a full send's, for scoring a text as lm-eval's
+loglikelihood does): it wants the logits of every token it feeds (Work.all_rows), prefill chunks included, and
+scores each chunk's rows as they come (score_fed), keeping only the scores: the row at position j gives the
+log-softmax of the target's raw logits there (the model's own distribution, vLLM's prompt logprobs), at the token
+at j + 1 and its top alternatives. The result carries them for the new committed tokens after the first.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class VerifyResult:
     features_start: int = 0  # the position of the first of them: the session's cached length before the request
     run_on: tuple[int, ...] = ()  # run-on: the tokens decoded after next_token, each a target-only round's
     step_id: int = 0  # the step batch_sessions, batch_tokens and step_ms describe (Work.step_id)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when asked: the new tokens' after the first
 
 
 @dataclass(eq=False)
@@ -118,6 +125,9 @@ class VerifyWork(Work):
     part: int = 0  # run-on: push a partial result each time this many more of the round's tokens are known (0: none)
     parted: int = 0  # the round's tokens the last partial result held
     verdicts: list[tuple[list[int], int, list[TokenLogprobs]]] = field(default_factory=list)  # run-on: the rounds so far
+    prompt_logprobs: int = -1  # -1: none; n >= 0: the new tokens' logprobs after the first, with the top n alternatives
+    scored: list[int] = field(default_factory=list)  # with prompt_logprobs: the tokens still to score, in order
+    prompt_scores: list[TokenLogprobs] = field(default_factory=list)  # with prompt_logprobs: those scored so far
 
     kind: ClassVar[str] = "verify"
 
@@ -126,18 +136,21 @@ class VerifyWork(Work):
                q: DraftProbs | None, params: SamplingParams, seed: int, prompt_len: int = 0,
                logprobs: int = -1, parents: list[int] | None = None, scheme: str = "",
                allowed: torch.Tensor | None = None, feature_layers: list[int] = (),
-               run_on_seeds: list[int] = (), run_on_part: int = 0) -> "VerifyWork":
+               run_on_seeds: list[int] = (), run_on_part: int = 0, prompt_logprobs: int = -1) -> "VerifyWork":
         """feature_layers: decoder layers whose outputs (EAGLE-3 features) the result carries at every position
         the request adds to the session (VerifyResult.features); empty: none. run_on_seeds: after its verdict
         (no masks or features) the work decodes up to this many more tokens, one target-only round each, the
         i-th with run_on_seeds[i] as its seed (VerifyResult.run_on). run_on_part: push a partial result each
-        time this many more of the round's tokens are known (0: none; needs an on_push)."""
+        time this many more of the round's tokens are known (0: none; needs an on_push). prompt_logprobs: -1 none;
+        n >= 0: the logprobs of new_tokens[1:] (each under the raw distribution at the position before it) with the
+        top n alternatives (VerifyResult.prompt_logprobs)."""
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
                    params=params, seed=seed, committed_len=prefix_len + len(new_tokens), prompt_len=prompt_len,
                    logprobs=logprobs, parents=list(parents) if parents else None, tree=bool(parents), scheme=scheme,
                    allowed=allowed, taps=tuple(feature_layers) or None, run_on_seeds=list(run_on_seeds),
-                   part=run_on_part if run_on_seeds else 0)
+                   part=run_on_part if run_on_seeds else 0, prompt_logprobs=prompt_logprobs,
+                   all_rows=prompt_logprobs >= 0, scored=list(new_tokens[1:]) if prompt_logprobs >= 0 else [])
 
     def runs_on(self, next_token: int, kept: int, engine) -> bool:
         """After a verdict (the session holds `kept` tokens: the committed ones and the accepted drafts), whether
@@ -146,6 +159,7 @@ class VerifyWork(Work):
         if not self.run_on_seeds or next_token in engine.eos_token_ids or kept + 1 >= engine.max_context:
             return False
         self.pending, self.num_logits, self.committed_len = [next_token], 1, kept + 1
+        self.all_rows = False  # (the prompt was scored)
         self.drafts, self.q, self.parents = [], None, None
         self.seed = self.run_on_seeds.pop(0)
         return True
@@ -191,7 +205,7 @@ class VerifyWork(Work):
         (path, nxt, reported), *later = self.verdicts
         return VerifyResult(len(path), nxt, keep, compute_ms, sessions, tokens, step_ms, queue_ms, self.reused,
                             reported + [x for _, _, lp in later for x in lp], tuple(path), self.tree,
-                            features, start, tuple(t for _, t, _ in later), self.step_id)
+                            features, start, tuple(t for _, t, _ in later), self.step_id, self.prompt_scores)
 
     def partial_result(self, cached_len: int) -> VerifyResult:
         """A part of the round ahead of its result: the first round's verdict and the run-on tokens so far (the
@@ -203,6 +217,18 @@ class VerifyWork(Work):
 
     def feed_tree(self) -> list[int] | None:
         return self.parents
+
+    def score_fed(self, rows: torch.Tensor, complete: bool) -> torch.Tensor:
+        """Prompt logprobs: the rows of the fed tokens before the feed's last num_logits, each (position j) scoring the
+        token at j + 1 under log-softmax of the raw logits; returns the last num_logits rows (the verdict's)."""
+        n = len(rows) - (self.num_logits if complete else 0)
+        if n > 0:
+            tokens, self.scored = self.scored[:n], self.scored[n:]
+            chosen, ids, vals = top_logprobs(rows[:n].log_softmax(dim=-1), longs(tokens, rows.device),
+                                             self.prompt_logprobs)
+            self.prompt_scores += [TokenLogprobs(t, c, i, v)
+                                   for t, c, i, v in zip(tokens, chosen.tolist(), ids.tolist(), vals.tolist())]
+        return rows[max(n, 0):]
 
     def committed_features(self, path: list[int], cached_len: int) -> tuple[torch.Tensor, int]:
         """(features, features_start) once the verdict keeps the accepted `path`: the rows of the committed

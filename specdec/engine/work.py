@@ -54,6 +54,8 @@ class Work:
     taps: tuple[int, ...] | None = None  # decoder layers whose outputs it wants at every token it feeds (Feed.taps);
     #                                      such a work takes nothing from the prefix cache: every token is fed
     fed_features: list[torch.Tensor] = field(default_factory=list)  # with taps: each step's Feed.features, in order
+    all_rows: bool = False  # it wants the logits of every token it feeds, prefill chunks included (prompt logprobs):
+    #                         the rows before its feed's last num_logits go to score_fed; it takes nothing from the prefix cache
 
     kind: ClassVar[str] = "work"
 
@@ -83,6 +85,11 @@ class Work:
     def feed_tree(self) -> list[int] | None:
         """The parents of the token tree the feed ends with (its last feed), or None."""
         return None
+
+    def score_fed(self, rows: torch.Tensor, complete: bool) -> torch.Tensor:
+        """With all_rows: a step's logits rows of the tokens it fed. Consume those before the feed's last num_logits
+        (all of a prefill chunk's; complete: the feed is done) and return the rest (its finish_step's)."""
+        raise NotImplementedError
 
     @classmethod
     def finish_step(cls, works: list["Work"], logits: list[torch.Tensor], engine) -> None:
