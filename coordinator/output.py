@@ -92,6 +92,6 @@ class Output:
 def _reported(logprobs: Sequence) -> list[generate_pb2.TokenLogprob]:
     """The target's TokenLogprobs as the public API's."""
     return [generate_pb2.TokenLogprob(
-        token_id=t.token_id, logprob=t.logprob,
+        token_id=t.token_id, logprob=t.logprob, rank=t.rank,
         top_logprobs=[generate_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(t.top_token_ids, t.top_logprobs)])
         for t in logprobs]

@@ -138,7 +138,7 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
 
 def wire_logprobs(items: list[TokenLogprobs]) -> list[target_pb2.TokenLogprobs]:
     return [target_pb2.TokenLogprobs(token_id=t.token_id, logprob=t.logprob, top_token_ids=t.top_ids,
-                                     top_logprobs=t.top_logprobs) for t in items]
+                                     top_logprobs=t.top_logprobs, rank=t.rank) for t in items]
 
 
 def check_prompt_logprobs(request: target_pb2.VerifyRequest, max_bytes: int) -> None:

@@ -206,3 +206,59 @@ def test_openai_max_tokens_0_needs_echo_and_logprobs(client, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_name, prompt=PROMPT, echo=True, max_tokens=0)
     assert "max_tokens 0 scores the prompt only" in str(e.value)
+
+
+def vllm_entries(entries, tok, model, ids: list[int], top: int) -> None:
+    """vLLM's prompt_logprobs: null, then per token {id: {logprob, rank, decoded_token}} for the token (its rank in
+    the whole vocabulary) and its top alternatives (ranks 1..top), as the plain forward has them."""
+    assert len(entries) == len(ids) and entries[0] is None
+    with torch.inference_mode():
+        lp = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, :-1].float().cpu().log_softmax(-1)
+    for j, entry in enumerate(entries[1:]):
+        token = ids[j + 1]
+        chosen = entry[str(token)]
+        assert chosen["logprob"] == pytest.approx(float(lp[j, token]), abs=2e-3)
+        assert chosen["rank"] == int((lp[j] > lp[j, token]).sum()) + 1 and chosen["decoded_token"] == tok.decode([token])
+        alternatives = lp[j].topk(top).indices.tolist()
+        assert set(entry) == {str(token), *map(str, alternatives)}
+        for rank, t in enumerate(alternatives, 1):
+            if t != token:
+                assert entry[str(t)]["rank"] == rank and entry[str(t)]["logprob"] == pytest.approx(float(lp[j, t]), abs=2e-3)
+
+
+def test_vllm_prompt_logprobs_on_completions(client, model_name, random_draft_cluster, tiny_target_model):
+    """vLLM's extra field on completions: each choice's prompt_logprobs, without echo and with max_tokens 0 too; the
+    generated tokens' logprobs keep their own count of alternatives."""
+    tok = random_draft_cluster.coordinator.frontend.pipeline.tokenizer
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, extra_body={"prompt_logprobs": 2})
+    (choice,) = r.choices
+    assert choice.text == "" and choice.logprobs is None and r.usage.completion_tokens == 0
+    vllm_entries(choice.model_extra["prompt_logprobs"], tok, tiny_target_model, PROMPT, top=2)
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, logprobs=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 4})
+    assert [len(alts) for alts in r.choices[0].logprobs.top_logprobs] == [1, 1, 1]
+    vllm_entries(r.choices[0].model_extra["prompt_logprobs"], tok, tiny_target_model, PROMPT, top=4)
+
+
+def test_vllm_prompt_logprobs_on_chat_whole_and_streamed(client, model_name, random_draft_cluster, tiny_target_model):
+    """vLLM's chat form: the prompt (the rendered template) scored at the top level of the response, or of the
+    stream's first chunk, which also announces the role; the answer is the one a request without it gets."""
+    tok = random_draft_cluster.coordinator.frontend.pipeline.tokenizer
+    messages = [{"role": "user", "content": "Tell me about lighthouses"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    kw = {"model": model_name, "messages": messages, "max_tokens": 6, "temperature": 0}
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(**kw, extra_body={"prompt_logprobs": 1})
+    assert r.choices[0].message.content == plain
+    vllm_entries(r.model_extra["prompt_logprobs"], tok, tiny_target_model, ids, top=1)
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 1}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    vllm_entries(chunks[0].model_extra["prompt_logprobs"], tok, tiny_target_model, ids, top=1)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+
+
+def test_vllm_prompt_logprobs_out_of_range_is_refused(client, model_name):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 21})
+    assert "prompt_logprobs must be in [0, 20]" in str(e.value)

@@ -227,7 +227,8 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
     reply = Reply(rid, frontend.model_name, chat, frontend.pipeline.tokenizer, logprobs=greqs[0].logprobs,
                   max_context=frontend.pipeline.target_info.max_context,
                   tools=tools if tools is not None and tools.active else None, per_prompt=body.n,
-                  echoed=() if chat else body.echoed(frontend.pipeline.tokenizer))
+                  echoed=() if chat else body.echoed(frontend.pipeline.tokenizer), top=body.top,
+                  prompt_top=body.prompt_logprobs)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(reply.stream(len(greqs), events, usage, request.scope, STREAM_ERROR, _stream_error))

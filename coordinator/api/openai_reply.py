@@ -44,17 +44,20 @@ class Reply:
 
     def __init__(self, rid: str, model: str, chat: bool, tokenizer, logprobs: bool = False,
                  max_context: int = 0, tools: ToolUse | None = None, per_prompt: int = 1,
-                 echoed: Sequence[str] = ()) -> None:
+                 echoed: Sequence[str] = (), top: int = 20, prompt_top: int | None = None) -> None:
         """per_prompt: choices per prompt (n; a batch of prompts numbers its choices prompt by prompt); echoed:
         completions' echo, each prompt's text, sent before its choices' completions (whole: prepended);
         logprobs: the request asked for them (each choice then carries a logprobs object; with echo, the prompt's
-        tokens first, the first with none, as OpenAI's echo gives them); max_context:
+        tokens first, the first with none, as OpenAI's echo gives them); top: the alternatives each carries (the
+        gRPC request asked for as many as any use here needs); prompt_top: vLLM's prompt_logprobs, with this many
+        alternatives a prompt token (None: not asked); max_context:
         the target's context (prompt + generated tokens), for the message of a generation it ended; tools:
         the request's tools (coordinator.api.openai_tools): an answer that is a call becomes tool_calls, and
         a stream holds each choice's text back until its end, when it is known whether it is a call."""
         self.rid, self.model, self.chat = rid, model, chat
         self.tools, self.per_prompt, self.echoed = tools, per_prompt, list(echoed)
         self.scored = bool(self.echoed) and logprobs  # echo with logprobs: each prompt comes scored (PromptLogprobs)
+        self.top, self.prompt_top = top, prompt_top
         self.max_context = max_context
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.created = int(time.time())
@@ -96,7 +99,7 @@ class Reply:
             for t in items:
                 text, raw = self._token(t.token_id)
                 top = []
-                for alt in t.top_logprobs:
+                for alt in t.top_logprobs[: self.top]:
                     alt_text, alt_raw = self._token(alt.token_id)
                     top.append({"token": alt_text, "logprob": self._value(alt.logprob), "bytes": alt_raw})
                 content.append({"token": text, "logprob": self._value(t.logprob), "bytes": raw, "top_logprobs": top})
@@ -113,9 +116,24 @@ class Reply:
         self._offsets[index] = offset
         first = [None] if prompt is not None else []
         return {"tokens": tokens, "token_logprobs": first + [self._value(t.logprob) for t in [*scored, *items]],
-                "top_logprobs": first + [{self._token(a.token_id)[0]: self._value(a.logprob) for a in t.top_logprobs}
+                "top_logprobs": first + [{self._token(a.token_id)[0]: self._value(a.logprob) for a in t.top_logprobs[: self.top]}
                                          for t in [*scored, *items]],
                 "text_offset": offsets}
+
+    def _vllm_prompt(self, prompt: generate_pb2.PromptLogprobs | None) -> dict:
+        """vLLM's prompt_logprobs field ({} when not asked): per prompt token, null for the first, then {token id: {logprob,
+        rank, decoded_token}} for the token and its prompt_top alternatives."""
+        if self.prompt_top is None or prompt is None:
+            return {}
+        entries: list[dict | None] = [None]
+        for t in prompt.logprobs:
+            entry = {str(t.token_id): {"logprob": self._value(t.logprob), "rank": t.rank,
+                                       "decoded_token": self._token(t.token_id)[0]}}
+            for rank, a in enumerate(t.top_logprobs[: self.prompt_top], 1):
+                entry.setdefault(str(a.token_id), {"logprob": self._value(a.logprob), "rank": rank,
+                                                   "decoded_token": self._token(a.token_id)[0]})
+            entries.append(entry)
+        return {"prompt_logprobs": entries}
 
     # --- choices ----------------------------------------------------------------------------------
 
@@ -153,9 +171,12 @@ class Reply:
         out = []
         for i, c in enumerate(choices):
             text = self._echo(i) + "".join(c.text)
-            out.append(self._final(i, text, c.result, chunk=False, logprobs=self._logprobs(i, c.logprobs, c.prompt),
-                                   calls=self._calls(text)))
-        return {**self._envelope(False), "choices": out, "usage": self.usage({i: c.result for i, c in enumerate(choices)})}
+            logprobs = self._logprobs(i, c.logprobs, c.prompt if self.scored else None)
+            out.append({**self._final(i, text, c.result, chunk=False, logprobs=logprobs, calls=self._calls(text)),
+                        **({} if self.chat else self._vllm_prompt(c.prompt))})
+        top = self._vllm_prompt(choices[0].prompt) if self.chat else {}  # (vLLM's chat: one, at the top level)
+        return {**self._envelope(False), "choices": out, **top,
+                "usage": self.usage({i: c.result for i, c in enumerate(choices)})}
 
     async def stream(self, n: int, events: AsyncIterator[Indexed], include_usage: bool, scope: dict,
                      error_key: str, on_error) -> AsyncIterator[str]:
@@ -165,16 +186,22 @@ class Reply:
         extra = {"usage": None} if include_usage else {}
         results: dict[int, generate_pb2.GenerationResult] = {}
         try:
-            if self.chat:  # OpenAI's first chunk of each choice announces the role
+            if self.chat and self.prompt_top is None:  # OpenAI's first chunk of each choice announces the role
                 for i in range(n):
                     yield sse({**self._envelope(True), "choices": [self._choice(i, "", None, True, role=True)], **extra})
             for i in range(n if self.echoed and not self.scored else 0):  # completions' echo: each choice's prompt first
                 yield sse({**self._envelope(True), "choices": [self._choice(i, self._echo(i), None, True)], **extra})
             held: dict[int, Choice] = {}  # with tools: each choice's text and logprobs until its end
             async for i, event in events:
-                if event.HasField("prompt_logprobs"):  # completions' echo with logprobs: the prompt, scored, first
-                    logprobs = self._logprobs(i, [], event.prompt_logprobs)
-                    yield sse({**self._envelope(True), "choices": [self._choice(i, self._echo(i), None, True, logprobs=logprobs)], **extra})
+                if event.HasField("prompt_logprobs"):  # the prompt, scored, first (with the role; with the echo)
+                    p = event.prompt_logprobs
+                    if self.chat:
+                        choice, vllm = self._choice(i, "", None, True, role=True), self._vllm_prompt(p)
+                    else:
+                        echo = self._echo(i) if self.scored else ""
+                        logprobs = self._logprobs(i, [], p) if self.scored else None
+                        choice, vllm = {**self._choice(i, echo, None, True, logprobs=logprobs), **self._vllm_prompt(p)}, {}
+                    yield sse({**self._envelope(True), "choices": [choice], **vllm, **extra})
                 elif event.HasField("chunk"):
                     c = event.chunk
                     if self.tools is not None:

@@ -90,12 +90,16 @@ class _Common(_Body):
     ignore_eos: bool = False
     repetition_penalty: float | None = None  # vLLM's extra: (0, 2], 1 = off
     min_p: float | None = None  # vLLM's extra: [0, 1], 0 = off
+    prompt_logprobs: int | None = None  # vLLM's extra: score the prompt, with this many alternatives a token (0..20)
 
     def _check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise BadRequest(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+                             "prompt_logprobs")
 
     def _per_choice(self, req: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateRequest]:
         """n copies of the request; with a seed, choice i's is seed + i (mod 2^64), so choices differ and the
@@ -110,6 +114,8 @@ class _Common(_Body):
         return reqs
 
     def _fill(self, req: generate_pb2.GenerateRequest, max_new_tokens: int | None) -> generate_pb2.GenerateRequest:
+        if self.prompt_logprobs is not None:  # (one count for both: each reply trims its own, Reply.top)
+            req.prompt_logprobs, req.top_logprobs = True, max(req.top_logprobs, self.prompt_logprobs)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         req.stop.extend(stop)
         req.ignore_eos = self.ignore_eos
@@ -149,6 +155,11 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+
+    @property
+    def top(self) -> int:
+        """Alternatives a generated token's logprobs carry."""
+        return self.top_logprobs or 0
 
     def tool_use(self) -> ToolUse | None:
         """The request's tools and tool_choice (None: no tools), or BadRequest naming the field."""
@@ -209,11 +220,16 @@ def _response_format(fmt: dict[str, Any] | None, req: generate_pb2.GenerateReque
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or a batch (texts or token ids)
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt scored only (echo with logprobs)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt scored only (echo with logprobs, prompt_logprobs)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def top(self) -> int:
+        """Alternatives a generated token's logprobs carry."""
+        return self.logprobs or 0
 
     def echoed(self, tokenizer) -> list[str]:
         """With echo: each prompt as text, which its choices' completions follow (a text prompt as given, token ids
@@ -231,8 +247,9 @@ class CompletionRequest(_Common):
         """One GenerateRequest per choice: n per prompt, prompt by prompt (choice index = prompt index * n + i, as
         OpenAI numbers a batch's choices; each prompt's choices are what the prompt alone would get)."""
         self._check_common()
-        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
-            raise BadRequest("max_tokens 0 scores the prompt only: it needs echo and logprobs", "max_tokens")
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None or self.prompt_logprobs is not None):
+            raise BadRequest("max_tokens 0 scores the prompt only: it needs echo and logprobs, or prompt_logprobs",
+                             "max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.best_of not in (None, 1):

@@ -83,6 +83,7 @@ class TokenLogprobs:
     logprob: float  # its log-probability under the target's processed distribution at its position
     top_ids: list[int]  # the most likely tokens there, most likely first
     top_logprobs: list[float]  # their log-probabilities
+    rank: int = 0  # prompt scores: 1 + the tokens more likely there (0: not computed)
 
 
 @dataclass(frozen=True)
@@ -220,14 +221,16 @@ class VerifyWork(Work):
 
     def score_fed(self, rows: torch.Tensor, complete: bool) -> torch.Tensor:
         """Prompt logprobs: the rows of the fed tokens before the feed's last num_logits, each (position j) scoring the
-        token at j + 1 under log-softmax of the raw logits; returns the last num_logits rows (the verdict's)."""
+        token at j + 1 under log-softmax of the raw logits, and its rank there; returns the last num_logits rows (the
+        verdict's)."""
         n = len(rows) - (self.num_logits if complete else 0)
         if n > 0:
             tokens, self.scored = self.scored[:n], self.scored[n:]
-            chosen, ids, vals = top_logprobs(rows[:n].log_softmax(dim=-1), longs(tokens, rows.device),
-                                             self.prompt_logprobs)
-            self.prompt_scores += [TokenLogprobs(t, c, i, v)
-                                   for t, c, i, v in zip(tokens, chosen.tolist(), ids.tolist(), vals.tolist())]
+            lp = rows[:n].log_softmax(dim=-1)
+            chosen, ids, vals = top_logprobs(lp, longs(tokens, rows.device), self.prompt_logprobs)
+            ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+            self.prompt_scores += [TokenLogprobs(*x) for x in zip(tokens, chosen.tolist(), ids.tolist(), vals.tolist(),
+                                                                  ranks.tolist())]
         return rows[max(n, 0):]
 
     def committed_features(self, path: list[int], cached_len: int) -> tuple[torch.Tensor, int]:
