@@ -35,7 +35,7 @@ class Choice:
     def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: list[generate_pb2.TokenLogprob] = []
-        self.prompt: generate_pb2.PromptLogprobs | None = None  # completions' echo with logprobs: the prompt's scores
+        self.prompt: generate_pb2.PromptLogprobs | None = None  # the prompt's scores (echo with logprobs, prompt_logprobs)
         self.result: generate_pb2.GenerationResult | None = None
 
 
