@@ -76,6 +76,9 @@ prometheus:
 #                     (~8 min; PREFIX_REUSE_ARGS=--help; --quick: a tiny model, ~1.5 min)
 #  bench.prefill_cost a prompt's prefill, every chain on row attention vs its chunks on PyTorch's attention
 #                     (~1 min; PREFILL_COST_ARGS=--help)
+#  bench.scoring      a prompt scored through the OpenAI API (echo + logprobs, as lm-eval sends it) vs the same
+#                     request unscored vs transformers' forward, and the scores' difference from it (~2 min;
+#                     SCORING_ARGS=--help)
 #  bench.structured   grammar engines' mask cost; JSON-schema extraction constrained vs unconstrained vs the
 #                     target alone with the same grammar (~5 min; STRUCTURED_ARGS=--help)
 #  bench.proposer_replay  prompt lookup and suffix decoding's chain limits and trees replayed on the
@@ -104,6 +107,7 @@ bench: setup
 	$(PY) -m bench.replicas $(BENCH_REPLICAS_ARGS)
 	$(PY) -m bench.prefix_reuse $(PREFIX_REUSE_ARGS)
 	$(PY) -m bench.prefill_cost $(PREFILL_COST_ARGS)
+	$(PY) -m bench.scoring $(SCORING_ARGS)
 	$(PY) -m bench.structured $(STRUCTURED_ARGS)
 	$(PY) -m bench.proposer_replay $(REPLAY_ARGS)
 	$(PY) -m bench.tree_replay $(TREE_REPLAY_ARGS)

@@ -258,8 +258,15 @@ def prompts_for(workload: str, limit: int | None = None) -> list[Prompt]:
     return selected[:limit] if limit else selected
 
 
+_PASSAGES = (("lighthouse", _LIGHTHOUSE), ("sourdough", _SOURDOUGH), ("octopus", _OCTOPUS), ("meeting", _MEETING),
+             ("battery", _BATTERY), ("market", _MARKET), ("volcano", _VOLCANO), ("library", _LIBRARY))
+
+
 def passage_word_counts() -> dict[str, int]:
     """Words in each quoted passage (the spec asks for 80-150); used by a sanity check in run.py."""
-    return {name: len(text.split()) for name, text in (
-        ("lighthouse", _LIGHTHOUSE), ("sourdough", _SOURDOUGH), ("octopus", _OCTOPUS), ("meeting", _MEETING),
-        ("battery", _BATTERY), ("market", _MARKET), ("volcano", _VOLCANO), ("library", _LIBRARY))}
+    return {name: len(text.split()) for name, text in _PASSAGES}
+
+
+def passages() -> list[str]:
+    """The quoted passages' texts, one paragraph each (text to score: bench.scoring)."""
+    return [" ".join(text.split()) for _, text in _PASSAGES]

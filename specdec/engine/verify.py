@@ -221,16 +221,11 @@ class VerifyWork(Work):
 
     def score_fed(self, rows: torch.Tensor, complete: bool) -> torch.Tensor:
         """Prompt logprobs: the rows of the fed tokens before the feed's last num_logits, each (position j) scoring the
-        token at j + 1 under log-softmax of the raw logits, and its rank there; returns the last num_logits rows (the
-        verdict's)."""
+        token at j + 1 (_scores); returns the last num_logits rows (the verdict's)."""
         n = len(rows) - (self.num_logits if complete else 0)
         if n > 0:
             tokens, self.scored = self.scored[:n], self.scored[n:]
-            lp = rows[:n].log_softmax(dim=-1)
-            chosen, ids, vals = top_logprobs(lp, longs(tokens, rows.device), self.prompt_logprobs)
-            ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
-            self.prompt_scores += [TokenLogprobs(*x) for x in zip(tokens, chosen.tolist(), ids.tolist(), vals.tolist(),
-                                                                  ranks.tolist())]
+            self.prompt_scores += _scores(rows[:n], tokens, self.prompt_logprobs)
         return rows[max(n, 0):]
 
     def committed_features(self, path: list[int], cached_len: int) -> tuple[torch.Tensor, int]:
@@ -354,6 +349,21 @@ def _logprobs(works, logits, outcomes, vocab_size) -> list[list[TokenLogprobs]]:
         out.append([TokenLogprobs(t, chosen[start + j], ids[start + j][: w.logprobs], vals[start + j][: w.logprobs])
                     for j, t in enumerate(c)])
     return out
+
+
+def _scores(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprobs]:
+    """Each row's token scored under the log-softmax of the raw logits [R, V], with its top_n alternatives and its
+    rank (1 + the entries above it). The logits less their log-sum-exp rather than a log-softmax of every entry, and
+    the rank counted in numpy on a CPU: 17 against 41 ms for 128 rows of 49,152 on this project's CPU."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
+    picked = logits.gather(-1, longs(tokens, logits.device)[:, None])  # [R, 1]
+    vals, ids = torch.topk(logits, min(top_n, logits.shape[-1]), dim=-1)
+    if logits.device.type == "cpu":
+        ranks = ((logits.numpy() > picked.numpy()).sum(axis=-1) + 1).tolist()
+    else:
+        ranks = ((logits > picked).sum(dim=-1) + 1).tolist()
+    chosen, vals = (picked - lse)[:, 0].tolist(), (vals - lse).tolist()  # one copy to the host each
+    return [TokenLogprobs(*x) for x in zip(tokens, chosen, ids.tolist(), vals, ranks)]
 
 
 def _verify_trees(works: list[VerifyWork], logits: list[torch.Tensor], vocab_size: int) -> list[tuple[list[int], int]]:
