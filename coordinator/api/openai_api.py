@@ -63,7 +63,7 @@ class ApiError(Exception):
         for ours, theirs in (words or {}).items():
             if param is not None and (param == ours or param.startswith((ours + "[", ours + "."))):
                 param = theirs + param[len(ours):]
-                if ours in RENAMED_IN_MESSAGES:
+                if ours in RENAMED_IN_MESSAGES or ours.startswith("response_format."):
                     message = message.replace(ours, theirs)
                 break
         return cls(HTTP_STATUS.get(e.code, 500), message, param=param, code=e.code.name.lower())
@@ -130,7 +130,14 @@ def invalid_json(body: bytes, err: dict) -> ApiError:
 def api_words(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> dict[str, str]:
     """GenerateRequest field -> this request's parameter, for errors (ApiError.from_request_error)."""
     max_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
-    return {"max_new_tokens": max_param, "chat.messages": "messages", "prompt": "messages" if chat else "prompt"}
+    words = {"max_new_tokens": max_param, "chat.messages": "messages", "prompt": "messages" if chat else "prompt"}
+    constraint = body.constraint_param()  # (vLLM's fields: a grammar that does not compile is named as it came)
+    if constraint == "structured_outputs":
+        kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object") if body.structured_outputs.get(k) is not None)
+        constraint = f"structured_outputs.{kind}"
+    if constraint != "response_format":
+        words.update({f"response_format.{f}": constraint for f in ("json_schema", "json_object", "regex", "lark")})
+    return words
 
 
 def create_app(frontend: Frontend, auth_token: str | None = None, max_body_bytes: int = 4 * 2**20,

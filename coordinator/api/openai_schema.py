@@ -67,6 +67,9 @@ class Message(_Body):
         return "".join(p.text for p in self.content)
 
 
+CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _Common(_Body):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)  # default: the server's default_max_new_tokens
@@ -91,6 +94,14 @@ class _Common(_Body):
     repetition_penalty: float | None = None  # vLLM's extra: (0, 2], 1 = off
     min_p: float | None = None  # vLLM's extra: [0, 1], 0 = off
     prompt_logprobs: int | None = None  # vLLM's extra: score the prompt, with this many alternatives a token (0..20)
+    # Structured output, at most one of: OpenAI's response_format; vLLM's structured_outputs ({"json" | "regex" |
+    # "choice" | "grammar" | "json_object": ...}) or its older guided_json / guided_regex / guided_choice / guided_grammar
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -112,6 +123,44 @@ class _Common(_Body):
                 r.seed = (self.seed + i) % 2**64
             reqs.append(r)
         return reqs
+
+    def constraint_param(self) -> str:
+        """The field the request's structured output came in (response_format when none)."""
+        return next((name for name in CONSTRAINTS if getattr(self, name) is not None), "response_format")
+
+    def _constrain(self, req: generate_pb2.GenerateRequest) -> None:
+        """The request's structured output, in whichever field it came, into GenerateRequest.response_format."""
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise BadRequest(f"structured output: at most one of {', '.join(CONSTRAINTS)}, got {', '.join(given)}",
+                             given[1])
+        if not given:
+            return
+        if given[0] == "response_format":
+            return _response_format(self.response_format, req)
+        if given[0] == "structured_outputs":
+            spec = self.structured_outputs
+            kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if spec.get(k) is not None]
+            if len(kinds) != 1 or set(spec) - set(kinds) - {"disable_any_whitespace", "whitespace_pattern"}:
+                raise BadRequest("structured_outputs: exactly one of json, regex, choice, grammar, json_object",
+                                 "structured_outputs")
+            kind, value, param = kinds[0], spec[kinds[0]], f"structured_outputs.{kinds[0]}"
+        else:
+            kind, value, param = given[0].removeprefix("guided_"), getattr(self, given[0]), given[0]
+        fmt = req.response_format
+        if kind == "json_object":
+            fmt.json_object = True
+        elif kind == "json":
+            fmt.json_schema = _json_text(value, param)
+        elif kind == "regex" and isinstance(value, str):
+            fmt.regex = value
+        elif kind == "grammar" and isinstance(value, str):
+            fmt.lark = value
+        elif kind == "choice" and isinstance(value, list) and value and all(isinstance(c, str) and c for c in value):
+            fmt.lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)  # the choices, literally
+        else:
+            raise BadRequest(f"{param}: a {'non-empty list of non-empty strings' if kind == 'choice' else 'string'} is "
+                             "required", param)
 
     def _fill(self, req: generate_pb2.GenerateRequest, max_new_tokens: int | None) -> generate_pb2.GenerateRequest:
         if self.prompt_logprobs is not None:  # (one count for both: each reply trims its own, Reply.top)
@@ -154,7 +203,6 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def top(self) -> int:
@@ -177,11 +225,11 @@ class ChatCompletionRequest(_Common):
             raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         tools = self.tool_use()
         req = generate_pb2.GenerateRequest()
-        _response_format(self.response_format, req)
+        self._constrain(req)
         if tools is not None and tools.constrained:
             if req.HasField("response_format"):
-                raise BadRequest("response_format cannot be combined with a tool_choice that forces a call",
-                                 "response_format")
+                raise BadRequest(f"{self.constraint_param()} cannot be combined with a tool_choice that forces a call",
+                                 self.constraint_param())
             req.response_format.json_schema = json.dumps(tools.call_schema())
         req.chat.SetInParent()
         messages = [(ROLE_ALIASES.get(m.role, m.role),
@@ -197,6 +245,18 @@ class ChatCompletionRequest(_Common):
         req.logprobs = self.logprobs
         req.top_logprobs = self.top_logprobs or 0
         return self._per_choice(self._fill(req, max_new))
+
+
+def _json_text(schema, param: str) -> str:
+    """A JSON Schema given as an object or as JSON text, as text (BadRequest naming param when it is neither)."""
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    try:
+        if isinstance(schema, str) and isinstance(json.loads(schema), dict):
+            return schema
+    except ValueError:
+        pass
+    raise BadRequest(f"{param}: a JSON Schema (an object, or its JSON text) is required", param)
 
 
 def _response_format(fmt: dict[str, Any] | None, req: generate_pb2.GenerateRequest) -> None:
@@ -271,6 +331,7 @@ class CompletionRequest(_Common):
                     req.token_ids.ids.extend(prompt)
                 except (ValueError, TypeError):
                     raise BadRequest("prompt: token ids must be 32-bit integers", "prompt") from None
+            self._constrain(req)
             if self.logprobs is not None:  # OpenAI's completions: the number of alternatives, 0 = the chosen token only
                 req.logprobs, req.top_logprobs = True, self.logprobs
                 req.prompt_logprobs = self.echo  # echo with logprobs: the prompt's tokens scored too
