@@ -4,7 +4,7 @@ still become a stop string)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from specdec.proto import generate_pb2
@@ -15,16 +15,18 @@ UNFINISHED = FinishReason.FINISH_REASON_UNSPECIFIED
 
 class Output:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, eos: set[int],
-                 stop: Sequence[str] = ()) -> None:
-        """eos: the token ids that end the generation (empty with ignore_eos); stop: stop strings."""
+                 stop: Sequence[str] = (), stop_ids: Set[int] = frozenset()) -> None:
+        """eos: the token ids that end the generation (empty with ignore_eos); stop: stop strings; stop_ids: tokens
+        that end it with FINISH_REASON_STOP."""
         self.max_new_tokens = max_new_tokens
-        self.eos = eos
+        self.eos, self.stop_ids = eos, stop_ids
         self.detok = IncrementalDetokenizer(tokenizer, list(prompt_ids))
         self.stop = StopMatcher(list(stop))
         self.text = ""  # the output's text so far (cut at a stop string)
         self.streamed = 0  # characters of it already streamed
         self.generated = 0  # tokens committed
         self.finish = UNFINISHED if max_new_tokens > 0 else FinishReason.FINISH_REASON_LENGTH  # (0: the prompt scored only)
+        self.cut = False  # a stop string ended the text (nothing after it is text)
 
     @property
     def finished(self) -> bool:
@@ -44,6 +46,9 @@ class Output:
         chunk: list[int] = []
         for tok in tokens:
             chunk.append(tok)
+            if tok in self.stop_ids:
+                self.finish = FinishReason.FINISH_REASON_STOP
+                break
             if tok in self.eos:
                 self.finish = FinishReason.FINISH_REASON_EOS
                 break
@@ -58,10 +63,15 @@ class Output:
                 if at >= 0:
                     self.text = self.text[:at]
                     chunk = chunk[: i + 1]
-                    self.finish = FinishReason.FINISH_REASON_STOP
+                    self.finish, self.cut = FinishReason.FINISH_REASON_STOP, True
                     break
         else:
             self.text += self.detok.push_many(chunk)
+        if self.finished and not self.cut:  # the text an incomplete last character held back, as it decodes
+            before = len(self.text)
+            self.text += self.detok.flush()
+            if (at := self.stop.find(self.text, before) if self.stop.stops else -1) >= 0:
+                self.text, self.finish, self.cut = self.text[:at], FinishReason.FINISH_REASON_STOP, True
         self.generated += len(chunk)
         return chunk
 
@@ -83,6 +93,8 @@ class Output:
 
     def tail(self) -> generate_pb2.GenerateResponse | None:
         """Text held back until the end, if any."""
+        if not self.cut:  # (an end the tokens did not make: the context full)
+            self.text += self.detok.flush()
         if self.streamed >= len(self.text):
             return None
         text, self.streamed = self.text[self.streamed:], len(self.text)

@@ -24,6 +24,7 @@ class GenerationParams:
     num_speculative_tokens: int | None  # K; None = adaptive
     proposer: Proposer = HYBRID
     stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end the output (FINISH_REASON_STOP), EOS or not
     ignore_eos: bool = False
     cache_key: str = ""  # routes the session to the replicas that served the same key (prompt_cache_key)
     logprobs: int = -1  # -1: no logprobs; n >= 0: each token's logprob and the top n alternatives

@@ -215,13 +215,13 @@ class Pipeline:
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         if draft is not None and self._direct(params, features):
             direct = DirectRounds(self.draft, (target.session, draft), key, min(params.num_speculative_tokens, max_k),
-                                  sampling, params.seed, eos, params.logprobs, fingerprint, stats, time_left,
+                                  sampling, params.seed, eos | params.stop_token_ids, params.logprobs, fingerprint, stats, time_left,
                                   speculate=c.overlap and not head)  # (a head has no speculation cache)
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
         drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
                           coordinator=self.coordinator_cost)
-        output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop)
+        output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop, params.stop_token_ids)
         constraint = (params.grammar.session(jump_forward=params.logprobs < 0)
                       if params.grammar is not None else NoConstraint())
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,

@@ -31,6 +31,15 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def flush(self) -> str:
+        """The text held back, at the end of the output: the tokens since the last delta as the tokenizer decodes
+        them, an incomplete character at the end as U+FFFD (vLLM's and TGI's last delta)."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
 
 class StopMatcher:
     """Finds the first stop string in a growing text and says how much text is safe to stream."""

@@ -42,6 +42,29 @@ def test_self_draft_sampling_accepts_everything(self_draft_cluster):
     assert flat.stats["acceptance_rate"] < 0.6
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["coordinator-rounds", "direct-rounds"])
+def test_a_stop_token_inside_an_accepted_block(self_draft_cluster, tiny_target_model, direct):
+    """stop_token_ids (vLLM's): a token of the greedy output, inside a block the self-draft has accepted whole, ends
+    the output there with finish reason stop, also with ignore_eos, in the coordinator's rounds, at a fixed K whose
+    rounds the draft tier may run (direct), and through the OpenAI API with the official client."""
+    import openai
+
+    ref = reference_greedy(tiny_target_model, PROMPT, 24, None)
+    idx = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i] and ref[i] != 2)
+    kw = dict(token_ids=PROMPT, max_new_tokens=24, stop_token_ids=[ref[idx], 7], ignore_eos=True, proposer="draft")
+    with Client(self_draft_cluster.address) as c:
+        out = c.generate(num_speculative_tokens=5 if direct else None, **kw)
+    assert out.token_ids == ref[: idx + 1] and out.finish_reason == "stop"
+    oai = openai.OpenAI(base_url=self_draft_cluster.http_url + "/v1", api_key="x", max_retries=0)
+    r = oai.completions.create(model=self_draft_cluster.coordinator.frontend.model_name, prompt=PROMPT, max_tokens=24,
+                               extra_body={"stop_token_ids": [ref[idx]], "ignore_eos": True})
+    assert r.choices[0].text == out.text and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=self_draft_cluster.coordinator.frontend.model_name, prompt=PROMPT, max_tokens=4,
+                               extra_body={"stop_token_ids": [10**6]})
+    assert e.value.body["param"] == "stop_token_ids"
+
+
 def test_eos_inside_an_accepted_block(tiny_dir, tiny_target_model):
     """Declare a token of the greedy output to be EOS: with the target as its own draft the block that
     contains it is accepted whole, and the coordinator must truncate right after it."""

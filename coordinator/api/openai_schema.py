@@ -78,6 +78,7 @@ class _Common(_Body):
     n: int = 1  # choices: n generations, 1..MAX_N
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extra: tokens that end the output (finish_reason stop)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None  # [-2, 2]; ranges are the shared validator's
@@ -167,6 +168,10 @@ class _Common(_Body):
             req.prompt_logprobs, req.top_logprobs = True, max(req.top_logprobs, self.prompt_logprobs)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         req.stop.extend(stop)
+        try:
+            req.stop_token_ids.extend(self.stop_token_ids or [])
+        except (ValueError, TypeError):
+            raise BadRequest("stop_token_ids: token ids must be 32-bit integers", "stop_token_ids") from None
         req.ignore_eos = self.ignore_eos
         req.whole_result = not self.stream  # nothing reads the tokens before the end: rounds may run on further
         key_field = "prompt_cache_key" if self.prompt_cache_key else "user"

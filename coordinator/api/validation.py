@@ -18,6 +18,7 @@ from specdec.core.errors import RequestError, check_token_ids, invalid_argument
 CHAT_ROLES = {"system", "user", "assistant", "tool"}  # "tool": a function call's result (OpenAI tools)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap; the target's too)
 
 
@@ -79,6 +80,13 @@ class RequestValidator:
         for s in r.stop:
             if not s or len(s) > MAX_STOP_LEN:
                 raise invalid_argument(f"stop: each string must have 1..{MAX_STOP_LEN} characters", "stop")
+        if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid_argument(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(r.stop_token_ids)}",
+                                   "stop_token_ids")
+        try:
+            check_token_ids(r.stop_token_ids, self.pipeline.target_info.vocab_size, "stop_token_ids")
+        except RequestError as e:
+            raise invalid_argument(e.message, "stop_token_ids") from None
         seed = r.seed if r.HasField("seed") else secrets.randbits(63)
         if len(r.prompt_cache_key) > MAX_CACHE_KEY_LEN:
             raise invalid_argument(f"prompt_cache_key: at most {MAX_CACHE_KEY_LEN} characters, got {len(r.prompt_cache_key)}")
@@ -107,6 +115,7 @@ class RequestValidator:
                                        "penalty (their rounds verify chains); leave it unset or 0", "num_speculative_nodes")
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
+                                stop_token_ids=frozenset(r.stop_token_ids),
                                 cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
                                 response_format=response_format, grammar=grammar, tree_nodes=nodes,
                                 whole_result=r.whole_result, prompt_logprobs=r.top_logprobs if r.prompt_logprobs else -1)

@@ -67,11 +67,11 @@ class Drafter:
         strategies = self.strategies if local or (self.strategies and not draft_down) else [self.fallback]
         strategies = [s for s in strategies if s.ready]  # (one still indexing the prompt is asked from the next round)
         # The run-on of rounds that run on in a streak: further where no reader waits on a round's end (the whole
-        # result read, or the run-on streamed in parts), unless a stop string (which only the coordinator sees) may
-        # end the answer inside a long run-on, its steps then wasted
+        # result read, or the run-on streamed in parts), unless a stop string or token (which only the coordinator
+        # sees) may end the answer inside a long run-on, its steps then wasted
         c = self.policy.config
         parts = c.run_on_part if not self.params.whole_result and self.params.logprobs < 0 else 0
-        long = (self.params.whole_result or parts > 0) and not self.params.stop
+        long = (self.params.whole_result or parts > 0) and not (self.params.stop or self.params.stop_token_ids)
         cap = min(c.run_on_whole if long else c.run_on, max(limit - 1, 0))
         run_on = run_on_at(self._alone, cap)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked

@@ -61,6 +61,7 @@ def build_request(
     response_format: dict | None = None,
     whole_result: bool = False,
     prompt_logprobs: bool = False,
+    stop_token_ids: Sequence[int] = (),
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
     proposer: a name or alias of specdec.core.proposer_names (e.g. "suffix", "draft_model" or its alias "draft").
@@ -74,7 +75,8 @@ def build_request(
     req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos, prompt_cache_key=prompt_cache_key,
                                        proposer=Proposer.parse(proposer).proto if proposer is not None else 0,
                                        logit_bias=logit_bias or {}, logprobs=logprobs, top_logprobs=top_logprobs,
-                                       whole_result=whole_result, prompt_logprobs=prompt_logprobs)
+                                       whole_result=whole_result, prompt_logprobs=prompt_logprobs,
+                                       stop_token_ids=list(stop_token_ids))
     if response_format:
         req.response_format.CopyFrom(generate_pb2.ResponseFormat(**response_format))
     if prompt is not None:
