@@ -281,3 +281,26 @@ def test_client_gone_before_a_whole_answer_frees_sessions(cluster, model):
     assert value(after, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total") < 900
     assert value(after, "vllm:request_success_total", finished_reason="abort") - \
         value(before, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_an_answer_continues_a_prefilled_assistant_message(cluster, oai, model):
+    """continue_final_message (vLLM's): the template renders the last (assistant's) message open and the answer is
+    the continuation of exactly those tokens, as the gRPC API gives it for them; with add_generation_prompt, or a
+    last message that is not the assistant's, a 400 naming it."""
+    tok = cluster.coordinator.frontend.pipeline.tokenizer
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+    ids = tok.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    assert tok.decode(ids).endswith("My answer is")
+    with Client(cluster.address) as client:
+        want = client.generate(token_ids=ids, max_new_tokens=8, ignore_eos=True)
+        got = client.generate(messages=messages, continue_final_message=True, max_new_tokens=8, ignore_eos=True)
+    assert got.token_ids == want.token_ids and got.stats["prompt_tokens"] == len(ids)
+    r = oai.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                    extra_body={"continue_final_message": True, "ignore_eos": True})
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == len(ids)
+    for extra, bad in (({"continue_final_message": True, "add_generation_prompt": True}, messages),
+                       ({"continue_final_message": True}, messages[:1])):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=model, messages=bad, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == "continue_final_message", e.value.body

@@ -44,7 +44,7 @@ HTTP_STATUS = {
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # gRPC field names the OpenAI API spells otherwise, also in error messages.
-RENAMED_IN_MESSAGES = ("max_new_tokens", "chat.messages")
+RENAMED_IN_MESSAGES = ("max_new_tokens", "chat.messages", "chat.continue_final_message")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 STREAM_ERROR = "specdec.stream_error"  # scope key: the status of an error sent inside a started stream
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
@@ -130,7 +130,8 @@ def invalid_json(body: bytes, err: dict) -> ApiError:
 def api_words(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> dict[str, str]:
     """GenerateRequest field -> this request's parameter, for errors (ApiError.from_request_error)."""
     max_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
-    words = {"max_new_tokens": max_param, "chat.messages": "messages", "prompt": "messages" if chat else "prompt"}
+    words = {"max_new_tokens": max_param, "chat.messages": "messages", "prompt": "messages" if chat else "prompt",
+             "chat.continue_final_message": "continue_final_message"}
     constraint = body.constraint_param()  # (vLLM's fields: a grammar that does not compile is named as it came)
     if constraint == "structured_outputs":
         kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object") if body.structured_outputs.get(k) is not None)

@@ -208,6 +208,8 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    continue_final_message: bool = False  # vLLM's extra: the answer continues the last (assistant's) message
+    add_generation_prompt: bool | None = None  # vLLM's extra: the template's assistant opening (default: unless the above)
 
     @property
     def top(self) -> int:
@@ -246,6 +248,9 @@ class ChatCompletionRequest(_Common):
                 messages.insert(0, ("system", tools.system_text()))
         for role, content in messages:
             req.chat.messages.add(role=role, content=content)
+        req.chat.continue_final_message = self.continue_final_message
+        if self.add_generation_prompt is not None:
+            req.chat.add_generation_prompt = self.add_generation_prompt
         max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         req.logprobs = self.logprobs
         req.top_logprobs = self.top_logprobs or 0

@@ -138,7 +138,13 @@ class RequestValidator:
             if not tok.chat_template:
                 raise invalid_argument("the model's tokenizer has no chat template; send text or token_ids")
             messages = [{"role": m.role, "content": m.content} for m in r.chat.messages]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            chat = r.chat
+            opening = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not chat.continue_final_message
+            if chat.continue_final_message and (opening or messages[-1]["role"] != "assistant"):
+                raise invalid_argument("chat.continue_final_message: the last message must be the assistant's, and "
+                                       "add_generation_prompt not set", "chat.continue_final_message")
+            ids = tok.apply_chat_template(messages, add_generation_prompt=opening,
+                                          continue_final_message=chat.continue_final_message, tokenize=True)
             if not isinstance(ids, list):  # BatchEncoding in newer transformers
                 ids = ids["input_ids"]
         else:

@@ -62,6 +62,7 @@ def build_request(
     whole_result: bool = False,
     prompt_logprobs: bool = False,
     stop_token_ids: Sequence[int] = (),
+    continue_final_message: bool = False,
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
     proposer: a name or alias of specdec.core.proposer_names (e.g. "suffix", "draft_model" or its alias "draft").
@@ -69,7 +70,8 @@ def build_request(
     response_format: structured output, one of {"json_object": True}, {"json_schema": "<schema JSON>"},
     {"regex": "..."}, {"lark": "..."} (generate.proto's ResponseFormat). whole_result: nothing reads the tokens
     before the end, so rounds may commit more of them (generate.proto). prompt_logprobs: score the prompt first
-    (with max_new_tokens 0, only that)."""
+    (with max_new_tokens 0, only that). stop_token_ids: tokens that end the output. continue_final_message: the
+    answer continues the last message of `messages` (an assistant's)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     req = generate_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos, prompt_cache_key=prompt_cache_key,
@@ -83,6 +85,7 @@ def build_request(
         req.text = prompt
     elif messages is not None:
         req.chat.messages.extend(generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.chat.continue_final_message = continue_final_message
     else:
         req.token_ids.ids.extend(token_ids)
         if not token_ids:
