@@ -15,13 +15,13 @@ UNFINISHED = FinishReason.FINISH_REASON_UNSPECIFIED
 
 class Output:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, eos: set[int],
-                 stop: Sequence[str] = (), stop_ids: Set[int] = frozenset()) -> None:
-        """eos: the token ids that end the generation (empty with ignore_eos); stop: stop strings; stop_ids: tokens
-        that end it with FINISH_REASON_STOP."""
+                 stop: Sequence[str] = (), stop_ids: Set[int] = frozenset(), include_stop: bool = False) -> None:
+        """eos: the token ids that end the generation (empty with ignore_eos); stop: stop strings (include_stop: the
+        text keeps the one it ends at); stop_ids: tokens that end it with FINISH_REASON_STOP."""
         self.max_new_tokens = max_new_tokens
         self.eos, self.stop_ids = eos, stop_ids
         self.detok = IncrementalDetokenizer(tokenizer, list(prompt_ids))
-        self.stop = StopMatcher(list(stop))
+        self.stop = StopMatcher(list(stop), include_stop)
         self.text = ""  # the output's text so far (cut at a stop string)
         self.streamed = 0  # characters of it already streamed
         self.generated = 0  # tokens committed

@@ -25,6 +25,7 @@ class GenerationParams:
     proposer: Proposer = HYBRID
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the output (FINISH_REASON_STOP), EOS or not
+    include_stop: bool = False  # the text keeps the stop string it ends at
     ignore_eos: bool = False
     cache_key: str = ""  # routes the session to the replicas that served the same key (prompt_cache_key)
     logprobs: int = -1  # -1: no logprobs; n >= 0: each token's logprob and the top n alternatives

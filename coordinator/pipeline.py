@@ -221,7 +221,8 @@ class Pipeline:
         drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
                           coordinator=self.coordinator_cost)
-        output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop, params.stop_token_ids)
+        output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop, params.stop_token_ids,
+                        params.include_stop)
         constraint = (params.grammar.session(jump_forward=params.logprobs < 0)
                       if params.grammar is not None else NoConstraint())
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,

@@ -44,15 +44,21 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Finds the first stop string in a growing text and says how much text is safe to stream."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
+        """include: the text keeps the stop string (vLLM's include_stop_str_in_output); else it ends before it."""
         self.stops = [s for s in stops if s]
+        self.include = include
         self.hold = max((len(s) for s in self.stops), default=1) - 1  # chars that may start a stop
 
     def find(self, text: str, new_from: int) -> int:
-        """Index where a stop string begins, searching only matches that end after `new_from`; -1 if none."""
+        """Where the text ends at the first stop string (before it, or after it with include), searching only
+        matches that end after `new_from`; -1 if none."""
         start = max(0, new_from - self.hold)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else -1
+        hits = [(i, len(s)) for s in self.stops if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return -1
+        i, n = min(hits)
+        return i + n if self.include else i
 
     def safe_len(self, text: str) -> int:
         """Length of the prefix of `text` that cannot be part of a future stop string."""

@@ -304,3 +304,15 @@ def test_an_answer_continues_a_prefilled_assistant_message(cluster, oai, model):
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(model=model, messages=bad, max_tokens=2, extra_body=extra)
         assert e.value.body["param"] == "continue_final_message", e.value.body
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(oai, model):
+    """vLLM's include_stop_str_in_output: the same answer cut at the same stop string, which it keeps."""
+    kw = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    whole = oai.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    stop = whole[6:9]
+    assert stop and whole.index(stop) == 6
+    cut = oai.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    kept = oai.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert cut.text == whole[:6] and kept.choices[0].text == whole[:9]
+    assert cut.finish_reason == kept.choices[0].finish_reason == "stop"

@@ -56,3 +56,14 @@ def test_a_stop_strings_cut_stays_cut(tokenizer):
     stop = whole[len(tokenizer.decode(TOKENS[:1])) + 1 : len(tokenizer.decode(TOKENS[:1])) + 3]
     out, tokens, text = streamed(tokenizer, [TOKENS], max_new=4, stop=[stop])
     assert out.finish == FinishReason.FINISH_REASON_STOP and text == out.text == whole[: whole.index(stop)]
+
+
+def test_a_stop_string_kept_with_include(tokenizer):
+    """include_stop_str_in_output: the text ends after the stop string, at the same token."""
+    whole = tokenizer.decode(TOKENS[:3], skip_special_tokens=True)
+    stop = whole[3:6]
+    cut, tokens_cut, text_cut = streamed(tokenizer, [TOKENS], stop=[stop])
+    kept = Output(tokenizer, PROMPT, 64, set(), [stop], include_stop=True)
+    chunk = kept.take(TOKENS)
+    assert chunk == tokens_cut and kept.finish == cut.finish == FinishReason.FINISH_REASON_STOP
+    assert text_cut == whole[:3] and kept.text == whole[:6]

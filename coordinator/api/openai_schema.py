@@ -79,6 +79,7 @@ class _Common(_Body):
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extra: tokens that end the output (finish_reason stop)
+    include_stop_str_in_output: bool = False  # vLLM's extra: the text keeps the stop string it ends at
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None  # [-2, 2]; ranges are the shared validator's
@@ -168,6 +169,7 @@ class _Common(_Body):
             req.prompt_logprobs, req.top_logprobs = True, max(req.top_logprobs, self.prompt_logprobs)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         req.stop.extend(stop)
+        req.include_stop_str_in_output = self.include_stop_str_in_output
         try:
             req.stop_token_ids.extend(self.stop_token_ids or [])
         except (ValueError, TypeError):

@@ -115,7 +115,7 @@ class RequestValidator:
                                        "penalty (their rounds verify chains); leave it unset or 0", "num_speculative_nodes")
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
-                                stop_token_ids=frozenset(r.stop_token_ids),
+                                stop_token_ids=frozenset(r.stop_token_ids), include_stop=r.include_stop_str_in_output,
                                 cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
                                 response_format=response_format, grammar=grammar, tree_nodes=nodes,
                                 whole_result=r.whole_result, prompt_logprobs=r.top_logprobs if r.prompt_logprobs else -1)
