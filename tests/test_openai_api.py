@@ -316,3 +316,15 @@ def test_include_stop_str_in_output_keeps_the_stop_string(oai, model):
     kept = oai.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert cut.text == whole[:6] and kept.choices[0].text == whole[:9]
     assert cut.finish_reason == kept.choices[0].finish_reason == "stop"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(cluster, oai, model):
+    """vLLM's truncate_prompt_tokens: the answer a prompt of its last k tokens gets; k < 1 a 400 naming it."""
+    ids = [1, 9690, 198, 2683, 359, 504, 3937, 282]
+    want = grpc_generate(cluster, token_ids=ids[-5:], max_new_tokens=6, ignore_eos=True)
+    r = oai.completions.create(model=model, prompt=ids, max_tokens=6, extra_body={"truncate_prompt_tokens": 5,
+                                                                                  "ignore_eos": True})
+    assert r.choices[0].text == want.text and r.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["param"] == "truncate_prompt_tokens"

@@ -37,6 +37,11 @@ class RequestValidator:
         """The request as GenerationParams, or RequestError(INVALID_ARGUMENT) naming the field."""
         c = self.config
         prompt_ids = self._prompt_ids(r)
+        if r.HasField("truncate_prompt_tokens"):
+            if r.truncate_prompt_tokens < 1:
+                raise invalid_argument(f"truncate_prompt_tokens must be >= 1, got {r.truncate_prompt_tokens}",
+                                       "truncate_prompt_tokens")
+            prompt_ids = prompt_ids[-r.truncate_prompt_tokens:]
         context = self.pipeline.target_info.max_context
         if len(prompt_ids) > c.max_prompt_tokens:
             raise invalid_argument(f"prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={c.max_prompt_tokens}", "prompt")
