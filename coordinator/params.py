@@ -26,6 +26,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the output (FINISH_REASON_STOP), EOS or not
     include_stop: bool = False  # the text keeps the stop string it ends at
+    min_tokens: int = 0  # EOS and the stop tokens refused until the output holds this many (coordinator.min_tokens)
     ignore_eos: bool = False
     cache_key: str = ""  # routes the session to the replicas that served the same key (prompt_cache_key)
     logprobs: int = -1  # -1: no logprobs; n >= 0: each token's logprob and the top n alternatives

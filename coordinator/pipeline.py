@@ -15,6 +15,7 @@ import grpc
 from coordinator.constraint import GrammarCompiler, NoConstraint
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
+from coordinator.min_tokens import MinTokens
 from coordinator.output import Output
 from coordinator.params import GenerationParams
 from coordinator.proposers.coordinator_cost import CoordinatorCost
@@ -223,8 +224,9 @@ class Pipeline:
                           coordinator=self.coordinator_cost)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop, params.stop_token_ids,
                         params.include_stop)
-        constraint = (params.grammar.session(jump_forward=params.logprobs < 0)
-                      if params.grammar is not None else NoConstraint())
+        constraint = (params.grammar.session(jump_forward=params.logprobs < 0) if params.grammar is not None
+                      else MinTokens(params.min_tokens, eos | params.stop_token_ids, self.target_info.vocab_size)
+                      if params.min_tokens else NoConstraint())
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
                           max_context=self.target_info.max_context, session_id=session_id, constraint=constraint,
                           direct=direct)
@@ -232,10 +234,11 @@ class Pipeline:
     def _direct(self, params: GenerationParams, features: SessionFeatures | None) -> bool:
         """Whether the draft tier runs the session's rounds (direct_rounds): the draft model (or an EAGLE-3 head, its
         rows going from the target to the draft replica) alone at the request's own K, proposing chains, with no
-        grammar; with a head, a prompt whose rows fit one request (a longer one goes in parts: the loop's own rounds)."""
+        grammar or min_tokens (masks); with a head, a prompt whose rows fit one request (a longer one goes in parts: the
+        loop's own rounds)."""
         nodes = self.config.draft_tree_nodes if params.tree_nodes is None else params.tree_nodes
         fits = features is None or len(params.prompt_ids) * features.row_bytes <= FEATURE_PART_BYTES
-        return (self.direct_rounds and params.proposer == DRAFT_MODEL and params.grammar is None
+        return (self.direct_rounds and params.proposer == DRAFT_MODEL and params.grammar is None and not params.min_tokens
                 and bool(params.num_speculative_tokens) and not nodes and fits)
 
     @property

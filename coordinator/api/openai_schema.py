@@ -81,6 +81,7 @@ class _Common(_Body):
     stop_token_ids: list[int] | None = None  # vLLM's extra: tokens that end the output (finish_reason stop)
     include_stop_str_in_output: bool = False  # vLLM's extra: the text keeps the stop string it ends at
     truncate_prompt_tokens: int | None = None  # vLLM's extra: keep only the prompt's last this many tokens
+    min_tokens: int | None = None  # vLLM's extra: EOS and the stop tokens refused until the output holds this many
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None  # [-2, 2]; ranges are the shared validator's
@@ -190,7 +191,7 @@ class _Common(_Body):
             except (ValueError, TypeError):
                 raise BadRequest(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias") from None
         values = {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "truncate_prompt_tokens": self.truncate_prompt_tokens,
+                  "truncate_prompt_tokens": self.truncate_prompt_tokens, "min_tokens": self.min_tokens,
                   "top_k": self.top_k, "seed": self.seed, "num_speculative_tokens": self.num_speculative_tokens,
                   "num_speculative_nodes": self.num_speculative_nodes, "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                   "repetition_penalty": self.repetition_penalty, "min_p": self.min_p}

@@ -107,6 +107,11 @@ class RequestValidator:
             except ConstraintError as e:
                 raise invalid_argument(str(e), str(e).split(":")[0]) from None
             response_format = r.response_format
+        if not 0 <= r.min_tokens <= max_new:
+            raise invalid_argument(f"min_tokens must be in [0, max_new_tokens = {max_new}], got {r.min_tokens}", "min_tokens")
+        if r.min_tokens and response_format is not None:
+            raise invalid_argument("min_tokens: not with response_format (the grammar decides where the output ends)",
+                                   "min_tokens")
         nodes = None
         if r.HasField("num_speculative_nodes"):
             nodes = r.num_speculative_nodes
@@ -121,6 +126,7 @@ class RequestValidator:
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
                                 stop_token_ids=frozenset(r.stop_token_ids), include_stop=r.include_stop_str_in_output,
+                                min_tokens=r.min_tokens,
                                 cache_key=r.prompt_cache_key, logprobs=r.top_logprobs if r.logprobs else -1,
                                 response_format=response_format, grammar=grammar, tree_nodes=nodes,
                                 whole_result=r.whole_result, prompt_logprobs=r.top_logprobs if r.prompt_logprobs else -1)

@@ -63,6 +63,7 @@ def build_request(
     prompt_logprobs: bool = False,
     stop_token_ids: Sequence[int] = (),
     continue_final_message: bool = False,
+    min_tokens: int | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Exactly one of prompt / messages / token_ids; None leaves a field to the server's default.
     proposer: a name or alias of specdec.core.proposer_names (e.g. "suffix", "draft_model" or its alias "draft").
@@ -94,7 +95,7 @@ def build_request(
                         ("top_p", top_p), ("seed", seed), ("num_speculative_tokens", num_speculative_tokens),
                         ("num_speculative_nodes", num_speculative_nodes),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                        ("repetition_penalty", repetition_penalty), ("min_p", min_p)):
+                        ("repetition_penalty", repetition_penalty), ("min_p", min_p), ("min_tokens", min_tokens)):
         if value is not None:
             setattr(req, name, value)
     return req
