@@ -328,3 +328,24 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(cluster, oai, mode
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=model, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
     assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(cluster, oai, model):
+    """/tokenize gives a prompt's ids as a request gets them (a chat's through the template: the usage's prompt
+    tokens), /detokenize the text of ids; bad input a 400 naming the field, another model a 404."""
+    tok = cluster.pipeline.tokenizer
+    url = cluster.http_url
+    r = httpx.post(url + "/tokenize", json={"model": model, "prompt": "Hello world"}, timeout=30).json()
+    assert r["tokens"] == tok("Hello world")["input_ids"] and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    usage = oai.chat.completions.create(model=model, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens and tok.decode(chat["tokens"]).endswith("assistant\n")
+    back = httpx.post(url + "/detokenize", json={"model": model, "tokens": r["tokens"]}, timeout=30).json()
+    assert back == {"prompt": "Hello world"}
+    for path, body, status, param in (("/tokenize", {"prompt": "a", "messages": messages}, 400, "prompt"),
+                                      ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": "x"}, 400, "tokens"),
+                                      ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model")):
+        bad = httpx.post(url + path, json=body, timeout=30)
+        assert bad.status_code == status and bad.json()["error"]["param"] == param, bad.text

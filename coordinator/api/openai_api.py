@@ -30,7 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coordinator.api.frontend import Frontend
 from coordinator.api.http_guard import BearerGuard, BodyLimit
 from coordinator.api.openai_reply import Choice, Indexed, Reply
-from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest, CompletionRequest
+from coordinator.api.openai_schema import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           TokenizeRequest)
 from specdec.proto import generate_pb2
 from specdec.serving.metrics import METRICS_CONTENT_TYPE, RpcMetrics, exposition
 from specdec.core.errors import RequestError
@@ -45,7 +46,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # gRPC field names the OpenAI API spells otherwise, also in error messages.
 RENAMED_IN_MESSAGES = ("max_new_tokens", "chat.messages", "chat.continue_final_message")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
 STREAM_ERROR = "specdec.stream_error"  # scope key: the status of an error sent inside a started stream
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
@@ -199,6 +200,45 @@ def create_app(frontend: Frontend, auth_token: str | None = None, max_body_bytes
         return {"object": "list", "data": [{
             "id": frontend.model_name, "object": "model", "created": created, "owned_by": "specdec",
             "root": frontend.model_name, "max_model_len": frontend.pipeline.target_info.max_context}]}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != frontend.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{frontend.model_name}`",
+                           param="model", code="model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the prompt's token ids as a generation request gets them (a chat through the template)."""
+        check_model(body.model)
+        try:
+            messages = body.chat()
+        except BadRequest as e:
+            raise ApiError(400, str(e), param=e.param, code="invalid_argument") from None
+        tok = frontend.pipeline.tokenizer
+
+        def ids() -> list[int]:
+            if messages is None:
+                return list(tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+            opening = body.add_generation_prompt if body.add_generation_prompt is not None else not body.continue_final_message
+            out = tok.apply_chat_template(messages, add_generation_prompt=opening, tokenize=True,
+                                          continue_final_message=body.continue_final_message)
+            return list(out if isinstance(out, list) else out["input_ids"])
+
+        try:
+            tokens = await asyncio.get_running_loop().run_in_executor(None, ids)  # (the tokenizer drops the GIL)
+        except (ValueError, TypeError) as e:  # e.g. a template that refuses the messages
+            raise ApiError(400, f"messages: {e}", param="messages", code="invalid_argument") from None
+        return {"count": len(tokens), "max_model_len": frontend.pipeline.target_info.max_context, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's: token ids as text (special tokens included)."""
+        check_model(body.model)
+        vocab = frontend.pipeline.target_info.vocab_size
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise ApiError(400, f"tokens: ids must be in [0, {vocab}), got {bad[:5]}", param="tokens",
+                           code="invalid_argument")
+        return {"prompt": frontend.pipeline.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -352,3 +352,29 @@ class CompletionRequest(_Common):
                 req.prompt_logprobs = self.echo  # echo with logprobs: the prompt's tokens scored too
             reqs += self._per_choice(self._fill(req, self.max_tokens))
         return reqs
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt's tokens as a request with it would be given them."""
+
+    model: str | None = None
+    prompt: str | None = None  # text, tokenized with the tokenizer's special tokens unless add_special_tokens is false
+    messages: list[Message] | None = None  # a chat, rendered with the template
+    add_special_tokens: bool = True
+    add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
+    continue_final_message: bool = False
+
+    def chat(self) -> list[dict] | None:
+        """The messages as the template takes them (None: a text prompt), or BadRequest: not exactly one form."""
+        if (self.prompt is None) == (self.messages is None):
+            raise BadRequest("give exactly one of prompt and messages", "prompt")
+        if self.messages is None:
+            return None
+        return [{"role": ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in self.messages]
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids as text."""
+
+    model: str | None = None
+    tokens: list[int]
