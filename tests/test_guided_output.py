@@ -38,6 +38,7 @@ CASES = [  # (extra body, the gRPC response_format it means, max tokens)
     ({"guided_json": json.dumps(SCHEMA)}, {"json_schema": json.dumps(SCHEMA)}, 24),
     ({"guided_grammar": 'start: "x" | "y" "z"'}, {"lark": 'start: "x" | "y" "z"'}, 8),
     ({"structured_outputs": {"json_object": True}}, {"json_object": True}, 6),
+    ({"guided_choice": CHOICES, "response_format": {"type": "text"}}, {"lark": LARK_CHOICES}, 24),  # (text: none)
 ]
 
 

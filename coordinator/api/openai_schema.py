@@ -128,13 +128,19 @@ class _Common(_Body):
             reqs.append(r)
         return reqs
 
+    def _constraints(self) -> list[str]:
+        """The structured output fields the request sets (response_format {"type": "text"} sets none)."""
+        plain = not self.response_format or self.response_format.get("type") == "text"
+        return [name for name in CONSTRAINTS
+                if getattr(self, name) is not None and not (name == "response_format" and plain)]
+
     def constraint_param(self) -> str:
         """The field the request's structured output came in (response_format when none)."""
-        return next((name for name in CONSTRAINTS if getattr(self, name) is not None), "response_format")
+        return next(iter(self._constraints()), "response_format")
 
     def _constrain(self, req: generate_pb2.GenerateRequest) -> None:
         """The request's structured output, in whichever field it came, into GenerateRequest.response_format."""
-        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        given = self._constraints()
         if len(given) > 1:
             raise BadRequest(f"structured output: at most one of {', '.join(CONSTRAINTS)}, got {', '.join(given)}",
                              given[1])
