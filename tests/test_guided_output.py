@@ -69,6 +69,7 @@ def test_vllms_fields_are_the_grpc_apis_response_format(cluster, oai, model, cha
     ({"guided_json": {"type": "wrong"}}, "guided_json"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
     ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
 ])

@@ -151,9 +151,9 @@ class _Common(_Body):
         if given[0] == "structured_outputs":
             spec = self.structured_outputs
             kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if spec.get(k) is not None]
-            if len(kinds) != 1 or set(spec) - set(kinds) - {"disable_any_whitespace", "whitespace_pattern"}:
-                raise BadRequest("structured_outputs: exactly one of json, regex, choice, grammar, json_object",
-                                 "structured_outputs")
+            if len(kinds) != 1 or set(spec) - set(kinds):  # (its whitespace options are not applied: refused)
+                raise BadRequest("structured_outputs: exactly one of json, regex, choice, grammar, json_object, and "
+                                 f"nothing else (got {sorted(spec)})", "structured_outputs")
             kind, value, param = kinds[0], spec[kinds[0]], f"structured_outputs.{kinds[0]}"
         else:
             kind, value, param = given[0].removeprefix("guided_"), getattr(self, given[0]), given[0]
