@@ -15,10 +15,13 @@ UNFINISHED = FinishReason.FINISH_REASON_UNSPECIFIED
 
 class Output:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, eos: set[int],
-                 stop: Sequence[str] = (), stop_ids: Set[int] = frozenset(), include_stop: bool = False) -> None:
+                 stop: Sequence[str] = (), stop_ids: Set[int] = frozenset(), include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         """eos: the token ids that end the generation (empty with ignore_eos); stop: stop strings (include_stop: the
-        text keeps the one it ends at); stop_ids: tokens that end it with FINISH_REASON_STOP."""
-        self.max_new_tokens = max_new_tokens
+        text keeps the one it ends at); stop_ids: tokens that end it with FINISH_REASON_STOP; min_tokens: no stop
+        string is looked for before the output holds this many tokens (vLLM's; EOS and the stop tokens the target
+        refuses until then: coordinator.min_tokens)."""
+        self.max_new_tokens, self.min_tokens = max_new_tokens, min_tokens
         self.eos, self.stop_ids = eos, stop_ids
         self.detok = IncrementalDetokenizer(tokenizer, list(prompt_ids))
         self.stop = StopMatcher(list(stop), include_stop)
@@ -59,6 +62,8 @@ class Output:
             for i, tok in enumerate(chunk):
                 before = len(self.text)
                 self.text += self.detok.push(tok)
+                if self.generated + i + 1 < self.min_tokens:
+                    continue
                 at = self.stop.find(self.text, before)
                 if at >= 0:
                     self.text = self.text[:at]

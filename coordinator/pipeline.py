@@ -223,7 +223,7 @@ class Pipeline:
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
                           coordinator=self.coordinator_cost)
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop, params.stop_token_ids,
-                        params.include_stop)
+                        params.include_stop, params.min_tokens)
         constraint = (params.grammar.session(jump_forward=params.logprobs < 0) if params.grammar is not None
                       else MinTokens(params.min_tokens, eos | params.stop_token_ids, self.target_info.vocab_size)
                       if params.min_tokens else NoConstraint())

@@ -67,3 +67,13 @@ def test_a_stop_string_kept_with_include(tokenizer):
     chunk = kept.take(TOKENS)
     assert chunk == tokens_cut and kept.finish == cut.finish == FinishReason.FINISH_REASON_STOP
     assert text_cut == whole[:3] and kept.text == whole[:6]
+
+
+def test_no_stop_string_before_min_tokens(tokenizer):
+    """vLLM's min_tokens: a stop string the first tokens complete is not looked for; one after them is."""
+    whole = tokenizer.decode(TOKENS, skip_special_tokens=True)
+    early = whole[3:6]  # inside the first tokens' text
+    out = Output(tokenizer, PROMPT, 64, set(), [early], min_tokens=len(TOKENS))
+    assert out.take(TOKENS) == TOKENS and not out.finished and out.text == whole
+    cut = Output(tokenizer, PROMPT, 64, set(), [early], min_tokens=1)
+    assert cut.take(TOKENS) != TOKENS and cut.finish == FinishReason.FINISH_REASON_STOP
