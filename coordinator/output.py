@@ -61,7 +61,7 @@ class Output:
         if self.stop.stops:  # token by token, to end at the first token whose text completes a stop string
             for i, tok in enumerate(chunk):
                 before = len(self.text)
-                self.text += self.detok.push(tok)
+                self.text += self.detok.push(tok, last=self.finished and i == len(chunk) - 1)
                 if self.generated + i + 1 < self.min_tokens:
                     continue
                 at = self.stop.find(self.text, before)
@@ -71,12 +71,7 @@ class Output:
                     self.finish, self.cut = FinishReason.FINISH_REASON_STOP, True
                     break
         else:
-            self.text += self.detok.push_many(chunk)
-        if self.finished and not self.cut:  # the text an incomplete last character held back, as it decodes
-            before = len(self.text)
-            self.text += self.detok.flush()
-            if (at := self.stop.find(self.text, before) if self.stop.stops else -1) >= 0:
-                self.text, self.finish, self.cut = self.text[:at], FinishReason.FINISH_REASON_STOP, True
+            self.text += self.detok.push_many(chunk, last=self.finished)
         self.generated += len(chunk)
         return chunk
 

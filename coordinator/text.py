@@ -16,29 +16,26 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
-    def push(self, token_id: int) -> str:
-        return self.push_many((token_id,))
+    def push(self, token_id: int, last: bool = False) -> str:
+        return self.push_many((token_id,), last)
 
-    def push_many(self, token_ids) -> str:
-        """The text delta of several new tokens at once (one round's): two decodes, however many tokens."""
+    def push_many(self, token_ids, last: bool = False) -> str:
+        """The text delta of several new tokens at once (one round's): two decodes, however many tokens. Text that
+        ends in an incomplete character is held back, unless these are the output's last tokens (last): then it is
+        the tokens' decode, U+FFFD for the incomplete character (vLLM's and TGI's last delta)."""
         self.ids.extend(token_ids)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (last or not full.endswith("\ufffd")):
             delta = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return delta
         return ""
 
     def flush(self) -> str:
-        """The text held back, at the end of the output: the tokens since the last delta as the tokenizer decodes
-        them, an incomplete character at the end as U+FFFD (vLLM's and TGI's last delta)."""
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix) :] if len(full) > len(prefix) else ""
+        """The text held back, at an end no token made (the context full)."""
+        return self.push_many((), last=True)
 
 
 class StopMatcher:
