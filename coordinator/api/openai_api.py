@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coordinator.api.frontend import Frontend
 from coordinator.api.http_guard import BearerGuard, BodyLimit
 from coordinator.api.openai_reply import Choice, Indexed, Reply
-from coordinator.api.openai_schema import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest)
+from coordinator.api.openai_schema import (STRUCTURED_KINDS, BadRequest, ChatCompletionRequest, CompletionRequest,
+                                           DetokenizeRequest, TokenizeRequest)
 from specdec.proto import generate_pb2
 from specdec.serving.metrics import METRICS_CONTENT_TYPE, RpcMetrics, exposition
 from specdec.core.errors import RequestError
@@ -47,6 +47,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
 # gRPC field names the OpenAI API spells otherwise, also in error messages.
 RENAMED_IN_MESSAGES = ("max_new_tokens", "chat.messages", "chat.continue_final_message")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
+CHAT_WORDS = {"chat.messages": "messages", "chat.continue_final_message": "continue_final_message"}  # (the chat's fields)
 STREAM_ERROR = "specdec.stream_error"  # scope key: the status of an error sent inside a started stream
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
@@ -131,11 +132,10 @@ def invalid_json(body: bytes, err: dict) -> ApiError:
 def api_words(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> dict[str, str]:
     """GenerateRequest field -> this request's parameter, for errors (ApiError.from_request_error)."""
     max_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
-    words = {"max_new_tokens": max_param, "chat.messages": "messages", "prompt": "messages" if chat else "prompt",
-             "chat.continue_final_message": "continue_final_message"}
+    words = {"max_new_tokens": max_param, **CHAT_WORDS, "prompt": "messages" if chat else "prompt"}
     constraint = body.constraint_param()  # (vLLM's fields: a grammar that does not compile is named as it came)
     if constraint == "structured_outputs":
-        kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object") if body.structured_outputs.get(k) is not None)
+        kind = next(k for k in STRUCTURED_KINDS if body.structured_outputs.get(k) is not None)
         constraint = f"structured_outputs.{kind}"
     if constraint != "response_format":
         words.update({f"response_format.{f}": constraint for f in ("json_schema", "json_object", "regex", "lark")})
@@ -201,39 +201,32 @@ def create_app(frontend: Frontend, auth_token: str | None = None, max_body_bytes
             "id": frontend.model_name, "object": "model", "created": created, "owned_by": "specdec",
             "root": frontend.model_name, "max_model_len": frontend.pipeline.target_info.max_context}]}
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != frontend.model_name:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{frontend.model_name}`",
-                           param="model", code="model_not_found")
-
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        """vLLM's: the prompt's token ids as a generation request gets them (a chat through the template)."""
-        check_model(body.model)
+        """vLLM's: the prompt's token ids as a generation request gets them (a chat through the validator's template
+        rendering, its checks included)."""
+        _check_model(frontend, body.model)
         try:
-            messages = body.chat()
+            chat = body.chat()
         except BadRequest as e:
             raise ApiError(400, str(e), param=e.param, code="invalid_argument") from None
         tok = frontend.pipeline.tokenizer
 
         def ids() -> list[int]:
-            if messages is None:
+            if chat is None:
                 return list(tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
-            opening = body.add_generation_prompt if body.add_generation_prompt is not None else not body.continue_final_message
-            out = tok.apply_chat_template(messages, add_generation_prompt=opening, tokenize=True,
-                                          continue_final_message=body.continue_final_message)
-            return list(out if isinstance(out, list) else out["input_ids"])
+            return frontend.validate.prompt_ids(chat)
 
         try:
             tokens = await asyncio.get_running_loop().run_in_executor(None, ids)  # (the tokenizer drops the GIL)
-        except (ValueError, TypeError) as e:  # e.g. a template that refuses the messages
-            raise ApiError(400, f"messages: {e}", param="messages", code="invalid_argument") from None
+        except RequestError as e:
+            raise ApiError.from_request_error(e, CHAT_WORDS) from None
         return {"count": len(tokens), "max_model_len": frontend.pipeline.target_info.max_context, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         """vLLM's: token ids as text (special tokens included)."""
-        check_model(body.model)
+        _check_model(frontend, body.model)
         vocab = frontend.pipeline.target_info.vocab_size
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise ApiError(400, f"tokens: ids must be in [0, {vocab}), got {bad[:5]}", param="tokens",
@@ -251,10 +244,15 @@ def create_app(frontend: Frontend, auth_token: str | None = None, max_body_bytes
     return app
 
 
-async def _generate(frontend: Frontend, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool):
-    if body.model != frontend.model_name:
-        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{frontend.model_name}`",
+def _check_model(frontend: Frontend, name: str | None) -> None:
+    """404 model_not_found unless `name` is the served model (None: not given, as /tokenize allows)."""
+    if name is not None and name != frontend.model_name:
+        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{frontend.model_name}`",
                        param="model", code="model_not_found")
+
+
+async def _generate(frontend: Frontend, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool):
+    _check_model(frontend, body.model)
     try:
         greqs = body.to_generate_requests()  # one per choice (n per prompt)
     except BadRequest as e:

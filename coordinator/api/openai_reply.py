@@ -104,8 +104,8 @@ class Reply:
                     top.append({"token": alt_text, "logprob": self._value(alt.logprob), "bytes": alt_raw})
                 content.append({"token": text, "logprob": self._value(t.logprob), "bytes": raw, "top_logprobs": top})
             return {"content": content, "refusal": None}
-        scored = list(prompt.logprobs) if prompt is not None else []
-        ids = ([prompt.token_ids[0]] if prompt is not None else []) + [t.token_id for t in [*scored, *items]]
+        scored = [*(prompt.logprobs if prompt is not None else ()), *items]  # the echoed prompt's, then the chunk's
+        ids = ([prompt.token_ids[0]] if prompt is not None else []) + [t.token_id for t in scored]
         tokens, offsets = [], []
         offset = self._offsets.get(index, 0)
         for token_id in ids:
@@ -115,9 +115,9 @@ class Reply:
             offset += len(text)
         self._offsets[index] = offset
         first = [None] if prompt is not None else []
-        return {"tokens": tokens, "token_logprobs": first + [self._value(t.logprob) for t in [*scored, *items]],
+        return {"tokens": tokens, "token_logprobs": first + [self._value(t.logprob) for t in scored],
                 "top_logprobs": first + [{self._token(a.token_id)[0]: self._value(a.logprob) for a in t.top_logprobs[: self.top]}
-                                         for t in [*scored, *items]],
+                                         for t in scored],
                 "text_offset": offsets}
 
     def _vllm_prompt(self, prompt: generate_pb2.PromptLogprobs | None) -> dict:
@@ -125,13 +125,14 @@ class Reply:
         rank, decoded_token}} for the token and its prompt_top alternatives."""
         if self.prompt_top is None or prompt is None:
             return {}
+        def item(token_id: int, logprob: float, rank: int) -> dict:
+            return {"logprob": self._value(logprob), "rank": rank, "decoded_token": self._token(token_id)[0]}
+
         entries: list[dict | None] = [None]
         for t in prompt.logprobs:
-            entry = {str(t.token_id): {"logprob": self._value(t.logprob), "rank": t.rank,
-                                       "decoded_token": self._token(t.token_id)[0]}}
+            entry = {str(t.token_id): item(t.token_id, t.logprob, t.rank)}
             for rank, a in enumerate(t.top_logprobs[: self.prompt_top], 1):
-                entry.setdefault(str(a.token_id), {"logprob": self._value(a.logprob), "rank": rank,
-                                                   "decoded_token": self._token(a.token_id)[0]})
+                entry.setdefault(str(a.token_id), item(a.token_id, a.logprob, rank))
             entries.append(entry)
         return {"prompt_logprobs": entries}
 

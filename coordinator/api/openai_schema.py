@@ -68,6 +68,7 @@ class Message(_Body):
 
 
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' keys
 
 
 class _Common(_Body):
@@ -150,10 +151,10 @@ class _Common(_Body):
             return _response_format(self.response_format, req)
         if given[0] == "structured_outputs":
             spec = self.structured_outputs
-            kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if spec.get(k) is not None]
+            kinds = [k for k in STRUCTURED_KINDS if spec.get(k) is not None]
             if len(kinds) != 1 or set(spec) - set(kinds):  # (its whitespace options are not applied: refused)
-                raise BadRequest("structured_outputs: exactly one of json, regex, choice, grammar, json_object, and "
-                                 f"nothing else (got {sorted(spec)})", "structured_outputs")
+                raise BadRequest(f"structured_outputs: exactly one of {', '.join(STRUCTURED_KINDS)}, and nothing else "
+                                 f"(got {sorted(spec)})", "structured_outputs")
             kind, value, param = kinds[0], spec[kinds[0]], f"structured_outputs.{kinds[0]}"
         else:
             kind, value, param = given[0].removeprefix("guided_"), getattr(self, given[0]), given[0]
@@ -249,7 +250,6 @@ class ChatCompletionRequest(_Common):
                 raise BadRequest(f"{self.constraint_param()} cannot be combined with a tool_choice that forces a call",
                                  self.constraint_param())
             req.response_format.json_schema = json.dumps(tools.call_schema())
-        req.chat.SetInParent()
         messages = [(ROLE_ALIASES.get(m.role, m.role),
                      call_text(m.tool_calls) if m.tool_calls and not m.text() else m.text()) for m in self.messages]
         if tools is not None and tools.active:  # the tools, described in the system message
@@ -257,15 +257,22 @@ class ChatCompletionRequest(_Common):
                 messages[0] = ("system", messages[0][1] + "\n\n" + tools.system_text())
             else:
                 messages.insert(0, ("system", tools.system_text()))
-        for role, content in messages:
-            req.chat.messages.add(role=role, content=content)
-        req.chat.continue_final_message = self.continue_final_message
-        if self.add_generation_prompt is not None:
-            req.chat.add_generation_prompt = self.add_generation_prompt
+        _chat(req, messages, self.continue_final_message, self.add_generation_prompt)
         max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         req.logprobs = self.logprobs
         req.top_logprobs = self.top_logprobs or 0
         return self._per_choice(self._fill(req, max_new))
+
+
+def _chat(req: generate_pb2.GenerateRequest, messages: list[tuple[str, str]], continue_final_message: bool,
+          add_generation_prompt: bool | None) -> None:
+    """req's prompt: the chat of these (role, content) messages, with vLLM's template flags."""
+    req.chat.SetInParent()
+    for role, content in messages:
+        req.chat.messages.add(role=role, content=content)
+    req.chat.continue_final_message = continue_final_message
+    if add_generation_prompt is not None:
+        req.chat.add_generation_prompt = add_generation_prompt
 
 
 def _json_text(schema, param: str) -> str:
@@ -370,13 +377,16 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
     continue_final_message: bool = False
 
-    def chat(self) -> list[dict] | None:
-        """The messages as the template takes them (None: a text prompt), or BadRequest: not exactly one form."""
+    def chat(self) -> generate_pb2.GenerateRequest | None:
+        """The messages as a chat request's prompt (None: a text prompt), or BadRequest: not exactly one form."""
         if (self.prompt is None) == (self.messages is None):
             raise BadRequest("give exactly one of prompt and messages", "prompt")
         if self.messages is None:
             return None
-        return [{"role": ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        req = generate_pb2.GenerateRequest()
+        _chat(req, [(ROLE_ALIASES.get(m.role, m.role), m.text()) for m in self.messages], self.continue_final_message,
+              self.add_generation_prompt)
+        return req
 
 
 class DetokenizeRequest(_Body):

@@ -36,7 +36,7 @@ class RequestValidator:
     def __call__(self, r: generate_pb2.GenerateRequest) -> GenerationParams:
         """The request as GenerationParams, or RequestError(INVALID_ARGUMENT) naming the field."""
         c = self.config
-        prompt_ids = self._prompt_ids(r)
+        prompt_ids = self.prompt_ids(r)
         if r.HasField("truncate_prompt_tokens"):
             if r.truncate_prompt_tokens < 1:
                 raise invalid_argument(f"truncate_prompt_tokens must be >= 1, got {r.truncate_prompt_tokens}",
@@ -131,7 +131,8 @@ class RequestValidator:
                                 response_format=response_format, grammar=grammar, tree_nodes=nodes,
                                 whole_result=r.whole_result, prompt_logprobs=r.top_logprobs if r.prompt_logprobs else -1)
 
-    def _prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
+    def prompt_ids(self, r: generate_pb2.GenerateRequest) -> list[int]:
+        """The request's prompt as token ids (a chat rendered with the template), or RequestError naming the field."""
         tok = self.pipeline.tokenizer
         which = r.WhichOneof("prompt")
         if which is None:
