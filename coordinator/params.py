@@ -8,6 +8,7 @@ from typing import Any
 
 from specdec.core.proposer_names import HYBRID, Proposer
 from specdec.math.params import SamplingParams
+from specdec.math.seeds import RACE_STREAM, derive_seed
 from specdec.proto import generate_pb2
 
 MAX_CACHE_KEY_LEN = 128  # prompt_cache_key (or the OpenAI user standing in for it): characters
@@ -35,9 +36,13 @@ class GenerationParams:
     tree_nodes: int | None = None  # N, each round's token-tree node budget (0: chains); None = the server's defaults
     whole_result: bool = False  # the caller reads only the final result: rounds may run on further (PolicyConfig)
     prompt_logprobs: int = -1  # -1: none; n >= 0: the prompt scored first, each token's logprob and the top n alternatives
+    seeded: bool = False  # the request set its seed (else `seed` was drawn for it)
 
     @property
-    def reproducible(self) -> bool:
-        """Sampling with a fixed K is reproducible (same seed, same output): then no timing and no other
-        session (the shared suffix tree) may sway the proposals. Adaptive K never was reproducible."""
-        return self.sampling.temperature > 0 and self.num_speculative_tokens is not None
+    def race_seed(self) -> int:
+        """A seeded sampled request's key for the keyed race (specdec.math.race), which both tiers draw with so that
+        its output is a function of the seed, whatever was proposed; 0 for the rest (greedy, or no seed: rejection
+        sampling, which accepts a little more often)."""
+        if not self.seeded or self.sampling.temperature == 0:
+            return 0
+        return derive_seed(self.seed, 0, RACE_STREAM) or 1

@@ -192,16 +192,17 @@ class Pipeline:
         target = TargetVerifier(
             TierSession(self.target.session(session_id, key), dataclasses.replace(TARGET_RETRY, retry_s=c.tier_retry_s), stats,
                         fingerprint, time_left, self.target_reachability),
-            sampling, params.seed, stats, self.target_load, logprobs=params.logprobs, features=features)
+            sampling, params.seed, stats, self.target_load, logprobs=params.logprobs, features=features,
+            race_seed=params.race_seed)
         max_k, greedy = self.max_k(), params.sampling.temperature == 0
-        priors = None if params.reproducible else self.source_priors  # no other session sways a reproducible one
         tree_nodes = min(max_k, 0 if params.sampling.penalized  # chains only
                          else c.tree_nodes if params.tree_nodes is None else params.tree_nodes)
-        lookup = LookupStrategy(c.lookup, params.prompt_ids, greedy=greedy, tree_nodes=tree_nodes, priors=priors)
+        lookup = LookupStrategy(c.lookup, params.prompt_ids, greedy=greedy, tree_nodes=tree_nodes,
+                                priors=self.source_priors)
         strategies = []  # the session's: model-free ones first
         if params.proposer in (SUFFIX, HYBRID):
-            strategies.append(SuffixStrategy(c.suffix, self.suffix_cache, params.prompt_ids, shared=not params.reproducible,
-                                             greedy=greedy, tree_nodes=tree_nodes, priors=priors))
+            strategies.append(SuffixStrategy(c.suffix, self.suffix_cache, params.prompt_ids, greedy=greedy,
+                                             tree_nodes=tree_nodes, priors=self.source_priors))
         if params.proposer in (PROMPT_LOOKUP, HYBRID):
             strategies.append(lookup)
         draft, direct = None, None
@@ -209,15 +210,16 @@ class Pipeline:
             draft = TierSession(self.draft.session(session_id, key), DRAFT_RETRY, stats, fingerprint, time_left,
                                 self.draft_reachability)
             strategies.append(DraftModelStrategy(
-                c.draft_model, draft, sampling, derive_seed(params.seed, 0, DRAFT_STREAM), stats, cost=self.draft_load,
+                c.draft_model, draft, sampling, self._draft_seed(params), stats, cost=self.draft_load,
                 max_context=self.draft_info.max_context, trees=self._draft_trees(params, speculate=not head),
                 grammar=params.grammar.text if params.grammar is not None and not head else "", greedy=greedy,
-                priors=priors, push=c.overlap and c.draft_push and not head, features=features))
+                priors=self.source_priors, push=c.overlap and c.draft_push and not head, features=features))
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
         if draft is not None and self._direct(params, features):
             direct = DirectRounds(self.draft, (target.session, draft), key, min(params.num_speculative_tokens, max_k),
                                   sampling, params.seed, eos | params.stop_token_ids, params.logprobs, fingerprint, stats, time_left,
-                                  speculate=c.overlap and not head)  # (a head has no speculation cache)
+                                  speculate=c.overlap and not head,  # (a head has no speculation cache)
+                                  draft_seed=self._draft_seed(params), race_seed=params.race_seed)
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
         drafter = Drafter(params, policy, strategies, lookup, self.target_load, max_k=max_k,
                           suffix_cache=self.suffix_cache, cache_context=c.suffix.cache_context,
@@ -230,6 +232,12 @@ class Pipeline:
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
                           max_context=self.target_info.max_context, session_id=session_id, constraint=constraint,
                           direct=direct)
+
+    @staticmethod
+    def _draft_seed(params: GenerationParams) -> int:
+        """The draft's draws' key: a seeded request's race key (so that its drafts race the target's draws), else a
+        stream of its own (independent of the target's, as rejection sampling needs)."""
+        return params.race_seed or derive_seed(params.seed, 0, DRAFT_STREAM)
 
     def _direct(self, params: GenerationParams, features: SessionFeatures | None) -> bool:
         """Whether the draft tier runs the session's rounds (direct_rounds): the draft model (or an EAGLE-3 head, its
@@ -261,7 +269,7 @@ class Pipeline:
             return None
         config = DraftTreeConfig(nodes, max(1, min(c.draft_tree_branching, nodes)), c.draft_tree_scheme, speculate)
         return DraftTrees(config, c.draft_model.decay, greedy=params.sampling.temperature == 0,
-                          priors=None if params.reproducible else self.source_priors)  # no other session sways it
+                          priors=self.source_priors)
 
     def run_cleanup(self, coro) -> None:
         """Run a session clean-up in the background; close() waits for it."""

@@ -198,10 +198,11 @@ class DirectSession:
         r = self.request
         ask = target_pb2.VerifyRequest(
             context=self.context(self.target_at), sampling=r.sampling, logprobs=r.logprobs, top_logprobs=r.top_logprobs,
-            seed=derive_seed(r.target_seed, len(self.committed), TARGET_STREAM))
+            seed=derive_seed(r.target_seed, len(self.committed), TARGET_STREAM), race_seed=r.race_seed)
         if proposed is not None:
             ask.draft_tokens.extend(proposed.tokens)
-            ask.q.extend(proposed.q)
+            if not r.race_seed:  # (a keyed race uses no q)
+                ask.q.extend(proposed.q)
         if self.features is not None:
             ask.feature_layers.extend(self.features.layers)
         return ask

@@ -97,6 +97,8 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
         check_context(engine, request.context, extra_tokens=k)
         check_token_ids(request.draft_tokens, engine.vocab_size, "draft_tokens")
         q = draft_probs.decode(request.q, k, engine.vocab_size)
+        if q is not None and request.race_seed:
+            raise invalid_argument("q: not with race_seed (a keyed-race verification uses no draft distribution)")
         if (request.logprobs or request.prompt_logprobs) and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise invalid_argument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         ctx = request.context
@@ -104,7 +106,7 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
             check_prompt_logprobs(request, self.max_feature_bytes)
         params, prompt_len = sampling_params.decode(request.sampling, engine.vocab_size,
                                                      ctx.prefix_len + len(ctx.new_tokens))
-        parents, scheme = tree_of(request, q is not None, params.greedy, engine)
+        parents, scheme = tree_of(request, q is not None, params.greedy or bool(request.race_seed), engine)
         allowed = token_masks.decode(request.token_masks, k + 1, engine.vocab_size)
         if parents is not None and params.penalized:
             raise invalid_argument("draft_parents: token trees take no presence, frequency or repetition penalty "
@@ -122,7 +124,8 @@ class TargetServicer(TierRpcs, target_pb2_grpc.TargetServiceServicer):
                                  logprobs=request.top_logprobs if request.logprobs else -1, parents=parents,
                                  scheme=scheme, allowed=allowed, feature_layers=layers,
                                  run_on_seeds=list(request.run_on_seeds), run_on_part=request.run_on_part,
-                                 prompt_logprobs=request.top_logprobs if request.prompt_logprobs else -1)
+                                 prompt_logprobs=request.top_logprobs if request.prompt_logprobs else -1,
+                                 race_seed=request.race_seed)
 
     @staticmethod
     def to_response(r: VerifyResult) -> target_pb2.VerifyResponse:

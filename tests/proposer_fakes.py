@@ -56,10 +56,10 @@ def draft(config: DraftModelConfig = DraftModelConfig(), *, greedy: bool = True,
                               max_context=10_000, trees=trees, greedy=greedy, priors=priors)
 
 
-def ask(cost: TierCost | None = None, k: int = 8, *, nodes: int = 0, fixed: bool = False, measured: bool = True) -> Ask:
+def ask(cost: TierCost | None = None, k: int = 8, *, nodes: int = 0, fixed: bool = False) -> Ask:
     """What a round asks of its strategies, priced by `cost` (default: a target with nothing measured)."""
     cost = cost or TierCost()
-    return Ask(k, nodes, fixed, measured, cost.verify_ms(max(k, nodes), measured), cost.batch)
+    return Ask(k, nodes, fixed, cost.verify_ms(max(k, nodes)), cost.batch)
 
 
 def status(step) -> common_pb2.StatusResponse:

@@ -67,7 +67,13 @@ VERIFY_INVALID_CASES = [
      ["run_on_seeds", "feature_layers"]),
     ("run_on_above_cap", lambda: _run_on(verify_request(draft_tokens=[]), 65), ["run_on_seeds", "64", "65"]),
     ("run_on_part_negative", lambda: _parted(_run_on(verify_request(draft_tokens=[]), 3), -2), ["run_on_part", "-2"]),
+    ("q_with_race_seed", lambda: _raced(_verify_q(GOOD_ROW, GOOD_ROW)), ["q", "race_seed"]),
 ]
+
+
+def _raced(request: target_pb2.VerifyRequest) -> target_pb2.VerifyRequest:
+    request.race_seed = 12345
+    return request
 
 
 def _parted(request: target_pb2.VerifyRequest, part: int) -> target_pb2.VerifyRequest:

@@ -102,11 +102,13 @@ def test_the_targets_own_low_precision_copy_as_draft_is_exact(real_pair, real_re
 
 
 def test_real_pair_seeded_sampling_is_reproducible(real_cluster):
+    """A seed gives one output at a fixed K, at K = 0 and with the adaptive default (the keyed race)."""
     kw = dict(messages=[{"role": "user", "content": QUESTIONS[0]}], max_new_tokens=24, temperature=0.7, top_p=0.9,
-              num_speculative_tokens=3, seed=2026)
+              seed=2026)
     with Client(real_cluster.address) as c:
-        a, b = c.generate(**kw), c.generate(**kw)
-    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+        a, b = c.generate(num_speculative_tokens=3, **kw), c.generate(num_speculative_tokens=3, **kw)
+        alone, adaptive = c.generate(num_speculative_tokens=0, **kw), c.generate(**kw)
+    assert a.token_ids == b.token_ids == alone.token_ids == adaptive.token_ids and len(a.token_ids) > 0
 
 
 def test_refuses_a_pipeline_whose_tokenizers_differ(tiny_dir, tiny_target):

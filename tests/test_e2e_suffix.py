@@ -81,10 +81,8 @@ def test_greedy_equals_target_generate_with_the_shared_tree_warm(suffix_cluster,
 
 
 def test_seeded_sampling_with_suffix_and_a_fixed_k_is_reproducible(suffix_cluster):
-    """Sampling with a fixed K is reproducible: such a request proposes from its own tree only (the
-    shared one changes with other sessions, and a different proposal changes which draw decides a
-    position). Here the second run finds the first run's output in the shared tree, and must not
-    use it."""
+    """A seeded request is verified by the keyed race, so its output does not depend on its proposals: the second
+    run finds the first run's output in the shared tree, drafts it, every draft accepted, and gives the same tokens."""
     kw = dict(token_ids=PROMPTS[1], max_new_tokens=30, temperature=1.0, top_p=0.95, num_speculative_tokens=3)
     _clear(suffix_cluster)
     with Client(suffix_cluster.address) as client:
@@ -96,3 +94,4 @@ def test_seeded_sampling_with_suffix_and_a_fixed_k_is_reproducible(suffix_cluste
     assert a.token_ids == b.token_ids and a.text == b.text
     assert len(a.token_ids) == 30
     assert other.token_ids != a.token_ids
+    assert b.stats["accepted_tokens"] == b.stats["draft_tokens"] >= 20 > a.stats["accepted_tokens"]

@@ -151,8 +151,8 @@ def test_with_a_second_session_every_step_is_the_engine_threads(parts):
 @pytest.mark.servers
 def test_through_the_servers_both_tiers_inline_change_no_token(tiny_target, self_draft_cluster, tiny_target_model):
     """The target as its own draft (every draft accepted), both tiers stepping inline: greedy at K = 0, 2 and
-    adaptive is the target's own; seeded sampling at K = 0 and 2 the same cluster's stepping on its engine threads
-    (the suite's tiers compute on two threads: auto leaves them off)."""
+    adaptive is the target's own; seeded sampling at K = 0, 2 and adaptive one output, the same cluster's stepping
+    on its engine threads (the suite's tiers compute on two threads: auto leaves them off)."""
     inline = Cluster(tiny_target, tiny_target, step=StepConfig(inline_steps="on"))
     ids = PROMPT + [30, 31, 32]
     try:
@@ -160,7 +160,7 @@ def test_through_the_servers_both_tiers_inline_change_no_token(tiny_target, self
         for name, cluster in (("inline", inline), ("engine thread", self_draft_cluster)):
             with Client(cluster.address) as client:
                 outs[name] = [client.generate(token_ids=ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=k,
-                                              **sampling) for k in (0, 2, None)
+                                              proposer="draft", **sampling) for k in (0, 2, None)
                               for sampling in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 77})]
         assert inline.target_tier.inline_steps > 0 and inline.draft_tier.inline_steps > 0
         assert inline.target_tier.status().inline_steps == inline.target_tier.inline_steps  # (metrics read it)
@@ -169,9 +169,8 @@ def test_through_the_servers_both_tiers_inline_change_no_token(tiny_target, self
         inline.close()
     expected = reference_greedy(tiny_target_model, ids, 40, None)
     assert all(out.token_ids == expected for out in outs["inline"][::2])  # the greedy ones
-    # Seeded sampling at a fixed K is reproducible: the same tokens (adaptive sampling never was, DESIGN.md)
-    for got, reference in zip(outs["inline"][1:4:2], outs["engine thread"][1:4:2]):
-        assert got.token_ids == reference.token_ids
+    seeded = [out.token_ids for name in outs for out in outs[name][1::2]]  # a seed's output, whatever K (the race)
+    assert seeded == [seeded[0]] * 6 and seeded[0] != expected
 
 
 def test_an_eagle3_heads_lone_proposal_inline_is_the_engine_threads(tiny_target, tiny_target_model, tmp_path):

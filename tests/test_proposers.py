@@ -268,20 +268,6 @@ def test_a_fixed_k():
     assert policy.choose([lookup, draft()], ask(cost, 0, fixed=True)) is None
 
 
-def test_without_measured_costs_timings_are_ignored():
-    """Reproducible sampling (fixed K): the choice must not depend on how long rounds took."""
-    picks = {}
-    for draft_ms in (0.0, 500.0):
-        cost, d = TierCost(), draft()
-        for _ in range(20):
-            play([d], cost, Policy(PolicyConfig()).choose([d], ask(cost, 4, fixed=True)), 4, propose_ms=draft_ms)
-        lookup = offering(PROMPT_LOOKUP, [5, 6, 7, 8])
-        picks[draft_ms] = [chosen(Policy(PolicyConfig()).choose([lookup, d], ask(cost, 4, fixed=True, measured=m)))
-                           for m in (True, False)]
-    assert picks[0.0][0] == (DRAFT_MODEL, 4) and picks[500.0][0] == (PROMPT_LOOKUP, 4)  # a free, perfect draft
-    assert picks[0.0][1] == picks[500.0][1]
-
-
 def test_sessions_start_from_what_earlier_sessions_learnt():
     """SharedPriors: a session's acceptance and ratio start where the coordinator's earlier sessions left
     them, kept apart for greedy and sampled sessions; a session that judged too few drafts teaches nothing."""

@@ -124,6 +124,7 @@ class RequestValidator:
                 raise invalid_argument("num_speculative_nodes: token trees take no presence, frequency or repetition "
                                        "penalty (their rounds verify chains); leave it unset or 0", "num_speculative_nodes")
         return GenerationParams(prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
+                                seeded=r.HasField("seed"),
                                 num_speculative_tokens=k, proposer=proposer, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
                                 stop_token_ids=frozenset(r.stop_token_ids), include_stop=r.include_stop_str_in_output,
                                 min_tokens=r.min_tokens,

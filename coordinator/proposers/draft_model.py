@@ -39,8 +39,8 @@ class DraftModelConfig:
     # share a machine's cores or one GPU, a draft step under load runs beside the busy target's and both slow
     # down more than any price shows. vLLM's speculative_disable_by_batch_size (specdec serve / run-local set 1).
     max_sessions: int = setting(0, flag="draft-max-sessions")
-    prior_overhead_ms: float = 1.0  # a call's cost beside its steps, where no timing may count (or no curve)
-    prior_step_ms: float = 5.0  # a draft step's cost, likewise
+    prior_overhead_ms: float = 1.0  # a call's cost beside its steps, before any call was timed
+    prior_step_ms: float = 5.0  # a draft step's cost where the tier reported no curve
 
 
 class DraftModelStrategy(Strategy):
@@ -84,22 +84,18 @@ class DraftModelStrategy(Strategy):
         overhead, step = self.price_line()
         return overhead + k * step
 
-    def propose_ms(self, measured: bool = True) -> Callable[[int], float]:
-        """k -> its predicted time for k draft steps: the price times its measured ratio (not measured: the prior
-        line); the draft tier's prices read once (a round asks it of every k)."""
-        c = self.config
-        if not measured:
-            return lambda k: c.prior_overhead_ms + k * c.prior_step_ms
+    def propose_ms(self) -> Callable[[int], float]:
+        """k -> its predicted time for k draft steps: the price times its measured ratio; the draft tier's prices read
+        once (a round asks it of every k)."""
         (overhead, step), ratio = self.price_line(), self.time_ratio.value
         return lambda k: ratio * (overhead + k * step)
 
     def catch_up_ms(self, ask: Ask) -> float:
         """What the committed tokens the draft tier has not seen add to its first step (fed with it, at the price
         of a token fed the tier timed at start), beyond the 1-2 of a draft that drafts every round, which its
-        measured ratio holds: a draft that sat out rounds pays for them when it drafts again. 0 where timings
-        may not count."""
+        measured ratio holds: a draft that sat out rounds pays for them when it drafts again."""
         feed = ask.context - self.session.cached
-        return feed * self.cost.feed_token_ms if ask.measured and feed > STEADY_CATCH_UP else 0.0
+        return feed * self.cost.feed_token_ms if feed > STEADY_CATCH_UP else 0.0
 
     def predict(self, ask: Ask) -> list[Prediction]:
         c = self.config
@@ -108,7 +104,7 @@ class DraftModelStrategy(Strategy):
                 or (self.features is not None and not self.features.ready(ask.context))
                 or (c.max_sessions and not ask.fixed and ask.batch > c.max_sessions)):
             return []
-        a, out, steps_ms = self.acceptance.value, [], self.propose_ms(ask.measured)
+        a, out, steps_ms = self.acceptance.value, [], self.propose_ms()
         feed_ms = self.catch_up_ms(ask)
         propose_ms = (lambda k: steps_ms(k) + feed_ms) if feed_ms else steps_ms
         if ask.fixed and self.trees is not None and (tree := self.trees.fixed(ask.k, a, ask.nodes)) is not None:
@@ -116,7 +112,7 @@ class DraftModelStrategy(Strategy):
             return [Prediction(self, ask.k, e, cost, tree.nodes, tree.branching, calls=2)]  # the request's K, as a tree
         for k in range(ask.k if ask.fixed else 1, ask.k + 1):
             out.append(Prediction(self, k, expected_tokens(a, k), ask.verify_ms[k] + propose_ms(k), calls=2))
-        if self.trees is not None and not ask.fixed and ask.measured:
+        if self.trees is not None and not ask.fixed:
             found = self.trees.best(a, propose_ms, ask.verify_ms, ask.k, ask.nodes)
             if found is not None:
                 e, cost, tree = found

@@ -76,16 +76,15 @@ class Drafter:
         run_on = run_on_at(self._alone, cap)  # this one's, if K = 0
         if k <= 0:  # nothing to draft: no prices, no strategy asked
             return self._target_only(strategies, draft_down, run_on, parts)
-        measured = not self.params.reproducible
-        call_ms = self.coordinator.call_ms if self.coordinator is not None and measured else 0.0
-        verify_ms = self.target.verify_ms(max(k, self.max_k), measured)
-        ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, measured, verify_ms, self.target.batch,
+        call_ms = self.coordinator.call_ms if self.coordinator is not None else 0.0
+        verify_ms = self.target.verify_ms(max(k, self.max_k))
+        ask = Ask(k, self.max_k, self.params.num_speculative_tokens is not None, verify_ms, self.target.batch,
                   len(committed), call_ms, max(self.target.live, 1),
                   # K = 0 priced at the run-on a streak of target-only rounds reaches, not at the ramp's step now:
                   # after a drafting round the ramp starts over, and K = 0 priced at one token a round trip made
                   # the next draft look better than it is (docs/performance.md, Cold burst)
                   cap,
-                  self.target.step_ms(1) if measured else verify_ms[0],  # (unmeasured: a step priced as a round)
+                  self.target.step_ms(1),
                   self._alone)
         choice = self.policy.choose(strategies, ask)
         try:

@@ -19,7 +19,6 @@ class Ask:
     k: int  # the deepest proposal: drafts per path (the request's K, or the policy's max_k, within the budget)
     nodes: int  # the largest token tree (nodes); <= k: chains only
     fixed: bool  # exactly k: the request's own K (no K = 0, no shorter chain)
-    measured: bool  # timings may sway the choice (False: a reproducible request, priced from priors alone)
     verify_ms: Sequence[float]  # the predicted verify time of a round scoring n drafts, n = 0..max(k, nodes)
     batch: float = 1.0  # sessions per target step now (the load)
     context: int = 0  # the committed length

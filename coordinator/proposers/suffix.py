@@ -24,12 +24,11 @@ class SuffixStrategy(LocalStrategy):
     CHUNK = 512  # prompt tokens indexed between yields to the event loop
 
     def __init__(self, config: SuffixConfig, cache: SuffixCache | None, prompt_ids: Sequence[int] = (), *,
-                 shared: bool = True, greedy: bool = True, tree_nodes: int = 0, priors: SharedPriors | None = None) -> None:
-        """cache: the shared tree, which this session's output joins at close(); shared=False: proposals a
-        function of the session's tokens alone (the shared tree changes with other sessions)."""
+                 greedy: bool = True, tree_nodes: int = 0, priors: SharedPriors | None = None) -> None:
+        """cache: the shared tree, which this session's output joins at close()."""
         super().__init__(config.prior_acceptance, config.decay, greedy=greedy, tree_nodes=tree_nodes, priors=priors,
                          watch=config.watch)
-        self.config, self.prompt_ids, self.shared = config, list(prompt_ids), shared
+        self.config, self.prompt_ids = config, list(prompt_ids)
         self.cache = cache if cache is not None and cache.enabled else None
         self.tree = SuffixTree(config.max_depth)
         self.tree.extend(self.SEQ, ())
@@ -53,7 +52,7 @@ class SuffixStrategy(LocalStrategy):
         seq = self.tree.seqs[self.SEQ]
         matches: list = []
         best = speculate(self.tree, seq, k, self.config, seq_id=self.SEQ, matches=matches if tree_nodes > 0 else None)
-        if self.shared and self.cache is not None and self.cache.entries:
+        if self.cache is not None and self.cache.entries:
             others: list = []
             shared = speculate(self.cache.tree, seq[-(self.config.max_depth - 1) :], k, self.cache.config,
                                matches=others if tree_nodes > 0 else None)

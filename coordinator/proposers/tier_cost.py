@@ -91,7 +91,6 @@ class TierCost:
     def __init__(self, decay: float = 0.98, prior_intercept: float = 50.0, prior_slope: float = 3.0) -> None:
         self.decay = decay
         self.step_cost = StepCurve(prior_intercept=prior_intercept, prior_slope=prior_slope)
-        self.prior = (prior_intercept, prior_slope)  # where no timing may count: the curve's prior line, B = 1
         self.sessions = 1.0  # sessions per step, exponentially weighted over the replies
         self.overhead = LinearCost(decay)
         self.wait = 0.0  # ms before a call's first step, exponentially weighted, capped at a step at the batch then
@@ -147,11 +146,9 @@ class TierCost:
         """One step at the current batch with `tokens_each` new tokens per session."""
         return self.step_cost.predict(self.batch * tokens_each, self.batch)
 
-    def verify_ms(self, n: int, measured: bool = True) -> list[float]:
+    def verify_ms(self, n: int) -> list[float]:
         """A round scoring k = 0..n drafts when the step's B sessions all send k, never falling: the wait for
-        the step in progress, the call's overhead and the whole step (measured=False: the prior line)."""
-        if not measured:
-            return [self.prior[0] + self.prior[1] * (k + 1) for k in range(n + 1)]
+        the step in progress, the call's overhead and the whole step."""
         b = self.batch
         steps = self.step_cost.predict_many([b * (k + 1) for k in range(n + 1)], b)
         return list(accumulate((max(self.wait + self.overhead.predict(k) + steps[k], 1e-6) for k in range(n + 1)), max))

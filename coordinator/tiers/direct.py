@@ -29,16 +29,19 @@ log = logging.getLogger(__name__)
 class DirectRounds:
     def __init__(self, draft: TierClient, sessions: tuple[TierSession, ...], routing_key: str, k: int,
                  sampling: common_pb2.SamplingParams, seed: int, eos: set[int], logprobs: int, fingerprint: str,
-                 stats: RoundStats, time_left: Callable[[], float | None], speculate: bool = False) -> None:
+                 stats: RoundStats, time_left: Callable[[], float | None], speculate: bool = False,
+                 draft_seed: int = 0, race_seed: int = 0) -> None:
         """draft: the draft tier; sessions: the session's TierSessions on both tiers (reset when the Drive ends);
         routing_key: the session's (both tiers' calls carry it); k: the request's K; seed: the request's;
         eos: the tokens that end the generation (empty: none); logprobs: as TargetVerifier's; speculate: the draft
-        drafts ahead while the target verifies (DriveRequest.speculate)."""
+        drafts ahead while the target verifies (DriveRequest.speculate); draft_seed: the draft's (0: derived from seed);
+        race_seed: a seeded request's keyed race (DriveRequest.race_seed; 0: none)."""
         self.draft, self.sessions, self.routing_key, self.k = draft, sessions, routing_key, k
         self.sampling, self.seed, self.eos, self.logprobs = sampling, seed, eos, logprobs
         self.fingerprint, self.stats, self.time_left = fingerprint, stats, time_left
         self.session_id = sessions[0].session_id
         self.speculate = speculate
+        self.draft_seed, self.race_seed = draft_seed or derive_seed(seed, 0, DRAFT_STREAM), race_seed
         self.usable = True  # until the Drive ends: then the loop's own rounds
 
     async def rounds(self, committed: list[int], limit: int) -> AsyncIterator[tuple[Proposal, Verdict]]:
@@ -48,7 +51,7 @@ class DirectRounds:
         request = draft_pb2.DriveRequest(
             context=common_pb2.SessionContext(session_id=self.session_id, new_tokens=committed,
                                               tokenizer_fingerprint=self.fingerprint),
-            num_tokens=self.k, sampling=self.sampling, draft_seed=derive_seed(self.seed, 0, DRAFT_STREAM),
+            num_tokens=self.k, sampling=self.sampling, draft_seed=self.draft_seed, race_seed=self.race_seed,
             target_seed=self.seed, max_new_tokens=limit, eos_token_ids=sorted(self.eos),
             logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0), target_routing_key=self.routing_key,
             speculate=int(self.speculate))

@@ -62,16 +62,18 @@ class RoundParts:
 
 class TargetVerifier:
     def __init__(self, session: TierSession, sampling: common_pb2.SamplingParams, seed: int, stats: RoundStats,
-                 load: TierCost | None = None, logprobs: int = -1, features: SessionFeatures | None = None) -> None:
+                 load: TierCost | None = None, logprobs: int = -1, features: SessionFeatures | None = None,
+                 race_seed: int = 0) -> None:
         """seed: the request's (each round's draws are keyed by it and the committed length); load: the target's
         batching, shared by the coordinator's sessions, learnt from every response (None: not learnt);
         logprobs: -1 none, n >= 0 the committed tokens' logprobs with the top n alternatives; features: a feature
-        draft's rows, which every verdict brings (None: no feature draft)."""
+        draft's rows, which every verdict brings (None: no feature draft); race_seed: a seeded request's keyed race
+        (VerifyRequest.race_seed; the drafts' q is then not sent), 0: rejection sampling."""
         self.logprobs = logprobs
         self.features = features
         self.session = session
         self.sampling = sampling
-        self.seed = seed
+        self.seed, self.race_seed = seed, race_seed
         self.stats = stats
         self.load = load
         self._open = load is not None  # counted in load.live until close()
@@ -102,7 +104,8 @@ class TargetVerifier:
             reply = await self.session.call(
                 committed, hashes,
                 lambda ctx: target_pb2.VerifyRequest(
-                    context=ctx, draft_tokens=drafts, q=q, sampling=self.sampling, seed=seed,
+                    context=ctx, draft_tokens=drafts, q=() if self.race_seed else q, sampling=self.sampling, seed=seed,
+                    race_seed=self.race_seed,
                     logprobs=self.logprobs >= 0, top_logprobs=max(self.logprobs, 0), draft_parents=parents,
                     token_masks=masks, tree_scheme=tree_scheme if parents else 0,
                     feature_layers=self.features.layers if self.features else (), run_on_seeds=run_on_seeds,

@@ -4,7 +4,10 @@ One forward scores [uncached committed tokens + d_1..d_K]; then all sessions who
 the step are verified together: greedy sessions with verify_greedy_batched (one argmax, each chain walked
 in host ints), the others with rejection_sample_batched (specdec.math.rejection) over the batch's
 SpecDecodeMetadata (flattened drafts) and its q (the sessions' DraftProbs, one-hot for deterministic
-drafts, made dense by the math module), each with its own sampling parameters and seed. The target's p at
+drafts, made dense by the math module), each with its own sampling parameters and seed; a sampled session with a
+race seed (a seeded request) by the keyed race instead (specdec.math.race): every row's token is the race winner
+over p at its position, keyed by the race seed, and the drafts are accepted while they equal it, so the output
+depends on the seed alone, never on the proposals (no q). The target's p at
 every row is what the target alone would compute at that position: logit_bias and the penalties (over the
 committed tokens plus the drafts before the row: specdec.math.penalties) are applied before the greedy
 argmax or the sampling distribution. When asked, the log-probabilities of the committed tokens (the
@@ -60,12 +63,15 @@ from specdec.engine.longs import longs
 from specdec.engine.spec_metadata import SpecDecodeMetadata
 from specdec.engine.work import Work
 from specdec.math.params import SamplingParams
-from specdec.math.rejection import rejection_sample_batched, round_randomness, verify_greedy_batched
+from specdec.math.keyed_draws import split_seeds
+from specdec.math.race import race_draw
+from specdec.math.rejection import rejection_sample_batched, round_randomness, verify_greedy_batched, walk_chains
 from specdec.math.penalties import TokenCounts
 from specdec.math.sampling import adjust_logits_rows, logprobs_rows, make_generator, process_logits_rows, top_logprobs
 from specdec.math.seeds import derive_seed
+from specdec.math.tree import tree_depth
 from specdec.math.tree_verify import (level_uniforms, num_levels, verify_tree_candidates_batched,
-                                      verify_tree_greedy_batched, verify_tree_sampled_batched)
+                                      verify_tree_greedy_batched, verify_tree_sampled_batched, walk_matching)
 
 MAX_TOP_LOGPROBS = 20  # alternatives per committed token (OpenAI's cap)
 MAX_FEATURE_LAYERS = 8  # decoder layers a request may ask the features of (an EAGLE-3 head reads 3)
@@ -115,6 +121,7 @@ class VerifyWork(Work):
     q: DraftProbs | None = None  # q_1..q_K; None = one-hot on each d_i (greedy rounds, deterministic proposers)
     params: SamplingParams = SamplingParams()
     seed: int = 0  # this round's seed (accept/reject draws and the final sample)
+    race_seed: int = 0  # nonzero: a sampled session's tokens are the keyed race's at their positions (q unused)
     committed_len: int = 0  # prefix_len + new committed tokens
     prompt_len: int = 0  # the session's prompt tokens: the penalties count the tokens after them as output
     logprobs: int = -1  # -1: none; n >= 0: the committed tokens' logprobs and the top n alternatives
@@ -137,21 +144,24 @@ class VerifyWork(Work):
                q: DraftProbs | None, params: SamplingParams, seed: int, prompt_len: int = 0,
                logprobs: int = -1, parents: list[int] | None = None, scheme: str = "",
                allowed: torch.Tensor | None = None, feature_layers: list[int] = (),
-               run_on_seeds: list[int] = (), run_on_part: int = 0, prompt_logprobs: int = -1) -> "VerifyWork":
+               run_on_seeds: list[int] = (), run_on_part: int = 0, prompt_logprobs: int = -1,
+               race_seed: int = 0) -> "VerifyWork":
         """feature_layers: decoder layers whose outputs (EAGLE-3 features) the result carries at every position
         the request adds to the session (VerifyResult.features); empty: none. run_on_seeds: after its verdict
         (no masks or features) the work decodes up to this many more tokens, one target-only round each, the
         i-th with run_on_seeds[i] as its seed (VerifyResult.run_on). run_on_part: push a partial result each
         time this many more of the round's tokens are known (0: none; needs an on_push). prompt_logprobs: -1 none;
         n >= 0: the logprobs of new_tokens[1:] (each under the raw distribution at the position before it) with the
-        top n alternatives (VerifyResult.prompt_logprobs)."""
+        top n alternatives (VerifyResult.prompt_logprobs). race_seed: nonzero, a sampled work verifies by the keyed
+        race with this key (its run-on rounds too), q None."""
         return cls(session_id=session_id, prefix_len=prefix_len, prefix_hash=prefix_hash,
                    pending=list(new_tokens) + list(drafts), num_logits=len(drafts) + 1, drafts=list(drafts), q=q,
                    params=params, seed=seed, committed_len=prefix_len + len(new_tokens), prompt_len=prompt_len,
                    logprobs=logprobs, parents=list(parents) if parents else None, tree=bool(parents), scheme=scheme,
                    allowed=allowed, taps=tuple(feature_layers) or None, run_on_seeds=list(run_on_seeds),
                    part=run_on_part if run_on_seeds else 0, prompt_logprobs=prompt_logprobs,
-                   all_rows=prompt_logprobs >= 0, scored=list(new_tokens[1:]) if prompt_logprobs >= 0 else [])
+                   all_rows=prompt_logprobs >= 0, scored=list(new_tokens[1:]) if prompt_logprobs >= 0 else [],
+                   race_seed=race_seed)
 
     def runs_on(self, next_token: int, kept: int, engine) -> bool:
         """After a verdict (the session holds `kept` tokens: the committed ones and the accepted drafts), whether
@@ -254,9 +264,10 @@ class VerifyWork(Work):
         trees = [i for i, w in enumerate(works) if w.parents is not None]
         chains = [i for i, w in enumerate(works) if w.parents is None]
         greedy = [i for i in chains if works[i].params.greedy and works[i].q is None]
-        sampled = [i for i in chains if not (works[i].params.greedy and works[i].q is None)]
+        raced = [i for i in chains if not works[i].params.greedy and works[i].race_seed]
+        sampled = [i for i in chains if not (works[i].params.greedy and works[i].q is None) and i not in raced]
         outcome: dict[int, tuple[list[int], int]] = {}  # (accepted nodes, next token); a chain's: 0..n-1
-        for subset, verify in ((greedy, _verify_greedy), (sampled, _verify_sampled)):
+        for subset, verify in ((greedy, _verify_greedy), (raced, _verify_raced), (sampled, _verify_sampled)):
             if subset:
                 n, nxt = verify([works[i] for i in subset], [logits[i] for i in subset], engine.vocab_size)
                 outcome.update((i, (list(range(k)), t)) for i, k, t in zip(subset, n, nxt))
@@ -329,6 +340,21 @@ def _verify_sampled(works, logits, vocab_size):
     return n.tolist(), nxt.tolist()  # one copy to the host each
 
 
+def _verify_raced(works, logits, vocab_size):
+    rows = torch.cat(logits)  # [N + B, V]
+    ks = [len(w.drafts) for w in works]
+    p = process_logits_rows(rows, *_row_params_and_counts(works, ks, vocab_size, rows.device))  # [N + B, V]
+    x = _race_rows(works, p, [range(k + 1) for k in ks])
+    return walk_chains(x.tolist(), [w.drafts for w in works])  # one copy to the host
+
+
+def _race_rows(works, p, levels) -> torch.Tensor:
+    """Each row's race winner: work b's row j draws the token at position committed_len + levels[b][j]."""
+    seeds = split_seeds([w.race_seed for w, lv in zip(works, levels) for _ in lv], p.device)
+    positions = longs([w.committed_len + d for w, lv in zip(works, levels) for d in lv], p.device)
+    return race_draw(p, seeds, positions)
+
+
 def _logprobs(works, logits, outcomes, vocab_size) -> list[list[TokenLogprobs]]:
     """Per work, its committed tokens' logprobs and top alternatives: the committed token m is scored by
     the row of its parent (row 0 for the first, row j + 1 after node j), so a chain's rows are 0..n and a
@@ -369,9 +395,11 @@ def _verify_trees(works: list[VerifyWork], logits: list[torch.Tensor], vocab_siz
     """Each tree work's (accepted path, next token), verified batched per scheme."""
     out: list[tuple[list[int], int] | None] = [None] * len(works)
     greedy = [i for i, w in enumerate(works) if w.params.greedy]
-    candidates = [i for i, w in enumerate(works) if not w.params.greedy and w.q is None]
-    sampled = [i for i, w in enumerate(works) if not w.params.greedy and w.q is not None]
-    for subset, verify in ((greedy, _tree_greedy), (candidates, _tree_candidates), (sampled, _tree_sampled)):
+    raced = [i for i, w in enumerate(works) if not w.params.greedy and w.race_seed]
+    candidates = [i for i, w in enumerate(works) if not w.params.greedy and not w.race_seed and w.q is None]
+    sampled = [i for i, w in enumerate(works) if not w.params.greedy and not w.race_seed and w.q is not None]
+    for subset, verify in ((greedy, _tree_greedy), (raced, _tree_raced), (candidates, _tree_candidates),
+                           (sampled, _tree_sampled)):
         if subset:
             sub = [works[i] for i in subset]
             rows = torch.cat([logits[i] for i in subset])  # [N + B, V]
@@ -393,6 +421,16 @@ def _tree_greedy(works, rows, meta, parents, vocab_size):
 
 def _row_probs(works, rows, meta):
     return process_logits_rows(rows, _row_params(works, meta.num_draft_tokens))
+
+
+def _tree_raced(works, rows, meta, parents, vocab_size):
+    """The race winner at every row (the root's at committed_len, node i's at committed_len + its depth + 1),
+    followed down the children holding it."""
+    p = _row_probs(works, rows, meta)  # [N + B, V]
+    depth, levels = tree_depth(parents, meta.cu_num_draft_tokens).tolist(), []
+    for start, k in zip(meta.cu_num_draft_tokens.tolist(), meta.num_draft_tokens):
+        levels.append([0] + [d + 1 for d in depth[start : start + k]])
+    return walk_matching(_race_rows(works, p, levels), meta.draft_token_ids, parents, meta.cu_num_draft_tokens)
 
 
 def _tree_candidates(works, rows, meta, parents, vocab_size):

@@ -172,14 +172,20 @@ def verify_greedy_batched(
     """verify_greedy for B sessions at once: (num_accepted [B], next_token [B]), as host ints. One argmax over
     every row and one copy of it to the host; the walk along each chain is a few integer comparisons, which
     on the host cost less than the ragged tensor operations would (and the caller needs ints)."""
-    target_argmax = argmax(target_logits).tolist()  # [N + B]
+    return walk_chains(argmax(target_logits).tolist(), draft_token_ids)
+
+
+def walk_chains(x: list[int], draft_token_ids: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Each chain's verdict given the token each row emits (the target's argmax; or its keyed race winner,
+    specdec.math.race), rows session after session (K_b + 1 each): (num_accepted [B], next_token [B]). d_i is
+    accepted while it equals x at its row; next_token is x at the first row whose draft differs, or at the last."""
     num_accepted, next_token = [], []
     row = 0  # session b's first row: K_1 + 1 + ... + K_(b-1) + 1
     for drafts in draft_token_ids:
         n = 0
-        while n < len(drafts) and drafts[n] == target_argmax[row + n]:
+        while n < len(drafts) and drafts[n] == x[row + n]:
             n += 1
         num_accepted.append(n)
-        next_token.append(target_argmax[row + n])  # the correction at the first mismatch, or the bonus
+        next_token.append(x[row + n])  # the correction at the first mismatch, or the bonus
         row += len(drafts) + 1
     return num_accepted, next_token

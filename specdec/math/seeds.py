@@ -21,6 +21,7 @@ def mix64(x: int) -> int:
 
 DRAFT_STREAM = 1
 TARGET_STREAM = 2
+RACE_STREAM = 4  # a seeded request's keyed race (specdec.math.race): the key both tiers draw with
 
 
 def _splitmix64(x: int) -> int:

@@ -73,14 +73,14 @@ def tree_greedy(
         path.append(node)
 
 
-def _walk_matching(
+def walk_matching(
     x_rows: torch.Tensor,  # [N + B] int64: the token each row's stop would emit (p's row layout)
     tokens: torch.Tensor,  # [N]
     parents: torch.Tensor,  # [N] local
     cu_num_nodes: torch.Tensor,  # [B + 1]
 ) -> TreeVerdict:
-    """The shared walk of greedy and candidates: a node is on the path iff it is the first child of its
-    parent whose token equals x at the parent, and its parent is on the path (or is the root)."""
+    """The walk of greedy, candidates and the keyed race (specdec.math.race): a node is on the path iff it is the
+    first child of its parent whose token equals x at the parent, and its parent is on the path (or is the root)."""
     n = tokens.shape[0]
     batch = cu_num_nodes.shape[0] - 1
     device = tokens.device
@@ -114,7 +114,7 @@ def verify_tree_greedy_batched(
     cu_num_nodes: torch.Tensor,  # [B + 1] int64
 ) -> TreeVerdict:
     """tree_greedy for B sessions at once; a chain gives verify_greedy_batched's result."""
-    return _walk_matching(argmax(target_logits), tokens, parents, cu_num_nodes)
+    return walk_matching(argmax(target_logits), tokens, parents, cu_num_nodes)
 
 
 # --- Deterministic candidates --------------------------------------------------------------------
@@ -197,7 +197,7 @@ def verify_tree_candidates_batched(
     row_session[node_row], row_level[node_row] = session, tree_depth(parents, cu_num_nodes) + 1
     row_at = at.reshape(-1).index_select(0, row_session * at.shape[1] + row_level)  # [N + B] each row's level's point
     x_rows = inverse_cdf(p, row_at)  # one draw per row
-    return _walk_matching(x_rows, tokens, parents, cu_num_nodes)
+    return walk_matching(x_rows, tokens, parents, cu_num_nodes)
 
 
 # --- Sampled draft trees with q -------------------------------------------------------------------

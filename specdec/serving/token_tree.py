@@ -16,9 +16,10 @@ SCHEMES = {target_pb2.TREE_SCHEME_CANDIDATES: CANDIDATES, target_pb2.TREE_SCHEME
 FIELDS = {"parents": "draft_parents", "tokens": "draft_tokens"}  # validate_tree's field names -> the request's
 
 
-def tree_of(request: target_pb2.VerifyRequest, has_q: bool, greedy: bool, engine) -> tuple[list[int] | None, str]:
+def tree_of(request: target_pb2.VerifyRequest, has_q: bool, walks: bool, engine) -> tuple[list[int] | None, str]:
     """The request's token tree as (parents, scheme), or (None, "") for a chain; INVALID_ARGUMENT naming the
-    field for a malformed tree (specdec.math.tree.validate_tree) or a scheme its q does not fit."""
+    field for a malformed tree (specdec.math.tree.validate_tree) or a scheme its q does not fit. walks: the verdict
+    walks the target's own tokens (greedy, or the keyed race), whatever the scheme: no check of q against it."""
     if not request.draft_parents:
         return None, ""
     k = len(request.draft_tokens)
@@ -28,7 +29,7 @@ def tree_of(request: target_pb2.VerifyRequest, has_q: bool, greedy: bool, engine
     scheme = SCHEMES.get(request.tree_scheme, IID if has_q else CANDIDATES)
     if request.tree_scheme not in SCHEMES and request.tree_scheme != target_pb2.TREE_SCHEME_UNSPECIFIED:
         raise invalid_argument(f"tree_scheme {request.tree_scheme} is not a TreeScheme")
-    if not greedy and (scheme == CANDIDATES) == has_q:
+    if not walks and (scheme == CANDIDATES) == has_q:
         raise invalid_argument(f"tree_scheme {target_pb2.TreeScheme.Name(request.tree_scheme)}: "
                                + ("candidates take no q" if has_q else "sampled draft trees need q (one row per node)"))
     parents = list(request.draft_parents)
