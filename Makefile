@@ -79,6 +79,9 @@ prometheus:
 #  bench.scoring      a prompt scored through the OpenAI API (echo + logprobs, as lm-eval sends it) vs the same
 #                     request unscored vs transformers' forward, and the scores' difference from it (~2 min;
 #                     SCORING_ARGS=--help)
+#  bench.seeded       seeded sampled requests (the keyed race: a seed fixes the output) against unseeded ones
+#                     (rejection sampling): tok/s at one client and in a burst, acceptance at a fixed K, one output
+#                     per seed at K = 0 / K / the default, the target's draw cost (~5 min; SEEDED_ARGS=--help)
 #  bench.structured   grammar engines' mask cost; JSON-schema extraction constrained vs unconstrained vs the
 #                     target alone with the same grammar (~5 min; STRUCTURED_ARGS=--help)
 #  bench.proposer_replay  prompt lookup and suffix decoding's chain limits and trees replayed on the
@@ -108,6 +111,7 @@ bench: setup
 	$(PY) -m bench.prefix_reuse $(PREFIX_REUSE_ARGS)
 	$(PY) -m bench.prefill_cost $(PREFILL_COST_ARGS)
 	$(PY) -m bench.scoring $(SCORING_ARGS)
+	$(PY) -m bench.seeded $(SEEDED_ARGS)
 	$(PY) -m bench.structured $(STRUCTURED_ARGS)
 	$(PY) -m bench.proposer_replay $(REPLAY_ARGS)
 	$(PY) -m bench.tree_replay $(TREE_REPLAY_ARGS)
