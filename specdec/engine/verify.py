@@ -394,22 +394,18 @@ def _scores(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLo
 def _verify_trees(works: list[VerifyWork], logits: list[torch.Tensor], vocab_size: int) -> list[tuple[list[int], int]]:
     """Each tree work's (accepted path, next token), verified batched per scheme."""
     out: list[tuple[list[int], int] | None] = [None] * len(works)
-    greedy = [i for i, w in enumerate(works) if w.params.greedy]
-    raced = [i for i, w in enumerate(works) if not w.params.greedy and w.race_seed]
-    candidates = [i for i, w in enumerate(works) if not w.params.greedy and not w.race_seed and w.q is None]
-    sampled = [i for i, w in enumerate(works) if not w.params.greedy and not w.race_seed and w.q is not None]
-    for subset, verify in ((greedy, _tree_greedy), (raced, _tree_raced), (candidates, _tree_candidates),
-                           (sampled, _tree_sampled)):
-        if subset:
-            sub = [works[i] for i in subset]
-            rows = torch.cat([logits[i] for i in subset])  # [N + B, V]
-            device = rows.device
-            meta = SpecDecodeMetadata.build([w.drafts for w in sub], device)
-            parents = longs([p for w in sub for p in w.parents], device)  # [N]
-            verdict = verify(sub, rows, meta, parents, vocab_size)
-            paths, counts = verdict.path.tolist(), verdict.num_accepted.tolist()
-            for i, path, n, nxt in zip(subset, paths, counts, verdict.next_token.tolist()):
-                out[i] = (path[:n], nxt)
+    by_scheme: dict = {}  # greedy, the keyed race, candidates (no q), sampled (q)
+    for i, w in enumerate(works):
+        by_scheme.setdefault(_tree_greedy if w.params.greedy else _tree_raced if w.race_seed else
+                             _tree_candidates if w.q is None else _tree_sampled, []).append(i)
+    for verify, subset in by_scheme.items():
+        sub = [works[i] for i in subset]
+        rows = torch.cat([logits[i] for i in subset])  # [N + B, V]
+        meta = SpecDecodeMetadata.build([w.drafts for w in sub], rows.device)
+        verdict = verify(sub, rows, meta, longs([p for w in sub for p in w.parents], rows.device), vocab_size)
+        paths, counts = verdict.path.tolist(), verdict.num_accepted.tolist()
+        for i, path, n, nxt in zip(subset, paths, counts, verdict.next_token.tolist()):
+            out[i] = (path[:n], nxt)
     return out
 
 
