@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API on the coordinator (FastAPI): POST /v1/chat/completions, POST
-/v1/completions, GET /v1/models, GET /health, and GET /metrics (the coordinator's Prometheus metrics, as
+/v1/completions, POST /v1/responses (on the chat path: openai_responses), GET /v1/models, GET /health, and GET /metrics (the coordinator's Prometheus metrics, as
 vLLM serves them on its API port; behind the token like the routes, unless metrics_public).
 
 In front of the routes (coordinator.api.http_guard): the bearer token (the gRPC API's check) before the
@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coordinator.api.frontend import Frontend
 from coordinator.api.http_guard import BearerGuard, BodyLimit
 from coordinator.api.openai_reply import Choice, Indexed, Reply
+from coordinator.api.openai_responses import WORDS as RESPONSES_WORDS, ResponseReply, ResponsesRequest
 from coordinator.api.openai_schema import (STRUCTURED_KINDS, BadRequest, ChatCompletionRequest, CompletionRequest,
                                            DetokenizeRequest, TokenizeRequest)
 from specdec.proto import generate_pb2
@@ -46,7 +47,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # gRPC field names the OpenAI API spells otherwise, also in error messages.
 RENAMED_IN_MESSAGES = ("max_new_tokens", "chat.messages", "chat.continue_final_message")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize")
 CHAT_WORDS = {"chat.messages": "messages", "chat.continue_final_message": "continue_final_message"}  # (the chat's fields)
 STREAM_ERROR = "specdec.stream_error"  # scope key: the status of an error sent inside a started stream
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
@@ -241,6 +242,10 @@ def create_app(frontend: Frontend, auth_token: str | None = None, max_body_bytes
     async def completions(body: CompletionRequest, request: Request):
         return await _generate(frontend, body, request, chat=False)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await _respond(frontend, body, request)
+
     return app
 
 
@@ -253,22 +258,10 @@ def _check_model(frontend: Frontend, name: str | None) -> None:
 
 async def _generate(frontend: Frontend, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool):
     _check_model(frontend, body.model)
-    try:
-        greqs = body.to_generate_requests()  # one per choice (n per prompt)
-    except BadRequest as e:
-        raise ApiError(400, str(e), param=e.param, code="invalid_argument") from None
+    greqs = _requests(body)  # one per choice (n per prompt)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    streams, firsts = [], []
     words = api_words(body, chat)
-    try:  # bad input, admission and a first round that fails get their HTTP status, not a broken stream
-        for i, greq in enumerate(greqs):
-            streams.append(frontend.generate(greq, api="http", request_id=rid if len(greqs) == 1 else f"{rid}-{i}"))
-            firsts.append(await streams[-1].__anext__())
-    except RequestError as e:
-        for events in streams:
-            await events.aclose()
-        raise ApiError.from_request_error(e, words) from None
-    events = _merge(firsts, streams)
+    events = await _start(frontend, greqs, rid, words)
     tools = body.tool_use() if chat else None
     reply = Reply(rid, frontend.model_name, chat, frontend.pipeline.tokenizer, logprobs=greqs[0].logprobs,
                   max_context=frontend.pipeline.target_info.max_context,
@@ -278,12 +271,52 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(reply.stream(len(greqs), events, usage, request.scope, STREAM_ERROR, _stream_error))
-    collect = asyncio.ensure_future(_collect(len(greqs), events))
+    return reply.whole(await _collected(request, len(greqs), events, words))
+
+
+async def _respond(frontend: Frontend, body: ResponsesRequest, request: Request):
+    """/v1/responses: the request as the chat completion it amounts to (coordinator.api.openai_responses)."""
+    _check_model(frontend, body.model)
+    reply = ResponseReply(body, frontend.model_name)
+    events = await _start(frontend, _requests(body), reply.id, RESPONSES_WORDS)
+    if body.stream:
+        return EventStream(reply.stream(events, request.scope, STREAM_ERROR, _stream_error))
+    (choice,) = await _collected(request, 1, events, RESPONSES_WORDS)
+    return reply.response("".join(choice.text), choice.result)
+
+
+def _requests(body: ChatCompletionRequest | CompletionRequest | ResponsesRequest) -> list[generate_pb2.GenerateRequest]:
+    """The body's GenerateRequests, one per choice, or a 400 naming the field."""
+    try:
+        return body.to_generate_requests()
+    except BadRequest as e:
+        raise ApiError(400, str(e), param=e.param, code="invalid_argument") from None
+
+
+async def _start(frontend: Frontend, greqs: list[generate_pb2.GenerateRequest], rid: str,
+                 words: dict[str, str]) -> AsyncIterator[Indexed]:
+    """The generations started and their first events awaited, so that bad input, admission and a first round that
+    fails get their HTTP status, not a broken stream; then their events, merged (_merge)."""
+    streams, firsts = [], []
+    try:
+        for i, greq in enumerate(greqs):
+            streams.append(frontend.generate(greq, api="http", request_id=rid if len(greqs) == 1 else f"{rid}-{i}"))
+            firsts.append(await streams[-1].__anext__())
+    except RequestError as e:
+        for events in streams:
+            await events.aclose()
+        raise ApiError.from_request_error(e, words) from None
+    return _merge(firsts, streams)
+
+
+async def _collected(request: Request, n: int, events: AsyncIterator[Indexed], words: dict[str, str]) -> list[Choice]:
+    """Each choice collected, the generations stopped (499) if the client goes away meanwhile."""
+    collect = asyncio.ensure_future(_collect(n, events))
     try:
         while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
             if await request.is_disconnected():  # nobody will read the answer: stop generating
                 raise ApiError(499, "the client closed the request", code="cancelled")
-        choices = collect.result()
+        return collect.result()
     except RequestError as e:
         raise ApiError.from_request_error(e, words) from None
     finally:
@@ -292,7 +325,6 @@ async def _generate(frontend: Frontend, body: ChatCompletionRequest | Completion
             with contextlib.suppress(BaseException):
                 await collect
         await events.aclose()
-    return reply.whole(choices)
 
 
 def _stream_error(e: RequestError) -> tuple[int, dict]:
