@@ -20,6 +20,7 @@ from specdec.math.rejection import walk_chains
 from specdec.math.tree import tree_depth
 from specdec.math.tree_verify import walk_matching
 from tests.test_distribution import START, V, assert_matches_target, exact_joint, make_tables
+from tests.test_tree_engine import path_to
 
 N_TOKENS = 3  # the joint of the first three tokens (test_distribution's harness)
 
@@ -129,7 +130,7 @@ def test_a_token_tree_emits_the_targets_alone_output():
             tokens = [int(rng.integers(V)) for _ in range(n)]
             for i in range(n):  # a branch that follows the target often, so that walks go deep
                 if rng.random() < 0.5:
-                    prefix = out[1:] + [tokens[j] for j in _path(parents, parents[i])]
+                    prefix = out[1:] + [tokens[j] for j in path_to(parents, parents[i])]
                     tokens[i] = alone[len(prefix)] if len(prefix) < len(alone) else tokens[i]
             depth = tree_depth(torch.tensor(parents), torch.tensor([0, n])).tolist()
             rows = [out[-1]] + tokens
@@ -139,14 +140,6 @@ def test_a_token_tree_emits_the_targets_alone_output():
             out += [tokens[j] for j in path] + [int(verdict.next_token[0])]
         assert out[1:13] == alone
 
-
-def _path(parents: list[int], node: int) -> list[int]:
-    """The nodes from the root down to `node` (none for the root, -1)."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 @pytest.mark.slow
