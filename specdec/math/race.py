@@ -12,7 +12,7 @@ tokens are x_L, x_(L+1), ...: the target's own ancestral sampling with those key
 function of the seed and the prompt, whatever was proposed; the drafts only decide how many positions a
 forward confirms. A draft that races the same keys over its q (specdec.math.keyed_draws, the draft's
 draws, given the same seed) equals x_t with a probability close to rejection sampling's sum min(p, q):
-measured with the default pair on open prompts, 0.93x of it at temperature 0.7 and 0.84x at 1.0
+measured with the default pair on open prompts, 0.92x of it at temperature 0.7 and 0.86x at 1.0 a position
 (docs/performance.md, Seeded requests); a deterministic draft d is accepted with probability p(d), as in
 rejection sampling.
 
