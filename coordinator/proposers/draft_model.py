@@ -141,6 +141,7 @@ class DraftModelStrategy(Strategy):
         if pushed is not None:  # ready when the verdict came: no round trip; the request only moves the draft on
             await self.session.send_only(committed, hashes, request)
             self.stats.pushed_rounds += 1
+            self.stats.observe_overlapped(0.0, saved_ms=self._draft_ms)  # pre-drafted too: a whole draft call saved
             return Proposal(DRAFT_MODEL, list(pushed.tokens), list(pushed.q), k=k,
                             parents=list(pushed.parents), tree_scheme=pushed.tree_scheme, overlapped=True)
         # A tree's nodes are not in the cursor's tail (the draft moves the accepted path's entries into place).
