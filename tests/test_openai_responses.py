@@ -80,3 +80,27 @@ def test_what_is_not_served_is_refused_naming_the_field(oai, model, extra, param
         oai.responses.create(**ask)
     assert e.value.body["param"] == param, e.value.body
     assert oai.responses.create(model=model, input="hi", max_output_tokens=2).usage.output_tokens == 2  # still serving
+
+
+def test_a_client_leaving_mid_stream_frees_the_sessions_and_the_wire_names_each_event(cluster, model):
+    """Raw server-sent events: each an `event:` line naming its type and the same type in its data; a client that
+    closes the stream after three events cancels the generation, whose sessions end on both tiers."""
+    import httpx
+
+    body = {"model": model, "input": STORY, "max_output_tokens": 900, "ignore_eos": True, "stream": True,
+            "num_speculative_tokens": 0}  # target-only: a long stream
+    with httpx.stream("POST", cluster.http_url + "/v1/responses", json=body, timeout=60) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        lines = resp.iter_lines()
+        events = []
+        for line in lines:
+            if line.startswith("event: "):
+                data = next(lines)
+                assert data.startswith("data: ") and json.loads(data[6:])["type"] == line[7:]
+                events.append(line[7:])
+            if len(events) == 5:
+                break
+        assert events[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                              "response.content_part.added"]
+        assert cluster.status("target").num_sessions >= 1, "the generation must still be running"
+    cluster.wait_no_sessions()
