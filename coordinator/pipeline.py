@@ -215,9 +215,10 @@ class Pipeline:
                 grammar=params.grammar.text if params.grammar is not None and not head else "", greedy=greedy,
                 priors=self.source_priors, push=c.overlap and c.draft_push and not head, features=features))
         eos = set() if params.ignore_eos else set(self.target_info.eos_token_ids)
+        ends = eos | params.stop_token_ids  # the tokens that end the output
         if draft is not None and self._direct(params, features):
             direct = DirectRounds(self.draft, (target.session, draft), key, min(params.num_speculative_tokens, max_k),
-                                  sampling, params.seed, eos | params.stop_token_ids, params.logprobs, fingerprint, stats, time_left,
+                                  sampling, params.seed, ends, params.logprobs, fingerprint, stats, time_left,
                                   speculate=c.overlap and not head,  # (a head has no speculation cache)
                                   draft_seed=self._draft_seed(params), race_seed=params.race_seed)
         policy = Policy(dataclasses.replace(c.adaptive, max_k=min(c.adaptive.max_k, max_k)))
@@ -227,7 +228,7 @@ class Pipeline:
         output = Output(self.tokenizer, params.prompt_ids, params.max_new_tokens, eos, params.stop, params.stop_token_ids,
                         params.include_stop, params.min_tokens)
         constraint = (params.grammar.session(jump_forward=params.logprobs < 0) if params.grammar is not None
-                      else MinTokens(params.min_tokens, eos | params.stop_token_ids, self.target_info.vocab_size)
+                      else MinTokens(params.min_tokens, ends, self.target_info.vocab_size)
                       if params.min_tokens else NoConstraint())
         return Generation(params, target=target, drafter=drafter, output=output, stats=stats,
                           max_context=self.target_info.max_context, session_id=session_id, constraint=constraint,

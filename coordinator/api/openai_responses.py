@@ -17,10 +17,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from coordinator.api.frontend import finish_reason_name
-from coordinator.api.openai_schema import BadRequest, ChatCompletionRequest, Message, ProposerName
+from coordinator.api.openai_schema import BadRequest, Body, ChatCompletionRequest, Message, ProposerName
 from specdec.core.errors import RequestError
 from specdec.proto import generate_pb2
 
@@ -33,9 +33,7 @@ CHAT_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_o
                "max_tokens": "max_output_tokens", "messages": "input"}
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, as OpenAI answers
-
+class ResponsesRequest(Body):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None  # the system message, before the input's

@@ -38,21 +38,21 @@ class BadRequest(ValueError):
         self.param = param
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, as OpenAI answers
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False  # one last chunk with the usage and no choices
     continuous_usage_stats: bool = False  # accepted for vLLM clients; usage is only sent at the end
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class Message(_Body):
+class Message(Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted, not used
@@ -71,7 +71,7 @@ CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_r
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' keys
 
 
-class _Common(_Body):
+class _Common(Body):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)  # default: the server's default_max_new_tokens
     temperature: float | None = Field(default=None, ge=0.0)  # 0 = greedy (the default)
@@ -367,7 +367,7 @@ class CompletionRequest(_Common):
         return reqs
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     """vLLM's /tokenize: a prompt's tokens as a request with it would be given them."""
 
     model: str | None = None
@@ -389,7 +389,7 @@ class TokenizeRequest(_Body):
         return req
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     """vLLM's /detokenize: token ids as text."""
 
     model: str | None = None

@@ -262,15 +262,16 @@ class VerifyWork(Work):
         logits = [lg if w.allowed is None else lg.masked_fill(~w.allowed.to(lg.device), float("-inf"))
                   for w, lg in zip(works, logits)]  # structured output: outside the grammar p is 0, first of all
         trees = [i for i, w in enumerate(works) if w.parents is not None]
-        chains = [i for i, w in enumerate(works) if w.parents is None]
-        greedy = [i for i in chains if works[i].params.greedy and works[i].q is None]
-        raced = [i for i in chains if not works[i].params.greedy and works[i].race_seed]
-        sampled = [i for i in chains if not (works[i].params.greedy and works[i].q is None) and i not in raced]
+        chains: dict = {}  # greedy (no q), the keyed race, rejection sampling
+        for i, w in enumerate(works):
+            if w.parents is None:
+                greedy = w.params.greedy
+                chains.setdefault(_verify_greedy if greedy and w.q is None else _verify_raced if w.race_seed and not greedy
+                                  else _verify_sampled, []).append(i)
         outcome: dict[int, tuple[list[int], int]] = {}  # (accepted nodes, next token); a chain's: 0..n-1
-        for subset, verify in ((greedy, _verify_greedy), (raced, _verify_raced), (sampled, _verify_sampled)):
-            if subset:
-                n, nxt = verify([works[i] for i in subset], [logits[i] for i in subset], engine.vocab_size)
-                outcome.update((i, (list(range(k)), t)) for i, k, t in zip(subset, n, nxt))
+        for verify, subset in chains.items():
+            n, nxt = verify([works[i] for i in subset], [logits[i] for i in subset], engine.vocab_size)
+            outcome.update((i, (list(range(k)), t)) for i, k, t in zip(subset, n, nxt))
         if trees:
             outcome.update(zip(trees, _verify_trees([works[i] for i in trees], [logits[i] for i in trees],
                                                     engine.vocab_size)))
