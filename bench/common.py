@@ -5,9 +5,11 @@ figures, one per thing measured, each citing its section)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -64,6 +66,15 @@ def append_section(section: str, path: str | Path | None = None, header: str | N
     if not existing.strip():
         existing = header
     path.write_text(existing.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n")
+
+
+def section_head(title: str, module: str, argv: Sequence[str] | None, setup: str) -> list[str]:
+    """A run's section heading and first paragraph: the UTC time and title, the command as run (argv: the bench's
+    arguments, None: this process's), the machine's CPU and cores and the commit, then `setup`."""
+    m = machine_info()
+    command = f"python -m {module} " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
+    return [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: {title}", "",
+            f"Command: `{command.strip()}`. Machine: {m['cpu']}, {m['cores']} cores; git {git_commit()}; {setup}", ""]
 
 
 def publish(section: str, out: str | None) -> None:

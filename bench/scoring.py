@@ -14,7 +14,6 @@ plain and scored alternated; the peer runs after the server has stopped, in this
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import shlex
 import statistics
 import sys
@@ -22,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import bench_log, git_commit, log, machine_info, md_table, publish
+from bench.common import bench_log, log, md_table, publish, section_head
 from bench.guidellm_sweep import Serve
 from bench.prompts import passages
 
@@ -113,14 +112,12 @@ def main(argv=None) -> int:
     peer_times, worst = peer(target, prompts, args.threads, scores)
     rows = [(n, f"{times[n][0] * 1e3:.0f}", f"{times[n][1] * 1e3:.0f}", f"{(times[n][1] - times[n][0]) * 1e3:+.0f}",
              f"{peer_times[(n, 'float32')] * 1e3:.0f}", f"{peer_times[(n, 'bfloat16')] * 1e3:.0f}") for n in lengths]
-    m = machine_info()
-    command = "python -m bench.scoring " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
-    section = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: scoring a prompt", "",
-               f"Command: `{command.strip()}`. Machine: {m['cpu']}, {m['cores']} cores; git {git_commit()}; "
-               f"`specdec serve`{' ' + args.serve_args if args.serve_args else ''}, one client, the official `openai` "
-               f"client, token-id prompts of the bench's passages, {args.requests} requests of each kind per length "
-               f"(medians, alternated, after one warm-up); the peer: transformers' forward with log-softmax over the same "
-               f"tokens, {args.threads} threads, after the server stopped.", "",
+    section = [*section_head("scoring a prompt", "bench.scoring", argv,
+                             f"`specdec serve`{' ' + args.serve_args if args.serve_args else ''}, one client, the "
+                             f"official `openai` client, token-id prompts of the bench's passages, {args.requests} "
+                             f"requests of each kind per length (medians, alternated, after one warm-up); the peer: "
+                             f"transformers' forward with log-softmax over the same tokens, {args.threads} threads, "
+                             f"after the server stopped."),
                *md_table(["prompt tokens", "plain, max_tokens 1 (ms)", "scored: echo + logprobs 1 (ms)", "scoring adds",
                           "transformers float32 (ms)", "transformers bfloat16 (ms)"], rows), "",
                f"The served scores against the float32 forward's: largest difference **{worst:.1e}**.", ""]

@@ -15,14 +15,12 @@ row on its vocabulary: the race (specdec.math.race) against the inverse CDF reje
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import shlex
 import statistics
 import sys
 import threading
 import time
 
-from bench.common import bench_log, git_commit, log, machine_info, md_table, publish
+from bench.common import bench_log, log, md_table, publish, section_head
 from bench.prompts import prompts_for
 
 
@@ -128,13 +126,10 @@ def main(argv=None) -> int:
         (f"its acceptance (K = {args.k})", "acceptance", ".3f"),
         (f"a burst of {args.burst}, the default request (tok/s)", "burst", ".1f"), ("its mean K", "burst_k", ".2f"))]
     mean = lambda kind, key: statistics.mean(r[key] for r in rows[kind])
-    m = machine_info()
-    command = "python -m bench.seeded " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
-    section = [f"## {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: seeded requests (the keyed race)", "",
-               f"Command: `{command.strip()}`. Machine: {m['cpu']}, {m['cores']} cores; git {git_commit()}; the pair "
-               f"{target} / {draft}, three processes on shared cores (`LocalPipeline`), a fresh cluster per row, "
-               f"{len(prompts)} open prompts, temperature {args.temperature}, {args.max_new_tokens} tokens; rows "
-               f"alternated, one figure per repeat.", "",
+    section = [*section_head("seeded requests (the keyed race)", "bench.seeded", argv,
+                             f"the pair {target} / {draft}, three processes on shared cores (`LocalPipeline`), a fresh "
+                             f"cluster per row, {len(prompts)} open prompts, temperature {args.temperature}, "
+                             f"{args.max_new_tokens} tokens; rows alternated, one figure per repeat."),
                *md_table(["", "seeded (the keyed race)", "unseeded (rejection sampling)"], table), "",
                f"Seeded against unseeded, by the means: the default request **{mean(True, 'default') / mean(False, 'default'):.2f}x**, "
                f"the burst **{mean(True, 'burst') / mean(False, 'burst'):.2f}x**, the acceptance at K = {args.k} "
