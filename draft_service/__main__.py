@@ -26,8 +26,10 @@ DESCRIPTION = ("Serve a draft model, or an EAGLE-3 head (--model its checkpoint 
 
 def settings() -> Settings:
     """Every flag of the draft tier: the fields of DraftConfig and ProcessConfig (specdec.core.settings)."""
-    # a draft's weights may be quantised freely (its q is reported as drawn): Q8_0 where the block kernel runs it
-    return tier_settings("draft", DraftConfig, default_model=default_draft, default_port=50061, quantize="auto")
+    # a draft's weights may be quantised freely and its head may score part of the vocabulary (its q is reported as
+    # drawn): Q8_0 where the block kernel runs it, the lowest third of a large vocabulary
+    return tier_settings("draft", DraftConfig, default_model=default_draft, default_port=50061, quantize="auto",
+                         draft_vocab="auto")
 
 
 def main(argv=None) -> None:

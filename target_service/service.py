@@ -38,6 +38,9 @@ class TargetConfig:
         if self.tier.step.quantize != "none":  # only a draft may run other weights than its checkpoint's
             raise ValueError(f"quantize {self.tier.step.quantize!r} would make the target another model than the "
                              "reference, and the output would no longer be the target's: only a draft tier takes it")
+        if self.tier.step.draft_vocab.strip() != "0":  # likewise a head over part of the vocabulary
+            raise ValueError(f"draft_vocab {self.tier.step.draft_vocab!r} would keep the target from ever emitting "
+                             "the tokens outside it: only a draft tier takes it")
 
 
 RESPONSE_HEADROOM = 64 * 1024  # bytes of a VerifyResponse besides its features (17 tokens' top-20 logprobs: ~3 KiB)

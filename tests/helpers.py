@@ -88,10 +88,11 @@ class Cluster:
                  sessions: SessionStoreConfig | None = None, max_draft_tokens: int = 16, draft_top_n: int = 64,
                  tier_server: ServerConfig | None = None, batch: BatchConfig | None = None,
                  draft_dtype: str | None = None, step: StepConfig | None = None, draft_quantize: str = "none",
-                 direct: bool | dict = False) -> None:
+                 draft_vocab: str = "0", direct: bool | dict = False) -> None:
         """tier_server: the tiers' ServerConfig (e.g. TLS); default plaintext on 127.0.0.1:0. Both tiers run
         on the test device in the test dtype (draft_dtype overrides the draft's), in step mode `step`
-        (default: auto); the draft's matrices quantised as `draft_quantize` asks (StepConfig.quantize).
+        (default: auto); the draft's matrices quantised as `draft_quantize` asks (StepConfig.quantize), its LM
+        head over `draft_vocab` (StepConfig.draft_vocab).
         direct: the draft is given the target's address (--direct-target), so the coordinator's fixed-K
         draft-model sessions run as direct rounds (tests/test_direct_rounds.py); a dict: that too, with these
         DraftConfig fields (its TLS to the target); off, every test of the coordinator's own rounds keeps them."""
@@ -105,7 +106,7 @@ class Cluster:
         self.target_tier = Engine.load(TierConfig(device_model(target_model), sessions, max_draft_tokens, batch,
                                                   step=step, cost_curve_s=TEST_COST_CURVE_S))
         draft_config = TierConfig(device_model(draft_model, draft_dtype), sessions, max_draft_tokens, batch,
-                                  step=replace(step, quantize=draft_quantize), cost_curve_s=TEST_COST_CURVE_S)
+                                  step=replace(step, quantize=draft_quantize, draft_vocab=draft_vocab), cost_curve_s=TEST_COST_CURVE_S)
         # An EAGLE-3 head's directory as the draft: a feature draft for this target
         self.draft_tier = (None if not draft_model else HeadEngine.load(draft_config, target_model)
                            if is_head(draft_model) else Engine.load(draft_config))

@@ -70,6 +70,12 @@ class StepConfig:
     # (a draft only: its q is reported as drawn, so the output stays exact; the target takes only none;
     # specdec.engine.quantize). auto, the draft service's default: q8_0 where the step runs on the block kernel
     quantize: str = setting("none", choices=QUANTIZE)
+    # A draft only: its LM head scores just these tokens, every other one gets q = 0 (never proposed; the output stays
+    # exact; specdec.engine.draft_vocab_head): N, the N lowest token ids (a BPE tokenizer's most frequent) and the
+    # end-of-sequence ones; auto, the draft service's default: the lowest third of a vocabulary over 32,768 tokens;
+    # or a file of token ids (text, or a .pt tensor as SGLang's --speculative-token-map); 0 = the whole vocabulary
+    # (the target takes only 0)
+    draft_vocab: str = "0"
     # An EAGLE-3 head off the skinny GEMM: its batched products (the layer's and the LM head's) run on blocks of
     # exactly this many rows, the batch padded, so a row's result never depends on its batch (0: one step per
     # session; -1: 64 on CUDA, where padding costs no time, 0 elsewhere)

@@ -30,6 +30,7 @@ from specdec.engine.cost_curve import measure as measure_cost_curve, measure_fee
 from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, Answer, EngineStatus, EngineThread, hand_back, inline_steps_on
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
+from specdec.engine.draft_vocab_head import restrict_head, vocabulary_ids
 from specdec.engine.quantize import quantize
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.engine.scheduler import DROPPED, STARTED, WAIT, Planned, Scheduler
@@ -59,7 +60,9 @@ def load_tier_model(config: TierConfig):
         _compiled_models[config.model] = load_model(config.model)
     model = _compiled_models[config.model] if mode == "compile" else \
         gguf_weights.load_model(config.model, blocks=packed and config.step.gguf_blocks, light=packed)
-    return quantize(model, config.step.quantize, config.model, packed)  # a draft's matrices into blocks, if asked
+    ids = vocabulary_ids(config.step.draft_vocab, int(model.config.vocab_size), eos_token_ids(model, None))
+    model = quantize(model, config.step.quantize, config.model, packed)  # a draft's matrices into blocks, if asked
+    return restrict_head(model, ids)  # a draft's LM head over its draft vocabulary, if asked
 
 
 class Engine(EngineThread):
