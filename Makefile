@@ -66,6 +66,8 @@ prometheus:
 #                     generate (~10 min; CONCURRENCY_ARGS=--help)
 #  bench.self_draft   the target's own bfloat16 / float16 / int8 copies as drafts (~2 min), then the float16
 #                     copy as the draft end to end (bench.run, separate cores, open workload, 128 tokens; ~2 min)
+#  bench.draft_vocab  the draft's LM head over part of the vocabulary (--draft-vocab): its agreement with the
+#                     target on held-out prompts and its step, per vocabulary (~2 min; DRAFT_VOCAB_ARGS=--help)
 #  bench.replicas     1 vs 2 target replicas under the same load (~4 min; BENCH_REPLICAS_ARGS=--help)
 #  bench.overhead     per-round gRPC + coordinator time on a tiny model, then on the default pair against its
 #                     goal, <= 5% of a round outside the forwards (~2 min; OVERHEAD_ARGS, OVERHEAD_PAIR_ARGS=--help)
@@ -104,6 +106,7 @@ bench: setup
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.concurrency $(CONCURRENCY_ARGS)
 	$(PY) -m bench.self_draft $(SELF_DRAFT_ARGS)
+	$(PY) -m bench.draft_vocab $(DRAFT_VOCAB_ARGS)
 	$(PY) -m bench.run --placements separate --workloads open --ks 3,4 --no-sampled --no-peer --proposers '' \
 	    --draft "$$($(PY) -c 'from specdec.models import default_target; print(default_target())')" \
 	    --draft-args '--dtype float16' --max-new-tokens 128
