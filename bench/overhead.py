@@ -299,13 +299,14 @@ def main(argv=None) -> int:
         what += " as target and " + (
             "an EAGLE-3 head for it as the draft (specdec.engine.eagle3.echo_head: the target's rows of 3 x "
             f"{hidden} bfloat16 numbers, {6 * hidden} bytes, cross the wire for each committed position), "
-            if args.head else "as its own draft (every draft accepted), ")
+            if args.head else "as its own draft (every draft accepted: its whole vocabulary, `--draft-vocab 0`), ")
     results: dict = {}  # K (or "K (own rounds)") -> one row a generation
     loop = ["--event-loop", args.event_loop] if args.event_loop else []
     place = PLACEMENTS[args.placement]
+    whole = [] if args.pair or args.head else ["--draft-vocab", "0"]  # a self-draft's drafts all accepted
     config = LocalPipelineConfig(target_model=model, draft_model=draft,
                                  target_args=place["target_args"] + args.target_args.split() + loop,
-                                 draft_args=place["draft_args"] + args.draft_args.split() + loop,
+                                 draft_args=place["draft_args"] + whole + args.draft_args.split() + loop,
                                  coordinator_args=args.coordinator_args.split() + loop,
                                  shared_cores=args.placement == "shared")
     runs = [(config, ks, "")]

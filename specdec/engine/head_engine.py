@@ -108,6 +108,9 @@ class HeadEngine(EngineThread):
 
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
+        if config.step.draft_vocab.strip() not in ("0", "auto"):  # (auto: the draft tier's default)
+            log.warning("--draft-vocab %s ignored: an EAGLE-3 head's vocabulary is its checkpoint's (d2t)",
+                        config.step.draft_vocab)
         t0 = time.perf_counter()
         embedding, target_config = target_embedding(target_path)
         head = load_head(config.model.path, target_config, embedding, dtype=config.model.torch_dtype,
