@@ -19,7 +19,6 @@ script it merged late). A target never runs this (its output must be the referen
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
