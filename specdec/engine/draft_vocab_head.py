@@ -14,7 +14,8 @@ common tokens (the default pair's measured agreement: docs/performance.md, "A dr
 draft tier's default, keeps the lowest third of a vocabulary over 32,768 tokens; or a file of token ids:
 whitespace-, comma- or JSON-separated text, or a torch tensor (`.pt`, as SGLang's `--speculative-token-map`
 loads), for a tokenizer whose lowest ids are not what its users write (a multilingual vocabulary serving a
-script it merged late). A target never runs this (its output must be the reference model's).
+script it merged late): `python -m specdec.training.token_map` writes one from the target's own answers. A target
+never runs this (its output must be the reference model's).
 """
 
 from __future__ import annotations
