@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.engine.draft_vocab_head import DraftVocabHead
+
 
 def can_pack(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
@@ -68,15 +70,20 @@ def replace_linears(model, make) -> int:
 
 
 def pack_head(model) -> bool:
-    """Replace the model's LM head (a plain nn.Linear) by a PackedLinear, in place; False if it stays as it
+    """Replace the model's LM head (a plain nn.Linear, or a DraftVocabHead's) by a PackedLinear, in place; False if it stays as it
     was: not a plain linear, or a weight oneDNN cannot pack on this CPU (float16 without AVX-512 FP16,
     say), which keeps the same function at eager speed."""
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
+    vocab = head if type(head) is DraftVocabHead else None  # a draft's head over part of the vocabulary: its linear
+    linear = vocab.inner if vocab is not None else head
+    if type(linear) is not torch.nn.Linear:
         return False
     try:
-        packed = PackedLinear(head)
+        packed = PackedLinear(linear)
     except RuntimeError:
         return False
-    model.set_output_embeddings(packed)
+    if vocab is not None:
+        vocab.inner = packed
+    else:
+        model.set_output_embeddings(packed)
     return True
