@@ -15,6 +15,7 @@ spin_briefly()  # before torch loads libgomp (specdec/engine/threads.py says why
 
 from draft_service.service import DIRECT_TLS_SETTINGS, SERVICE_NAME, DraftConfig, build, target_link
 from specdec.core.settings import Settings, fail
+from specdec.engine.draft_vocab_head import DraftVocabError
 from specdec.engine.eagle3_checks import CheckpointError
 from specdec.serving.flags import config_error, parse_service, ready_tier, tier_settings
 from specdec.serving.tier import run_tier
@@ -44,6 +45,8 @@ def main(argv=None) -> None:
         run_tier("draft", SERVICE_NAME, build, config, process.port_file, process.metrics_address)
     except CheckpointError as e:  # an EAGLE-3 head that does not fit its target: say which field, exit 2
         fail(f"{e} (--model {config.tier.model.path}, --head-target {config.head_target or 'the default target'})")
+    except DraftVocabError as e:  # a --draft-vocab that names no usable vocabulary: exit 2 saying why
+        fail(str(e))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ that token included. End to end through real servers: greedy output is the targe
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +82,22 @@ def check_restricted(full, restricted, ids: torch.Tensor, step: StepConfig) -> N
     rest = got[:, outside].unique()  # one value: FLOOR as the model's dtype holds it
     assert rest.numel() == 1 and abs(float(rest[0]) / FLOOR - 1) < 1e-3
     assert bool(torch.isfinite(got).all())  # a step's finiteness check still passes
+
+
+@pytest.mark.processes
+def test_the_draft_tier_refuses_a_bad_vocabulary_at_start(tiny_target, tmp_path):
+    """A draft service whose --draft-vocab names no usable vocabulary exits 2 with the reason, no traceback."""
+    (tmp_path / "map.pt").write_bytes(b"not a tensor")
+    root = Path(__file__).resolve().parent.parent
+    for spec, says in ((str(tmp_path / "missing.txt"), "neither a number of tokens nor a file"),
+                       (str(tmp_path / "map.pt"), "not a tensor of token ids torch can read")):
+        run = subprocess.run([sys.executable, "-m", "draft_service", "--model", tiny_target, "--draft-vocab", spec,
+                              "--address", "127.0.0.1:0"], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+        assert run.returncode == 2, run.stderr[-2000:]
+        last = run.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: --draft-vocab {spec}: {says}"), last
+        assert "Traceback" not in run.stderr
 
 
 @pytest.mark.parametrize("quantize", ["none", pytest.param("q8_0", marks=needs_cpu_kernels("a Q8_0 head"))])

@@ -35,6 +35,10 @@ AUTO_ABOVE = 32768  # `auto` keeps the lowest third of a vocabulary larger than 
 FLOOR = -1e30  # a token outside the draft vocabulary: exp(FLOOR - max) is 0, and FLOOR / temperature stays finite
 
 
+class DraftVocabError(ValueError):
+    """--draft-vocab names no usable vocabulary (the draft tier exits 2 with this message)."""
+
+
 def floor_for(dtype: torch.dtype) -> float:
     """FLOOR in `dtype` (float16's own minimum where FLOOR would overflow it)."""
     return max(FLOOR, torch.finfo(dtype).min)
@@ -42,7 +46,7 @@ def floor_for(dtype: torch.dtype) -> float:
 
 def vocabulary_ids(spec: str, vocab_size: int, eos: list[int]) -> torch.Tensor | None:
     """The draft vocabulary StepConfig.draft_vocab names, as sorted distinct int64 ids with every EOS id in it;
-    None for the whole vocabulary ("0", or at least vocab_size tokens). Raises ValueError saying what is wrong."""
+    None for the whole vocabulary ("0", or at least vocab_size tokens). Raises DraftVocabError saying what is wrong."""
     spec = spec.strip()
     if spec == "auto":  # a large vocabulary's lowest third (SmolLM2's 49,152: 16,384), a whole panel of 16 rows
         spec = str(-(-vocab_size // 48) * 16 if vocab_size > AUTO_ABOVE else 0)
@@ -54,10 +58,10 @@ def vocabulary_ids(spec: str, vocab_size: int, eos: list[int]) -> torch.Tensor |
     else:
         ids = _ids_from_file(Path(spec))
         if ids.numel() == 0:
-            raise ValueError(f"--draft-vocab {spec}: the file holds no token ids")
+            raise DraftVocabError(f"--draft-vocab {spec}: the file holds no token ids")
         bad = ids[(ids < 0) | (ids >= vocab_size)]
         if bad.numel():
-            raise ValueError(f"--draft-vocab {spec}: token id {int(bad[0])} is outside the draft's vocabulary "
+            raise DraftVocabError(f"--draft-vocab {spec}: token id {int(bad[0])} is outside the draft's vocabulary "
                              f"[0, {vocab_size})")
     ids = torch.unique(torch.cat([ids.long(), torch.tensor(eos, dtype=torch.long)]))
     return None if ids.numel() >= vocab_size else ids
@@ -65,19 +69,22 @@ def vocabulary_ids(spec: str, vocab_size: int, eos: list[int]) -> torch.Tensor |
 
 def _ids_from_file(path: Path) -> torch.Tensor:
     if not path.is_file():
-        raise ValueError(f"--draft-vocab {path}: neither a number of tokens nor a file")
+        raise DraftVocabError(f"--draft-vocab {path}: neither a number of tokens nor a file")
     if path.suffix in (".pt", ".pth"):
-        ids = torch.load(path, weights_only=True)
-        ids = torch.as_tensor(ids)
+        try:
+            ids = torch.as_tensor(torch.load(path, weights_only=True))
+        except Exception as e:  # (a pickle's own errors, a list of strings, ...)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]  # (torch's own run on for lines)
+            raise DraftVocabError(f"--draft-vocab {path}: not a tensor of token ids torch can read ({why})") from None
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1:
-            raise ValueError(f"--draft-vocab {path}: expected a 1-D integer tensor of token ids, got "
+            raise DraftVocabError(f"--draft-vocab {path}: expected a 1-D integer tensor of token ids, got "
                              f"{ids.dtype} {tuple(ids.shape)}")
         return ids.long()
     words = re.split(r"[\s,\[\]]+", path.read_text())
     try:
         return torch.tensor([int(w) for w in words if w], dtype=torch.long)
     except ValueError:
-        raise ValueError(f"--draft-vocab {path}: expected token ids (integers) separated by spaces, commas or as a "
+        raise DraftVocabError(f"--draft-vocab {path}: expected token ids (integers) separated by spaces, commas or as a "
                          f"JSON list") from None
 
 
@@ -119,7 +126,7 @@ def restrict_head(model, ids: torch.Tensor | None):
         device = head.weight.device
         inner.weight.data = head.weight.detach()[ids.to(device)].clone()
     else:
-        raise ValueError(f"--draft-vocab: the draft's LM head ({type(head).__name__}) is not a linear without bias")
+        raise DraftVocabError(f"--draft-vocab: the draft's LM head ({type(head).__name__}) is not a linear without bias")
     model.set_output_embeddings(DraftVocabHead(inner, ids.to(device), vocab_size))
     log.info("--draft-vocab: the LM head scores %d of %d tokens", ids.numel(), vocab_size)
     return model
