@@ -3,8 +3,10 @@ agreement with the target and saves of its step.
 
 Per draft vocabulary (the whole; N lowest ids; auto): teacher-forced on the target's own greedy answers to the
 held-out open and grounded prompts, the share of answer positions where the draft's argmax is the target's
-token, and the share of answer tokens inside the vocabulary; then the draft's one-token step as its tier runs it
-(the packed step, Q8_0 blocks, one thread), each vocabulary's runner timed in turn, best and median.
+token, a sampled draft's expected acceptance there (sum over tokens of min(p, q) at temperature T, the rejection
+sampler's chance to accept a draw from q), and the share of answer tokens inside the vocabulary; then the draft's
+one-token step as its tier runs it (the packed step, Q8_0 blocks, one thread), each vocabulary's runner timed in
+turn, best and median.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from bench.common import bench_log, log, md_table, publish, section_head
 
 PREFIX = 100  # context tokens before the timed steps
+TEMPERATURES = (0.7, 1.0)  # a sampled draft's acceptance at these
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +54,12 @@ def main(argv=None) -> int:
     answers = {w: generated(TierConfig(ModelConfig(target_path)), tok, ps, [], max_new_tokens=args.max_new_tokens)
                for w, ps in prompts.items()}
     log(f"[draft_vocab] the target answered {sum(len(a) for a in answers.values())} prompts")
+    target_config = TierConfig(ModelConfig(target_path))
+    target_model = load_tier_model(target_config)
+    target = ModelRunner(target_model, SlotKVCache(KVGeometry.of(target_model), 1, 4096), target_config.step)
+    p_rows = {w: [target.forward([Feed(0, 0, ex.ids.tolist()[:-1], ex.ids.numel() - ex.prompt_len)])[0]
+                  for ex in data] for w, data in answers.items()}  # the target's logits at every answer position
+    del target, target_model
     runners, kept = {}, {}
     for v in vocabs:
         config = TierConfig(ModelConfig(draft_path), step=StepConfig(quantize="auto", draft_vocab=v))
@@ -58,21 +67,26 @@ def main(argv=None) -> int:
         ids = getattr(model.get_output_embeddings(), "ids", None)
         kept[v] = int(model.config.vocab_size) if ids is None else int(ids.numel())
         runners[v] = ModelRunner(model, SlotKVCache(KVGeometry.of(model), 2, 4096), config.step)
-    rows, inside = {}, {}
+    rows, inside, sampled = {}, {}, {}
     for v, runner in runners.items():  # agreement: each answer fed whole, every answer position's argmax
         ids = getattr(runner.model.get_output_embeddings(), "ids", None)
         covered = None if ids is None else set(ids.tolist())
         for w, data in answers.items():
             hits = positions = tokens_in = 0
-            for ex in data:
+            accept = {t: 0.0 for t in TEMPERATURES}
+            for ex, p_logits in zip(data, p_rows[w]):
                 seq = ex.ids.tolist()
                 logits = runner.forward([Feed(0, 0, seq[:-1], len(seq) - ex.prompt_len)])[0]
                 guess = logits.argmax(-1)
+                for t in TEMPERATURES:
+                    accept[t] += float(torch.minimum(torch.softmax(p_logits / t, -1), torch.softmax(logits / t, -1)).sum())
                 want = ex.best[ex.prompt_len - 1 : len(seq) - 1]
                 hits += int((guess == want).sum())
                 positions += want.numel()
                 tokens_in += sum(covered is None or t in covered for t in seq[ex.prompt_len :])
             rows[(v, w)] = hits / max(positions, 1)
+            for t in TEMPERATURES:
+                sampled[(v, w, t)] = accept[t] / max(positions, 1)
             inside[(v, w)] = tokens_in / max(positions, 1)
     for runner in runners.values():
         runner.forward([Feed(1, 0, list(range(1000, 1000 + PREFIX)), 1)])
@@ -90,9 +104,11 @@ def main(argv=None) -> int:
                              f"{len(answers['open'])} open and {len(answers['grounded'])} grounded held-out prompts "
                              f"({n_open} and {n_grounded} answer tokens), teacher-forced."),
                *md_table(("--draft-vocab", "tokens scored", "agreement, open", "agreement, grounded",
+                          *(f"sampled acceptance at T = {t}, open / grounded" for t in TEMPERATURES),
                           "answer tokens inside, open / grounded", "draft step, best (ms)", "median (ms)",
                           f"median / {vocabs[0]}'s"),
                          [(v, kept[v], f"{rows[(v, 'open')]:.3f}", f"{rows[(v, 'grounded')]:.3f}",
+                           *(f"{sampled[(v, 'open', t)]:.3f} / {sampled[(v, 'grounded', t)]:.3f}" for t in TEMPERATURES),
                            f"{inside[(v, 'open')]:.3f} / {inside[(v, 'grounded')]:.3f}", f"{min(times[v]):.3f}",
                            f"{statistics.median(times[v]):.3f}", f"{statistics.median(times[v]) / full:.2f}x")
                           for v in vocabs]), ""]
