@@ -164,21 +164,47 @@ def test_the_target_refuses_a_draft_vocabulary(capsys):
     assert "--draft-vocab '8192' would keep the target from ever emitting the tokens outside it" in capsys.readouterr().err
 
 
+def test_the_sampler_over_the_lowest_columns_draws_as_over_the_whole_row():
+    """A vocabulary of the N lowest ids: the sampler shapes and draws over those N columns alone, and its tokens and q
+    are those of the whole row whose other columns sit at the floor (greedy rows among them too)."""
+    from specdec.engine.draft_sampler import DraftSampler
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.full((4, 1000), FLOOR)
+    logits[:, :300] = torch.randn(4, 300, generator=g) * 3
+    params = [SamplingParams(temperature=0.7), SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=5)]
+    positions = torch.tensor([7, 8, 9, 10])
+    whole = DraftSampler(params, [64] * 4, [11, 12, 13, 14], 1000, "cpu")
+    narrow = DraftSampler(params, [64] * 4, [11, 12, 13, 14], 1000, "cpu", columns=300)
+    (t1, i1, p1), (t2, i2, p2) = whole(logits, positions), narrow(logits, positions)
+    assert torch.equal(t1, t2) and int(t2.max()) < 300
+    assert torch.equal(i1[p1 > 0], i2[p2 > 0]) and torch.allclose(p1, p2, atol=1e-6)
+
+
 PARAMS = SamplingParams(temperature=1.0, top_k=3)
 N_TRIALS = 3_000
 
 
 @pytest.mark.slow
-def test_a_restricted_draft_keeps_the_target_law(tiny_target, tiny_target_model, tmp_path):
-    """The draft vocabulary leaves out the target's most likely token, so it is never drafted: the residual must
-    give it all its probability, and the first committed token is still distributed as p (top_k 3)."""
+@pytest.mark.parametrize("form", ["file", "lowest"])
+def test_a_restricted_draft_keeps_the_target_law(tiny_target, tiny_target_model, tmp_path, form):
+    """The draft vocabulary leaves out one of the target's three most likely tokens (file: the most likely, by a map
+    of every other id; lowest: the one with the highest id, by N lowest ids, where the draft samples over the N
+    columns alone), so it is never drafted: the residual must give it all its probability, and the first committed
+    token is still distributed as p (top_k 3)."""
     with torch.inference_mode():
         p_logits = tiny_target_model(torch.tensor([PROMPT])).logits[0, -1].float()
     support = torch.topk(p_logits, 3).indices.tolist()
-    left_out = support[0]
-    (tmp_path / "ids.txt").write_text(" ".join(str(t) for t in range(49152) if t != left_out))
-    engine = Engine.load(TierConfig(device_model(tiny_target), cost_curve_s=0,
-                                    step=StepConfig(draft_vocab=str(tmp_path / "ids.txt"))))
+    if form == "file":
+        left_out = support[0]
+        (tmp_path / "ids.txt").write_text(" ".join(str(t) for t in range(49152) if t != left_out))
+        spec = str(tmp_path / "ids.txt")
+    else:
+        left_out = max(support)
+        spec = str(left_out)  # ids 0 .. left_out - 1 (and the end token)
+    engine = Engine.load(TierConfig(device_model(tiny_target), cost_curve_s=0, step=StepConfig(draft_vocab=spec)))
+    assert engine.draft_columns == (left_out if form == "lowest" else None)
     try:
         async def all_():
             out = []
@@ -192,6 +218,8 @@ def test_a_restricted_draft_keeps_the_target_law(tiny_target, tiny_target_model,
         engine.close()
     drafted = torch.tensor([r.tokens[0] for r in results])
     assert left_out not in drafted.tolist() and len(set(drafted.tolist())) == 3
+    if form == "lowest":
+        assert int(drafted.max()) < left_out
     assert all(left_out not in r.q.token_ids.tolist() for r in results)  # q = 0 there, on the wire too
     bonus = {}
     with torch.inference_mode():
@@ -211,7 +239,7 @@ def test_a_restricted_draft_keeps_the_target_law(tiny_target, tiny_target_model,
             tokens += [r.tokens[0] if k else t for r, k, t in zip(part, n, nxt)]
         tokens = torch.tensor(tokens)
         counts = torch.tensor([(tokens == t).sum() for t in support], dtype=torch.float64)
-        assert int(counts.sum()) == N_TRIALS and counts[0] > 0  # the left-out token comes from the residual
+        assert int(counts.sum()) == N_TRIALS and counts[support.index(left_out)] > 0  # from the residual alone
         return float(chisquare(counts.numpy(), (p / p.sum() * N_TRIALS).numpy()).pvalue)
 
     assert p_value() > 1e-3

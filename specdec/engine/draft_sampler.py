@@ -22,9 +22,14 @@ from specdec.math.sampling import shape_rows
 
 class DraftSampler:
     def __init__(self, params: list[SamplingParams], top_n: list[int], seeds: list[int], vocab_size: int,
-                 device) -> None:
-        """One entry per row: its sampling parameters, q's truncation and the session's draft seed."""
+                 device, columns: int | None = None) -> None:
+        """One entry per row: its sampling parameters, q's truncation and the session's draft seed. columns: only
+        the first this many columns of a row can have probability (a draft vocabulary of the lowest ids whose other
+        logits are its floor: specdec.engine.draft_vocab_head), so the sampled rows are shaped and drawn over them
+        alone, the same law at a third of the width; None: every column."""
         device = torch.device(device)
+        self.columns = columns if columns is not None and columns < vocab_size else None
+        vocab_size = self.columns or vocab_size
         self.num_rows = len(params)
         self.greedy = [i for i, p in enumerate(params) if p.greedy]
         self.sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -36,7 +41,7 @@ class DraftSampler:
         # What a captured graph of this sampler depends on (the rest, seeds and truncations, it reads from tensors)
         self.signature = (self.num_rows, tuple(self.greedy), tuple((p, tuple(r)) for p, r in groups.items()))
         self.n_max = min(max((top_n[i] for i in self.sampled), default=1), vocab_size)
-        self.signature += (self.n_max,)
+        self.signature += (self.n_max, self.columns)
         self.capturable = all(p.greedy or p.top_p >= 1.0 for p in params)
         if self.all_greedy:  # an argmax: no tensors to build (a draft step's chain builds one sampler a token)
             return
@@ -60,7 +65,9 @@ class DraftSampler:
         order (None when every row is greedy; probs 0 past a row's truncation)."""
         if self.all_greedy:
             return argmax(logits), None, None
-        x = logits if self.all_sampled else logits.index_select(0, self.sampled_index)  # [S, V]
+        if self.columns is not None:  # (the argmax of a greedy row among them is the same: the rest is the floor)
+            logits = logits[:, : self.columns]
+        x = logits.contiguous() if self.all_sampled else logits.index_select(0, self.sampled_index)  # [S, V]
         if len(self.groups) == 1:
             probs = shape_rows(x, [self.groups[0][0]] * x.shape[0])
         else:

@@ -97,6 +97,11 @@ class DraftVocabHead(torch.nn.Module):
         self.register_buffer("ids", ids, persistent=False)
         self.prefix = bool(torch.equal(ids, torch.arange(ids.numel())))  # the lowest ids: one slice copy
 
+    @property
+    def columns(self) -> int | None:
+        """N where the vocabulary is the N lowest ids (a row's other columns are all the floor), else None."""
+        return int(self.ids.numel()) if self.prefix else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V]
         small = self.inner(x)
         out = small.new_full((*small.shape[:-1], self.vocab_size), floor_for(small.dtype))

@@ -85,6 +85,7 @@ class Engine(EngineThread):
         self.runner = ModelRunner(model, self.cache, config.step)
         self.device = self.cache.geometry.device
         self.vocab_size = self.runner.vocab_size
+        self.draft_columns = getattr(model.get_output_embeddings(), "columns", None)  # a draft vocabulary's N lowest ids
         # Feature taps (Feed.taps): layer ids below num_layers, hidden_size numbers per layer and position
         self.num_layers, self.hidden_size = int(model.config.num_hidden_layers), int(model.config.hidden_size)
         self.eos_token_ids = eos_token_ids(model, tokenizer)

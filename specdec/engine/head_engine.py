@@ -77,6 +77,7 @@ class HeadEngine(EngineThread):
         self.head = head
         self.device = next(head.parameters()).device
         self.vocab_size = head.vocab_size
+        self.draft_columns = None  # its rows are -inf outside d2t's ids, wherever they lie (the sampler reads all)
         self.feature_layers = head.layer_ids(target_config.num_hidden_layers)
         self.feature_width = head.fc.in_features
         # float32 on an AVX-512 or AVX2 CPU (unless --no-skinny-gemm): the batch-invariant kernel

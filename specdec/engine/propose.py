@@ -77,7 +77,7 @@ class ProposeWork(Work):
             rows = adjust_logits_rows(rows, [w.params for w in works], counts)  # [B, V] float32
         if any(w.grammar for w in works):
             rows = _mask_grammar(works, rows, engine)
-        sampler = _sampler(works, engine.vocab_size, rows.device)
+        sampler = _sampler(works, engine, rows.device)
         positions = longs([len(w.session) for w in works], rows.device)  # where each draw lands
         tokens, q_ids, q_probs = sampler(rows, positions)
         tokens = tokens.tolist()
@@ -102,7 +102,7 @@ class ProposeWork(Work):
     def run_chain(cls, works: list["ProposeWork"], engine) -> None:
         """The rest of the works' proposals as one draft chain (specdec.engine.draft_chain); they all have the
         same number of steps left. No engine lock held: the sessions' new tokens are appended by finish_chain."""
-        sampler = _sampler(works, engine.vocab_size, engine.device)
+        sampler = _sampler(works, engine, engine.device)
         feeds = [ChainFeed(w.session.slot, len(w.session), w.tokens[-1]) for w in works]
         out = run_chain(engine.runner, feeds, works[0].chain_steps, sampler)
         for w, drawn in zip(works, out.tokens):
@@ -142,9 +142,12 @@ def _mask_grammar(works: list[ProposeWork], rows: torch.Tensor, engine) -> torch
     return rows
 
 
-def _sampler(works: list[ProposeWork], vocab_size: int, device) -> DraftSampler:
-    return DraftSampler([w.params for w in works], [w.top_n for w in works], [w.seed for w in works], vocab_size,
-                        device)
+def _sampler(works: list[ProposeWork], engine, device) -> DraftSampler:
+    """The works' sampler; over a draft vocabulary's columns alone where no work's grammar may leave it (a grammar
+    allowing only tokens outside keeps them, at the floor, as q's support)."""
+    columns = None if any(w.grammar for w in works) else engine.draft_columns
+    return DraftSampler([w.params for w in works], [w.top_n for w in works], [w.seed for w in works],
+                        engine.vocab_size, device, columns)
 
 
 def _q_row(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
