@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from bench.prompts import prompts_for
     from specdec.engine.config import StepConfig, TierConfig
-    from specdec.engine.engine import load_tier_model
+    from specdec.engine.tier_model import load_tier_model
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner
     from specdec.models import ModelConfig, default_draft, default_target, load_tokenizer

@@ -24,7 +24,8 @@ from specdec.client import Client
 from specdec.engine.config import StepConfig, TierConfig
 from specdec.engine.draft_vocab_head import FLOOR, DraftVocabHead, restrict_head, vocabulary_ids
 from specdec.engine.draft_probs import DraftProbs
-from specdec.engine.engine import Engine, load_tier_model
+from specdec.engine.engine import Engine
+from specdec.engine.tier_model import load_tier_model
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.propose import ProposeWork
 from specdec.engine.runner import Feed, ModelRunner
@@ -138,6 +139,17 @@ def test_off_the_packed_step_the_head_is_a_module_like_any(tiny_target):
         want, got = (m(torch.tensor([PROMPT])).logits[0] for m in (full, restricted))
     assert torch.equal(got[:, ids], want[:, ids]) and got.shape == want.shape
     assert int((got == FLOOR).sum()) == got.numel() - got.shape[0] * ids.numel()
+
+
+def test_compiled_tiers_share_a_model_only_with_the_same_vocabulary(tiny_target):
+    """The compile mode shares one model object per model (its compiled graphs): a self-draft's restricted head must
+    not become its target's."""
+    model = device_model(tiny_target)
+    target = load_tier_model(TierConfig(model, step=StepConfig(mode="compile")))
+    draft = load_tier_model(TierConfig(model, step=StepConfig(mode="compile", draft_vocab="300")))
+    assert draft is not target and isinstance(draft.get_output_embeddings(), DraftVocabHead)
+    assert not isinstance(target.get_output_embeddings(), DraftVocabHead)
+    assert load_tier_model(TierConfig(model, step=StepConfig(mode="compile"))) is target  # still shared
 
 
 def test_a_head_that_is_not_a_linear_is_refused(tiny_target):

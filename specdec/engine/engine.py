@@ -24,46 +24,25 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from specdec.engine import gguf_weights
 from specdec.engine.config import TierConfig
 from specdec.engine.cost_curve import measure as measure_cost_curve, measure_feed
 from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, Answer, EngineStatus, EngineThread, hand_back, inline_steps_on
 from specdec.engine.grammar import GrammarCache
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
-from specdec.engine.draft_vocab_head import restrict_head, vocabulary_ids
-from specdec.engine.quantize import quantize
 from specdec.engine.runner import Feed, ModelRunner
 from specdec.engine.scheduler import DROPPED, STARTED, WAIT, Planned, Scheduler
 from specdec.engine.sessions import PrefixMismatch, SessionTable
 from specdec.engine.step import resolve_mode
 from specdec.engine.threads import release_thread_pool
+from specdec.engine.tier_model import load_tier_model
 from specdec.engine.work import Work, step_id_base
-from specdec.models import TokenizerSource, eos_token_ids, load_model, max_context
+from specdec.models import TokenizerSource, eos_token_ids, max_context
 from specdec.core.errors import RequestError
 
 log = logging.getLogger(__name__)
 
 
 StepObserver = Callable[[int, int, float], None]  # (sessions, tokens, seconds) of each step
-
-# Compiled steps: engines of one process that serve the same model share its weights, and so its compiled graphs
-# (frozen weights make every model object a compile of its own): a self-draft, or a test's many clusters, compile once.
-_compiled_models: dict = {}
-
-
-def load_tier_model(config: TierConfig):
-    """The model as a tier of `config` serves it: a GGUF's matrices in their blocks for the packed step, a draft's
-    quantised where asked, the compiled mode's shared per model."""
-    mode = resolve_mode(config.step.mode, torch.device(config.model.device))
-    packed = mode == "packed" and config.step.skinny_gemm  # float32 on the skinny GEMM: a GGUF served from its blocks
-    if mode == "compile" and config.model not in _compiled_models:
-        _compiled_models[config.model] = load_model(config.model)
-    model = _compiled_models[config.model] if mode == "compile" else \
-        gguf_weights.load_model(config.model, blocks=packed and config.step.gguf_blocks, light=packed)
-    ids = vocabulary_ids(config.step.draft_vocab, int(model.config.vocab_size), eos_token_ids(model, None))
-    model = quantize(model, config.step.quantize, config.model, packed)  # a draft's matrices into blocks, if asked
-    return restrict_head(model, ids)  # a draft's LM head over its draft vocabulary, if asked
-
 
 class Engine(EngineThread):
     feature_draft = False  # a model's own engine (specdec.engine.head_engine.HeadEngine drafts from features)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.engine.config import TierConfig
-from specdec.engine.engine import load_tier_model
+from specdec.engine.tier_model import load_tier_model
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.llama import TorchRowOps
 from specdec.engine.runner import Feed, ModelRunner
