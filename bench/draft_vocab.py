@@ -60,17 +60,17 @@ def main(argv=None) -> int:
     p_rows = {w: [target.forward([Feed(0, 0, ex.ids.tolist()[:-1], ex.ids.numel() - ex.prompt_len)])[0]
                   for ex in data] for w, data in answers.items()}  # the target's logits at every answer position
     del target, target_model
-    runners, kept = {}, {}
+    runners, kept, covers = {}, {}, {}  # covers: the vocabulary's ids (None: every id)
     for v in vocabs:
         config = TierConfig(ModelConfig(draft_path), step=StepConfig(quantize="auto", draft_vocab=v))
         model = load_tier_model(config)
         ids = getattr(model.get_output_embeddings(), "ids", None)
-        kept[v] = int(model.config.vocab_size) if ids is None else int(ids.numel())
+        covers[v] = None if ids is None else set(ids.tolist())
+        kept[v] = int(model.config.vocab_size) if ids is None else len(covers[v])
         runners[v] = ModelRunner(model, SlotKVCache(KVGeometry.of(model), 2, 4096), config.step)
     rows, inside, sampled = {}, {}, {}
     for v, runner in runners.items():  # agreement: each answer fed whole, every answer position's argmax
-        ids = getattr(runner.model.get_output_embeddings(), "ids", None)
-        covered = None if ids is None else set(ids.tolist())
+        covered = covers[v]
         for w, data in answers.items():
             hits = positions = tokens_in = 0
             accept = {t: 0.0 for t in TEMPERATURES}

@@ -112,6 +112,21 @@ class DraftVocabHead(torch.nn.Module):
         return out
 
 
+def head_product(model) -> torch.nn.Module:
+    """The LM head's product: the head itself, or a DraftVocabHead's linear over its rows."""
+    head = model.get_output_embeddings()
+    return head.inner if type(head) is DraftVocabHead else head
+
+
+def set_head_product(model, product: torch.nn.Module) -> None:
+    """Replace the LM head's product (head_product) by `product`, in place."""
+    head = model.get_output_embeddings()
+    if type(head) is DraftVocabHead:
+        head.inner = product
+    else:
+        model.set_output_embeddings(product)
+
+
 def restrict_head(model, ids: torch.Tensor | None):
     """`model` with its LM head replaced, in place, by a DraftVocabHead over `ids` (None: as it is). The kept rows
     are the head's own: a float linear's weights, or a quantised head's values in Q8_0 blocks (a Q8_0 head's bitwise;

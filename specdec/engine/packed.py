@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.engine.draft_vocab_head import DraftVocabHead
+from specdec.engine.draft_vocab_head import head_product, set_head_product
 
 
 def can_pack(device: torch.device) -> bool:
@@ -73,17 +73,12 @@ def pack_head(model) -> bool:
     """Replace the model's LM head (a plain nn.Linear, or a DraftVocabHead's) by a PackedLinear, in place; False if it stays as it
     was: not a plain linear, or a weight oneDNN cannot pack on this CPU (float16 without AVX-512 FP16,
     say), which keeps the same function at eager speed."""
-    head = model.get_output_embeddings()
-    vocab = head if type(head) is DraftVocabHead else None  # a draft's head over part of the vocabulary: its linear
-    linear = vocab.inner if vocab is not None else head
+    linear = head_product(model)  # (a draft vocabulary's head: its linear over the kept rows)
     if type(linear) is not torch.nn.Linear:
         return False
     try:
         packed = PackedLinear(linear)
     except RuntimeError:
         return False
-    if vocab is not None:
-        vocab.inner = packed
-    else:
-        model.set_output_embeddings(packed)
+    set_head_product(model, packed)
     return True

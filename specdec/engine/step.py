@@ -42,7 +42,7 @@ import torch
 
 from specdec.engine import cpu_kernels, skinny_gemm, triton_row_ops
 from specdec.engine.config import STEP_MODES
-from specdec.engine.draft_vocab_head import DraftVocabHead
+from specdec.engine.draft_vocab_head import head_product, set_head_product
 from specdec.engine.eagle3_features import captured
 from specdec.engine.llama import LlamaDecoder, concatenated_product
 from specdec.engine.packed import can_pack, pack_head, pack_layers, replace_linears
@@ -144,15 +144,9 @@ def skinny_applies(model, enabled: bool = True) -> str | None:
         return "turned off (--no-skinny-gemm)"
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return f"{weight.dtype} on {weight.device.type} (the kernel is float32 on a CPU)"
-    if type(_head_product(model)) not in (torch.nn.Linear, QuantLinear):
+    if type(head_product(model)) not in (torch.nn.Linear, QuantLinear):
         return "the LM head is not a plain linear"
     return skinny_gemm.unavailable()
-
-
-def _head_product(model):
-    """The LM head's product: the head, or a DraftVocabHead's own linear."""
-    head = model.get_output_embeddings()
-    return head.inner if type(head) is DraftVocabHead else head
 
 
 def packed_decoder(model, skinny: bool):
@@ -169,11 +163,9 @@ def packed_decoder(model, skinny: bool):
     decoder = getattr(model, SKINNY_DECODER, None)
     if decoder is not None:
         return decoder
-    head = model.get_output_embeddings()
-    if type(head) is DraftVocabHead and type(head.inner) is torch.nn.Linear:  # a draft's head over part of the vocabulary
-        head.inner = skinny_gemm.SkinnyLinear([head.inner])
-    elif type(head) is torch.nn.Linear:  # a QuantLinear head is on the kernel already
-        model.set_output_embeddings(skinny_gemm.SkinnyLinear([head]))
+    head = head_product(model)  # (a draft vocabulary's head: its linear over the kept rows)
+    if type(head) is torch.nn.Linear:  # a QuantLinear head is on the kernel already
+        set_head_product(model, skinny_gemm.SkinnyLinear([head]))
     if LlamaDecoder.unsupported(model) is None:
         decoder = LlamaDecoder(model, product=skinny_gemm.fused_product, ops=cpu_kernels.load("row_ops")[0],
                                native=cpu_kernels.load("decoder")[0])
