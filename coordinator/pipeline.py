@@ -279,7 +279,7 @@ class Pipeline:
         task.add_done_callback(self._cleanup.discard)
 
     async def settle(self, timeout_s: float = 5.0) -> None:
-        """Wait for pending session clean-ups (EndSession on the tiers, outputs into the shared tree)."""
+        """Wait for pending session clean-ups (their streams closed, outputs into the shared tree)."""
         if self._cleanup:
             await asyncio.wait(list(self._cleanup), timeout=timeout_s)
 

@@ -166,6 +166,8 @@ def test_tier_metrics_as_the_tiers_serve_them(tiny_target, tiny_random_draft):
             assert value(s, "vllm:num_requests_running", **labels) == 0
             rpc = "VerifyStream" if tier == "target" else "ProposeStream"
             assert value(s, "specdec_rpc_duration_seconds_count", rpc=rpc, **labels) >= 4
+            # the sessions ended with their streams: a finished generation costs the tier no EndSession
+            assert value(s, "specdec_rpc_duration_seconds_count", rpc="EndSession", **labels) == 0
     finally:
         for server in servers:
             server.close()

@@ -218,16 +218,11 @@ class TierClient:
         """The target tier; a session verifies on its VerifyStream."""
         return cls("target", target_pb2_grpc.TargetServiceStub(channel), "VerifyStream", address, timeout_s, routing)
 
-    def session(self, session_id: str, routing_key: str | None = None) -> "TierSessionCalls":
-        """routing_key: what the session's rpcs are hashed on (RoutingConfig.routing_key; default its id)."""
-        return TierSessionCalls(self, session_id, routing_key or session_id)
-
-    async def end_session(self, session_id: str, routing_key: str | None = None) -> None:
-        try:
-            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=self.timeout_s,
-                                       metadata=self.routing.metadata(routing_key or session_id))
-        except grpc.aio.AioRpcError:
-            pass  # best effort: the replica may be gone, or may have evicted the session already
+    def session(self, session_id: str, routing_key: str | None = None) -> SessionStream:
+        """The session's stream on the tier; routing_key: what it is hashed on (RoutingConfig.routing_key;
+        default the session's id). Closing it ends the session on its replica."""
+        return SessionStream(self.tier, self.stream_rpc, getattr(self.stub, self.stream_rpc), session_id, self.timeout_s,
+                             self.routing.metadata(routing_key or session_id))
 
     async def model_info(self) -> common_pb2.ModelInfo:
         """From any one replica (no routing key: the balancer picks one)."""
@@ -236,18 +231,3 @@ class TierClient:
     async def status(self) -> common_pb2.StatusResponse:
         """From any one replica: its load, and the cost curve it measured at start."""
         return await self.stub.GetStatus(common_pb2.StatusRequest(), timeout=self.timeout_s)
-
-
-class TierSessionCalls(SessionStream):
-    """A session's stream on a tier, and the tier's EndSession for it."""
-
-    def __init__(self, client: TierClient, session_id: str, routing_key: str) -> None:
-        super().__init__(client.tier, client.stream_rpc, getattr(client.stub, client.stream_rpc), session_id,
-                         client.timeout_s, client.routing.metadata(routing_key))
-        self._client = client
-        self.routing_key = routing_key
-
-    async def end_session(self) -> None:
-        """Close the stream (the replica drops the session with it) and say so explicitly (best effort)."""
-        self.close()
-        await self._client.end_session(self.session_id, self.routing_key)

@@ -57,9 +57,8 @@ class DirectRounds:
             speculate=int(self.speculate))
         call = self.draft.stub.Drive(request, metadata=self.draft.routing.metadata(self.routing_key),
                                      timeout=self.time_left())
-        for session in self.sessions:
-            session.cursor.reset()  # the Drive holds the session on both tiers; after it, each is sent it whole
-            session.touched = True  # (and close() ends it there)
+        for session in self.sessions:  # the Drive holds the session on both tiers (ending it when it ends);
+            session.cursor.reset()  # after it, each is sent it whole
         try:
             async for event in call:
                 yield self._round(event)

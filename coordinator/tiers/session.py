@@ -68,7 +68,7 @@ def deadline_clock(deadline: float | None) -> Callable[[], float | None]:
 
 
 class SessionCalls(Protocol):
-    """One session's rpcs on one tier (coordinator.tiers.TierSessionCalls: the session's stream)."""
+    """One session's rpcs on one tier (coordinator.tiers.client.SessionStream: the session's stream)."""
 
     tier: str  # "draft" or "target"
     session_id: str  # the session the calls belong to (and are routed by)
@@ -77,8 +77,6 @@ class SessionCalls(Protocol):
     async def call(self, request: Any, limit_s: float | None = None) -> Any: ...
 
     def close(self) -> None: ...
-
-    async def end_session(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,6 @@ class TierSession:
         self.cursor = TierCursor(on_reprefill=lambda: stats.reprefills.update((self.tier,)))
         self._failures = 0  # consecutive give-ups (the down back-off grows with them)
         self._down_until = 0.0
-        self.touched = False  # the replica may hold the session (a request went out, or a Drive took it): close() ends it
 
     @property
     def available(self) -> bool:
@@ -141,7 +138,6 @@ class TierSession:
                 code = last_error.code if last_error else grpc.StatusCode.DEADLINE_EXCEEDED
                 raise TierError(self.tier, code, f"no answer before the request's deadline; last error: {last_error or 'none'}")
             t0 = time.perf_counter()
-            self.touched = True
             try:
                 response = await self.calls.call(request(ctx), left)
             except TierError as e:
@@ -189,7 +185,6 @@ class TierSession:
         its reply repeats the push). The cursor records what a tree request's reply says: the committed
         sequence, nothing past it. A failure closes the stream; the next call() recovers as for any failure."""
         ctx = self.context(sequence, hashes)
-        self.touched = True
         try:
             await self.calls.send(request(ctx), self.time_left())
         except TierError as e:
@@ -223,9 +218,8 @@ class TierSession:
                 extra={"session_id": self.session_id, "tier": self.tier, "code": e.code.name, "backoff_s": delay})
 
     async def close(self) -> None:
-        """End the session on its replica (best effort: it may be gone or have evicted the session); one that was
-        never sent anything (a draft tier the policy never asked) has nothing to end there: no EndSession."""
-        if not self.touched:
-            self.calls.close()
-            return
-        await self.calls.end_session()
+        """End the session on its replica: close its stream, with which the replica drops every session the stream
+        served (specdec.serving.tier.serve_session_stream); a Drive's sessions end with the Drive. No rpc: a
+        finished request costs neither the coordinator nor the tier a call (docs/DESIGN.md, Sessions and KV
+        memory)."""
+        self.calls.close()
