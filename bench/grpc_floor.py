@@ -8,7 +8,15 @@ two), whatever the services do around it; bench.overhead prints it beside the ro
 figure is the one a round meets: a tier waits while the other computes, and waking an idle process (its
 threads, on a virtual machine its vCPU) costs more than a hot loop shows.
 
-    python -m bench.grpc_floor            # the three figures, median of 5 runs of 2,000 round trips each
+A round of a real model idles each process far longer (the default target's forwards take tens of
+milliseconds), so `--long-idle` also times a round trip after the processes idled that long, and the machine's
+own part of it: a fixed bit of work (work(): a byte of each page of 1 MiB, a little Python) timed hot and again as the first thing a process does after idling
+as long. On a machine whose memory is virtualised in software (this project's sandboxes are nested microVMs)
+the first touches of a working set after a wait fault back in, and the stall grows with the wait; on bare
+metal or a hardware-virtualised VM it stays near the hot figure (docs/performance.md, Per-round overhead).
+
+    python -m bench.grpc_floor                    # the figures, median of 5 runs of 2,000 round trips each
+    python -m bench.grpc_floor --long-idle 0.05   # and after a 50 ms idle
 """
 
 from __future__ import annotations
@@ -26,6 +34,29 @@ from grpc import aio
 SERVICE = "specdec.bench.Echo"
 PAYLOAD = b"x" * 200
 IDLE_S = 0.003  # a draft step or two: how long a tier idles between a session's messages
+LONG_IDLE_TRIES = 12  # round trips (and bits of work) timed after a long idle, each on its own
+
+
+WORKING_SET = bytearray(b"\1" * (1 << 20))  # what work() touches: 1 MiB, a byte in each of its 256 pages
+
+
+def work() -> float:
+    """The machine's probe: a byte read from each page of a 1 MiB working set, and a little Python (tens of us
+    hot); its time in us."""
+    t0 = time.perf_counter()
+    bytes(WORKING_SET[::4096])
+    sum(i * i for i in range(2_000))
+    return (time.perf_counter() - t0) * 1e6
+
+
+def wake_stall(idle_s: float, tries: int = LONG_IDLE_TRIES) -> tuple[float, float]:
+    """(hot, after idling idle_s) medians of work() in us: the second run straight after the first, hot."""
+    cold, hot = [], []
+    for _ in range(tries):
+        time.sleep(idle_s)
+        cold.append(work())
+        hot.append(work())
+    return statistics.median(hot), statistics.median(cold)
 
 
 def _same(x):
@@ -51,7 +82,7 @@ async def _serve() -> None:
     await server.wait_for_termination()
 
 
-async def _client(port: int, n: int, runs: int) -> dict[str, float]:
+async def _client(port: int, n: int, runs: int, long_idle_s: float = 0.0) -> dict[str, float]:
     async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         unary = channel.unary_unary(f"/{SERVICE}/Unary", _same, _same)
         call = channel.stream_stream(f"/{SERVICE}/Stream", _same, _same)()
@@ -71,6 +102,15 @@ async def _client(port: int, n: int, runs: int) -> dict[str, float]:
             await one_stream()
             idle.append((time.perf_counter() - t0) * 1e6)
         out["stream_idle_us"] = statistics.median(idle)
+        if long_idle_s > 0:
+            idle = []
+            for _ in range(LONG_IDLE_TRIES):
+                await asyncio.sleep(long_idle_s)
+                t0 = time.perf_counter()
+                await one_stream()
+                idle.append((time.perf_counter() - t0) * 1e6)
+            out["stream_long_idle_us"] = statistics.median(idle)
+            out["work_hot_us"], out["work_long_idle_us"] = wake_stall(long_idle_s)
         for name, once in (("unary_us", one_unary), ("stream_us", one_stream)):
             for _ in range(n // 10):  # warm: connection, stream, both interpreters' caches
                 await once()
@@ -85,13 +125,15 @@ async def _client(port: int, n: int, runs: int) -> dict[str, float]:
         return out
 
 
-def measure(n: int = 2000, runs: int = 5) -> dict[str, float]:
+def measure(n: int = 2000, runs: int = 5, long_idle_s: float = 0.0) -> dict[str, float]:
     """{'unary_us', 'stream_us', 'stream_idle_us'}: the median round trip over `runs` runs of n (after an idle
-    IDLE_S: over n / 5 round trips), the server a child process."""
+    IDLE_S: over n / 5 round trips), the server a child process. long_idle_s > 0 adds 'stream_long_idle_us' (a
+    round trip after idling that long) and 'work_hot_us' / 'work_long_idle_us' (work() hot and as the first
+    thing after such an idle)."""
     server = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        return asyncio.run(_client(port, n, runs))
+        return asyncio.run(_client(port, n, runs, long_idle_s))
     finally:
         server.kill()
         server.wait()
@@ -102,15 +144,27 @@ def main(argv=None) -> int:
     p.add_argument("--serve", action="store_true", help="be the echo server (prints its port)")
     p.add_argument("--n", type=int, default=2000, help="round trips per run")
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--long-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="also time a round trip, and the machine's wake stall, after the processes idled this long")
     args = p.parse_args(argv)
     if args.serve:
         asyncio.run(_serve())
         return 0
-    floor = measure(args.n, args.runs)
+    floor = measure(args.n, args.runs, args.long_idle)
     print(f"gRPC round trip between two processes on loopback (grpc.aio, {len(PAYLOAD)}-byte message): "
           f"unary call {floor['unary_us']:.0f} us, a write and a read on an open stream {floor['stream_us']:.0f} us "
           f"back to back, {floor['stream_idle_us']:.0f} us after {IDLE_S * 1e3:.0f} ms idle")
+    if args.long_idle > 0:
+        print(long_idle_said(floor, args.long_idle))
     return 0
+
+
+def long_idle_said(floor: dict[str, float], idle_s: float) -> str:
+    """The long-idle figures as a sentence."""
+    return (f"After {idle_s * 1e3:.0f} ms idle: the round trip {floor['stream_long_idle_us']:.0f} us; the machine's own "
+            f"wake stall, work() (a byte of each page of 1 MiB, a little Python) as the first thing a process does after "
+            f"idling as long, "
+            f"{floor['work_long_idle_us']:.0f} us against {floor['work_hot_us']:.0f} us hot")
 
 
 if __name__ == "__main__":

@@ -353,7 +353,10 @@ def main(argv=None) -> int:
     lines += md_table(["K", "client <-> coordinator", "coordinator", *(f"{tier} {part}" for tier in ("draft", "target")
                                                                        for part in TRACE_PARTS), "direct rounds",
                        "proposal ready at the verdict (pushed, or drafted ahead)"], trace)
-    floor = grpc_floor.measure()  # after the pipeline is gone: the same cores, nothing beside it
+    # A round's processes wait out its forwards: past a few ms, also the floor after idling that long
+    forward_s = max(statistics.median(r["compute"] for r in rows) for rows in results.values()) / 1e3
+    long_idle = forward_s if forward_s > 4 * grpc_floor.IDLE_S else 0.0
+    floor = grpc_floor.measure(long_idle_s=long_idle)  # after the pipeline is gone: the same cores, nothing beside it
     said = outside_goals(results, shaped=True) if args.shapes else outside_goals(results) if args.pair else goals(results)
     lines += ["", said, "", f"gRPC's own floor on this machine (`python -m bench.grpc_floor`, measured after the "
               f"rows): a write and a read on an open stream between two processes take {floor['stream_us']:.0f} us "
@@ -362,6 +365,11 @@ def main(argv=None) -> int:
               f"and sends the client its chunk (about half of one), a draft round one round trip more (the draft): at "
               f"least {1.5 * floor['stream_us'] / 1e3:.2f} / {2.5 * floor['stream_us'] / 1e3:.2f} ms before any work is done "
               f"({1.5 * floor['stream_idle_us'] / 1e3:.2f} / {2.5 * floor['stream_idle_us'] / 1e3:.2f} ms at the idle figure)."]
+    if long_idle:
+        lines += ["", grpc_floor.long_idle_said(floor, long_idle) + f" (`python -m bench.grpc_floor --long-idle "
+                  f"{long_idle:.3f}`: the idle as long as a round's forwards here, which every process of a round but "
+                  f"the computing tier waits out). At that figure a K = 0 round's hops cost "
+                  f"{1.5 * floor['stream_long_idle_us'] / 1e3:.2f} ms before any work is done."]
     text = "\n".join(lines) + "\n"
     publish(text, args.out)
     return 0

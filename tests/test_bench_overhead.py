@@ -66,3 +66,16 @@ def test_the_concurrency_bench_says_who_drafted():
     assert burst["rounds"] == 10 and burst["by_proposer"] == {"suffix": [3, 12, 3], "draft_model": [1, 2, 2]}
     assert proposer_shares(burst) == ("suffix 30% of the rounds (12 drafts, 0.25 accepted), draft_model 10% of the "
                                       "rounds (2 drafts, 1.00 accepted), target-only 60%")
+
+
+def test_the_grpc_floor_after_a_long_idle_is_timed_with_the_machines_own_stall():
+    """bench.grpc_floor against its echo server in a child process: with long_idle_s, a round trip after idling that
+    long, and the machine's probe (work()) hot and as the first thing after such an idle, all measured, and said."""
+    from bench import grpc_floor
+
+    floor = grpc_floor.measure(n=40, runs=1, long_idle_s=0.01)
+    assert set(floor) == {"unary_us", "stream_us", "stream_idle_us", "stream_long_idle_us", "work_hot_us", "work_long_idle_us"}
+    assert all(v > 0 for v in floor.values()), floor
+    said = grpc_floor.long_idle_said(floor, 0.01)
+    assert said.startswith("After 10 ms idle: the round trip ") and f"{floor['work_hot_us']:.0f} us hot" in said
+    assert "stream_long_idle_us" not in grpc_floor.measure(n=20, runs=1)  # only when asked
