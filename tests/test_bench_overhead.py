@@ -79,3 +79,13 @@ def test_the_grpc_floor_after_a_long_idle_is_timed_with_the_machines_own_stall()
     said = grpc_floor.long_idle_said(floor, 0.01)
     assert said.startswith("After 10 ms idle: the round trip ") and f"{floor['work_hot_us']:.0f} us hot" in said
     assert "stream_long_idle_us" not in grpc_floor.measure(n=20, runs=1)  # only when asked
+
+
+def test_k0_without_the_stall_takes_the_hops_excess_off_the_time_outside_and_the_round():
+    from bench.overhead import without_stall
+
+    rows = [{"client_round": 70.0, "compute": 60.0}, {"client_round": 80.0, "compute": 68.0}, {"client_round": 90.0, "compute": 70.0}]
+    said = without_stall(rows, {"stream_long_idle_us": 5000.0, "stream_idle_us": 1000.0})  # excess 1.5 x 4 ms = 6 ms
+    assert "6.00 ms outside the forwards" in said  # median of 4, 6, 14
+    assert f"{100 * 6 / 74:.1f}% of a round" in said  # (12 - 6) / (80 - 6), the median share
+    assert "12.00 ms outside" in without_stall(rows, {"stream_long_idle_us": 500.0, "stream_idle_us": 1000.0})  # no excess: as measured

@@ -125,3 +125,32 @@ def test_a_stalled_check_ends_the_probe_at_its_timeout():
             await server.stop(None)
 
     asyncio.run(scenario())
+
+
+def test_the_probe_rests_while_sessions_hear_from_the_tier_and_not_when_a_call_fails():
+    """heard() (a session's call succeeded) stands for the next probe: a busy coordinator sends no health checks,
+    a quiet one probes every interval, and suspect() (a failed call) probes at once, heard or not."""
+
+    async def scenario():
+        server, _, port = await replica()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=RoutingConfig().channel_options(SERVICE))
+        watch = TierReachability("target", channel, SERVICE, ReachabilityConfig(interval_s=0.1))
+        watch.start()
+        try:
+            await until(lambda: watch.probes >= 1, 2)
+            for _ in range(20):  # 1 s of traffic: a reply every 50 ms
+                watch.heard()
+                await asyncio.sleep(0.05)
+            busy = watch.probes
+            assert busy <= 2, busy  # the first probe (and at most one racing the first reply)
+            watch.heard()
+            watch.suspect()
+            await until(lambda: watch.probes > busy, 1)  # a failed call is probed at once, traffic or not
+            await asyncio.sleep(0.6)  # quiet: every 0.1 s
+            assert watch.probes >= busy + 4 and watch.reachable
+        finally:
+            await watch.close()
+            await channel.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())

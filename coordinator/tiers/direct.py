@@ -60,7 +60,10 @@ class DirectRounds:
         for session in self.sessions:  # the Drive holds the session on both tiers (ending it when it ends);
             session.cursor.reset()  # after it, each is sent it whole
         try:
+            draft = self.sessions[-1].reachability  # (the draft's replies: the target's reach the draft, not us)
             async for event in call:
+                if draft is not None:
+                    draft.heard()
                 yield self._round(event)
         except grpc.aio.AioRpcError as e:
             code, details = stream_status(e.code(), e.details() or "", e.trailing_metadata())

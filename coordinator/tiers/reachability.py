@@ -10,7 +10,9 @@ turned NOT_SERVING). An outage counts once probes have failed `failures` times i
 target restarted 0.6 s before the other one drained was still waiting out its back-off, and an outage
 declared at once failed every session). One success makes the tier reachable again. A session that sees
 its tier fail asks for a probe at once (suspect()), so an outage is known about `confirm_s` after the first
-failed call.
+failed call. While sessions' calls to the tier succeed, the probe rests: a reply heard within the last
+`interval_s` is proof enough (heard()), so a busy coordinator sends no health checks; a quiet one probes as
+before, and a failed call still asks for a probe at once.
 
 What follows from it (coordinator wiring): no reachable target replica = the coordinator's health is
 NOT_SERVING (HTTP /health 503), new requests fail at once with UNAVAILABLE, and sessions waiting for the
@@ -61,6 +63,8 @@ class TierReachability:
         self._failing_since: float | None = None  # when the first of them ran (time.monotonic())
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._heard = float("-inf")  # time.monotonic() of the last reply a session had from the tier (heard())
+        self.probes = 0  # health checks sent
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -75,12 +79,17 @@ class TierReachability:
         """A call to the tier failed as if it were down: probe now rather than at the next interval."""
         self._wake.set()
 
+    def heard(self) -> None:
+        """A session's call to the tier just succeeded: until interval_s from now the probe need not ask."""
+        self._heard = time.monotonic()
+
     def why(self) -> str:
         """For error messages: the tier and the last probe's failure."""
         return f"no {self.tier} replica is reachable" + (f" ({self.last_error})" if self.last_error else "")
 
     async def probe(self) -> bool:
         """One health check; updates the verdict; returns whether it succeeded."""
+        self.probes += 1
         try:
             reply = await self._check(health_pb2.HealthCheckRequest(service=self.service), timeout=self.config.timeout_s)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -113,11 +122,18 @@ class TierReachability:
             self.on_change(reachable)
 
     async def _run(self) -> None:
+        suspected = False
         while True:
             self._wake.clear()
-            await self.probe()
+            # Sessions heard from the tier lately, nothing failed: their replies stand for this probe.
+            quiet = time.monotonic() - self._heard >= self.config.interval_s
+            if suspected or quiet or self._failures or not self.reachable:
+                await self.probe()
             # While probes fail and the verdict still stands, probe again soon: an outage counts `confirm_s`
             # after the first failure, not `failures` intervals.
             wait = self.config.retry_s if self.reachable and self._failures else self.config.interval_s
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(self._wake.wait(), wait)
+                suspected = True
+            except asyncio.TimeoutError:
+                suspected = False

@@ -169,6 +169,8 @@ class TierSession:
                 backoff = min(backoff * 2, self.policy.max_retry_s)
                 continue
             self._failures = 0
+            if self.reachability is not None:
+                self.reachability.heard()  # (the probe rests while calls succeed)
             wall_ms = (time.perf_counter() - t0) * 1e3
             self.stats.trace.observe(self.tier, t0, wall_ms, getattr(response, "trace", None))
             self.cursor.update(ctx, extra(response), response.cached_len, committed_len=committed_len)
