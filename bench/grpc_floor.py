@@ -10,10 +10,11 @@ threads, on a virtual machine its vCPU) costs more than a hot loop shows.
 
 A round of a real model idles each process far longer (the default target's forwards take tens of
 milliseconds), so `--long-idle` also times a round trip after the processes idled that long, and the machine's
-own part of it: a fixed bit of work (work(): a byte of each page of 1 MiB, a little Python) timed hot and again as the first thing a process does after idling
-as long. On a machine whose memory is virtualised in software (this project's sandboxes are nested microVMs)
-the first touches of a working set after a wait fault back in, and the stall grows with the wait; on bare
-metal or a hardware-virtualised VM it stays near the hot figure (docs/performance.md, Per-round overhead).
+own part of it: a fixed bit of work (work(): a byte of each page of 1 MiB, a little Python) timed hot and
+again as the first thing a process does after idling as long. On a machine whose memory is virtualised in
+software (this project's sandboxes are nested microVMs) the first touches of a working set after a wait fault
+back in, and the stall grows with the wait; on bare metal or a hardware-virtualised VM it stays near the hot
+figure (docs/performance.md, Per-round overhead).
 
     python -m bench.grpc_floor                    # the figures, median of 5 runs of 2,000 round trips each
     python -m bench.grpc_floor --long-idle 0.05   # and after a 50 ms idle
@@ -162,9 +163,8 @@ def main(argv=None) -> int:
 def long_idle_said(floor: dict[str, float], idle_s: float) -> str:
     """The long-idle figures as a sentence."""
     return (f"After {idle_s * 1e3:.0f} ms idle: the round trip {floor['stream_long_idle_us']:.0f} us; the machine's own "
-            f"wake stall, work() (a byte of each page of 1 MiB, a little Python) as the first thing a process does after "
-            f"idling as long, "
-            f"{floor['work_long_idle_us']:.0f} us against {floor['work_hot_us']:.0f} us hot")
+            f"wake stall, work() (a byte of each page of 1 MiB, a little Python) as the first thing a process does "
+            f"after idling as long, {floor['work_long_idle_us']:.0f} us against {floor['work_hot_us']:.0f} us hot")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ def test_the_grpc_floor_after_a_long_idle_is_timed_with_the_machines_own_stall()
     from bench import grpc_floor
 
     floor = grpc_floor.measure(n=40, runs=1, long_idle_s=0.01)
-    assert set(floor) == {"unary_us", "stream_us", "stream_idle_us", "stream_long_idle_us", "work_hot_us", "work_long_idle_us"}
+    assert set(floor) == {"unary_us", "stream_us", "stream_idle_us", "stream_long_idle_us", "work_hot_us",
+                          "work_long_idle_us"}
     assert all(v > 0 for v in floor.values()), floor
     said = grpc_floor.long_idle_said(floor, 0.01)
     assert said.startswith("After 10 ms idle: the round trip ") and f"{floor['work_hot_us']:.0f} us hot" in said
@@ -84,8 +85,10 @@ def test_the_grpc_floor_after_a_long_idle_is_timed_with_the_machines_own_stall()
 def test_k0_without_the_stall_takes_the_hops_excess_off_the_time_outside_and_the_round():
     from bench.overhead import without_stall
 
-    rows = [{"client_round": 70.0, "compute": 60.0}, {"client_round": 80.0, "compute": 68.0}, {"client_round": 90.0, "compute": 70.0}]
+    rows = [{"client_round": 70.0, "compute": 60.0}, {"client_round": 80.0, "compute": 68.0},
+            {"client_round": 90.0, "compute": 70.0}]
     said = without_stall(rows, {"stream_long_idle_us": 5000.0, "stream_idle_us": 1000.0})  # excess 1.5 x 4 ms = 6 ms
     assert "6.00 ms outside the forwards" in said  # median of 4, 6, 14
     assert f"{100 * 6 / 74:.1f}% of a round" in said  # (12 - 6) / (80 - 6), the median share
-    assert "12.00 ms outside" in without_stall(rows, {"stream_long_idle_us": 500.0, "stream_idle_us": 1000.0})  # no excess: as measured
+    no_excess = {"stream_long_idle_us": 500.0, "stream_idle_us": 1000.0}
+    assert "12.00 ms outside" in without_stall(rows, no_excess)  # no excess: as measured

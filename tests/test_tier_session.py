@@ -38,7 +38,8 @@ def test_closing_a_session_closes_its_stream_once_and_sends_nothing(requests):
     async def go():
         for _ in range(requests):
             await session.call(sequence, PrefixHashes(sequence),
-                               lambda ctx: draft_pb2.ProposeRequest(context=ctx, num_tokens=1), extra=lambda r: list(r.tokens))
+                               lambda ctx: draft_pb2.ProposeRequest(context=ctx, num_tokens=1),
+                               extra=lambda r: list(r.tokens))
         await session.close()
 
     asyncio.run(go())

@@ -60,7 +60,7 @@ class DirectRounds:
         for session in self.sessions:  # the Drive holds the session on both tiers (ending it when it ends);
             session.cursor.reset()  # after it, each is sent it whole
         try:
-            draft = self.sessions[-1].reachability  # (the draft's replies: the target's reach the draft, not us)
+            draft = self.sessions[-1].reachability  # each event is the draft tier's reply (the target's is the draft's)
             async for event in call:
                 if draft is not None:
                     draft.heard()
