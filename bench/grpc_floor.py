@@ -12,9 +12,9 @@ A round of a real model idles each process far longer (the default target's forw
 milliseconds), so `--long-idle` also times a round trip after the processes idled that long, and the machine's
 own part of it: a fixed bit of work (work(): a byte of each page of 1 MiB, a little Python) timed hot and
 again as the first thing a process does after idling as long. On a machine whose memory is virtualised in
-software (this project's sandboxes are nested microVMs) the first touches of a working set after a wait fault
-back in, and the stall grows with the wait; on bare metal or a hardware-virtualised VM it stays near the hot
-figure (docs/performance.md, Per-round overhead).
+software (this project's sandboxes are nested microVMs) the first touches of a working set after a wait run
+slowly, as faults would, and the stall grows with the wait; on bare metal or a hardware-virtualised VM it should
+stay near the hot figure (docs/performance.md, Per-round overhead).
 
     python -m bench.grpc_floor                    # the figures, median of 5 runs of 2,000 round trips each
     python -m bench.grpc_floor --long-idle 0.05   # and after a 50 ms idle
