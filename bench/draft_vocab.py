@@ -40,6 +40,7 @@ def main(argv=None) -> int:
 
     from bench.prompts import prompts_for
     from specdec.engine.config import StepConfig, TierConfig
+    from specdec.engine.draft_vocab_head import vocabulary_head
     from specdec.engine.tier_model import load_tier_model
     from specdec.engine.kv_cache import KVGeometry, SlotKVCache
     from specdec.engine.runner import Feed, ModelRunner
@@ -64,9 +65,9 @@ def main(argv=None) -> int:
     for v in vocabs:
         config = TierConfig(ModelConfig(draft_path), step=StepConfig(quantize="auto", draft_vocab=v))
         model = load_tier_model(config)
-        ids = getattr(model.get_output_embeddings(), "ids", None)
-        covers[v] = None if ids is None else set(ids.tolist())
-        kept[v] = int(model.config.vocab_size) if ids is None else len(covers[v])
+        head = vocabulary_head(model)
+        covers[v] = None if head is None else set(head.ids.tolist())
+        kept[v] = int(model.config.vocab_size) if head is None else len(covers[v])
         runners[v] = ModelRunner(model, SlotKVCache(KVGeometry.of(model), 2, 4096), config.step)
     rows, inside, sampled = {}, {}, {}
     for v, runner in runners.items():  # agreement: each answer fed whole, every answer position's argmax
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
                 logits = runner.forward([Feed(0, 0, seq[:-1], len(seq) - ex.prompt_len)])[0]
                 guess = logits.argmax(-1)
                 for t in TEMPERATURES:
-                    accept[t] += float(torch.minimum(torch.softmax(p_logits / t, -1), torch.softmax(logits / t, -1)).sum())
+                    p, q = torch.softmax(p_logits / t, -1), torch.softmax(logits / t, -1)
+                    accept[t] += float(torch.minimum(p, q).sum())
                 want = ex.best[ex.prompt_len - 1 : len(seq) - 1]
                 hits += int((guess == want).sum())
                 positions += want.numel()

@@ -61,8 +61,8 @@ def vocabulary_ids(spec: str, vocab_size: int, eos: list[int]) -> torch.Tensor |
             raise DraftVocabError(f"--draft-vocab {spec}: the file holds no token ids")
         bad = ids[(ids < 0) | (ids >= vocab_size)]
         if bad.numel():
-            raise DraftVocabError(f"--draft-vocab {spec}: token id {int(bad[0])} is outside the draft's vocabulary "
-                             f"[0, {vocab_size})")
+            raise DraftVocabError(f"--draft-vocab {spec}: token id {int(bad[0])} is outside the draft's "
+                                  f"vocabulary [0, {vocab_size})")
     ids = torch.unique(torch.cat([ids.long(), torch.tensor(eos, dtype=torch.long)]))
     return None if ids.numel() >= vocab_size else ids
 
@@ -78,14 +78,14 @@ def _ids_from_file(path: Path) -> torch.Tensor:
             raise DraftVocabError(f"--draft-vocab {path}: not a tensor of token ids torch can read ({why})") from None
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1:
             raise DraftVocabError(f"--draft-vocab {path}: expected a 1-D integer tensor of token ids, got "
-                             f"{ids.dtype} {tuple(ids.shape)}")
+                                  f"{ids.dtype} {tuple(ids.shape)}")
         return ids.long()
     words = re.split(r"[\s,\[\]]+", path.read_text())
     try:
         return torch.tensor([int(w) for w in words if w], dtype=torch.long)
     except ValueError:
-        raise DraftVocabError(f"--draft-vocab {path}: expected token ids (integers) separated by spaces, commas or as a "
-                         f"JSON list") from None
+        raise DraftVocabError(f"--draft-vocab {path}: expected token ids (integers) separated by spaces, commas or "
+                              f"as a JSON list") from None
 
 
 class DraftVocabHead(torch.nn.Module):
@@ -112,16 +112,22 @@ class DraftVocabHead(torch.nn.Module):
         return out
 
 
+def vocabulary_head(model) -> DraftVocabHead | None:
+    """The model's DraftVocabHead, or None where its LM head scores the whole vocabulary."""
+    head = model.get_output_embeddings()
+    return head if type(head) is DraftVocabHead else None
+
+
 def head_product(model) -> torch.nn.Module:
     """The LM head's product: the head itself, or a DraftVocabHead's linear over its rows."""
-    head = model.get_output_embeddings()
-    return head.inner if type(head) is DraftVocabHead else head
+    head = vocabulary_head(model)
+    return head.inner if head is not None else model.get_output_embeddings()
 
 
 def set_head_product(model, product: torch.nn.Module) -> None:
     """Replace the LM head's product (head_product) by `product`, in place."""
-    head = model.get_output_embeddings()
-    if type(head) is DraftVocabHead:
+    head = vocabulary_head(model)
+    if head is not None:
         head.inner = product
     else:
         model.set_output_embeddings(product)

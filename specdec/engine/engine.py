@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from specdec.engine.config import TierConfig
+from specdec.engine.draft_vocab_head import vocabulary_head
 from specdec.engine.cost_curve import measure as measure_cost_curve, measure_feed
 from specdec.engine.engine_thread import INLINE_TOKENS, PUSH, Answer, EngineStatus, EngineThread, hand_back, inline_steps_on
 from specdec.engine.grammar import GrammarCache
@@ -64,7 +65,8 @@ class Engine(EngineThread):
         self.runner = ModelRunner(model, self.cache, config.step)
         self.device = self.cache.geometry.device
         self.vocab_size = self.runner.vocab_size
-        self.draft_columns = getattr(model.get_output_embeddings(), "columns", None)  # a draft vocabulary's N lowest ids
+        head = vocabulary_head(model)
+        self.draft_columns = head.columns if head is not None else None  # a draft vocabulary's N lowest ids
         # Feature taps (Feed.taps): layer ids below num_layers, hidden_size numbers per layer and position
         self.num_layers, self.hidden_size = int(model.config.num_hidden_layers), int(model.config.hidden_size)
         self.eos_token_ids = eos_token_ids(model, tokenizer)

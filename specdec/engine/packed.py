@@ -70,9 +70,9 @@ def replace_linears(model, make) -> int:
 
 
 def pack_head(model) -> bool:
-    """Replace the model's LM head (a plain nn.Linear, or a DraftVocabHead's) by a PackedLinear, in place; False if it stays as it
-    was: not a plain linear, or a weight oneDNN cannot pack on this CPU (float16 without AVX-512 FP16,
-    say), which keeps the same function at eager speed."""
+    """Replace the model's LM head (a plain nn.Linear, or a DraftVocabHead's) by a PackedLinear, in place; False
+    if it stays as it was: not a plain linear, or a weight oneDNN cannot pack on this CPU (float16 without
+    AVX-512 FP16, say), which keeps the same function at eager speed."""
     linear = head_product(model)  # (a draft vocabulary's head: its linear over the kept rows)
     if type(linear) is not torch.nn.Linear:
         return False
