@@ -18,7 +18,7 @@ from specdec.engine.eagle3 import greedy_chain, load_head
 from specdec.engine.eagle3_features import target_features, to_bytes
 from specdec.engine.head_engine import HeadEngine
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from tests.helpers import device_model
+from tests.helpers import TEST_DEVICE, device_model
 
 pytestmark = pytest.mark.servers  # a draft service in this process on a real port (make test-fast leaves it out)
 
@@ -71,6 +71,17 @@ def test_model_info_names_the_layers(head_server, tiny_target_model):
     assert info.feature_width == 3 * tiny_target_model.config.hidden_size
     assert info.vocab_size == tiny_target_model.config.vocab_size
     assert stub.GetStatus(common_pb2.StatusRequest(), timeout=CALL_TIMEOUT_S).cost_curve  # measured at start
+
+
+def test_the_head_runs_on_the_device_its_config_names(head_server):
+    """Every weight, buffer and the target's shared embedding where the tier's config puts them: a checkpoint's tensors
+    are read onto the CPU, and a head loaded for a GPU once kept them there (SPECDEC_TEST_DEVICE=cuda checks it)."""
+    engine, _ = head_server
+    head = engine.head
+    want = torch.device(TEST_DEVICE).type
+    assert engine.device.type == want
+    tensors = [*head.parameters(), *head.buffers(), *head._shared[0].parameters()]
+    assert {t.device.type for t in tensors} == {want}
 
 
 def test_greedy_chains_are_the_heads_own_round_after_round(head_server, tiny_head, tiny_target_model):

@@ -95,7 +95,7 @@ class DraftVocabHead(torch.nn.Module):
         super().__init__()
         self.inner, self.vocab_size = inner, vocab_size
         self.register_buffer("ids", ids, persistent=False)
-        self.prefix = bool(torch.equal(ids, torch.arange(ids.numel())))  # the lowest ids: one slice copy
+        self.prefix = bool(torch.equal(ids, torch.arange(ids.numel(), device=ids.device)))  # the lowest ids: one slice copy
 
     @property
     def columns(self) -> int | None:

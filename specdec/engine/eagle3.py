@@ -306,14 +306,18 @@ def load_head(path: str | Path, target_config: LlamaConfig, target_embedding: nn
     """A checkpoint as a head for this target, checked first (check_checkpoint), in `dtype` (default: as stored)."""
     config, state = read_checkpoint(path)
     check_checkpoint(config, state, target_config, has_target_embedding=target_embedding is not None)
-    state = {k: v for k, v in state.items() if k != "t2d"}  # checked against d2t; rebuilt from it below
+    # On the device before they are assigned (assign keeps a tensor where it lies: a checkpoint's are on the CPU),
+    # checked against d2t: t2d is rebuilt from it below
+    state = {k: v.to(device) for k, v in state.items() if k != "t2d"}
+    if target_embedding is not None:
+        target_embedding = target_embedding.to(device)  # (not a submodule: head.to() would leave it behind)
     with torch.device("meta"):
         head = Eagle3Head(config, target_embedding, own_embedding="embed_tokens.weight" in state)
     head.to_empty(device=device)
     head.rotary = LlamaRotaryEmbedding(head.llama).to(device)
     head.load_state_dict(state, strict=False, assign=True)  # every weight is there: check_checkpoint saw to it
-    d2t = state.get("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long))  # absent: a full vocabulary
-    head.d2t = d2t.long().to(device)
+    d2t = state.get("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long, device=device))  # absent: a full vocabulary
+    head.d2t = d2t.long()
     head.t2d = t2d_mask(head.d2t, head.vocab_size)
     if dtype is not None:
         head.to(dtype)  # floating tensors only: d2t stays int64, t2d bool
