@@ -29,6 +29,7 @@ from specdec.engine.tier_model import load_tier_model
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.propose import ProposeWork
 from specdec.engine.runner import Feed, ModelRunner
+from specdec.engine.step import resolve_mode
 from specdec.engine.verify import VerifyWork, _verify_sampled
 from specdec.math.params import SamplingParams
 from specdec.models import ModelConfig, load_model
@@ -69,7 +70,9 @@ def test_a_bad_file_is_refused_with_what_is_wrong(tmp_path, text, message):
 
 
 def logits(model, step: StepConfig, ids: list[int]) -> torch.Tensor:
-    runner = ModelRunner(model, SlotKVCache(KVGeometry.of(model), 1, 64), step)
+    geometry = KVGeometry.of(model)
+    graphs = resolve_mode(step.mode, geometry.device) == "cuda-graphs"  # (as the engine: a scratch slot for them)
+    runner = ModelRunner(model, SlotKVCache(geometry, 1, 64, scratch=graphs), step)
     return runner.forward([Feed(0, 0, ids, len(ids))])[0]
 
 

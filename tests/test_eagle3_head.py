@@ -146,6 +146,19 @@ def test_full_vocabulary_head_needs_no_map(target, tmp_path):
     assert torch.equal(loaded.d2t, torch.zeros(target.config.vocab_size, dtype=torch.long))
 
 
+def test_a_head_loads_onto_the_device_named_and_leaves_the_targets_embedding_where_it_was(target, tmp_path):
+    """Every tensor of the head on the device asked for (here "meta", which any machine has: the checkpoint's tensors
+    are read onto the CPU and were once assigned as they came), the shared embedding too, and the target's own
+    embedding module untouched (it is the target's, wherever the head goes)."""
+    write_checkpoint(small_head(target), tmp_path)
+    embedding = target.get_input_embeddings()
+    where = embedding.weight.device
+    head = load_head(tmp_path, target.config, embedding, device="meta")
+    tensors = [*head.parameters(), *head.buffers(), *head._shared[0].parameters()]
+    assert {t.device.type for t in tensors} == {"meta"}
+    assert embedding.weight.device == where and target.get_input_embeddings() is embedding
+
+
 def test_default_layers_are_low_middle_high():
     assert default_aux_layers(30) == [1, 14, 26]  # the default target
     assert default_aux_layers(32) == [1, 15, 28]  # Llama-3.1-8B

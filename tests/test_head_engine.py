@@ -48,10 +48,11 @@ def head_server(tiny_head, tiny_target):
 
 
 def features_of(model, layers, tokens) -> torch.Tensor:
-    """The target's rows for every position of `tokens` (one plain forward), bfloat16 [T, 3 H]."""
+    """The target's rows for every position of `tokens` (one plain forward on its device), bfloat16 [T, 3 H] on the CPU,
+    where the tests' reference heads compute (the served head, on the test device, gets them as bytes)."""
     with torch.inference_mode():
-        rows, _ = target_features(model, torch.tensor([tokens]), layers)
-    return rows[0]
+        rows, _ = target_features(model, torch.tensor([tokens], device=model.device), layers)
+    return rows[0].cpu()
 
 
 def propose(stub, sid, committed, prefix_len, k, rows_start, rows, **kw):

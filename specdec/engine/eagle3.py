@@ -309,8 +309,8 @@ def load_head(path: str | Path, target_config: LlamaConfig, target_embedding: nn
     # On the device before they are assigned (assign keeps a tensor where it lies: a checkpoint's are on the CPU),
     # checked against d2t: t2d is rebuilt from it below
     state = {k: v.to(device) for k, v in state.items() if k != "t2d"}
-    if target_embedding is not None:
-        target_embedding = target_embedding.to(device)  # (not a submodule: head.to() would leave it behind)
+    if target_embedding is not None:  # (not a submodule: head.to() would leave it behind; the caller's stays where it is)
+        target_embedding = nn.Embedding.from_pretrained(target_embedding.weight.detach().to(device), freeze=True)
     with torch.device("meta"):
         head = Eagle3Head(config, target_embedding, own_embedding="embed_tokens.weight" in state)
     head.to_empty(device=device)
