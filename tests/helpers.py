@@ -55,6 +55,13 @@ def needs_cpu_kernels(what: str) -> pytest.MarkDecorator:
                               reason=f"{what} runs on CPUs with AVX-512 or AVX2")
 
 
+def child_env() -> dict[str, str]:
+    """The environment for a service started as a process: this repository first on PYTHONPATH, the caller's path
+    after it (a machine with packages installed with `pip install --target DIR`, as a GPU check sets them up)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+
+
 def device_model(path: str, dtype: str | None = None) -> ModelConfig:
     """A ModelConfig on the test device (SPECDEC_TEST_DEVICE) in the test dtype unless one is named."""
     return ModelConfig(path, device=TEST_DEVICE, dtype=dtype or TEST_DTYPE)

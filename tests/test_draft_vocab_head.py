@@ -11,10 +11,8 @@ that token included. End to end through real servers: greedy output is the targe
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +31,7 @@ from specdec.engine.step import resolve_mode
 from specdec.engine.verify import VerifyWork, _verify_sampled
 from specdec.math.params import SamplingParams
 from specdec.models import ModelConfig, load_model
-from tests.helpers import Cluster, device_model, needs_cpu_kernels, reference_greedy
+from tests.helpers import Cluster, child_env, device_model, needs_cpu_kernels, reference_greedy
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]
 
@@ -92,12 +90,11 @@ def check_restricted(full, restricted, ids: torch.Tensor, step: StepConfig) -> N
 def test_the_draft_tier_refuses_a_bad_vocabulary_at_start(tiny_target, tmp_path):
     """A draft service whose --draft-vocab names no usable vocabulary exits 2 with the reason, no traceback."""
     (tmp_path / "map.pt").write_bytes(b"not a tensor")
-    root = Path(__file__).resolve().parent.parent
     for spec, says in ((str(tmp_path / "missing.txt"), "neither a number of tokens nor a file"),
                        (str(tmp_path / "map.pt"), "not a tensor of token ids torch can read")):
         run = subprocess.run([sys.executable, "-m", "draft_service", "--model", tiny_target, "--draft-vocab", spec,
                               "--address", "127.0.0.1:0"], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "PYTHONPATH": str(root)})
+                             env=child_env())
         assert run.returncode == 2, run.stderr[-2000:]
         last = run.stderr.strip().splitlines()[-1]
         assert last.startswith(f"error: --draft-vocab {spec}: {says}"), last

@@ -18,7 +18,7 @@ from specdec.engine.eagle3 import greedy_chain, load_head
 from specdec.engine.eagle3_features import target_features, to_bytes
 from specdec.engine.head_engine import HeadEngine
 from specdec.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from tests.helpers import TEST_DEVICE, device_model
+from tests.helpers import TEST_DEVICE, child_env, device_model
 
 pytestmark = pytest.mark.servers  # a draft service in this process on a real port (make test-fast leaves it out)
 
@@ -191,10 +191,8 @@ def test_a_bad_head_is_refused_at_start_naming_the_field(tiny_target, tiny_targe
     """The draft service started as a user starts it, on a head that does not fit its target: exit 2, one line naming
     the field."""
     import json
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
     from safetensors.torch import load_file, save_file
 
@@ -206,10 +204,9 @@ def test_a_bad_head_is_refused_at_start_naming_the_field(tiny_target, tiny_targe
     edit(config, state)
     (path / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
-    root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-m", "draft_service", "--model", str(path), "--head-target", tiny_target,
                           "--address", "127.0.0.1:0"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(root)})
+                         env=child_env())
     assert run.returncode == 2, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("error: EAGLE-3 head checkpoint refused: ") and names in last, last
