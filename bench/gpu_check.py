@@ -76,20 +76,22 @@ def plan(device: str, dtype: str, out: str, smoke: bool = False) -> list[Part]:
     # concurrency 30 s before its untimed warm bursts; 2026-11-27 on an H200: cuda-tests 100 s, step-cost stopped at
     # 75 s in two modes of both models, so it now measures the served mode of the target alone: its cuda-graphs step
     # and its in-process K = 0 loop, 71 s; 2026-11-28: cuda-tests 78 s before the run-on chain's and the head
-    # engine's tests joined them, workloads given 10 s of its margin for them), so that the budgets sum to
-    # TOTAL_BUDGET_S.
+    # engine's tests joined them, workloads given 10 s of its margin for them; 2026-11-29: the tests stopped at 120 s,
+    # the head engine's then building the CPU kernels (its head had loaded on the CPU: fixed), and the
+    # draft-vocabulary tests joined them (17 s), so 20 s more from exactness's and the workloads' margins), so that
+    # the budgets sum to TOTAL_BUDGET_S.
     return [
         # a test still running after 45 s has every thread's stack printed (a hang shows where it waits)
-        Part("cuda-tests", "pytest", ("-q", "-o", "faulthandler_timeout=45", *CUDA_TESTS), 120,
+        Part("cuda-tests", "pytest", ("-q", "-o", "faulthandler_timeout=45", *CUDA_TESTS), 140,
              {"SPECDEC_TEST_DEVICE": device}),
         Part("exactness", "bench.exactness", ("--device", device, "--dtypes", f"float32,{dtype}", "--tokens", "64",
-                                              "--prompts", "2", "--ks", "1,3", *out_args), 105),
+                                              "--prompts", "2", "--ks", "1,3", *out_args), 90),
         Part("step-cost", "bench.step_cost", ("--device", device, "--dtype", dtype, "--quick", "--decode-tokens", "32",
                                               "--modes", "cuda-graphs", "--draft", "", *out_args), 75),
         Part("workloads", "bench.run", ("--device", device, "--dtype", dtype, "--workloads", "open,grounded,template",
                                         "--prompts", "2", "--template-prompts", "2", "--repeats", "1",
                                         "--max-new-tokens", "64", "--ks", "2,4", "--no-sampled", "--no-peer",
-                                        "--draft-trees", "0", "--speculate", "0", "--wait-idle", "0", *out_args), 135),
+                                        "--draft-trees", "0", "--speculate", "0", "--wait-idle", "0", *out_args), 125),
         Part("concurrency", "bench.concurrency", ("--device", device, "--dtype", dtype, "--levels", "1,32", "--repeats", "1",
                                                   "--max-new-tokens", "64", "--rows", "specdec,k0", *out_args), 45),
     ]
