@@ -314,13 +314,15 @@ def load_head(path: str | Path, target_config: LlamaConfig, target_embedding: nn
     with torch.device("meta"):
         head = Eagle3Head(config, target_embedding, own_embedding="embed_tokens.weight" in state)
     head.to_empty(device=device)
-    head.rotary = LlamaRotaryEmbedding(head.llama).to(device)
     head.load_state_dict(state, strict=False, assign=True)  # every weight is there: check_checkpoint saw to it
     d2t = state.get("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long, device=device))  # absent: a full vocabulary
     head.d2t = d2t.long()
     head.t2d = t2d_mask(head.d2t, head.vocab_size)
     if dtype is not None:
         head.to(dtype)  # floating tensors only: d2t stays int64, t2d bool
+    # the rotary table after the cast: float32 as the target's (in bfloat16 a position's angle drifts by radians
+    # within a few thousand tokens)
+    head.rotary = LlamaRotaryEmbedding(head.llama).to(device)
     return head.eval()
 
 
@@ -377,7 +379,7 @@ def greedy_chain(head: Eagle3Head, ids: torch.Tensor, features: torch.Tensor, k:
     latest), features [T - 1, 3 Ht] the target's features at positions start .. start + T - 2. Pairs token
     x_{i+1} with feature i, as the head was trained; the cache (fresh if None) is left holding the chain."""
     cache = cache if cache is not None else HeadCache()
-    positions = torch.arange(start, start + features.shape[0])
+    positions = torch.arange(start, start + features.shape[0], device=features.device)
     out = head.step(ids[1:], head.fuse(features), positions, cache)[-1:]
     tokens = []
     for j in range(k):
