@@ -6,6 +6,7 @@ import torch
 
 from specdec.engine.config import StepConfig
 from specdec.engine.cuda_graphs import CudaGraphStep
+from specdec.engine.draft_vocab_head import restrict_head
 from specdec.engine.kv_cache import KVGeometry, SlotKVCache
 from specdec.engine.runner import ModelRunner
 from specdec.engine.step import decoder_for, graph_decoder
@@ -33,9 +34,11 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
         assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max()), (what, float((got - want).abs().max()))
 
 
-def make_runner(model_dir: str, mode: str, slots: int = 8, slot_tokens: int = 256) -> ModelRunner:
-    """A runner in `mode` over a NaN-filled pool ("static": the CUDA-graph step without capture)."""
-    model = load_model(device_model(model_dir))
+def make_runner(model_dir: str, mode: str, slots: int = 8, slot_tokens: int = 256,
+                draft_vocab: torch.Tensor | None = None) -> ModelRunner:
+    """A runner in `mode` over a NaN-filled pool ("static": the CUDA-graph step without capture); draft_vocab: the
+    model's LM head restricted to these ids (specdec.engine.draft_vocab_head.restrict_head)."""
+    model = restrict_head(load_model(device_model(model_dir)), draft_vocab)
     graphs = mode in ("static", "static-fused", "cuda-graphs")
     cache = SlotKVCache(KVGeometry.of(model), slots, slot_tokens, scratch=graphs)
     for t in cache.keys + cache.values:

@@ -85,6 +85,21 @@ def _prefill(runner, slot: int, ids: list[int]) -> int:
                          ids=["greedy", "mixed", "nucleus"])
 def test_the_chain_draws_what_the_steps_draw_and_caches_the_sequence(two_runners, tiny_target, params):
     chained, stepped = two_runners
+    prompts, firsts, tokens = chain_against_steps(chained, stepped, params)
+    # The chain's cache holds prompt + first + the first steps - 1 draws: the next forward equals the
+    # full forward of that sequence.
+    reference = load_model(device_model(tiny_target))
+    for s, p in enumerate(prompts):
+        sequence = p + [firsts[s]] + tokens[s][:-1]
+        (got,) = chained.forward([Feed(s, len(sequence), [tokens[s][-1]], 1)])
+        with torch.inference_mode():
+            want = reference(input_ids=torch.tensor([sequence + [tokens[s][-1]]], device=reference.device)).logits[0, -1:]
+        assert_close(got, want, f"session {s}")
+
+
+def chain_against_steps(chained, stepped, params):
+    """Three sessions drafted 6 tokens by the chain on one runner and step by step on the other (fresh slots 0-2,
+    the same sampler): the same tokens and q rows, asserted. Returns (prompts, first tokens, drawn tokens)."""
     prompts = [prompt(40 + i, 5 + 3 * i) for i in range(3)]
     steps, seeds, top_n = 6, [11, 22, 33], [8, 16, 4]
     firsts = [_prefill(r, s, p) for r in (chained, stepped) for s, p in enumerate(prompts)][:3]
@@ -108,15 +123,7 @@ def test_the_chain_draws_what_the_steps_draw_and_caches_the_sequence(two_runners
     for j, i in enumerate(sampler.sampled):
         assert all(torch.equal(a, b) for a, b in zip(out.q_ids[j], q_ids[i]))
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out.q_probs[j], q_probs[i]))
-    # The chain's cache holds prompt + first + the first steps - 1 draws: the next forward equals the
-    # full forward of that sequence.
-    reference = load_model(device_model(tiny_target))
-    for s, p in enumerate(prompts):
-        sequence = p + [firsts[s]] + tokens[s][:-1]
-        (got,) = chained.forward([Feed(s, len(sequence), [tokens[s][-1]], 1)])
-        with torch.inference_mode():
-            want = reference(input_ids=torch.tensor([sequence + [tokens[s][-1]]], device=reference.device)).logits[0, -1:]
-        assert_close(got, want, f"session {s}")
+    return prompts, firsts, tokens
 
 
 @pytest.fixture(scope="module")

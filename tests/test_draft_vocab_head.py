@@ -32,6 +32,8 @@ from specdec.engine.verify import VerifyWork, _verify_sampled
 from specdec.math.params import SamplingParams
 from specdec.models import ModelConfig, load_model
 from tests.helpers import Cluster, child_env, device_model, needs_cpu_kernels, reference_greedy
+from tests.step_modes import MODES, make_runner
+from tests.test_draft_chain import GREEDY, NUCLEUS, WARM, chain_against_steps
 
 PROMPT = [1, 504, 3937, 282, 4193, 314, 30, 2600, 28, 540, 29, 15, 216]
 
@@ -114,6 +116,19 @@ def test_the_head_scores_its_ids_as_the_full_head_does(tiny_target, quantize, sc
     ids = restricted.get_output_embeddings().ids.cpu()
     assert ids.numel() < full.config.vocab_size and 2 in ids.tolist()  # the end token is always in it
     check_restricted(full, restricted, ids, config.step)  # the tier's step (packed on a CPU)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "compile"])
+@pytest.mark.parametrize("params", [[GREEDY, WARM, NUCLEUS]], ids=["mixed"])
+def test_the_chain_draws_over_the_draft_vocabulary_as_its_steps_do(tiny_target, mode, params):
+    """The draft chain with a restricted head, in every step mode the tiers run ("static": the CUDA-graph chain run
+    uncaptured on a CPU; captured on CUDA): the same tokens and q rows as one step at a time, and every draw inside
+    the vocabulary."""
+    ids = vocabulary_ids("300", 49152, [2])
+    chained, stepped = (make_runner(tiny_target, mode, draft_vocab=ids) for _ in range(2))
+    assert isinstance(chained.head, DraftVocabHead)
+    _, _, tokens = chain_against_steps(chained, stepped, params)
+    assert set(sum(tokens, [])) <= set(ids.tolist())
 
 
 def test_a_bfloat16_draft_packs_the_kept_rows_for_the_matrix_library(tiny_target):
