@@ -14,7 +14,8 @@ status and time) after them. A part over its budget is stopped and reported, and
 --cpu-smoke runs the same plan on the CPU with tiny settings, to check the plan itself anywhere;
 --dry-run prints the plan. `--only head-cost-8b` runs a part outside the plan: a feature draft's costs at an 8B
 target's shapes (random weights); `--only overhead` another: the tiny pair's round tax on the GPU (`--only overhead-inline`: with inline steps); `--only
-overhead-8b` an 8B-shaped target's round against its forwards (random weights, its own draft). Run it wherever a GPU is available (its first runs, on an H200 on 2026-11-27, are in
+overhead-8b` an 8B-shaped target's round against its forwards (random weights, its own draft; `--only
+overhead-8b-inline`: with inline steps, whose event-loop step lasts an 8B forward). Run it wherever a GPU is available (its first runs, on an H200 on 2026-11-27, are in
 docs/bench-logs/2026-11.md).
 """
 
@@ -104,7 +105,7 @@ def extras(device: str, dtype: str, out: str) -> list[Part]:
     tiny pair with both tiers on the GPU, direct rounds against the coordinator's own in one run (74 s on an
     H200), and the same with both tiers stepping a lone session on their event loops (`--inline-steps on`, which
     `auto` leaves off on CUDA until measured); and an 8B-shaped target's round (random weights, its own draft)
-    against its forwards."""
+    against its forwards, also with inline steps."""
     return [Part("head-cost-8b", "bench.head_cost", ("--random-weights", "--target", str(REPO / "bench/shapes/llama-3-8b"),
                                                      "--device", device, "--dtype", dtype, "--repeats", "10",
                                                      "--curve-s", "5", "--out", out), 150),
@@ -118,7 +119,12 @@ def extras(device: str, dtype: str, out: str) -> list[Part]:
             Part("overhead-8b", "bench.overhead", ("--shapes", str(REPO / "bench/shapes/llama-3-8b"), "--ks", "0,2",
                                                    "--generations", "4", "--max-new-tokens", "128",
                                                    f"--target-args=--device {device} --dtype {dtype}",
-                                                   f"--draft-args=--device {device} --dtype {dtype}", "--out", out), 300)]
+                                                   f"--draft-args=--device {device} --dtype {dtype}", "--out", out), 300),
+            Part("overhead-8b-inline", "bench.overhead", ("--shapes", str(REPO / "bench/shapes/llama-3-8b"), "--ks", "0,2",
+                                                          "--generations", "4", "--max-new-tokens", "128",
+                                                          f"--target-args=--device {device} --dtype {dtype} --inline-steps on",
+                                                          f"--draft-args=--device {device} --dtype {dtype} --inline-steps on",
+                                                          "--out", out), 300)]
 
 
 # What the parts import beyond torch (module, the distribution pip installs it from): a machine's image may lack
@@ -186,7 +192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(bench_log()), help="markdown file every part appends to (the month's run log)")
     p.add_argument("--cpu-smoke", action="store_true", help="the same plan on the CPU with tiny settings (checks the plan)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    p.add_argument("--only", default="", help="comma list of parts to run (default: the plan's; head-cost-8b, overhead, overhead-inline, overhead-8b only so)")
+    p.add_argument("--only", default="", help="comma list of parts to run (default: the plan's; head-cost-8b, overhead, overhead-inline, overhead-8b, overhead-8b-inline only so)")
     return p.parse_args(argv)
 
 

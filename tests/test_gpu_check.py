@@ -31,7 +31,7 @@ def test_every_part_is_a_valid_bench_command(tmp_path, smoke):
 
 def test_the_parts_outside_the_plan_are_valid_and_run_only_when_named(capsys, tmp_path):
     out = str(tmp_path / "BENCHMARKS.md")
-    head, overhead, inline, shaped = gpu_check.extras("cuda", "bfloat16", out)
+    head, overhead, inline, shaped, shaped_inline = gpu_check.extras("cuda", "bfloat16", out)
     args = importlib.import_module(head.module).parse_args(list(head.args))
     assert args.out == out and args.device == "cuda" and args.random_weights
     assert (gpu_check.REPO / "bench/shapes/llama-3-8b/config.json").is_file()
@@ -41,6 +41,8 @@ def test_the_parts_outside_the_plan_are_valid_and_run_only_when_named(capsys, tm
     assert args.target_args == args.draft_args == "--device cuda --inline-steps on"
     args = importlib.import_module(shaped.module).parse_args(list(shaped.args))
     assert args.shapes.endswith("llama-3-8b") and args.target_args == "--device cuda --dtype bfloat16"
+    args = importlib.import_module(shaped_inline.module).parse_args(list(shaped_inline.args))
+    assert args.shapes.endswith("llama-3-8b") and args.draft_args == "--device cuda --dtype bfloat16 --inline-steps on"
     assert gpu_check.main(["--dry-run", "--out", out]) == 0
     printed = capsys.readouterr().out
     assert "head-cost-8b" not in printed and "overhead" not in printed
