@@ -31,7 +31,8 @@ def test_every_part_is_a_valid_bench_command(tmp_path, smoke):
 
 def test_the_parts_outside_the_plan_are_valid_and_run_only_when_named(capsys, tmp_path):
     out = str(tmp_path / "BENCHMARKS.md")
-    head, overhead, inline, shaped, shaped_inline = gpu_check.extras("cuda", "bfloat16", out)
+    tests, head, overhead, inline, shaped, shaped_inline = gpu_check.extras("cuda", "bfloat16", out)
+    assert tests.env == {"SPECDEC_TEST_DEVICE": "cuda"} and all((gpu_check.REPO / f).is_file() for f in gpu_check.CUDA_TESTS_EXTRA)
     args = importlib.import_module(head.module).parse_args(list(head.args))
     assert args.out == out and args.device == "cuda" and args.random_weights
     assert (gpu_check.REPO / "bench/shapes/llama-3-8b/config.json").is_file()
