@@ -167,6 +167,8 @@ def test_a_bfloat16_head_keeps_its_rotary_table_in_float32(target, tmp_path):
     half = load_head(tmp_path, target.config, target.get_input_embeddings(), dtype=torch.bfloat16)
     assert half.fc.weight.dtype == torch.bfloat16 and half.rotary.inv_freq.dtype == torch.float32
     assert torch.equal(half.rotary.inv_freq, full.rotary.inv_freq)
+    ids = torch.arange(0, target.config.vocab_size, 97)  # the shared table kept in bfloat16: the same rows as cast
+    assert half._shared[0].weight.dtype == torch.bfloat16 and torch.equal(half.embed(ids), full.embed(ids).bfloat16())
 
 
 def test_default_layers_are_low_middle_high():

@@ -310,7 +310,10 @@ def load_head(path: str | Path, target_config: LlamaConfig, target_embedding: nn
     # checked against d2t: t2d is rebuilt from it below
     state = {k: v.to(device) for k, v in state.items() if k != "t2d"}
     if target_embedding is not None:  # (not a submodule: head.to() would leave it behind; the caller's stays where it is)
-        target_embedding = nn.Embedding.from_pretrained(target_embedding.weight.detach().to(device), freeze=True)
+        # in the head's dtype: its rows are cast to it after the lookup anyway (the same bits; an 8B target's
+        # table is 2.1 GB in float32)
+        weight = target_embedding.weight.detach().to(device, dtype or target_embedding.weight.dtype)
+        target_embedding = nn.Embedding.from_pretrained(weight, freeze=True)
     with torch.device("meta"):
         head = Eagle3Head(config, target_embedding, own_embedding="embed_tokens.weight" in state)
     head.to_empty(device=device)
