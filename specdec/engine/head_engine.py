@@ -418,16 +418,23 @@ class HeadEngine(EngineThread):
             caches = [HeadCache() for _ in range(b)]
             outs = [head.step(ids, head.fuse(features.to(self.device)), torch.arange(context, device=self.device), c)[-1:]
                     for c in caches]
-            best = float("inf")
+            best, first = float("inf"), int(ids[0])
             for _ in range(3):
+                _sync(self.device)  # (on a GPU: each timing from idle to its own end, as a step's answer waits)
                 t0 = time.perf_counter()
-                self._rows(self._steps([int(ids[0])] * b, outs, [context] * b, caches))  # as a step runs
+                self._rows(self._steps([first] * b, outs, [context] * b, caches))  # as a step runs
+                _sync(self.device)
                 for c in caches:
                     c.truncate(context)
                 best = min(best, time.perf_counter() - t0)
             curve.append((b, b, best * 1e3))
             b *= 2
         return curve
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _joined(cache: HeadCache, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
