@@ -95,22 +95,19 @@ async def _client(port: int, n: int, runs: int, long_idle_s: float = 0.0) -> dic
             await call.write(PAYLOAD)
             await call.read()
 
-        out = {}
-        idle = []
-        for _ in range(max(n // 5, 1)):  # each round trip after the processes idled IDLE_S, timed on its own
-            await asyncio.sleep(IDLE_S)
-            t0 = time.perf_counter()
-            await one_stream()
-            idle.append((time.perf_counter() - t0) * 1e6)
-        out["stream_idle_us"] = statistics.median(idle)
-        if long_idle_s > 0:
+        async def after_idle(idle_s: float, tries: int) -> float:
+            """The median of `tries` stream round trips, each after the processes idled idle_s, timed on its own."""
             idle = []
-            for _ in range(LONG_IDLE_TRIES):
-                await asyncio.sleep(long_idle_s)
+            for _ in range(tries):
+                await asyncio.sleep(idle_s)
                 t0 = time.perf_counter()
                 await one_stream()
                 idle.append((time.perf_counter() - t0) * 1e6)
-            out["stream_long_idle_us"] = statistics.median(idle)
+            return statistics.median(idle)
+
+        out = {"stream_idle_us": await after_idle(IDLE_S, max(n // 5, 1))}
+        if long_idle_s > 0:
+            out["stream_long_idle_us"] = await after_idle(long_idle_s, LONG_IDLE_TRIES)
             out["work_hot_us"], out["work_long_idle_us"] = wake_stall(long_idle_s)
         for name, once in (("unary_us", one_unary), ("stream_us", one_stream)):
             for _ in range(n // 10):  # warm: connection, stream, both interpreters' caches
